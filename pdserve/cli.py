@@ -1,0 +1,106 @@
+"""The `pdserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from free memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched per step (default: 64)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step; longer prompts are chunked (default: 2048)"
+    )
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "torch"])
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Disaggregated prefill/decode LLM serving.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for prompts with the offline engine",
+        description="Generate a completion for each PROMPT. With --chat (the default for models with a chat "
+        "template) each prompt is sent as one user message.",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    _add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    chat = gen.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
+    chat.add_argument("--raw", dest="chat", action="store_false", help="send prompts as plain text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+    )
+    use_chat = args.chat
+    if use_chat is None:
+        use_chat = llm.tokenizer is not None and bool(getattr(llm.tokenizer, "chat_template", None))
+    prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if use_chat else p for p in args.prompts]
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(args.prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}))
+        else:
+            print(out.text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args)
+    except ValueError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

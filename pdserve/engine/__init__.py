@@ -1,0 +1,1 @@
+"""The engine every worker runs: model, paged KV pool, scheduler, sampler."""

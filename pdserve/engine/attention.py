@@ -1,0 +1,131 @@
+"""Attention over the paged KV pool: per-step metadata and the backends that use it.
+
+Every backend sees the same inputs: the step's queries/keys/values flattened over all
+sequences ([tokens, heads, head_dim]), this layer's K and V cache views
+([num_blocks, block_size, kv_heads, head_dim], block stride set by the pool layout) and the
+metadata below. New keys/values are written into the cache first; attention then reads each
+sequence's whole context (cached prefix + this step's tokens) from the cache through its
+block table, so prefill, chunked prefill, prefix hits and decode are one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_block: torch.Tensor  # [T] int64: block id each new token's K/V goes to
+    slot_offset: torch.Tensor  # [T] int64: offset inside that block
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length (cached + new) per sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    query_lens: list[int]  # host copies, for backends that loop
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    k_cache[meta.slot_block, meta.slot_offset] = k
+    v_cache[meta.slot_block, meta.slot_offset] = v
+
+
+class TorchAttention:
+    """`scaled_dot_product_attention` on gathered blocks; runs on any device."""
+
+    name = "torch"
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.max_query_len == 1:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, k_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
+            n_blocks = -(-k_len // k_cache.shape[1])
+            table = meta.block_tables[i, :n_blocks]
+            k = k_cache[table].flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
+            v = v_cache[table].flatten(0, 1)[:k_len]
+            qi = q[start : start + q_len]
+            # Query j sits at absolute position k_len - q_len + j and sees keys up to there.
+            q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(k_len, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(
+                qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        # One query per sequence: gather every sequence's blocks padded to the longest context.
+        n_blocks = -(-meta.max_seq_len // k_cache.shape[1])
+        table = meta.block_tables[:, :n_blocks]
+        b = table.shape[0]
+        k = k_cache[table].flatten(1, 2)  # [B, L, Hkv, D]
+        v = v_cache[table].flatten(1, 2)
+        mask = torch.arange(k.shape[1], device=q.device)[None, :] < meta.seq_lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q.view(b, 1, *q.shape[1:]).transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.transpose(1, 2).reshape(q.shape)
+
+
+def flash_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from pdserve.engine.flash_attention import FlashAttention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto" picks flash-attn on CUDA when it imports, else torch SDPA."""
+    if name == "auto":
+        name = "flash" if device.type == "cuda" and flash_available() else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "flash":
+        if device.type != "cuda":
+            raise ValueError("attention_backend: 'flash' needs a CUDA device")
+        from pdserve.engine.flash_attention import FlashAttention
+
+        return FlashAttention()
+    raise ValueError(f"attention_backend: unknown backend {name!r}")

@@ -1,0 +1,168 @@
+"""Paged-KV block bookkeeping: reference counts, the prefix cache and LRU reuse.
+
+Every block is in exactly one state:
+  * in use   - ref_count > 0 (owned by one or more sequences, or pinned for a transfer),
+  * cached   - ref_count == 0 but holds a registered full-block hash, reusable by a prefix hit,
+  * free     - ref_count == 0 and no hash.
+Allocation takes free blocks first and only then evicts cached ones, least recently used first,
+so a freed prompt stays reusable for as long as memory allows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free or evictable."""
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    total: int
+    free: int
+    cached: int
+    in_use: int
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks: must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached_lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    # ----- queries -------------------------------------------------------------------------
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get right now (free + evictable cached)."""
+        return len(self._free) + len(self._cached_lru)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._block_hash[block_id]
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._hash_to_block.get(block_hash) if self.enable_prefix_caching else None
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids holding the longest cached prefix of ``hashes`` (no references taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        for h in hashes:
+            block = self._hash_to_block.get(h)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def num_evictable_among(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks are currently cached-free (taking them reduces availability)."""
+        return sum(1 for b in block_ids if self._ref_counts[b] == 0)
+
+    # ----- mutations -----------------------------------------------------------------------
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on blocks already holding data (prefix hits, shared blocks)."""
+        for b in block_ids:
+            if self._ref_counts[b] == 0:
+                # A cached block with no owner; it leaves the LRU and can no longer be evicted.
+                if b in self._cached_lru:
+                    del self._cached_lru[b]
+                else:
+                    raise AssertionError(f"block {b} has no references and holds no cached data")
+            self._ref_counts[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks with one reference each; evicts cached blocks LRU-first if needed."""
+        if n > self.num_available:
+            raise NoFreeBlocksError(f"need {n} KV blocks, only {self.num_available} available")
+        out: list[int] = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._cached_lru.popitem(last=False)
+                self._forget_hash(b)
+            self._ref_counts[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block. Released in reverse so a sequence's tail is evicted
+        before its head: the head is the part other requests are most likely to share."""
+        for b in reversed(block_ids):
+            rc = self._ref_counts[b]
+            if rc <= 0:
+                raise AssertionError(f"double free of KV block {b}")
+            self._ref_counts[b] = rc - 1
+            if rc == 1:
+                if self._block_hash[b] is not None:
+                    self._cached_lru[b] = None
+                else:
+                    self._free.append(b)
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Record that a full, computed block holds the prefix identified by ``block_hash``."""
+        if not self.enable_prefix_caching or self._block_hash[block_id] is not None:
+            return
+        if block_hash in self._hash_to_block:
+            return  # another block already holds this prefix; this one stays private
+        self._hash_to_block[block_hash] = block_id
+        self._block_hash[block_id] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        for b in list(self._cached_lru):
+            self._forget_hash(b)
+            self._free.append(b)
+        self._cached_lru.clear()
+
+    def _forget_hash(self, block_id: int) -> None:
+        h = self._block_hash[block_id]
+        if h is not None:
+            self._block_hash[block_id] = None
+            if self._hash_to_block.get(h) == block_id:
+                del self._hash_to_block[h]
+
+    # ----- integrity -----------------------------------------------------------------------
+
+    def stats(self) -> BlockStats:
+        in_use = sum(1 for rc in self._ref_counts if rc > 0)
+        return BlockStats(self.num_blocks, len(self._free), len(self._cached_lru), in_use)
+
+    def check_integrity(self) -> BlockStats:
+        """free + cached + in use == total, and every block is in exactly one of those states."""
+        stats = self.stats()
+        if stats.free + stats.cached + stats.in_use != stats.total:
+            raise AssertionError(f"KV block accounting broken: {stats}")
+        free_set = set(self._free)
+        if len(free_set) != len(self._free):
+            raise AssertionError("a block is on the free list twice")
+        for b in range(self.num_blocks):
+            rc = self._ref_counts[b]
+            states = (rc > 0) + (b in free_set) + (b in self._cached_lru)
+            if states != 1:
+                raise AssertionError(f"block {b} is in {states} states (ref_count={rc})")
+            if b in self._cached_lru and self._block_hash[b] is None:
+                raise AssertionError(f"cached block {b} has no hash")
+            if b in free_set and self._block_hash[b] is not None:
+                raise AssertionError(f"free block {b} still has a hash")
+        for h, b in self._hash_to_block.items():
+            if self._block_hash[b] != h:
+                raise AssertionError(f"hash index points at block {b} which holds another hash")
+        return stats

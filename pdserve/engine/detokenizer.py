@@ -1,0 +1,68 @@
+"""Tokenizer loading, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The model's Hugging Face tokenizer, or None when the directory ships none."""
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that are always valid UTF-8.
+
+    Decoding token by token breaks multi-byte characters and merged-space rules, so each delta
+    is the decode of a short window of recent tokens minus the decode of its already-emitted
+    head; a window ending in an incomplete character (U+FFFD) waits for the next token.
+    Stop strings cut the text at their first occurrence; text that could still become a stop
+    string is held back from streaming until it is decided.
+    """
+
+    def __init__(self, tokenizer: Any | None, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._emitted = 0
+
+    def add(self, token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string matched, if any (the text is then cut)."""
+        if self.tokenizer is None:
+            return None
+        self.tokens.extend(token_ids)
+        prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self._decode(self.tokens[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        delta = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
+        search_from = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at != -1:
+                self.text = self.text[:at]
+                return s
+        return None
+
+    def stream_delta(self, finished: bool) -> str:
+        """Text not yet handed out that can no longer turn into a stop string."""
+        end = len(self.text) if finished else max(self._emitted, len(self.text) - self.holdback)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

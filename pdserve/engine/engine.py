@@ -1,0 +1,208 @@
+"""The step loop: admit requests, schedule, run the model, turn tokens into outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager, BlockStats
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.model import CausalLM
+from pdserve.engine.runner import ModelRunner, kv_block_bytes
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerLimits
+from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort"; None while running or when only prefilled
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    new_token_ids: list[int] = field(default_factory=list)  # generated in this step
+    new_text: str = ""  # text that became final in this step
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        model_dir = Path(cfg.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(model_dir)
+        device = torch.device(cfg.device)
+        model = CausalLM.empty(mc, self.max_model_len, device, cfg.dtype)
+        load_weights(model, model_dir)
+        model.eval()
+        num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(mc, device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.runner = ModelRunner(model, cfg, num_blocks, self.max_model_len)
+        self.runner.capture_cuda_graphs()
+        eos = set(mc.eos_token_ids)
+        gen_cfg_eos = _generation_config_eos(model_dir)
+        eos.update(gen_cfg_eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(eos))
+        limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.role)
+        self.scheduler = Scheduler(limits, self.blocks, self.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+
+    # ----- requests ------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass prompt token ids instead")
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        return list(self.tokenizer.encode(prompt))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field if the request can never be served."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids: token {t!r} at index {i} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens leave no room to generate in the model's context of {self.max_model_len} tokens"
+            )
+        if self.blocks.blocks_needed(n + 1) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt: {n} tokens need more KV blocks than the whole pool holds ({self.blocks.num_blocks})"
+            )
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: expected a SamplingParams")
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        self.validate(prompt_token_ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request_id: {rid!r} is already in use")
+        seq = Sequence(rid, list(prompt_token_ids), params, next(self._arrivals))
+        self._seqs[rid] = seq
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: free a finished request's pinned KV blocks (after its transfer)."""
+        return self.scheduler.release_pinned(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ----- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sampled = self.runner.execute(scheduled)
+        tokens = {rid: tok for rid, (tok, _) in sampled.items()}
+        produced = self.scheduler.update(scheduled, tokens)
+        outputs: list[RequestOutput] = []
+        for seq in produced:
+            rid = seq.request_id
+            token, logprob = sampled[rid]
+            if seq.params.logprobs and logprob is not None:
+                seq.logprobs.append(logprob)
+            detok = self._detok[rid]
+            matched = detok.add([token])
+            if matched is not None and seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "stop")
+            finished = seq.status in (SeqStatus.FINISHED, SeqStatus.PINNED)
+            outputs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    token_ids=seq.output_token_ids,
+                    text=detok.text,
+                    finished=finished,
+                    finish_reason=seq.finish_reason,
+                    num_cached_tokens=seq.num_cached_tokens,
+                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+                    new_token_ids=[token],
+                    new_text=detok.stream_delta(finished),
+                )
+            )
+            if seq.status is SeqStatus.FINISHED:
+                del self._seqs[rid]
+                del self._detok[rid]
+        return outputs
+
+    # ----- introspection -------------------------------------------------------------------
+
+    def block_stats(self) -> BlockStats:
+        return self.blocks.check_integrity()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # ----- sizing --------------------------------------------------------------------------
+
+    def _blocks_from_memory(self, mc: ModelConfig, device: torch.device) -> int:
+        per_block = kv_block_bytes(mc, self.cfg.block_size, self.cfg.dtype)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            dtype_bytes = torch.finfo(self.cfg.dtype).bits // 8
+            t = self.cfg.max_num_batched_tokens
+            activations = t * (6 * mc.hidden_size + 3 * mc.intermediate_size) * dtype_bytes * 2
+            logits = self.cfg.max_num_seqs * mc.vocab_size * 4 * 3
+            budget = total * self.cfg.memory_utilization - (total - free) - activations - logits - (512 << 20)
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(self.cfg.cpu_kv_cache_bytes, 0.3 * available)
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError("num_kv_blocks: no memory left for the KV cache; lower max_num_batched_tokens or set it")
+        # More blocks than every sequence at full length could use is wasted memory.
+        cap = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
+        return min(blocks, cap)
+
+
+def _generation_config_eos(model_dir: Path) -> list[int]:
+    import json
+
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError:
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]

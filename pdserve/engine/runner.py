@@ -1,0 +1,223 @@
+"""Runs scheduled batches on the device: owns the model, the KV pool and the CUDA graphs.
+
+KV pool layout: one tensor ``[num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim]``.
+Block-major, so all of a block's K and V for every layer are one contiguous span: a run of
+consecutive block ids is one contiguous region, and moving a prompt's KV between workers takes
+a few large descriptors instead of one per layer. The attention kernels read per-layer
+views of it with a block stride. The extra last block is scratch space for padded rows of
+CUDA-graph batches; the block manager never hands it out.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, make_backend
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model import CausalLM, ForwardContext
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled: list[ScheduledSeq]
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.block_size = cfg.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
+        mc = model.cfg
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+        self.kv_pool = torch.zeros(
+            (num_blocks + 1, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=cfg.dtype,
+            device=self.device,
+        )
+        self.backend = make_backend(cfg.attention_backend, self.device)
+        self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_io: dict[str, torch.Tensor] = {}
+        self._graph_pool = None
+        log.info(
+            "KV pool: %d blocks x %d tokens (%.1f MiB), attention backend %s",
+            num_blocks,
+            cfg.block_size,
+            self.kv_pool.numel() * self.kv_pool.element_size() / 2**20,
+            self.backend.name,
+        )
+
+    # ----- inputs --------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_block: list[int] = []
+        slot_offset: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_idx: list[int] = []
+        sampled: list[ScheduledSeq] = []
+        max_blocks = 1
+        for item in scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slot_block.extend(seq.block_ids[p // bs] for p in pos)
+            slot_offset.extend(p % bs for p in pos)
+            cu.append(cu[-1] + n)
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            max_blocks = max(max_blocks, len(seq.block_ids))
+            if item.sample:
+                logits_idx.append(cu[-1] - 1)
+                sampled.append(item)
+        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, item in enumerate(scheduled):
+            ids = item.seq.block_ids
+            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_block=torch.tensor(slot_block, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_offset=torch.tensor(slot_offset, dtype=torch.int64).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True),
+            sampled=sampled,
+        )
+
+    # ----- execution -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> dict[str, tuple[int, float | None]]:
+        """Run one step; returns request id -> (sampled token, its logprob or None)."""
+        inputs = self.prepare(scheduled)
+        hidden = self._forward(inputs)
+        if not inputs.sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        params = [s.seq.params for s in inputs.sampled]
+        gens = [self._generator_for(s) for s in inputs.sampled]
+        tokens, logprobs = sample(logits, params, gens, self.default_generator)
+        return {
+            s.seq.request_id: (tokens[i], None if logprobs is None else logprobs[i])
+            for i, s in enumerate(inputs.sampled)
+        }
+
+    def _generator_for(self, item: ScheduledSeq) -> torch.Generator | None:
+        seq = item.seq
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return seq.generator
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.meta.num_seqs
+        if self._graphs and inputs.meta.max_query_len == 1 and n <= max(self._graphs):
+            return self._replay(inputs)
+        ctx = ForwardContext(inputs.meta, self.kv_pool, self.backend)
+        return self.model(inputs.input_ids, inputs.positions, ctx)
+
+    # ----- CUDA graphs for decode steps ----------------------------------------------------
+
+    def capture_cuda_graphs(self) -> None:
+        """Record the decode forward for a ladder of batch sizes; a step pads up to the next one.
+        Decode steps are short and launch-bound, so replaying a graph removes most CPU cost."""
+        if self.device.type != "cuda" or not self.cfg.use_cuda_graphs or self.backend.name != "flash":
+            return
+        max_b = min(self.cfg.cuda_graph_max_batch, self.cfg.max_num_seqs)
+        sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_b + 1, 16)) if b <= max_b} | {max_b})
+        dev = self.device
+        io = {
+            "input_ids": torch.zeros(max_b, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_b, dtype=torch.int64, device=dev),
+            "slot_block": torch.full((max_b,), self.scratch_block, dtype=torch.int64, device=dev),
+            "slot_offset": torch.zeros(max_b, dtype=torch.int64, device=dev),
+            "cu_seqlens_q": torch.arange(max_b + 1, dtype=torch.int32, device=dev),
+            "seq_lens": torch.ones(max_b, dtype=torch.int32, device=dev),
+            "block_tables": torch.full(
+                (max_b, self.max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=dev
+            ),
+        }
+        self._graph_io = io
+        hidden_out = torch.zeros(max_b, self.model.cfg.hidden_size, dtype=self.cfg.dtype, device=dev)
+        io["hidden"] = hidden_out
+        for b in reversed(sizes):
+            meta = self._graph_meta(b)
+            ctx = ForwardContext(meta, self.kv_pool, self.backend)
+            # Warm up outside the graph (kernel compilation, allocator) before recording.
+            for _ in range(2):
+                hidden_out[:b] = self.model(io["input_ids"][:b], io["positions"][:b], ctx)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                hidden_out[:b] = self.model(io["input_ids"][:b], io["positions"][:b], ctx)
+            if self._graph_pool is None:
+                self._graph_pool = graph.pool()
+            self._graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def _graph_meta(self, b: int) -> AttentionMetadata:
+        io = self._graph_io
+        return AttentionMetadata(
+            slot_block=io["slot_block"][:b],
+            slot_offset=io["slot_offset"][:b],
+            cu_seqlens_q=io["cu_seqlens_q"][: b + 1],
+            seq_lens=io["seq_lens"][:b],
+            block_tables=io["block_tables"][:b],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens=[1] * b,
+            seq_lens_host=[self.max_model_len] * b,
+        )
+
+    def _replay(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.meta.num_seqs
+        b = min(s for s in self._graphs if s >= n)
+        io, meta = self._graph_io, inputs.meta
+        io["input_ids"][:n] = inputs.input_ids
+        io["positions"][:n] = inputs.positions
+        io["slot_block"][:n] = meta.slot_block
+        io["slot_block"][n:b] = self.scratch_block
+        io["slot_offset"][:n] = meta.slot_offset
+        io["seq_lens"][:n] = meta.seq_lens
+        io["seq_lens"][n:b] = 1
+        width = meta.block_tables.shape[1]
+        io["block_tables"][:n, :width] = meta.block_tables
+        io["block_tables"][n:b] = self.scratch_block
+        self._graphs[b].replay()
+        return io["hidden"][:n]

@@ -1,0 +1,217 @@
+"""Continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+Each step the scheduler gives every running sequence its next tokens first (one for a decode,
+the next chunk for a prompt still being prefilled), preempting the newest running sequences when
+KV blocks run out, and then admits waiting sequences while the token budget, the sequence limit
+and the free blocks allow. A prompt longer than the remaining budget is prefilled in chunks over
+several steps.
+
+Roles: ``both`` runs prompts to completion; ``prefill`` stops every sequence after its first token
+and keeps its KV blocks pinned until ``release``; ``decode`` is ``both`` for now; KV import
+(sequences that arrive with their prompt already computed) builds on ``add_computed``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import Role
+from pdserve.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # the chunk reaches the last known token, so its logits give the next token
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    role: Role = "both"
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, eos_token_ids: tuple[int, ...]) -> None:
+        self.limits = limits
+        self.blocks = blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pinned: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ----- admission -----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                return seq
+        return self.pinned.get(request_id)
+
+    # ----- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.limits.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        preempted_any = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._grow(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_any = True
+                if victim is seq:
+                    break
+            else:
+                out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+                budget -= n
+                i += 1
+                continue
+            # `seq` itself was preempted (it was the newest); everything after it is gone too.
+            break
+
+        # Admitting new work right after a preemption would only thrash.
+        while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                break
+            self.waiting.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n
+        return out
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        extra = self.blocks.blocks_needed(num_tokens) - len(seq.block_ids)
+        if extra <= 0:
+            return True
+        if extra > self.blocks.num_available:
+            return False
+        seq.block_ids.extend(self.blocks.allocate(extra))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Take prefix-cache hits and allocate blocks for the first chunk; False if it can't fit."""
+        bs = self.blocks.block_size
+        hits: list[int] = []
+        if seq.num_computed_tokens == 0:
+            # At least one token must be computed to produce logits, so never match the last one.
+            hashes = seq.full_block_hashes(bs)[: (seq.num_tokens - 1) // bs]
+            hits = self.blocks.match_prefix(hashes)
+        computed = max(seq.num_computed_tokens, len(hits) * bs)
+        n = min(seq.num_tokens - computed, budget)
+        need = self.blocks.blocks_needed(computed + n) - len(seq.block_ids) - len(hits)
+        if need > self.blocks.num_available - self.blocks.num_evictable_among(hits):
+            return False
+        if hits:
+            self.blocks.acquire(hits)
+            seq.block_ids = hits + seq.block_ids
+            seq.num_computed_tokens = computed
+            seq._num_registered = len(hits)
+        if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
+            seq.num_cached_tokens = len(hits) * bs
+        if need > 0:
+            seq.block_ids.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        if self.blocks.blocks_needed(seq.num_tokens + 1) > self.blocks.num_blocks:
+            # It could never fit again, even alone: recomputing would loop forever.
+            self.finish(seq, "length")
+            return
+        self.running.remove(seq)
+        self.blocks.release(seq.block_ids)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ----- after the model ran -------------------------------------------------------------
+
+    def update(self, scheduled: list[ScheduledSeq], sampled: dict[str, int]) -> list[Sequence]:
+        """Advance computed counts, register full blocks in the prefix cache, append sampled
+        tokens and finish sequences that hit a stop condition. Returns the sequences that
+        produced a token this step."""
+        produced: list[Sequence] = []
+        bs = self.blocks.block_size
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self._register_full_blocks(seq, bs)
+            if not item.sample:
+                continue
+            token = sampled[seq.request_id]
+            seq.token_ids.append(token)
+            produced.append(seq)
+            reason = self._stop_reason(seq, token)
+            if self.limits.role == "prefill":
+                self._pin(seq, reason)
+            elif reason is not None:
+                self.finish(seq, reason)
+        return produced
+
+    def _register_full_blocks(self, seq: Sequence, bs: int) -> None:
+        n_full = seq.num_computed_tokens // bs
+        if n_full <= seq._num_registered:
+            return
+        hashes = seq.full_block_hashes(bs)
+        for i in range(seq._num_registered, n_full):
+            self.blocks.register(seq.block_ids[i], hashes[i])
+        seq._num_registered = n_full
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _pin(self, seq: Sequence, reason: str | None) -> None:
+        self.running.remove(seq)
+        seq.status = SeqStatus.PINNED
+        seq.finish_reason = reason
+        self.pinned[seq.request_id] = seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence wherever it is and free its blocks (stop, length, abort)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.PINNED:
+            del self.pinned[seq.request_id]
+        else:
+            return
+        self.blocks.release(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def release_pinned(self, request_id: str) -> bool:
+        seq = self.pinned.get(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, seq.finish_reason or "transferred")
+        return True
