@@ -193,6 +193,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     cuda_graph_max_batch: int = 128
     seed: int = 0
+    load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -205,5 +206,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: must be auto or dummy, not {self.load_format!r}")
         if self.attention_backend not in ("auto", "flash", "torch"):
             raise ValueError(f"attention_backend: must be auto, flash or torch, not {self.attention_backend!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pdserve.engine.runner import ModelRunner, kv_block_bytes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits
 from pdserve.engine.sequence import Sequence, SeqStatus
-from pdserve.engine.weights import load_weights
+from pdserve.engine.weights import init_dummy_weights, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         device = torch.device(cfg.device)
         model = CausalLM.empty(mc, self.max_model_len, device, cfg.dtype)
-        load_weights(model, model_dir)
+        if cfg.load_format == "dummy":
+            init_dummy_weights(model, cfg.seed)
+        else:
+            load_weights(model, model_dir)
         model.eval()
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(mc, device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -194,8 +198,6 @@ class LLMEngine:
 
 
 def _generation_config_eos(model_dir: Path) -> list[int]:
-    import json
-
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return []

@@ -91,6 +91,16 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         raise ValueError(f"weights: missing tensors in checkpoint: {', '.join(sorted(missing)[:8])}")
 
 
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights of realistic scale, for benchmarks of shapes whose checkpoints we lack."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+
+
 def _target(name: str) -> tuple[str, int | None]:
     prefix, _, kind = name.rpartition(".")  # kind: weight | bias
     for ckpt_suffix, (param_suffix, part) in _FUSED.items():
