@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _cmd_generate(args)
-    except ValueError as exc:
+    except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -137,11 +137,14 @@ class ModelRunner:
         }
 
     def _generator_for(self, item: ScheduledSeq) -> torch.Generator | None:
+        """A seeded request draws its i-th token from a generator seeded with (seed, i): the
+        draw depends on neither the batch, a preemption, nor which worker samples it."""
         seq = item.seq
         if seq.params.seed is None or seq.params.greedy:
             return None
         if seq.generator is None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            seq.generator = torch.Generator(device=self.device)
+        seq.generator.manual_seed(_mix_seed(seq.params.seed, seq.num_output_tokens))
         return seq.generator
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -221,3 +224,7 @@ class ModelRunner:
         io["block_tables"][n:b] = self.scratch_block
         self._graphs[b].replay()
         return io["hidden"][:n]
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 63)

@@ -7,8 +7,10 @@ and the free blocks allow. A prompt longer than the remaining budget is prefille
 several steps.
 
 Roles: ``both`` runs prompts to completion; ``prefill`` stops every sequence after its first token
-and keeps its KV blocks pinned until ``release``; ``decode`` is ``both`` for now; KV import
-(sequences that arrive with their prompt already computed) builds on ``add_computed``.
+and keeps its KV blocks pinned until ``release_pinned``; ``decode`` also takes sequences whose
+prompt KV arrives from elsewhere (``begin_import`` allocates the blocks, matching its own prefix
+cache first, ``commit_import`` puts the sequence into the running batch). Every role recomputes
+after a preemption.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, NoFreeBlocksError
 from pdserve.engine.config import Role
 from pdserve.engine.sequence import Sequence, SeqStatus
 
@@ -44,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.pinned: dict[str, Sequence] = {}
+        self.importing: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     # ----- admission -----------------------------------------------------------------------
@@ -61,7 +64,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.request_id == request_id:
                 return seq
-        return self.pinned.get(request_id)
+        return self.pinned.get(request_id) or self.importing.get(request_id)
 
     # ----- one step ------------------------------------------------------------------------
 
@@ -145,6 +148,38 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    # ----- KV import (decode role) ----------------------------------------------------------
+
+    def begin_import(self, seq: Sequence) -> list[int]:
+        """Allocate blocks for a sequence whose prompt KV is computed elsewhere. Full blocks found
+        in this worker's prefix cache are reused; returns the indices (into ``seq.block_ids``) of
+        the blocks whose data must be pulled."""
+        bs = self.blocks.block_size
+        n = seq.num_prompt_tokens
+        hits = self.blocks.match_prefix(seq.full_block_hashes(bs)[: n // bs])
+        need = self.blocks.blocks_needed(n) - len(hits)
+        if need > self.blocks.num_available - self.blocks.num_evictable_among(hits):
+            raise NoFreeBlocksError(f"need {need} KV blocks to import {seq.request_id}, {self.blocks.num_available} available")
+        self.blocks.acquire(hits)
+        seq.block_ids = hits + self.blocks.allocate(need)
+        seq._num_registered = len(hits)
+        seq.num_cached_tokens = len(hits) * bs
+        seq.status = SeqStatus.IMPORTING
+        self.importing[seq.request_id] = seq
+        return list(range(len(hits), len(seq.block_ids)))
+
+    def commit_import(self, seq: Sequence, first_token: int) -> None:
+        """The pulled KV is in place: the sequence joins the decode batch after its first token."""
+        del self.importing[seq.request_id]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self._register_full_blocks(seq, self.blocks.block_size)
+        seq.token_ids.append(first_token)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        reason = self._stop_reason(seq, first_token)
+        if reason is not None:
+            self.finish(seq, reason)
+
     # ----- after the model ran -------------------------------------------------------------
 
     def update(self, scheduled: list[ScheduledSeq], sampled: dict[str, int]) -> list[Sequence]:
@@ -202,6 +237,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.PINNED:
             del self.pinned[seq.request_id]
+        elif seq.status is SeqStatus.IMPORTING:
+            del self.importing[seq.request_id]
         else:
             return
         self.blocks.release(seq.block_ids)

@@ -14,6 +14,7 @@ from pdserve.engine.sampling_params import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    IMPORTING = "importing"  # decode role: blocks allocated, KV being pulled from a prefill worker
     PINNED = "pinned"  # prefill role: done, KV blocks held for a transfer until released
     FINISHED = "finished"
 

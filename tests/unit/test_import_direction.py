@@ -1,0 +1,72 @@
+"""Imports follow the request's direction: client -> router -> prefill -> kv_transfer -> decode.
+
+Each first-party module may import only the first-party packages listed for its part
+(docs/architecture.md has the table). Checked on the source with `ast`, so nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FIRST_PARTY = ("pdserve", "pdserve_proto", "prefill_worker", "decode_worker", "kv_transfer", "router")
+
+# part -> first-party prefixes it may import (its own prefix is always allowed)
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "pdserve.engine": (),
+    "pdserve_proto": (),
+    "kv_transfer": ("pdserve_proto", "pdserve.engine.hashing", "pdserve.engine.config"),
+    "prefill_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto"),
+    "decode_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto"),
+    "router": ("pdserve.engine", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto"),
+    "pdserve.cluster": ("pdserve.engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto"),
+    "pdserve.llm": ("pdserve.engine",),
+    "pdserve": ("pdserve",),  # the CLI and package root may use everything under pdserve
+}
+
+
+def part_of(module: str) -> str:
+    return max((p for p in ALLOWED if module == p or module.startswith(p + ".")), key=len)
+
+
+def first_party_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return [n for n in names if n.split(".")[0] in FIRST_PARTY]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def test_imports_follow_the_request_direction():
+    violations = []
+    files = [p for top in FIRST_PARTY for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts]
+    assert files, "no first-party sources found"
+    for path in files:
+        module = module_name(path)
+        part = part_of(module)
+        allowed = ALLOWED[part] + (part,)
+        if part == "pdserve":
+            allowed = FIRST_PARTY
+        for imported in first_party_imports(path):
+            if not any(imported == a or imported.startswith(a + ".") for a in allowed):
+                violations.append(f"{module} imports {imported} (part {part!r} may import {allowed})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_checker_catches_a_backwards_import(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("from router.server import serve\nimport pdserve.engine.model\n")
+    assert first_party_imports(bad) == ["router.server", "pdserve.engine.model"]
+    assert part_of("pdserve.engine.model") == "pdserve.engine"
+    assert not any("router".startswith(a) for a in ALLOWED["pdserve.engine"])
