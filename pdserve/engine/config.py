@@ -193,6 +193,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     cuda_graph_max_batch: int = 128
     seed: int = 0
+    detokenize: bool = True  # False where another process turns tokens into text (decode workers)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:

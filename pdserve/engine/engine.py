@@ -38,6 +38,23 @@ class RequestOutput:
     new_text: str = ""  # text that became final in this step
 
 
+@dataclass(frozen=True)
+class PinnedKv:
+    block_ids: list[int]
+    block_hashes: list[int]  # of the prompt's full blocks
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    first_token: int
+    num_cached_tokens: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    block_ids: list[int]  # the request's blocks in this engine, in prompt order
+    pull_indices: list[int]  # which of them must be filled from the producer
+    num_reused_tokens: int  # prompt tokens found in this engine's own prefix cache
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         model_dir = Path(cfg.model)
@@ -108,9 +125,54 @@ class LLMEngine:
             raise ValueError(f"request_id: {rid!r} is already in use")
         seq = Sequence(rid, list(prompt_token_ids), params, next(self._arrivals))
         self._seqs[rid] = seq
-        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer if self.cfg.detokenize else None, params.stop)
         self.scheduler.add(seq)
         return rid
+
+    # ----- KV hand-over between workers ------------------------------------------------------
+
+    def pinned_kv(self, request_id: str) -> PinnedKv:
+        """Prefill role: where a finished request's KV sits, for building a transfer handle."""
+        seq = self.scheduler.pinned.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} has no pinned KV")
+        return PinnedKv(
+            block_ids=list(seq.block_ids),
+            block_hashes=seq.full_block_hashes(self.cfg.block_size)[: seq.num_prompt_tokens // self.cfg.block_size],
+            num_tokens=seq.num_prompt_tokens,
+            first_token=seq.token_ids[seq.num_prompt_tokens],
+            num_cached_tokens=seq.num_cached_tokens,
+            finish_reason=seq.finish_reason,
+        )
+
+    def begin_import(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, block_hashes: list[int]
+    ) -> ImportPlan:
+        """Decode role: allocate blocks for a request whose prompt KV was computed elsewhere.
+        Blocks already in this engine's prefix cache are reused; the plan lists the rest."""
+        self.validate(prompt_token_ids, params)
+        if request_id in self._seqs:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
+        own = seq.full_block_hashes(self.cfg.block_size)
+        if list(block_hashes) != own[: len(block_hashes)] or len(block_hashes) != len(own):
+            raise ValueError("block_hashes: do not match the prompt (different block size or hash function?)")
+        pull = self.scheduler.begin_import(seq)  # raises NoFreeBlocksError when full
+        self._seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer if self.cfg.detokenize else None, params.stop)
+        return ImportPlan(
+            block_ids=list(seq.block_ids),
+            pull_indices=pull,
+            num_reused_tokens=seq.num_cached_tokens,
+        )
+
+    def commit_import(self, request_id: str, first_token: int) -> None:
+        seq = self._seqs[request_id]
+        self._detok[request_id].add([first_token])
+        self.scheduler.commit_import(seq, first_token)
+        if seq.status is SeqStatus.FINISHED:
+            del self._seqs[request_id]
+            del self._detok[request_id]
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.pop(request_id, None)

@@ -1,0 +1,166 @@
+"""The decode worker: imports a prompt's KV from a prefill worker and decodes it.
+
+`start` matches the prompt's block hashes against this worker's own prefix cache, allocates
+the rest, READs only the missing blocks from the producer (which then frees its copy), and puts
+the request into the running batch. Generated tokens are collected per engine step into an
+outbox that the router drains with `poll` — one call carries every request's tokens of one or
+more steps, so relaying costs one round trip per step, not one per token.
+
+A transfer that fails is retried; if it keeps failing the prompt is recomputed here, so the
+request still completes, and tokens never come from KV that did not arrive whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from kv_transfer.agent import KvTransferAgent, KvTransferError
+from pdserve.engine.engine import ImportPlan, LLMEngine, RequestOutput
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve_proto import inference_pb2, kv_pb2
+
+log = logging.getLogger(__name__)
+
+PULLED = b"pulled:"
+
+# (request id, new token ids, finish reason or "")
+Update = tuple[str, list[int], str]
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    transfer_timeout_s: float = 10.0
+    transfer_attempts: int = 2  # then recompute the prompt locally
+
+
+@dataclass(frozen=True)
+class StartResult:
+    reused_tokens: int  # prompt tokens found in this worker's prefix cache
+    pulled_blocks: int
+    recomputed: bool  # the transfer failed and the prompt is prefilled here instead
+
+
+class DecodeWorker:
+    def __init__(
+        self, worker_id: str, engine: LLMEngine, agent: KvTransferAgent, config: DecodeConfig = DecodeConfig()
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.agent = agent
+        self.config = config
+        self._outbox: list[Update] = []
+        self._outbox_ready = threading.Condition(threading.Lock())
+        self.blocks_pulled = 0
+        self.blocks_reused = 0
+        self.bytes_pulled = 0
+        self.transfers = 0
+        self.transfer_failures = 0
+        self._importing: set[str] = set()
+        self._cancelled: set[str] = set()
+        self.loop = EngineLoop(engine, self._on_step, name=f"{worker_id}-loop")
+
+    def start(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle
+    ) -> StartResult:
+        margin = handle.lease_deadline - time.time()
+        if margin < self.config.transfer_timeout_s:
+            raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
+        with self.loop.lock:
+            plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
+            self._importing.add(request_id)
+        try:
+            return self._pull_and_commit(prompt_token_ids, params, request_id, handle, plan)
+        finally:
+            with self.loop.lock:
+                self._importing.discard(request_id)
+                if request_id in self._cancelled:
+                    self._cancelled.discard(request_id)
+                    self.engine.abort(request_id)
+
+    def _pull_and_commit(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle, plan: ImportPlan
+    ) -> StartResult:
+        remote = [handle.block_ids[i] for i in plan.pull_indices]
+        local = [plan.block_ids[i] for i in plan.pull_indices]
+        for attempt in range(1, self.config.transfer_attempts + 1):
+            try:
+                stats = self.agent.read(
+                    handle.agent_name, remote, local, PULLED + request_id.encode(), self.config.transfer_timeout_s
+                )
+                break
+            except KvTransferError as exc:
+                self.transfer_failures += 1
+                log.warning("KV transfer for %s failed (attempt %d): %s", request_id, attempt, exc)
+        else:
+            return self._recompute(prompt_token_ids, params, request_id, handle.first_token)
+        with self.loop.lock:
+            if request_id in self._cancelled:
+                return StartResult(plan.num_reused_tokens, stats.num_blocks, False)
+            self.blocks_pulled += stats.num_blocks
+            self.blocks_reused += len(plan.block_ids) - len(plan.pull_indices)
+            self.bytes_pulled += stats.num_bytes
+            self.transfers += 1
+            self.engine.commit_import(request_id, handle.first_token)
+        self.loop.wake()
+        return StartResult(plan.num_reused_tokens, stats.num_blocks, False)
+
+    def _recompute(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, first_token: int
+    ) -> StartResult:
+        # The first token was already sent to the client: continue after it.
+        with self.loop.lock:
+            self.engine.abort(request_id)
+            self.engine.add_request(
+                list(prompt_token_ids) + [first_token], replace(params, max_tokens=params.max_tokens - 1), request_id
+            )
+        self.loop.wake()
+        return StartResult(0, 0, True)
+
+    def abort(self, request_id: str) -> bool:
+        with self.loop.lock:
+            if request_id in self._importing:
+                # Its blocks are being written by a READ right now: free them once it has ended.
+                self._cancelled.add(request_id)
+                return True
+            return self.engine.abort(request_id)
+
+    def poll(self, timeout_s: float) -> list[Update]:
+        """Every update since the last poll; waits up to timeout_s for the first one."""
+        with self._outbox_ready:
+            if not self._outbox:
+                self._outbox_ready.wait(timeout_s)
+            out, self._outbox = self._outbox, []
+        return out
+
+    def stats(self) -> inference_pb2.WorkerStats:
+        with self.loop.lock:
+            b = self.engine.block_stats()
+            s = self.engine.scheduler
+            return inference_pb2.WorkerStats(
+                worker_id=self.worker_id,
+                role="decode",
+                kv_blocks_total=b.total,
+                kv_blocks_free=b.free,
+                kv_blocks_cached=b.cached,
+                kv_blocks_in_use=b.in_use,
+                running_requests=len(s.running),
+                waiting_requests=len(s.waiting),
+                blocks_pulled=self.blocks_pulled,
+                blocks_reused=self.blocks_reused,
+                bytes_pulled=self.bytes_pulled,
+                transfers=self.transfers,
+                preemptions=s.num_preemptions,
+            )
+
+    def close(self) -> None:
+        self.loop.stop()
+
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        updates = [(o.request_id, o.new_token_ids, (o.finish_reason or "") if o.finished else "") for o in outputs]
+        with self._outbox_ready:
+            self._outbox.extend(updates)
+            self._outbox_ready.notify_all()

@@ -1,0 +1,170 @@
+"""A worker's NIXL agent: its KV pool registered once, READs of block lists from other workers.
+
+The pool is registered as one region at start-up. A read turns block ids into descriptors of
+contiguous runs (one per run of consecutive ids on both sides, split so several are in flight),
+posts one NIXL READ with a notification for the producer, and waits with a deadline. Host
+memory (DRAM) on CPU and device memory (VRAM) on GPU go through the same code; UCX picks the
+transport (shared memory or TCP between processes on a host, NVLink or RDMA between GPUs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
+from kv_transfer.descriptors import coalesce, split_large
+from pdserve_proto import kv_pb2
+
+log = logging.getLogger(__name__)
+
+# Runs longer than this are split so that UCX can work on several descriptors at once.
+MAX_BLOCKS_PER_DESCRIPTOR = 256
+
+
+class KvTransferError(RuntimeError):
+    """A READ failed or did not finish before its deadline."""
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    num_blocks: int
+    num_bytes: int
+    num_descriptors: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _nixl_api():
+    """nixl_cu13 on CUDA 13 machines, nixl_cu12 elsewhere (its host-memory path needs no GPU)."""
+    cuda_major = int((torch.version.cuda or "12").split(".")[0])
+    order = ["nixl_cu13._api", "nixl_cu12._api"] if cuda_major >= 13 else ["nixl_cu12._api", "nixl_cu13._api"]
+    errors = []
+    for name in order:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError("NIXL is not installed (pip install nixl-cu12, or nixl-cu13 on CUDA 13): " + "; ".join(errors))
+
+
+class KvTransferAgent:
+    def __init__(self, worker_id: str, pool: torch.Tensor, layout: KvLayout) -> None:
+        api = _nixl_api()
+        self.worker_id = worker_id
+        self.name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
+        self.layout = layout
+        self.compat_hash = layout.compat_hash()
+        self.pool = pool
+        self.block_bytes = pool[0].numel() * pool.element_size()
+        if self.block_bytes != layout.block_bytes:
+            raise ValueError(f"KV pool blocks are {self.block_bytes} bytes, layout says {layout.block_bytes}")
+        self.memory_type = "VRAM" if pool.is_cuda else "DRAM"
+        self.device_id = (pool.device.index or 0) if pool.is_cuda else 0
+        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        self._registration = self._agent.register_memory(pool)
+        self._remotes: dict[str, kv_pb2.KvAgentInfo] = {}
+        log.info("NIXL agent %s registered %.1f MiB of %s", self.name, pool.numel() * pool.element_size() / 2**20, self.memory_type)
+
+    # ----- handshake -----------------------------------------------------------------------
+
+    def info(self) -> kv_pb2.KvAgentInfo:
+        return kv_pb2.KvAgentInfo(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=self.worker_id,
+            agent_name=self.name,
+            agent_metadata=self._agent.get_agent_metadata(),
+            compat_hash=self.compat_hash,
+            pool_address=self.pool.data_ptr(),
+            block_bytes=self.block_bytes,
+            num_blocks=self.pool.shape[0],
+            device_id=self.device_id,
+            memory_type=self.memory_type,
+        )
+
+    def connect(self, info: kv_pb2.KvAgentInfo) -> None:
+        """Accept a peer after checking that its KV layout is the same as ours."""
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise ValueError(f"protocol_version: peer {info.worker_id} speaks {info.protocol_version}, we speak {PROTOCOL_VERSION}")
+        check_compatible(self.compat_hash, info.compat_hash, info.worker_id)
+        if info.agent_name not in self._remotes:
+            self._agent.add_remote_agent(info.agent_metadata)
+        self._remotes[info.agent_name] = info
+
+    def is_connected(self, agent_name: str) -> bool:
+        return agent_name in self._remotes
+
+    # ----- data ----------------------------------------------------------------------------
+
+    def read(
+        self, remote_agent: str, remote_ids: list[int], local_ids: list[int], notify: bytes, timeout_s: float
+    ) -> TransferStats:
+        """Copy remote blocks into local blocks; the producer gets `notify` when it is done."""
+        remote = self._remotes.get(remote_agent)
+        if remote is None:
+            raise KvTransferError(f"agent_name: not connected to {remote_agent!r}")
+        if not remote_ids:
+            self._agent.send_notif(remote_agent, notify)
+            return TransferStats(0, 0, 0, 0.0)
+        for r in remote_ids:
+            if not 0 <= r < remote.num_blocks:
+                raise KvTransferError(f"block_ids: remote block {r} outside the producer's pool of {remote.num_blocks}")
+        runs = split_large(coalesce(remote_ids, local_ids), MAX_BLOCKS_PER_DESCRIPTOR)
+        bb = self.block_bytes
+        local_base = self.pool.data_ptr()
+        local = [(local_base + loc * bb, n * bb, self.device_id) for _, loc, n in runs]
+        remote_descs = [(remote.pool_address + r * bb, n * bb, remote.device_id) for r, _, n in runs]
+        start = time.perf_counter()
+        handle = self._agent.initialize_xfer(
+            "READ",
+            self._agent.get_xfer_descs(local, self.memory_type),
+            self._agent.get_xfer_descs(remote_descs, remote.memory_type),
+            remote_agent,
+            notify,
+        )
+        try:
+            state = self._agent.transfer(handle)
+            deadline = start + timeout_s
+            pause = 2e-5
+            while state != "DONE":
+                if state == "ERR":
+                    raise KvTransferError(f"READ of {len(remote_ids)} blocks from {remote_agent} failed")
+                if time.perf_counter() > deadline:
+                    raise KvTransferError(f"READ of {len(remote_ids)} blocks from {remote_agent} timed out after {timeout_s}s")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                state = self._agent.check_xfer_state(handle)
+        finally:
+            self._agent.release_xfer_handle(handle)
+        seconds = time.perf_counter() - start
+        return TransferStats(len(remote_ids), len(remote_ids) * bb, len(runs), seconds)
+
+    def notifications(self) -> list[bytes]:
+        """Notifications received since the last call, from every peer."""
+        out: list[bytes] = []
+        for msgs in self._agent.get_new_notifs().values():
+            out.extend(msgs)
+        return out
+
+    def link_test(self, remote_agent: str, local_ids: list[int], remote_ids: list[int], repeats: int = 3) -> float:
+        """Read a set of blocks a few times and return the best GB/s (start-up self-test;
+        use blocks no request owns yet)."""
+        best = 0.0
+        for _ in range(repeats):
+            stats = self.read(remote_agent, remote_ids, local_ids, b"", timeout_s=30.0)
+            best = max(best, stats.gbps)
+        return best
+
+    def close(self) -> None:
+        for name in list(self._remotes):
+            self._agent.remove_remote_agent(name)
+        self._remotes.clear()
+        self._agent.deregister_memory(self._registration)

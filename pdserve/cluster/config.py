@@ -1,0 +1,33 @@
+"""Configuration of a serving cluster (what `pdserve serve` takes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None  # None: the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051
+    ray_address: str | None = None  # None: start a local Ray cluster
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 10.0
+    startup_timeout_s: float = 300.0
+    # Fault injection for tests: a decode worker's KV reads fail this many times first.
+    inject_read_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("prefill/decode: each pool needs at least one worker")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a TCP port")

@@ -1,0 +1,60 @@
+"""Router handles for workers hosted by Ray actors: every call awaited with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve_proto import inference_pb2, kv_pb2
+from router.errors import to_router_error
+from router.handles import DecodeStart, Update
+
+
+async def _call(ref: Any, timeout_s: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(ref, timeout_s)
+    except asyncio.TimeoutError:
+        raise to_router_error(TimeoutError(f"no answer within {timeout_s}s"), what) from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        # Ray re-raises a worker's exception as a subclass of the original type, so a
+        # ValueError stays a ValueError; a dead actor becomes UNAVAILABLE.
+        raise to_router_error(exc, what) from exc
+
+
+class RayPrefill:
+    def __init__(self, worker_id: str, actor: Any) -> None:
+        self.worker_id = worker_id
+        self.actor = actor
+
+    async def prefill(self, ids: list[int], params: SamplingParams, rid: str, timeout_s: float) -> kv_pb2.KvHandle:
+        return await _call(self.actor.prefill.remote(ids, params, rid, timeout_s), timeout_s + 5, "prefill")
+
+    async def release(self, rid: str, timeout_s: float) -> None:
+        await _call(self.actor.release.remote(rid), timeout_s, "release")
+
+    async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
+        return await _call(self.actor.stats.remote(), timeout_s, "stats")
+
+
+class RayDecode:
+    def __init__(self, worker_id: str, actor: Any) -> None:
+        self.worker_id = worker_id
+        self.actor = actor
+
+    async def start(
+        self, ids: list[int], params: SamplingParams, rid: str, handle: kv_pb2.KvHandle, timeout_s: float
+    ) -> DecodeStart:
+        r = await _call(self.actor.start.remote(ids, params, rid, handle), timeout_s, "decode start")
+        return DecodeStart(r.reused_tokens, r.pulled_blocks, r.recomputed)
+
+    async def abort(self, rid: str, timeout_s: float) -> None:
+        await _call(self.actor.abort.remote(rid), timeout_s, "abort")
+
+    async def poll(self, wait_s: float, timeout_s: float) -> list[Update]:
+        return await _call(self.actor.poll.remote(wait_s), timeout_s, "poll")
+
+    async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
+        return await _call(self.actor.stats.remote(), timeout_s, "stats")

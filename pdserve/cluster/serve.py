@@ -1,0 +1,119 @@
+"""Start a serving cluster: Ray actors for the two pools, the KV links between them, the router
+and its gRPC server. `pdserve serve` and the cluster tests both go through `Cluster.start`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+import grpc
+import ray
+
+from pdserve.cluster.actors import remote_classes
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.ray_handles import RayDecode, RayPrefill
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.detokenizer import load_tokenizer
+from pdserve.llm import resolve_device, resolve_model
+from router.grpc_server import start_grpc_server
+from router.router import Router, RouterConfig
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve"
+
+
+class Cluster:
+    def __init__(self, cfg: ServeConfig, router: Router, server: grpc.aio.Server, port: int, actors: list[Any], owns_ray: bool) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.server = server
+        self.port = port
+        self.actors = actors
+        self._owns_ray = owns_ray
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    @classmethod
+    async def start(cls, cfg: ServeConfig) -> Cluster:
+        model_dir = resolve_model(cfg.model)  # convert once here, not in every actor
+        device = resolve_device(cfg.device)
+        cfg = replace(cfg, model=str(model_dir), device=device)
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            _init_ray(cfg.ray_address)
+        prefill_cls, decode_cls = remote_classes(num_gpus=1 if device.startswith("cuda") else 0)
+        # Ray assigns each actor its own GPU; inside the actor it is cuda:0.
+        worker_cfg = replace(cfg, device="cuda" if device.startswith("cuda") else device)
+        prefills = [
+            prefill_cls.options(name=f"pdserve-prefill-{i}", namespace=NAMESPACE).remote(f"prefill-{i}", worker_cfg)
+            for i in range(cfg.num_prefill)
+        ]
+        decodes = [
+            decode_cls.options(name=f"pdserve-decode-{i}", namespace=NAMESPACE).remote(f"decode-{i}", worker_cfg)
+            for i in range(cfg.num_decode)
+        ]
+        actors = [*prefills, *decodes]
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(a.agent_info.remote() for a in actors)), cfg.startup_timeout_s
+            )
+            p_infos, d_infos = infos[: len(prefills)], infos[len(prefills):]
+            links = [d.connect.remote(pi) for d in decodes for pi in p_infos]
+            links += [p.connect.remote(di) for p in prefills for di in d_infos]
+            await asyncio.wait_for(asyncio.gather(*links), 60)
+            for d, di in zip(decodes, d_infos):
+                for pi in p_infos:
+                    gbps = await asyncio.wait_for(d.link_test.remote(pi.agent_name), 60)
+                    log.info("KV link %s <- %s: %.2f GB/s", di.worker_id, pi.worker_id, gbps)
+            mc = ModelConfig.from_dir(model_dir)
+            router_cfg = RouterConfig(
+                model_id=model_dir.name,
+                max_model_len=min(cfg.max_model_len or mc.max_model_len, mc.max_model_len),
+                vocab_size=mc.vocab_size,
+            )
+            router = Router(
+                router_cfg,
+                load_tokenizer(model_dir),
+                [RayPrefill(i.worker_id, a) for i, a in zip(p_infos, prefills)],
+                [RayDecode(i.worker_id, a) for i, a in zip(d_infos, decodes)],
+            )
+            await router.start()
+            server, port = await start_grpc_server(router, cfg.host, cfg.port)
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            if owns_ray:
+                ray.shutdown()
+            raise
+        log.info("pdserve serving %s on %s:%d (%d prefill, %d decode)", model_dir.name, cfg.host, port, len(prefills), len(decodes))
+        return cls(cfg, router, server, port, actors, owns_ray)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.server.stop(grace_s)
+        await self.router.drain_cleanups()
+        await self.router.stop()
+        for a in self.actors:
+            ray.kill(a)
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def _init_ray(address: str | None) -> None:
+    if address:
+        ray.init(address=address, namespace=NAMESPACE)
+        return
+    # A local cluster stays on loopback even where the host's own address is not.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        configure_logging=True,
+        _node_ip_address="127.0.0.1",
+    )

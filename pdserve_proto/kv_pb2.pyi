@@ -1,0 +1,59 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvHandle(_message.Message):
+    __slots__ = ("protocol_version", "request_id", "worker_id", "agent_name", "block_ids", "block_hashes", "num_tokens", "first_token", "lease_deadline", "compat_hash", "cached_prompt_tokens", "finish_reason")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    request_id: str
+    worker_id: str
+    agent_name: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    first_token: int
+    lease_deadline: float
+    compat_hash: str
+    cached_prompt_tokens: int
+    finish_reason: str
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., compat_hash: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class KvAgentInfo(_message.Message):
+    __slots__ = ("protocol_version", "worker_id", "agent_name", "agent_metadata", "compat_hash", "pool_address", "block_bytes", "num_blocks", "device_id", "memory_type")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    POOL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    worker_id: str
+    agent_name: str
+    agent_metadata: bytes
+    compat_hash: str
+    pool_address: int
+    block_bytes: int
+    num_blocks: int
+    device_id: int
+    memory_type: str
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., pool_address: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,148 @@
+"""The prefill worker: runs prompts to their first token and lends out their KV blocks.
+
+A finished prefill stays pinned in the engine under a lease. The decode worker that pulls the
+blocks sends a NIXL notification ``pulled:<request id>``; the lease ends and the blocks are freed
+(they stay in the prefix cache). If nobody pulls before the deadline, the lease expires and the
+blocks are freed anyway, counted in ``lease_expiries``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from kv_transfer.agent import KvTransferAgent
+from kv_transfer.compat import PROTOCOL_VERSION
+from pdserve.engine.engine import LLMEngine, PinnedKv, RequestOutput
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve_proto import inference_pb2, kv_pb2
+from prefill_worker.leases import LeaseTable
+
+log = logging.getLogger(__name__)
+
+PULLED = b"pulled:"
+
+
+class PrefillCancelled(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    lease_s: float = 30.0
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        agent: KvTransferAgent,
+        config: PrefillConfig = PrefillConfig(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.agent = agent
+        self.config = config
+        self._clock = clock
+        self._leases = LeaseTable()
+        self._pending: dict[str, Future[PinnedKv]] = {}
+        self.lease_expiries = 0
+        self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
+
+    def prefill(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
+    ) -> kv_pb2.KvHandle:
+        fut: Future[PinnedKv] = Future()
+        with self.loop.lock:
+            self.engine.add_request(prompt_token_ids, params, request_id)
+            self._pending[request_id] = fut
+        self.loop.wake()
+        try:
+            pinned = fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.release(request_id)
+            raise TimeoutError(f"prefill of {request_id} did not finish within {timeout_s}s") from None
+        return kv_pb2.KvHandle(
+            protocol_version=PROTOCOL_VERSION,
+            request_id=request_id,
+            worker_id=self.worker_id,
+            agent_name=self.agent.name,
+            block_ids=pinned.block_ids,
+            block_hashes=pinned.block_hashes,
+            num_tokens=pinned.num_tokens,
+            first_token=pinned.first_token,
+            lease_deadline=self._lease_deadline(request_id),
+            compat_hash=self.agent.compat_hash,
+            cached_prompt_tokens=pinned.num_cached_tokens,
+            finish_reason=pinned.finish_reason or "",
+        )
+
+    def release(self, request_id: str) -> bool:
+        """Free a request's blocks now: pulled, cancelled, or not needed (finished at token one)."""
+        with self.loop.lock:
+            self._leases.end(request_id)
+            fut = self._pending.pop(request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(PrefillCancelled(f"request {request_id} was cancelled"))
+            return self.engine.release(request_id) or self.engine.abort(request_id)
+
+    def stats(self) -> inference_pb2.WorkerStats:
+        with self.loop.lock:
+            b = self.engine.block_stats()
+            s = self.engine.scheduler
+            return inference_pb2.WorkerStats(
+                worker_id=self.worker_id,
+                role="prefill",
+                kv_blocks_total=b.total,
+                kv_blocks_free=b.free,
+                kv_blocks_cached=b.cached,
+                kv_blocks_in_use=b.in_use,
+                running_requests=len(s.running),
+                waiting_requests=len(s.waiting),
+                pinned_requests=len(s.pinned),
+                lease_expiries=self.lease_expiries,
+                preemptions=s.num_preemptions,
+            )
+
+    def load(self) -> int:
+        s = self.engine.scheduler
+        return len(s.running) + len(s.waiting)
+
+    def close(self) -> None:
+        self.loop.stop()
+
+    # ----- loop callbacks (under the loop's lock) --------------------------------------------
+
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if not out.finished:
+                continue
+            fut = self._pending.pop(out.request_id, None)
+            if fut is None:
+                self.engine.release(out.request_id)  # its caller went away
+                continue
+            self._leases.grant(out.request_id, self._clock() + self.config.lease_s)
+            fut.set_result(self.engine.pinned_kv(out.request_id))
+
+    def _tick(self) -> None:
+        for msg in self.agent.notifications():
+            if msg.startswith(PULLED):
+                rid = msg[len(PULLED):].decode()
+                if self._leases.end(rid):
+                    self.engine.release(rid)
+        for rid in self._leases.expired(self._clock()):
+            self.lease_expiries += 1
+            log.warning("lease of %s expired before its KV was pulled; freeing its blocks", rid)
+            self.engine.release(rid)
+
+    def _lease_deadline(self, request_id: str) -> float:
+        with self.loop.lock:
+            deadline = self._leases.deadline(request_id)
+        return self._clock() if deadline is None else deadline

@@ -1,0 +1,1 @@
+"""The front door: gRPC API, tokenizer at the edge, placement, stream relay."""

@@ -1,0 +1,68 @@
+"""The public gRPC server: Inference and Admin services, standard health checks and reflection."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve_proto import inference_pb2, inference_pb2_grpc
+from router.handles import RouterError
+from router.router import Router
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+    inference_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        try:
+            async for chunk in self.router.generate(request):
+                yield chunk
+        except RouterError as exc:
+            log.info("request %s failed: %s %s", request.request_id or "-", exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        return inference_pb2.ListModelsResponse(models=[self.router.model_info()])
+
+
+class AdminServicer(inference_pb2_grpc.AdminServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def GetStats(
+        self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ClusterStats:
+        return await self.router.cluster_stats()
+
+
+async def start_grpc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
+    inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in (*SERVICE_NAMES, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,64 @@
+"""How the router talks to workers, whatever hosts them (Ray actors, or objects in this process).
+
+Every method is async and takes a deadline; implementations turn worker-side failures into
+`RouterError`s with the gRPC status the client should see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve_proto import inference_pb2, kv_pb2
+
+
+class RouterError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class DecodeStart:
+    reused_tokens: int
+    pulled_blocks: int
+    recomputed: bool
+
+
+# (request id, new token ids, finish reason or "")
+Update = tuple[str, list[int], str]
+
+
+class PrefillHandle(Protocol):
+    worker_id: str
+
+    async def prefill(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
+    ) -> kv_pb2.KvHandle: ...
+
+    async def release(self, request_id: str, timeout_s: float) -> None: ...
+
+    async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats: ...
+
+
+class DecodeHandle(Protocol):
+    worker_id: str
+
+    async def start(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        handle: kv_pb2.KvHandle,
+        timeout_s: float,
+    ) -> DecodeStart: ...
+
+    async def abort(self, request_id: str, timeout_s: float) -> None: ...
+
+    async def poll(self, wait_s: float, timeout_s: float) -> list[Update]: ...
+
+    async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats: ...

@@ -1,0 +1,292 @@
+"""The router: validates and tokenizes a request, prefills it on one worker, decodes it on another
+and relays the tokens to the client.
+
+Tokens come back from decode workers through one long-poll per worker (`_relay`), carrying every
+request's tokens of one or more engine steps; the router fans them out to per-request queues.
+Text is produced here, at the edge, from the whole token stream (the prefill worker's first token
+included), so chunks never split a UTF-8 character and stop strings see all of the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve_proto import inference_pb2
+from router.errors import to_router_error
+from router.handles import DecodeHandle, PrefillHandle, RouterError
+from router.placement import pick_least_loaded
+
+log = logging.getLogger(__name__)
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    prefill_timeout_s: float = 60.0
+    decode_start_timeout_s: float = 30.0
+    token_timeout_s: float = 60.0  # longest silence tolerated from a decode worker mid-stream
+    control_timeout_s: float = 5.0  # release, abort, stats
+    poll_wait_s: float = 0.05
+    max_inflight_per_prefill: int = 256
+    max_inflight_per_decode: int = 256
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[list[int], str] | RouterError] = asyncio.Queue()
+
+
+class Router:
+    def __init__(
+        self, config: RouterConfig, tokenizer: Any, prefills: list[PrefillHandle], decodes: list[DecodeHandle]
+    ) -> None:
+        if not prefills or not decodes:
+            raise ValueError("router needs at least one prefill and one decode worker")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.prefills = {p.worker_id: p for p in prefills}
+        self.decodes = {d.worker_id: d for d in decodes}
+        self._prefill_load = {w: 0 for w in self.prefills}
+        self._decode_load = {w: 0 for w in self.decodes}
+        self._streams: dict[str, _Stream] = {}
+        self._relays: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._relays = [asyncio.create_task(self._relay(d)) for d in self.decodes.values()]
+
+    async def stop(self) -> None:
+        for t in self._relays:
+            t.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+
+    # ----- requests ------------------------------------------------------------------------
+
+    def parse(self, request: inference_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """Validate a request and turn it into token ids and sampling params (INVALID_ARGUMENT
+        naming the field otherwise)."""
+        if request.model and request.model != self.config.model_id:
+            raise RouterError(_INVALID, f"model: unknown model {request.model!r}; this server serves {self.config.model_id!r}")
+        given = [name for name, present in (
+            ("prompt", bool(request.prompt)),
+            ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+            ("messages", len(request.messages) > 0),
+        ) if present]
+        if not given:
+            raise RouterError(_INVALID, "prompt: empty; set one of prompt, prompt_token_ids or messages")
+        if len(given) > 1:
+            raise RouterError(_INVALID, f"prompt: set only one of prompt, prompt_token_ids or messages (got {', '.join(given)})")
+        if request.messages:
+            ids = self._render_chat(request.messages)
+        elif request.prompt:
+            ids = self._encode(request.prompt)
+        else:
+            ids = list(request.prompt_token_ids)
+            bad = next((i for i, t in enumerate(ids) if t >= self.config.vocab_size), None)
+            if bad is not None:
+                raise RouterError(
+                    _INVALID, f"prompt_token_ids: token {ids[bad]} at index {bad} is outside the vocabulary [0, {self.config.vocab_size})"
+                )
+        if not ids:
+            raise RouterError(_INVALID, "prompt: tokenizes to no tokens")
+        if len(ids) >= self.config.max_model_len:
+            raise RouterError(
+                _INVALID, f"prompt: {len(ids)} tokens leave no room to generate in the context of {self.config.max_model_len}"
+            )
+        return ids, self._sampling_params(request.sampling_params)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RouterError(_INVALID, "prompt: this model has no tokenizer; send prompt_token_ids")
+        return list(self.tokenizer.encode(text))
+
+    def _render_chat(self, messages: Any) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RouterError(_INVALID, "messages: this model has no chat template; send prompt or prompt_token_ids")
+        for i, m in enumerate(messages):
+            if m.role not in ("system", "user", "assistant", "tool"):
+                raise RouterError(_INVALID, f"messages[{i}].role: unknown role {m.role!r}")
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        return self._encode(text)
+
+    @staticmethod
+    def _sampling_params(sp: inference_pb2.SamplingParams) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=sp.max_tokens if sp.HasField("max_tokens") else 16,
+                temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+                top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+                top_k=sp.top_k if sp.HasField("top_k") else -1,
+                seed=sp.seed if sp.HasField("seed") else None,
+                stop=tuple(sp.stop),
+                stop_token_ids=tuple(sp.stop_token_ids),
+                ignore_eos=sp.ignore_eos,
+            )
+        except ValueError as exc:
+            raise RouterError(_INVALID, f"sampling_params.{exc}") from None
+
+    async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        ids, params = self.parse(request)
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._streams:
+            raise RouterError(_INVALID, f"request_id: {rid!r} is already in flight")
+        p_id = pick_least_loaded(self._prefill_load, self.config.max_inflight_per_prefill)
+        d_id = pick_least_loaded(self._decode_load, self.config.max_inflight_per_decode)
+        if p_id is None or d_id is None:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cluster: every worker is at capacity; retry later")
+        prefill, decode = self.prefills[p_id], self.decodes[d_id]
+        stream = _Stream()
+        self._streams[rid] = stream
+        self._prefill_load[p_id] += 1
+        self._decode_load[d_id] += 1
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        state = {"pinned_on_prefill": False, "decoding": False}
+        completion = 0
+        try:
+            try:
+                handle = await prefill.prefill(ids, params, rid, self.config.prefill_timeout_s)
+            finally:
+                self._prefill_load[p_id] -= 1
+            state["pinned_on_prefill"] = True
+            cached = handle.cached_prompt_tokens
+            completion = 1
+            reason = handle.finish_reason
+            if detok.add([handle.first_token]) is not None:
+                reason = "stop"
+            if reason:
+                await prefill.release(rid, self.config.control_timeout_s)
+                state["pinned_on_prefill"] = False
+                yield self._chunk(rid, [handle.first_token], detok, reason, ids, completion, cached)
+                return
+            yield self._chunk(rid, [handle.first_token], detok, "", ids, completion, cached)
+
+            state["decoding"] = True
+            start = await decode.start(ids, params, rid, handle, self.config.decode_start_timeout_s)
+            if start.recomputed:
+                await prefill.release(rid, self.config.control_timeout_s)
+            state["pinned_on_prefill"] = False  # pulled: the prefill worker frees on the notification
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), self.config.token_timeout_s)
+                except asyncio.TimeoutError:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode worker {d_id} sent nothing for {self.config.token_timeout_s}s") from None
+                if isinstance(item, RouterError):
+                    raise item
+                tokens, reason = item
+                completion += len(tokens)
+                if detok.add(tokens) is not None:
+                    reason = "stop"
+                    await decode.abort(rid, self.config.control_timeout_s)
+                if reason:
+                    state["decoding"] = False
+                yield self._chunk(rid, tokens, detok, reason, ids, completion, cached)
+                if reason:
+                    return
+        except asyncio.CancelledError:
+            self._cleanup_later(rid, prefill, decode, state)
+            raise
+        except GeneratorExit:
+            self._cleanup_later(rid, prefill, decode, state)
+            raise
+        except Exception as exc:
+            self._cleanup_later(rid, prefill, decode, state)
+            raise to_router_error(exc, "generate") from exc
+        finally:
+            self._streams.pop(rid, None)
+            self._decode_load[d_id] -= 1
+
+    def _chunk(
+        self,
+        rid: str,
+        tokens: list[int],
+        detok: IncrementalDetokenizer,
+        reason: str,
+        prompt: list[int],
+        completion: int,
+        cached: int,
+    ) -> inference_pb2.GenerateResponse:
+        resp = inference_pb2.GenerateResponse(
+            request_id=rid, token_ids=tokens, text=detok.stream_delta(finished=bool(reason)), finish_reason=reason
+        )
+        if reason:
+            resp.usage.prompt_tokens = len(prompt)
+            resp.usage.completion_tokens = completion
+            resp.usage.cached_prompt_tokens = cached
+        return resp
+
+    def _cleanup_later(self, rid: str, prefill: PrefillHandle, decode: DecodeHandle, state: dict[str, bool]) -> None:
+        """Free the request on the workers without blocking the cancelled caller."""
+
+        async def cleanup() -> None:
+            t = self.config.control_timeout_s
+            results = await asyncio.gather(
+                decode.abort(rid, t) if state["decoding"] else asyncio.sleep(0),
+                prefill.release(rid, t) if state["pinned_on_prefill"] or not state["decoding"] else asyncio.sleep(0),
+                return_exceptions=True,
+            )
+            for r in results:
+                if isinstance(r, BaseException):
+                    log.warning("cleanup of %s: %s", rid, r)
+
+        task = asyncio.get_running_loop().create_task(cleanup())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_cleanups(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # ----- relay ---------------------------------------------------------------------------
+
+    async def _relay(self, decode: DecodeHandle) -> None:
+        """Move one decode worker's token updates to the streams waiting for them."""
+        failures = 0
+        while True:
+            try:
+                updates = await decode.poll(self.config.poll_wait_s, self.config.control_timeout_s + self.config.poll_wait_s)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                log.warning("polling decode worker %s failed (%d): %s", decode.worker_id, failures, exc)
+                await asyncio.sleep(min(0.05 * failures, 1.0))
+                continue
+            for rid, tokens, reason in updates:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.queue.put_nowait((tokens, reason))
+
+    # ----- introspection -------------------------------------------------------------------
+
+    async def cluster_stats(self) -> inference_pb2.ClusterStats:
+        t = self.config.control_timeout_s
+        handles: list[PrefillHandle | DecodeHandle] = [*self.prefills.values(), *self.decodes.values()]
+        results = await asyncio.gather(*(h.stats(t) for h in handles), return_exceptions=True)
+        out = inference_pb2.ClusterStats()
+        for h, r in zip(handles, results):
+            if isinstance(r, BaseException):
+                out.workers.add(worker_id=h.worker_id, role="unreachable")
+            else:
+                out.workers.append(r)
+        return out
+
+    def model_info(self) -> inference_pb2.ModelInfo:
+        return inference_pb2.ModelInfo(
+            id=self.config.model_id, max_model_len=self.config.max_model_len, vocab_size=self.config.vocab_size
+        )
