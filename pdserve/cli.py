@@ -49,10 +49,34 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="apply the chat template")
     chat.add_argument("--raw", dest="chat", action="store_false", help="send prompts as plain text")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument(
+        "--address", default=None, metavar="HOST:PORT",
+        help="send the prompts to a running `pdserve serve` and stream the answers (default: run the engine here)",
+    )
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline per request with --address, seconds")
+
+    srv = sub.add_parser(
+        "serve",
+        help="start a disaggregated cluster (prefill + decode pools on Ray) and its gRPC API",
+        description="Start (or join, with --address) a Ray cluster, the prefill and decode worker pools and the "
+        "router's gRPC server; print the address once ready; stop cleanly on SIGINT/SIGTERM.",
+    )
+    _add_engine_args(srv)
+    srv.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    srv.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0 picks a free one)")
+    srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
+    srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
     return parser
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.address:
+        from pdserve.client import generate_remote
+
+        return generate_remote(args)
     from pdserve import LLM, SamplingParams
 
     params = SamplingParams(
@@ -96,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "serve":
+            from pdserve.cluster.main import serve_forever
+
+            return serve_forever(args)
     except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    attention_backend: str = "auto"
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0

@@ -17,7 +17,7 @@ from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.ray_handles import RayDecode, RayPrefill
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
-from pdserve.llm import resolve_device, resolve_model
+from pdserve.engine.resolve import resolve_device, resolve_model
 from router.grpc_server import start_grpc_server
 from router.router import Router, RouterConfig
 

@@ -10,7 +10,7 @@ from kv_transfer.compat import layout_for
 from pdserve.cluster.config import ServeConfig
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
-from pdserve.llm import resolve_device, resolve_dtype, resolve_model
+from pdserve.engine.resolve import resolve_device, resolve_dtype, resolve_model
 from prefill_worker.worker import PrefillConfig, PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ def build_engine(cfg: ServeConfig, role: Role) -> LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
+            attention_backend=cfg.attention_backend,
             detokenize=role != "decode",  # the router turns decode tokens into text
         )
     )

@@ -156,6 +156,7 @@ class ModelRunner:
 
     # ----- CUDA graphs for decode steps ----------------------------------------------------
 
+    @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
         """Record the decode forward for a ladder of batch sizes; a step pads up to the next one.
         Decode steps are short and launch-bound, so replaying a graph removes most CPU cost."""

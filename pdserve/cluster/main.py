@@ -1,0 +1,53 @@
+"""`pdserve serve`: run a cluster until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve import Cluster
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        host=args.host,
+        port=args.port,
+        ray_address=args.address,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        lease_s=args.lease_s,
+    )
+
+
+async def _serve(cfg: ServeConfig) -> None:
+    cluster = await Cluster.start(cfg)
+    print(
+        f"pdserve: serving {cluster.router.config.model_id} on {cluster.address} "
+        f"({cfg.num_prefill} prefill, {cfg.num_decode} decode)",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        print("pdserve: shutting down", flush=True)
+    finally:
+        await cluster.stop()
+
+
+def serve_forever(args: argparse.Namespace) -> int:
+    asyncio.run(_serve(config_from_args(args)))
+    return 0

@@ -1,0 +1,62 @@
+"""Fixtures that run real clusters: Ray actors or in-process workers, a real gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve_proto import inference_pb2, inference_pb2_grpc
+
+
+class LoopThread:
+    """An asyncio loop on a thread, so synchronous tests can drive async servers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any, timeout: float = 600) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def all_blocks_free(channel: grpc.Channel) -> Callable[[], bool]:
+    admin = inference_pb2_grpc.AdminStub(channel)
+
+    def check() -> bool:
+        stats = admin.GetStats(inference_pb2.GetStatsRequest(), timeout=10)
+        return all(w.kv_blocks_in_use == 0 and w.role in ("prefill", "decode") for w in stats.workers)
+
+    return check
+
+
+def greedy(max_tokens: int, **kw: Any) -> inference_pb2.SamplingParams:
+    return inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)

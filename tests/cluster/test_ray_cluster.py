@@ -1,0 +1,171 @@
+"""A real local cluster started through the code path of `pdserve serve`: Ray, one prefill and one
+decode actor, KV over NIXL, the router's gRPC server, and real gRPC clients."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve import Cluster
+from pdserve_proto import inference_pb2 as pb
+from pdserve_proto import inference_pb2_grpc as pbg
+from tests.cluster.conftest import all_blocks_free, greedy, wait_for
+
+pytestmark = pytest.mark.cluster
+
+SYSTEM = (
+    "You are a careful assistant. Answer briefly and precisely, in plain English, "
+    "and never invent facts that you are not sure about."
+)
+QUESTIONS = [
+    "What is the capital of France?", "Name a prime number.", "What colour is the sky?",
+    "How many legs does a spider have?", "What is 2 + 2?", "Who wrote Hamlet?",
+    "What is water made of?", "Name a planet.",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(loop_thread):
+    cfg = ServeConfig(device="cpu", dtype="float32", port=0, num_kv_blocks=384)
+    c = loop_thread.run(Cluster.start(cfg))
+    yield c
+    loop_thread.run(c.stop())
+
+
+@pytest.fixture(scope="module")
+def channel(cluster):
+    with grpc.insecure_channel(cluster.address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(device="cpu", dtype="float32", num_kv_blocks=512)
+
+
+def stream(channel, request, timeout=120):
+    stub = pbg.InferenceStub(channel)
+    chunks, times = [], []
+    for chunk in stub.Generate(request, timeout=timeout):
+        chunks.append(chunk)
+        times.append(time.monotonic())
+    return chunks, times
+
+
+def chat(question: str, system: bool) -> list[pb.ChatMessage]:
+    msgs = [pb.ChatMessage(role="system", content=SYSTEM)] if system else []
+    return msgs + [pb.ChatMessage(role="user", content=question)]
+
+
+def test_16_concurrent_streams_equal_offline_generate(channel, offline):
+    # Half share a system prompt (shared prefix), half do not.
+    convs = [chat(q, system=True) for q in QUESTIONS] + [chat(q + " Explain.", system=False) for q in QUESTIONS]
+    params = greedy(24, ignore_eos=True)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda m: stream(channel, pb.GenerateRequest(messages=m, sampling_params=params)), convs))
+    prompts = [offline.chat_prompt([{"role": m.role, "content": m.content} for m in conv]) for conv in convs]
+    expected = offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    for i, ((chunks, _), exp) in enumerate(zip(results, expected)):
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == exp.token_ids, f"request {i} differs from offline generate"
+        assert "".join(c.text for c in chunks) == exp.text
+        assert [c.finish_reason for c in chunks[:-1]] == [""] * (len(chunks) - 1)
+        assert chunks[-1].finish_reason == "length"
+        assert chunks[-1].usage.prompt_tokens == len(offline.tokenizer.encode(prompts[i]))
+        assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_tokens_arrive_incrementally(channel):
+    chunks, times = stream(channel, pb.GenerateRequest(messages=chat("Count from one to twenty.", False), sampling_params=greedy(32, ignore_eos=True)))
+    assert len(chunks) >= 8
+    # The first chunk (the prefill worker's token) comes well before the end of the stream.
+    assert times[-1] - times[0] > 5 * (times[1] - times[0]) or times[-1] - times[0] > 0.2
+
+
+def test_cancel_mid_stream_frees_blocks_on_both_workers(channel):
+    stub = pbg.InferenceStub(channel)
+    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(100, 180)), sampling_params=greedy(400, ignore_eos=True)))
+    got = 0
+    for _ in call:
+        got += 1
+        if got == 3:
+            call.cancel()
+            break
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a cancel")
+
+
+def test_repeated_prefix_pulls_only_missing_blocks(channel):
+    admin = pbg.AdminStub(channel)
+
+    def decode_stats():
+        return next(w for w in admin.GetStats(pb.GetStatsRequest(), timeout=10).workers if w.role == "decode")
+
+    base = list(range(1000, 1000 + 96))  # six full blocks of 16
+    first = stream(channel, pb.GenerateRequest(prompt_token_ids=base + [5, 6, 7], sampling_params=greedy(4)))[0]
+    before = decode_stats()
+    second = stream(channel, pb.GenerateRequest(prompt_token_ids=base + [8, 9], sampling_params=greedy(4)))[0]
+    after = decode_stats()
+    assert second[-1].usage.cached_prompt_tokens == 96  # the prefill worker skipped the shared blocks
+    assert after.blocks_reused - before.blocks_reused == 6  # the decode worker had them too
+    assert after.blocks_pulled - before.blocks_pulled == 1  # only the partial last block moved
+    assert first[-1].usage.cached_prompt_tokens < 96
+    wait_for(all_blocks_free(channel), 15, "blocks to be freed")
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
+        (dict(prompt_token_ids=[1, 99999999]), "prompt_token_ids"),
+        (dict(prompt_token_ids=list(range(9000))), "prompt"),
+        (dict(prompt="hi", model="no-such-model"), "model"),
+        (dict(prompt="hi", sampling_params=pb.SamplingParams(temperature=-1)), "sampling_params.temperature"),
+        (dict(prompt="hi", sampling_params=pb.SamplingParams(top_p=1.5)), "sampling_params.top_p"),
+        (dict(prompt="hi", sampling_params=pb.SamplingParams(top_k=-3)), "sampling_params.top_k"),
+        (dict(prompt="hi", sampling_params=pb.SamplingParams(max_tokens=0)), "sampling_params.max_tokens"),
+        (dict(messages=[pb.ChatMessage(role="robot", content="x")]), "messages[0].role"),
+    ],
+)
+def test_bad_requests_get_invalid_argument_naming_the_field(channel, request_kwargs, field):
+    stub = pbg.InferenceStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(**request_kwargs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":" if "." in field or "[" in field else field), err.value.details()
+
+
+def test_list_models(channel):
+    models = pbg.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=10).models
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"] and models[0].vocab_size == 49152
+
+
+def test_grpcurl_sees_health_and_reflection(cluster):
+    health = subprocess.run(
+        ["grpcurl", "-plaintext", "-d", "{}", cluster.address, "grpc.health.v1.Health/Check"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert health.returncode == 0, health.stderr
+    assert json.loads(health.stdout)["status"] == "SERVING"
+    listing = subprocess.run(["grpcurl", "-plaintext", cluster.address, "list"], capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    assert "pdserve.v1.Inference" in listing.stdout.split()
+    gen = subprocess.run(
+        ["grpcurl", "-plaintext", "-d", json.dumps({"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "temperature": 0}}),
+         cluster.address, "pdserve.v1.Inference/Generate"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert '"finish_reason": "length"' in gen.stdout

@@ -1,0 +1,55 @@
+"""Pure parts of the KV path: descriptor coalescing, leases, placement, compat hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.compat import KvCompatError, KvLayout, check_compatible
+from kv_transfer.descriptors import coalesce, split_large
+from prefill_worker.leases import LeaseTable
+from router.placement import pick_least_loaded
+
+
+def test_coalesce_merges_runs_contiguous_on_both_sides():
+    assert coalesce([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert coalesce([1, 2], [7, 9]) == [(1, 7, 1), (2, 9, 1)]  # local side breaks the run
+    assert coalesce([], []) == []
+    with pytest.raises(ValueError, match="differ in length"):
+        coalesce([1], [])
+
+
+def test_split_large_caps_descriptor_size():
+    assert split_large([(0, 100, 5)], 2) == [(0, 100, 2), (2, 102, 2), (4, 104, 1)]
+
+
+def test_leases_expire_in_order_and_end_once():
+    t = LeaseTable()
+    t.grant("a", 10.0)
+    t.grant("b", 20.0)
+    assert t.expired(9.9) == []
+    assert t.expired(10.0) == ["a"]
+    assert "a" not in t and t.end("b") and not t.end("b") and len(t) == 0
+
+
+def test_least_loaded_placement_respects_capacity():
+    assert pick_least_loaded({"a": 3, "b": 1, "c": 1}, capacity=4) == "b"
+    assert pick_least_loaded({"a": 4, "b": 4}, capacity=4) is None
+    assert pick_least_loaded({"a": 0, "b": 1}, capacity=4, exclude=frozenset({"a"})) == "b"
+
+
+def test_compat_hash_covers_every_layout_field():
+    base = KvLayout("m", "bfloat16", 32, 8, 128, 16)
+    variants = [
+        KvLayout("other", "bfloat16", 32, 8, 128, 16),
+        KvLayout("m", "float16", 32, 8, 128, 16),
+        KvLayout("m", "bfloat16", 16, 8, 128, 16),
+        KvLayout("m", "bfloat16", 32, 4, 128, 16),
+        KvLayout("m", "bfloat16", 32, 8, 64, 16),
+        KvLayout("m", "bfloat16", 32, 8, 128, 32),
+        KvLayout("m", "bfloat16", 32, 8, 128, 16, layout="layer-major"),
+        KvLayout("m", "bfloat16", 32, 8, 128, 16, protocol_version=99),
+    ]
+    assert len({v.compat_hash() for v in variants} | {base.compat_hash()}) == len(variants) + 1
+    with pytest.raises(KvCompatError, match="compat_hash"):
+        check_compatible(base.compat_hash(), variants[0].compat_hash(), "p0")
+    assert base.block_bytes == 32 * 2 * 16 * 8 * 128 * 2
