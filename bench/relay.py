@@ -1,0 +1,133 @@
+"""How fast decode workers' tokens reach the router: the Ray long-poll relay, measured alone.
+
+A synthetic decode actor emits one token per stream per "engine step" at a fixed step rate,
+through the same outbox and `poll` method as `DecodeWorker`, while the router side drains it
+through `RayDecode.poll`, exactly as `Router._relay` does. Reported: tokens/s reaching the
+router, and the latency added between a token's creation in the actor and its arrival in the
+router (same host, same clock). The baseline is one Ray call per token, the naive design.
+
+    python bench/relay.py [--streams 64] [--step-rate 500] [--seconds 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+
+from pdserve.cluster.ray_handles import RayDecode  # noqa: E402
+
+
+class SyntheticDecode:
+    """Produces updates like DecodeWorker._on_step; the token value is the step's index."""
+
+    def __init__(self) -> None:
+        self._outbox: list[tuple[str, list[int], str]] = []
+        self._cond = threading.Condition()
+        self.step_times: list[float] = []
+
+    def run(self, streams: int, step_rate: float, seconds: float) -> None:
+        def loop() -> None:
+            period = 1.0 / step_rate
+            next_t = time.perf_counter()
+            for step in range(int(step_rate * seconds)):
+                now = time.time()
+                self.step_times.append(now)
+                with self._cond:
+                    self._outbox.extend((f"s{i}", [step], "") for i in range(streams))
+                    self._cond.notify_all()
+                next_t += period
+                delay = next_t - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            with self._cond:
+                self._outbox.append(("__end__", [], "length"))
+                self._cond.notify_all()
+
+        threading.Thread(target=loop, daemon=True).start()
+
+    def poll(self, wait_s: float, limit: int = 0) -> list[tuple[str, list[int], str]]:
+        with self._cond:
+            if not self._outbox:
+                self._cond.wait(wait_s)
+            if limit:
+                out, self._outbox = self._outbox[:limit], self._outbox[limit:]
+            else:
+                out, self._outbox = self._outbox, []
+        return out
+
+    def times(self) -> list[float]:
+        return self.step_times
+
+
+async def drain(actor, per_token: bool) -> tuple[int, list[float], float]:
+    handle = RayDecode("synthetic", actor)
+    received, lat_steps = 0, []
+    t0 = time.perf_counter()
+    while True:
+        if per_token:
+            updates = await asyncio.wait_for(actor.poll.remote(0.05, 1), 5.0)
+        else:
+            updates = await handle.poll(0.05, 5.0)
+        now = time.time()
+        for rid, tokens, reason in updates:
+            if rid == "__end__":
+                return received, lat_steps, time.perf_counter() - t0
+            received += len(tokens)
+            lat_steps.append((tokens[0], now))
+
+
+def measure(streams: int, step_rate: float, seconds: float, per_token: bool) -> dict:
+    actor = ray.remote(max_concurrency=8, num_cpus=0)(SyntheticDecode).remote()
+    ray.get(actor.times.remote())
+    ray.get(actor.run.remote(streams, step_rate, seconds))
+    received, lat, elapsed = asyncio.run(drain(actor, per_token))
+    step_times = ray.get(actor.times.remote())
+    ray.kill(actor)
+    latencies = sorted((now - step_times[step]) * 1000 for step, now in lat)
+    return {
+        "mode": "one call per token" if per_token else "coalesced long-poll",
+        "streams": streams,
+        "offered_tok_s": streams * step_rate,
+        "relayed_tok_s": received / elapsed,
+        "latency_p50_ms": statistics.median(latencies) if latencies else float("nan"),
+        "latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan"),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--step-rate", type=float, default=500.0, help="engine steps per second (one token per stream each)")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    ray.init(include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
+    rows = [
+        measure(args.streams, args.step_rate, args.seconds, per_token=False),
+        measure(args.streams, min(args.step_rate, 100.0), min(args.seconds, 3.0), per_token=True),
+    ]
+    ray.shutdown()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'mode':<22} {'streams':>7} {'offered tok/s':>14} {'relayed tok/s':>14} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        print(
+            f"{r['mode']:<22} {r['streams']:>7} {r['offered_tok_s']:>14.0f} {r['relayed_tok_s']:>14.0f} "
+            f"{r['latency_p50_ms']:>8.2f} {r['latency_p99_ms']:>8.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
