@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -50,7 +51,10 @@ def _nixl_api():
     errors = []
     for name in order:
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
+            if not os.environ.get("NIXL_LOG_LEVEL"):
+                logging.getLogger("nixl").setLevel(logging.WARNING)  # its per-agent INFO lines go to stdout
+            return api
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
     raise ImportError("NIXL is not installed (pip install nixl-cu12, or nixl-cu13 on CUDA 13): " + "; ".join(errors))
