@@ -123,6 +123,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> dict[str, tuple[int, float | None]]:
         """Run one step; returns request id -> (sampled token, its logprob or None)."""
+        if self.device.type == "cuda":
+            # Engine loops run on their own threads, whose current device is not ours by default.
+            torch.cuda.set_device(self.device)
         inputs = self.prepare(scheduled)
         hidden = self._forward(inputs)
         if not inputs.sampled:

@@ -169,3 +169,11 @@ def test_grpcurl_sees_health_and_reflection(cluster):
     )
     assert gen.returncode == 0, gen.stderr
     assert '"finish_reason": "length"' in gen.stdout
+
+
+def test_client_deadline_propagates_and_frees_blocks(channel):
+    stub = pbg.InferenceStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(50, 90)), sampling_params=greedy(2000, ignore_eos=True)), timeout=1.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a deadline")
