@@ -6,10 +6,14 @@ Every block is in exactly one state:
   * free     - ref_count == 0 and no hash.
 Allocation takes free blocks first and only then evicts cached ones, least recently used first,
 so a freed prompt stays reusable for as long as memory allows.
+
+With events enabled, every hash that enters or leaves the prefix cache is recorded so a router
+can keep an index of which worker holds which prefix (`KvEventLog`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,6 +31,76 @@ class BlockStats:
     in_use: int
 
 
+@dataclass(frozen=True)
+class KvEventBatch:
+    """What entered (`stored`) and left (`removed`) one prefix cache since the previous batch.
+
+    Batches are numbered 1, 2, 3, ... A consumer applies batch `seq` only on top of `seq - 1`;
+    any other number means it missed something and must ask for a snapshot (`full`: `stored`
+    is then every hash the cache holds, and everything else is gone). A batch with the last
+    number again carries no change, only the gauges.
+    """
+
+    seq: int
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    full: bool = False
+    num_available: int = 0  # free + evictable blocks when the batch was cut (KV headroom)
+    num_blocks: int = 0
+
+
+class KvEventLog:
+    """Changes to the prefix cache not yet handed out, last change per hash wins.
+
+    Collapsing per hash keeps a batch no larger than the number of distinct hashes touched and
+    makes its order irrelevant (`stored` and `removed` are disjoint). If nobody drains the log
+    and it passes `max_pending`, the changes are dropped and one sequence number is skipped, so
+    the consumer sees a gap and resynchronises from a snapshot: memory stays bounded.
+    """
+
+    def __init__(self, max_pending: int = 1 << 16) -> None:
+        self.max_pending = max_pending
+        self._pending: dict[int, bool] = {}  # hash -> stored (True) / removed (False)
+        self._seq = 0
+        self._ready = threading.Condition(threading.Lock())
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def record(self, block_hash: int, stored: bool) -> None:
+        was_empty = not self._pending
+        self._pending[block_hash] = stored
+        if len(self._pending) > self.max_pending:
+            self._pending.clear()
+            self._seq += 1  # the gap tells the consumer to resynchronise
+        elif was_empty:
+            with self._ready:
+                self._ready.notify_all()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block (up to timeout_s) until a change is pending; for long-polling consumers on
+        another thread. The check is a hint: the caller drains under the engine's lock."""
+        with self._ready:
+            if not self._pending:
+                self._ready.wait(timeout_s)
+            return bool(self._pending)
+
+    def cut(self, num_available: int, num_blocks: int) -> KvEventBatch:
+        if not self._pending:
+            return KvEventBatch(self._seq, num_available=num_available, num_blocks=num_blocks)
+        self._seq += 1
+        stored = tuple(h for h, s in self._pending.items() if s)
+        removed = tuple(h for h, s in self._pending.items() if not s)
+        self._pending.clear()
+        return KvEventBatch(self._seq, stored, removed, num_available=num_available, num_blocks=num_blocks)
+
+    def snapshot(self, hashes: Iterable[int], num_available: int, num_blocks: int) -> KvEventBatch:
+        self._pending.clear()  # the snapshot supersedes them
+        self._seq += 1
+        return KvEventBatch(self._seq, tuple(hashes), full=True, num_available=num_available, num_blocks=num_blocks)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -39,6 +113,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.events: KvEventLog | None = None
 
     # ----- queries -------------------------------------------------------------------------
 
@@ -74,6 +149,21 @@ class BlockManager:
     def num_evictable_among(self, block_ids: Iterable[int]) -> int:
         """How many of these blocks are currently cached-free (taking them reduces availability)."""
         return sum(1 for b in block_ids if self._ref_counts[b] == 0)
+
+    # ----- KV events ------------------------------------------------------------------------
+
+    def enable_events(self, max_pending: int = 1 << 16) -> KvEventLog:
+        if self.events is None:
+            self.events = KvEventLog(max_pending)
+        return self.events
+
+    def drain_events(self, full: bool = False) -> KvEventBatch:
+        """The changes since the last batch, or (`full`) every hash the prefix cache holds."""
+        if self.events is None:
+            raise RuntimeError("KV events are not enabled on this block manager")
+        if full:
+            return self.events.snapshot(self._hash_to_block, self.num_available, self.num_blocks)
+        return self.events.cut(self.num_available, self.num_blocks)
 
     # ----- mutations -----------------------------------------------------------------------
 
@@ -125,6 +215,8 @@ class BlockManager:
             return  # another block already holds this prefix; this one stays private
         self._hash_to_block[block_hash] = block_id
         self._block_hash[block_id] = block_hash
+        if self.events is not None:
+            self.events.record(block_hash, True)
 
     def reset_prefix_cache(self) -> None:
         for b in list(self._cached_lru):
@@ -138,6 +230,8 @@ class BlockManager:
             self._block_hash[block_id] = None
             if self._hash_to_block.get(h) == block_id:
                 del self._hash_to_block[h]
+                if self.events is not None:
+                    self.events.record(h, False)
 
     # ----- integrity -----------------------------------------------------------------------
 

@@ -1,0 +1,317 @@
+"""Placement state: the ring, the prefix index and the in-flight loads of one worker pool, and
+the decisions made from them. No I/O: the router feeds it KV event batches and request
+outcomes, and the trace benchmark (`bench/router.py`) drives the very same objects with
+simulated workers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import KvEventBatch
+from router.prefix_index import PrefixIndex
+from router.recent_load import RecentLoad
+from router.ring import HashRing
+from router.scoring import pick_decode, pick_prefill, prefill_cost
+
+POLICIES = ("index", "ring", "round_robin", "random", "modulo")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    # index: ring + prefix index (the default); ring: consistent hashing with bounded loads
+    # alone; round_robin, random, modulo (hash % N): baselines for the benchmark.
+    policy: str = "index"
+    # The ring key is the chained hash of this many leading blocks (fewer if the prompt is
+    # shorter); docs/router.md has the sweep behind the default.
+    prefix_blocks: int = 16
+    vnodes: int = 256  # points per worker: the busiest's share of the key space within ~10 %
+    load_factor: float = 1.25  # c: a worker takes work only while below c x the mean load
+    load_window_s: float = 2.0  # time constant of the prefill load the bound compares
+    miss_weight: float = 1.0  # score per prompt block the worker would have to compute
+    load_weight: float = 0.1  # score per block of prefill work already queued there
+    max_index_entries_per_worker: int = 1 << 18
+    recent_keys: int = 4096  # ring keys remembered to measure how many a membership change moves
+    seed: int = 0  # for the random baseline
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.prefix_blocks < 1:
+            raise ValueError("prefix_blocks: must be >= 1")
+        if self.vnodes < 1:
+            raise ValueError("vnodes: must be >= 1")
+        if self.load_factor < 1.0:
+            raise ValueError("load_factor: must be >= 1 (below 1 no placement could satisfy it)")
+        if self.load_window_s <= 0:
+            raise ValueError("load_window_s: must be > 0")
+        if self.miss_weight < 0 or self.load_weight < 0:
+            raise ValueError("miss_weight/load_weight: must be >= 0")
+
+
+@dataclass(frozen=True)
+class Placement:
+    worker: str
+    matched_blocks: int  # leading prompt blocks the index says the worker holds
+    home: str | None  # the ring owner of the prompt's key (None: no key, or a keyless policy)
+    cost: float = 1.0  # the load it adds to the worker (prefill: blocks it expects to compute)
+    num_tokens: int = 0
+    at: float = 0.0  # when it was placed
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What the placement decisions did, for the router's stats call."""
+
+    placed: dict[str, int]  # requests placed per worker since start
+    inflight: dict[str, int]  # requests in flight per worker now
+    load: dict[str, float]  # what the bound compares (prefill: recent work, decode: in flight)
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens the workers reported as served from their cache
+    predicted_cached_tokens: int  # what the index expected at placement
+    off_home: int  # placed away from the ring owner (owner above the bound, or a better copy)
+    membership_changes: int
+    last_remap_fraction: float  # of recently seen keys, share whose ring owner the last change moved
+    index_entries: int
+    index_gaps: int  # event batches that arrived out of order and forced a resync
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def max_load_ratio(self) -> float:
+        mean = sum(self.load.values()) / len(self.load) if self.load else 0.0
+        return max(self.load.values()) / mean if mean > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["hit_rate"] = self.hit_rate
+        d["max_load_ratio"] = self.max_load_ratio
+        return d
+
+
+def ring_key(block_hashes: Sequence[int], prefix_blocks: int) -> int | None:
+    """The chained hash of the prompt's first `prefix_blocks` full blocks; it names that whole
+    prefix. None for a prompt without a full block (nothing cacheable to be near)."""
+    if not block_hashes:
+        return None
+    return block_hashes[min(prefix_blocks, len(block_hashes)) - 1]
+
+
+@dataclass
+class _Counters:
+    placed: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    off_home: int = 0
+    membership_changes: int = 0
+    last_remap_fraction: float = 0.0
+
+
+class _Pool:
+    """Membership, in-flight requests, the index and counters shared by both pools."""
+
+    def __init__(self, cfg: PlacementConfig, workers: Iterable[str] = (), block_size: int = 16) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.ring = HashRing(vnodes=cfg.vnodes)
+        self.index = PrefixIndex(cfg.max_index_entries_per_worker)
+        self.inflight: dict[str, int] = {}
+        self._recent_keys: OrderedDict[int, None] = OrderedDict()
+        self._counters = _Counters()
+        for w in workers:
+            self._join(w)
+
+    @property
+    def workers(self) -> list[str]:
+        return list(self.inflight)
+
+    def _join(self, worker: str) -> None:
+        self.ring.add(worker)
+        self.index.add_worker(worker)
+        self.inflight.setdefault(worker, 0)
+
+    def _leave(self, worker: str) -> None:
+        self.ring.remove(worker)
+        self.index.remove_worker(worker)
+        del self.inflight[worker]
+
+    def add_worker(self, worker: str) -> None:
+        if worker not in self.inflight:
+            self._membership_change(lambda: self._join(worker))
+
+    def remove_worker(self, worker: str) -> None:
+        """Stop placing on `worker` and forget what it caches. Requests already there finish
+        normally (`finish` for a worker that left is a no-op)."""
+        if worker in self.inflight:
+            self._membership_change(lambda: self._leave(worker))
+
+    def _membership_change(self, change: Callable[[], None]) -> None:
+        before = {k: self.ring.owner(k) for k in self._recent_keys}
+        change()
+        moved = sum(1 for k, o in before.items() if self.ring.owner(k) != o)
+        self._counters.membership_changes += 1
+        self._counters.last_remap_fraction = moved / len(before) if before else 0.0
+
+    def _remember(self, key: int | None) -> None:
+        if key is None:
+            return
+        self._recent_keys[key] = None
+        self._recent_keys.move_to_end(key)
+        if len(self._recent_keys) > self.cfg.recent_keys:
+            self._recent_keys.popitem(last=False)
+
+    def _open(self, capacity: int) -> list[str]:
+        return [w for w, n in self.inflight.items() if n < capacity]
+
+    # ----- events and outcomes -------------------------------------------------------------
+
+    def apply_events(self, worker: str, batch: KvEventBatch) -> bool:
+        """False when the batch does not follow the previous one: fetch a full snapshot."""
+        return self.index.apply(worker, batch)
+
+    def finish(self, p: Placement) -> None:
+        """The placed request no longer occupies its worker (prefill done, decode finished)."""
+        if self.inflight.get(p.worker, 0) > 0:
+            self.inflight[p.worker] -= 1
+
+    def _placed(self, p: Placement) -> Placement:
+        self.inflight[p.worker] += 1
+        c = self._counters
+        c.placed[p.worker] += 1
+        c.predicted_cached_tokens += p.matched_blocks * self.block_size
+        if p.home is not None and p.worker != p.home:
+            c.off_home += 1
+        return p
+
+    def _loads(self, now: float) -> dict[str, float]:
+        return {w: float(n) for w, n in self.inflight.items()}
+
+    def stats(self, now: float) -> PoolStats:
+        c = self._counters
+        return PoolStats(
+            placed=dict(c.placed),
+            inflight=dict(self.inflight),
+            load=self._loads(now),
+            prompt_tokens=c.prompt_tokens,
+            cached_tokens=c.cached_tokens,
+            predicted_cached_tokens=c.predicted_cached_tokens,
+            off_home=c.off_home,
+            membership_changes=c.membership_changes,
+            last_remap_fraction=c.last_remap_fraction,
+            index_entries=len(self.index),
+            index_gaps=self.index.gaps,
+        )
+
+
+class PrefillPolicy(_Pool):
+    """Where a prompt is prefilled: near its cached prefix, never above the load bound.
+
+    Two measures of load, both in blocks to compute: the bound compares the work recently
+    placed on each worker (its share of the pool's work, see `recent_load`), the score the work
+    queued there now (what a new prompt waits behind).
+    """
+
+    def __init__(self, cfg: PlacementConfig, workers: Iterable[str] = (), block_size: int = 16) -> None:
+        self.recent = RecentLoad(cfg.load_window_s)
+        self.queued: dict[str, float] = {}
+        super().__init__(cfg, workers, block_size)
+        self._rr = 0
+        self._rng = random.Random(cfg.seed)
+
+    def _join(self, worker: str) -> None:
+        super()._join(worker)
+        self.recent.add_worker(worker)
+        self.queued.setdefault(worker, 0.0)
+
+    def _leave(self, worker: str) -> None:
+        super()._leave(worker)
+        self.recent.remove_worker(worker)
+        del self.queued[worker]
+
+    def _loads(self, now: float) -> dict[str, float]:
+        return self.recent.at(now)
+
+    def home(self, key: int | None) -> str | None:
+        """The worker a key goes to on an idle cluster (None where the policy ignores keys)."""
+        if key is None:
+            return None
+        if self.cfg.policy in ("index", "ring"):
+            return self.ring.owner(key)
+        if self.cfg.policy == "modulo":
+            ws = sorted(self.inflight)
+            return ws[key % len(ws)] if ws else None
+        return None
+
+    def place(
+        self, block_hashes: Sequence[int], num_tokens: int, now: float, capacity: int = 1 << 30
+    ) -> Placement | None:
+        """Pick a worker for a prompt of `num_tokens` tokens with these full-block hashes at
+        time `now` (seconds, any monotonic origin) and count it in flight there until `finish`.
+        None when every worker already has `capacity` requests in flight."""
+        cfg = self.cfg
+        open_ = self._open(capacity)
+        if not open_:
+            return None
+        key = ring_key(block_hashes, cfg.prefix_blocks)
+        self._remember(key)
+        home = self.home(key)
+        matched = self.index.match(block_hashes) if cfg.policy == "index" else {}
+        cost = {w: float(prefill_cost(num_tokens, matched.get(w, 0), self.block_size)) for w in open_}
+        if cfg.policy == "round_robin":
+            ws = self.workers
+            i = next(i for i in range(len(ws)) if ws[(self._rr + i) % len(ws)] in cost)
+            w = ws[(self._rr + i) % len(ws)]
+            self._rr = (self._rr + i + 1) % len(ws)
+        elif cfg.policy == "random":
+            w = self._rng.choice(open_)
+        elif cfg.policy == "modulo":
+            w = home if home in cost else min(open_, key=lambda x: self.queued[x])
+        else:
+            # Without a key (not one full block) nothing is cacheable: least queued first.
+            order = [x for x in self.ring.walk(key) if x in cost] if key is not None else sorted(open_, key=self.queued.get)
+            w = pick_prefill(
+                order, self.recent.at(now), self.queued, cost, matched,
+                c=cfg.load_factor, miss_weight=cfg.miss_weight, load_weight=cfg.load_weight,
+            )
+        self.recent.add(w, cost[w], now)
+        self.queued[w] += cost[w]
+        return self._placed(Placement(w, matched.get(w, 0), home, cost[w], num_tokens, now))
+
+    def finish(self, p: Placement, now: float | None = None, cached_tokens: int | None = None) -> None:
+        """The prefill is over. With `cached_tokens` (what the worker reported) the worker's
+        recent load is corrected from the estimate to the work it really did, so a stale index
+        or a policy that ignores the cache still bounds real load; the counters behind the hit
+        rate are updated too."""
+        super().finish(p)
+        if p.worker not in self.queued:
+            return
+        # Subtract what was added; an idle worker reads exactly 0 whatever the rounding.
+        self.queued[p.worker] = max(0.0, self.queued[p.worker] - p.cost) if self.inflight[p.worker] else 0.0
+        if cached_tokens is not None:
+            self._counters.prompt_tokens += p.num_tokens
+            self._counters.cached_tokens += cached_tokens
+            if now is not None:
+                actual = prefill_cost(p.num_tokens, cached_tokens // self.block_size, self.block_size)
+                self.recent.add(p.worker, (actual - p.cost) * self.recent.decay(p.at, now), now)
+
+
+class DecodePolicy(_Pool):
+    """Where a prefilled request decodes: the worker with KV room that already holds most of
+    its prefix (fewest blocks to pull), under the same bound on requests in flight (decode
+    requests last seconds, so counts are a smooth measure here)."""
+
+    def place(self, block_hashes: Sequence[int], num_tokens: int, capacity: int = 1 << 30) -> Placement | None:
+        open_ = self._open(capacity)
+        if not open_:
+            return None
+        matched = self.index.match(block_hashes)
+        headroom = {w: self.index.headroom(w) for w in open_}
+        needed = -(-num_tokens // self.block_size)
+        w = pick_decode(open_, {w: self.inflight[w] for w in open_}, matched, headroom, needed, c=self.cfg.load_factor)
+        return self._placed(Placement(w, matched.get(w, 0), None, 1.0))

@@ -1,0 +1,98 @@
+"""Placement decisions as pure functions of loads and prefix matches.
+
+Bounded loads (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam,
+2018): a worker may take a request only while its load is below `c` times the mean load, the
+mean counting the request being placed. For unit loads this is the paper's
+`load + 1 <= ceil(c * (total + 1) / n)`. The least loaded worker always qualifies (its load is
+at most the old mean, which is below c times the new one for c >= 1), so the bound only ever
+redirects work, never refuses it; refusing is the hard per-worker capacity's job.
+
+A worker with nothing in flight always qualifies: an idle worker delays nobody. For unit loads
+the rule above already says so (0 < c * (total + 1) / n); for loads that outlive the requests,
+like the prefill pool's decaying work, it has to be said, or at low traffic the worker that
+served the last request would look overloaded and its cached prefix would be recomputed
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping, Sequence
+
+
+def under_bound(
+    loads: Mapping[str, float], cost: Mapping[str, float], c: float, idle: Container[str] = ()
+) -> list[str]:
+    """The workers (in the order of `loads`) whose load is below c times the mean load after
+    adding this request, which costs `cost[w]` on worker w, and the `idle` ones."""
+    if not loads:
+        return []
+    total, n = sum(loads.values()), len(loads)
+    return [w for w, load in loads.items() if load < c * (total + cost[w]) / n or w in idle]
+
+
+def prefill_cost(num_tokens: int, matched_blocks: int, block_size: int) -> int:
+    """Blocks a prefill worker must compute: the prompt's blocks (the partial last one included)
+    minus the cached ones, of which the engine never uses the block holding the last token."""
+    usable = min(matched_blocks, (num_tokens - 1) // block_size)
+    return -(-num_tokens // block_size) - usable
+
+
+def pick_prefill(
+    order: Sequence[str],
+    loads: Mapping[str, float],
+    queued: Mapping[str, float],
+    cost: Mapping[str, float],
+    matched: Mapping[str, int],
+    *,
+    c: float,
+    miss_weight: float,
+    load_weight: float,
+) -> str:
+    """The prefill worker for a prompt, among the open workers in `order` (non-empty): the
+    ring's clockwise walk from the prompt's key, owner first.
+
+    `cost[w]` is what the prompt adds on w (its blocks not cached there), `loads` what the
+    bound compares (work recently placed) and `queued` the work in flight now (a worker with
+    none is idle, so under the bound). Among the workers under the bound, the cheapest is `miss_weight * cost + load_weight * queued`, an
+    estimate of the time to the first token with both weights 1. The ring order breaks ties,
+    and when no worker under the bound holds any of the prompt the ring alone decides (the
+    first of them clockwise), so new prefixes spread by key instead of being copied onto
+    whoever happens to be idle.
+    """
+    idle = {w for w in order if queued[w] <= 0}
+    eligible = under_bound({w: loads[w] for w in order}, cost, c, idle)
+    if not any(matched.get(w, 0) for w in eligible):
+        return eligible[0]
+    rank = {w: i for i, w in enumerate(eligible)}
+    return min(eligible, key=lambda w: (miss_weight * cost[w] + load_weight * queued[w], rank[w]))
+
+
+def pick_decode(
+    workers: Sequence[str],
+    loads: Mapping[str, int],
+    matched: Mapping[str, int],
+    headroom: Mapping[str, int | None],
+    blocks_needed: int,
+    *,
+    c: float,
+) -> str:
+    """The decode worker for a prompt needing `blocks_needed` KV blocks, among the open
+    `workers` (non-empty); load is requests in flight.
+
+    Among the workers under the bound whose reported free + evictable blocks cover what they
+    would have to allocate (blocks_needed minus what they already hold), the one holding most
+    of the prefix (fewest blocks to pull), then the least loaded, then the first listed. If
+    none has room, the least loaded: it may still free blocks, and if not it answers
+    RESOURCE_EXHAUSTED itself. A worker that has not reported yet counts as having room.
+    """
+    rank = {w: i for i, w in enumerate(workers)}
+    eligible = under_bound({w: loads[w] for w in workers}, {w: 1 for w in workers}, c)
+
+    def fits(w: str) -> bool:
+        room = headroom.get(w)
+        return room is None or room >= blocks_needed - matched.get(w, 0)
+
+    fitting = [w for w in eligible if fits(w)]
+    if not fitting:
+        return min(workers, key=lambda w: (loads[w], rank[w]))
+    return min(fitting, key=lambda w: (-matched.get(w, 0), loads[w], rank[w]))

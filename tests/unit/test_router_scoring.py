@@ -1,0 +1,157 @@
+"""Placement decisions without processes: the load bound, prefill and decode choices, the
+decaying load, and the policy object the router and the benchmark share."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.engine.block_manager import KvEventBatch
+from pdserve.engine.hashing import block_hashes
+from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy, ring_key
+from router.recent_load import RecentLoad
+from router.scoring import pick_decode, pick_prefill, prefill_cost, under_bound
+
+
+def test_bound_with_unit_loads_is_the_ceiling_rule():
+    # load + 1 <= ceil(c * (total + 1) / n)  <=>  load < c * (total + 1) / n for integer loads
+    for loads in ({"a": 2, "b": 0, "c": 0}, {"a": 3, "b": 3, "c": 1}, {"a": 0, "b": 0}):
+        total, n = sum(loads.values()), len(loads)
+        cap = math.ceil(1.25 * (total + 1) / n)
+        expected = [w for w, x in loads.items() if x + 1 <= cap]
+        assert under_bound(loads, dict.fromkeys(loads, 1), 1.25) == expected
+
+
+def test_the_least_loaded_worker_is_always_under_the_bound():
+    loads = {"a": 50.0, "b": 49.0, "c": 10.0}
+    assert under_bound(loads, dict.fromkeys(loads, 1.0), 1.0) == ["c"]
+
+
+def test_prefill_cost_never_counts_the_block_of_the_last_token_as_cached():
+    assert prefill_cost(64, 4, 16) == 1  # 4 full blocks cached, but the 4th holds the last token
+    assert prefill_cost(65, 4, 16) == 1  # the partial 5th block is computed
+    assert prefill_cost(100, 0, 16) == 7
+
+
+def test_without_a_match_the_ring_decides_among_workers_under_the_bound():
+    loads = {"a": 0.0, "b": 0.0, "c": 0.0}
+    cost = dict.fromkeys(loads, 10.0)
+    kw = dict(c=1.25, miss_weight=1.0, load_weight=0.1)
+    assert pick_prefill(["b", "c", "a"], loads, loads, cost, {}, **kw) == "b"
+    hot = {"a": 0.0, "b": 100.0, "c": 0.0}  # the owner is above the bound: next clockwise
+    assert pick_prefill(["b", "c", "a"], hot, hot, cost, {}, **kw) == "c"
+
+
+def test_a_cached_prefix_beats_the_ring_owner_unless_it_is_above_the_bound():
+    kw = dict(c=1.25, miss_weight=1.0, load_weight=0.1)
+    loads = {"a": 10.0, "b": 10.0, "c": 10.0}
+    cost = {"a": 20.0, "b": 2.0, "c": 20.0}
+    assert pick_prefill(["a", "b", "c"], loads, loads, cost, {"b": 18}, **kw) == "b"
+    busy = {"a": 10.0, "b": 40.0, "c": 10.0}
+    assert pick_prefill(["a", "b", "c"], busy, busy, cost, {"b": 18}, **kw) == "a"
+
+
+def test_decode_prefers_the_worker_holding_most_of_the_prefix_with_room():
+    loads = {"a": 1, "b": 1, "c": 1}
+    room = {"a": 100, "b": 100, "c": None}
+    assert pick_decode(["a", "b", "c"], loads, {"b": 5}, room, 8, c=1.25) == "b"
+    assert pick_decode(["a", "b", "c"], loads, {}, room, 8, c=1.25) == "a"
+    # b holds the prefix but has no room for the rest; c never reported, so it counts as roomy
+    assert pick_decode(["a", "b", "c"], loads, {"b": 5, "c": 2}, {"a": 0, "b": 1, "c": None}, 8, c=1.25) == "c"
+    # nobody has room: the least loaded, to answer for itself
+    assert pick_decode(["a", "b"], {"a": 2, "b": 1}, {}, {"a": 0, "b": 0}, 8, c=1.25) == "b"
+    # b is above the bound (4 >= 1.25 * 7 / 3): a worker with less of the prefix gets it
+    assert pick_decode(["a", "b", "c"], {"a": 1, "b": 4, "c": 1}, {"b": 5, "a": 1}, room, 8, c=1.25) == "a"
+
+
+def test_recent_load_decays_and_corrections_never_go_negative():
+    r = RecentLoad(window_s=2.0)
+    r.add_worker("a")
+    r.add("a", 10.0, now=0.0)
+    assert r.at(2.0)["a"] == pytest.approx(10 / math.e)
+    r.add("a", -100.0, now=2.0)
+    assert r.at(3.0)["a"] == 0.0
+    assert r.decay(1.0, 3.0) == pytest.approx(math.exp(-1.0))
+
+
+def test_config_rejects_nonsense_naming_the_field():
+    for kw, field in ((dict(policy="nope"), "policy"), (dict(load_factor=0.9), "load_factor"),
+                      (dict(prefix_blocks=0), "prefix_blocks"), (dict(vnodes=0), "vnodes")):
+        with pytest.raises(ValueError, match=field):
+            PlacementConfig(**kw)
+
+
+def test_ring_key_names_the_leading_blocks():
+    hs = block_hashes(list(range(100)), 16)
+    assert ring_key(hs, 4) == hs[3] and ring_key(hs, 64) == hs[-1] and ring_key([], 4) is None
+
+
+def test_prefill_policy_follows_the_index_and_learns_the_real_cost():
+    policy = PrefillPolicy(PlacementConfig(), ["p0", "p1", "p2"])
+    prompt = list(range(1000, 1000 + 160))
+    hs = block_hashes(prompt, 16)
+    first = policy.place(hs, len(prompt), now=0.0)
+    assert first.worker == policy.ring.owner(ring_key(hs, 16)) and first.cost == 10
+    policy.finish(first, now=0.1, cached_tokens=0)
+    holder = "p1" if first.worker != "p1" else "p2"  # another worker reports holding the prompt
+    assert policy.apply_events(holder, KvEventBatch(1, tuple(hs)))
+    again = policy.place(hs, len(prompt), now=0.2)
+    assert again.worker == holder and again.matched_blocks == 10 and again.cost == 1
+    policy.finish(again, now=0.3, cached_tokens=144)
+    stats = policy.stats(now=0.3)
+    assert stats.cached_tokens == 144 and stats.prompt_tokens == 320 and stats.off_home == 1
+    assert stats.inflight == {"p0": 0, "p1": 0, "p2": 0}
+
+
+def test_prefill_policy_refuses_only_at_hard_capacity():
+    policy = PrefillPolicy(PlacementConfig(), ["p0", "p1"])
+    hs = block_hashes(list(range(64)), 16)
+    placed = [policy.place(hs, 64, now=0.0, capacity=2) for _ in range(4)]
+    assert sorted(p.worker for p in placed) == ["p0", "p0", "p1", "p1"]
+    assert policy.place(hs, 64, now=0.0, capacity=2) is None
+    policy.finish(placed[0])
+    assert policy.place(hs, 64, now=0.0, capacity=2).worker == placed[0].worker
+
+
+def test_a_prompt_without_a_full_block_goes_to_the_least_queued_worker():
+    policy = PrefillPolicy(PlacementConfig(), ["p0", "p1"])
+    big = policy.place(block_hashes(list(range(320)), 16), 320, now=0.0)
+    small = policy.place([], 5, now=0.0)
+    assert small.worker != big.worker and small.home is None
+
+
+def test_baseline_policies_place_as_named():
+    hs = block_hashes(list(range(64)), 16)
+    rr = PrefillPolicy(PlacementConfig(policy="round_robin"), ["a", "b", "c"])
+    assert [rr.place(hs, 64, now=0.0).worker for _ in range(4)] == ["a", "b", "c", "a"]
+    mod = PrefillPolicy(PlacementConfig(policy="modulo"), ["a", "b", "c"])
+    assert len({mod.place(hs, 64, now=0.0).worker for _ in range(5)}) == 1  # no bound at all
+    rnd = PrefillPolicy(PlacementConfig(policy="random", seed=3), ["a", "b", "c"])
+    assert {rnd.place(hs, 64, now=0.0).worker for _ in range(30)} == {"a", "b", "c"}
+
+
+def test_membership_changes_are_counted_with_the_share_of_keys_they_moved():
+    policy = PrefillPolicy(PlacementConfig(), [f"p{i}" for i in range(8)])
+    for i in range(2000):
+        p = policy.place(block_hashes([i] * 16, 16), 16, now=0.0)
+        policy.finish(p)
+    policy.add_worker("p8")
+    s = policy.stats(now=0.0)
+    assert s.membership_changes == 1 and 0.05 < s.last_remap_fraction <= 1 / 9 + 0.05
+    policy.remove_worker("p8")
+    assert policy.stats(now=0.0).last_remap_fraction == pytest.approx(s.last_remap_fraction)
+    policy.finish(p)  # finishing on a worker that left is harmless
+
+
+def test_decode_policy_uses_reported_headroom_and_prefix():
+    policy = DecodePolicy(PlacementConfig(), ["d0", "d1"])
+    prompt = list(range(500, 500 + 80))
+    hs = block_hashes(prompt, 16)
+    policy.apply_events("d1", KvEventBatch(1, tuple(hs[:3]), num_available=100, num_blocks=100))
+    policy.apply_events("d0", KvEventBatch(1, (), num_available=100, num_blocks=100))
+    p = policy.place(hs, len(prompt))
+    assert p.worker == "d1" and p.matched_blocks == 3
+    policy.finish(p)
+    policy.apply_events("d1", KvEventBatch(2, (), num_available=0, num_blocks=100))  # d1 is full
+    assert policy.place(hs, len(prompt)).worker == "d0"
