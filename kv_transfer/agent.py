@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,7 +62,9 @@ def _nixl_api():
 
 
 class KvTransferAgent:
-    def __init__(self, worker_id: str, pool: torch.Tensor, layout: KvLayout) -> None:
+    def __init__(
+        self, worker_id: str, pool: torch.Tensor, layout: KvLayout, progress_thread: bool | None = None
+    ) -> None:
         api = _nixl_api()
         self.worker_id = worker_id
         self.name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
@@ -73,7 +76,17 @@ class KvTransferAgent:
             raise ValueError(f"KV pool blocks are {self.block_bytes} bytes, layout says {layout.block_bytes}")
         self.memory_type = "VRAM" if pool.is_cuda else "DRAM"
         self.device_id = (pool.device.index or 0) if pool.is_cuda else 0
-        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, taken
+        # from the engine on CPU machines (bench/kv_transfer.py: READs ran at ~50 % of a plain
+        # socket with it, above the socket without it). Host-memory pools therefore progress in
+        # their callers: `read()` polls while it waits, and workers call `notifications()` from
+        # their loops. GPU workers keep the thread (their CPUs are not the engine).
+        self.progress_thread = pool.is_cuda if progress_thread is None else progress_thread
+        self._agent = api.nixl_agent(
+            self.name, api.nixl_agent_config(enable_prog_thread=self.progress_thread, backends=["UCX"])
+        )
+        # Concurrent READs come from several request threads; NIXL calls are serialized.
+        self._lock = threading.Lock()
         self._registration = self._agent.register_memory(pool)
         self._remotes: dict[str, kv_pb2.KvAgentInfo] = {}
         log.info("NIXL agent %s registered %.1f MiB of %s", self.name, pool.numel() * pool.element_size() / 2**20, self.memory_type)
@@ -85,7 +98,7 @@ class KvTransferAgent:
             protocol_version=PROTOCOL_VERSION,
             worker_id=self.worker_id,
             agent_name=self.name,
-            agent_metadata=self._agent.get_agent_metadata(),
+            agent_metadata=self._metadata(),
             compat_hash=self.compat_hash,
             pool_address=self.pool.data_ptr(),
             block_bytes=self.block_bytes,
@@ -94,13 +107,18 @@ class KvTransferAgent:
             memory_type=self.memory_type,
         )
 
+    def _metadata(self) -> bytes:
+        with self._lock:
+            return self._agent.get_agent_metadata()
+
     def connect(self, info: kv_pb2.KvAgentInfo) -> None:
         """Accept a peer after checking that its KV layout is the same as ours."""
         if info.protocol_version != PROTOCOL_VERSION:
             raise ValueError(f"protocol_version: peer {info.worker_id} speaks {info.protocol_version}, we speak {PROTOCOL_VERSION}")
         check_compatible(self.compat_hash, info.compat_hash, info.worker_id)
         if info.agent_name not in self._remotes:
-            self._agent.add_remote_agent(info.agent_metadata)
+            with self._lock:
+                self._agent.add_remote_agent(info.agent_metadata)
         self._remotes[info.agent_name] = info
 
     def is_connected(self, agent_name: str) -> bool:
@@ -116,7 +134,8 @@ class KvTransferAgent:
         if remote is None:
             raise KvTransferError(f"agent_name: not connected to {remote_agent!r}")
         if not remote_ids:
-            self._agent.send_notif(remote_agent, notify)
+            with self._lock:
+                self._agent.send_notif(remote_agent, notify)
             return TransferStats(0, 0, 0, 0.0)
         for r in remote_ids:
             if not 0 <= r < remote.num_blocks:
@@ -127,34 +146,41 @@ class KvTransferAgent:
         local = [(local_base + loc * bb, n * bb, self.device_id) for _, loc, n in runs]
         remote_descs = [(remote.pool_address + r * bb, n * bb, remote.device_id) for r, _, n in runs]
         start = time.perf_counter()
-        handle = self._agent.initialize_xfer(
-            "READ",
-            self._agent.get_xfer_descs(local, self.memory_type),
-            self._agent.get_xfer_descs(remote_descs, remote.memory_type),
-            remote_agent,
-            notify,
-        )
+        with self._lock:
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, self.memory_type),
+                self._agent.get_xfer_descs(remote_descs, remote.memory_type),
+                remote_agent,
+                notify,
+            )
         try:
-            state = self._agent.transfer(handle)
+            with self._lock:
+                state = self._agent.transfer(handle)
             deadline = start + timeout_s
-            pause = 2e-5
             while state != "DONE":
                 if state == "ERR":
                     raise KvTransferError(f"READ of {len(remote_ids)} blocks from {remote_agent} failed")
-                if time.perf_counter() > deadline:
+                now = time.perf_counter()
+                if now > deadline:
                     raise KvTransferError(f"READ of {len(remote_ids)} blocks from {remote_agent} timed out after {timeout_s}s")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                state = self._agent.check_xfer_state(handle)
+                # Yield only for the first milliseconds (a GPU READ of a prompt's KV takes about
+                # that long), then back off so a slow link does not burn a core.
+                time.sleep(0 if now - start < 0.005 else min(1e-3, (now - start) / 50))
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
         finally:
-            self._agent.release_xfer_handle(handle)
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
         seconds = time.perf_counter() - start
         return TransferStats(len(remote_ids), len(remote_ids) * bb, len(runs), seconds)
 
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call, from every peer."""
         out: list[bytes] = []
-        for msgs in self._agent.get_new_notifs().values():
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+        for msgs in notifs.values():
             out.extend(msgs)
         return out
 
