@@ -123,8 +123,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> dict[str, tuple[int, float | None]]:
         """Run one step; returns request id -> (sampled token, its logprob or None)."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             # Engine loops run on their own threads, whose current device is not ours by default.
+            # (A bare "cuda" has no index: torch.cuda.set_device rejects it; nothing to set then.)
             torch.cuda.set_device(self.device)
         inputs = self.prepare(scheduled)
         hidden = self._forward(inputs)

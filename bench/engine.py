@@ -1,0 +1,624 @@
+#!/usr/bin/env python3
+"""Engine micro-benchmark: decode step time and prefill throughput beside their floors.
+
+GPU (``--device cuda``): Llama-3.2-1B- and Llama-3-8B-shaped models with random weights
+(``load_format="dummy"``), bf16, CUDA graphs on. For each shape:
+
+* decode step time at batch 1, 32 and 128, steady state (every sequence decoding, context
+  ~512 tokens), median of timed ``engine.step()`` calls. Floor = (weight bytes + KV bytes read)
+  / device copy bandwidth measured in the same run (a large ``torch`` copy, bytes read + written,
+  median). Target: batch 1 within 1.5x of the floor.
+* prefill of one 4096-token prompt: tokens/s and achieved FLOP/s as % of the bf16 matmul rate
+  measured in the same run (8192^3 ``torch.matmul``, median). Floor = FLOPs / that rate.
+  Target: >= 50 %.
+
+CPU (``--device cpu``): the default model (SmolLM2-135M, float32) at batch 1 and 8: decode
+tokens/s (steady state) and end-to-end generate tokens/s.
+
+    python bench/engine.py --device cuda [--shapes 1b,8b] [--json out.json] [--profile]
+    python bench/engine.py --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdserve import LLM, SamplingParams
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "1b": {  # Llama-3.2-1B
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "8b": {  # Llama-3-8B (3.1 rope scaling)
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+DECODE_BATCHES = (1, 32, 128)
+DECODE_CONTEXT = 512
+PREFILL_TOKENS = 4096
+MAX_MODEL_LEN = 8192
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Row:
+    shape: str
+    metric: str
+    value: float
+    unit: str
+    floor: float | None = None  # same unit as value
+    ratio: str = ""  # e.g. "1.23x floor" or "61 % of matmul"
+    target: str = ""
+    met: bool | None = None
+    extra: dict[str, Any] | None = None
+
+
+# ----- model arithmetic ---------------------------------------------------------------------
+
+
+def weight_bytes_per_decode_step(c: dict[str, Any], dtype_bytes: int = 2) -> int:
+    """Bytes of weights a decode step reads: every layer, the final norm, the LM head (the
+    embedding table when tied). An untied embedding lookup reads only a few rows: not counted."""
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    hq, hkv, v = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
+    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i + 2 * h
+    return (c["num_hidden_layers"] * per_layer + h + v * h) * dtype_bytes
+
+
+def kv_bytes_per_token(c: dict[str, Any], dtype_bytes: int = 2) -> int:
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes
+
+
+def prefill_flops(c: dict[str, Any], t: int) -> float:
+    """Matmul FLOPs of a t-token causal prefill from an empty cache; logits for the last token only."""
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    hq, hkv, v, n = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"], c["num_hidden_layers"]
+    linear = 2 * t * n * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i)
+    attention = n * 2 * 2 * hq * d * (t * (t + 1) / 2)  # QK^T and PV over the causal triangle
+    return linear + attention + 2 * h * v
+
+
+# ----- same-run ceilings ----------------------------------------------------------------------
+
+
+def _time_cuda(fn, reps: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    t = statistics.median(_time_cuda(lambda: dst.copy_(src), reps))
+    return 2 * nbytes / t
+
+
+def matmul_rate(n: int = 8192, reps: int = 20) -> float:
+    """bf16 matmul FLOP/s on random data."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t = statistics.median(_time_cuda(lambda: torch.matmul(a, b), reps))
+    return 2 * n**3 / t
+
+
+# ----- engine drivers -------------------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def decode_steps(
+    llm: LLM, batch: int, context: int, warmup: int, reps: int, rng: random.Random, device: str
+) -> tuple[list[float], float]:
+    """Times engine.step() once every sequence is decoding; returns (step times, mean context)."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    # Far more tokens than the timed steps need (sequences that finished prefill first are
+    # already a few tokens ahead); the rest are aborted at the end.
+    params = SamplingParams(max_tokens=warmup + reps + 256, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(batch)]
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked, mixed with the first decodes)
+        for out in engine.step():
+            started.add(out.request_id)
+    for _ in range(warmup):
+        engine.step()
+    times, contexts = [], []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        assert len(outs) == batch, f"expected a pure decode step of {batch}, got {len(outs)} outputs"
+        contexts.append(statistics.mean(len(o.prompt_token_ids) + len(o.token_ids) for o in outs))
+    for rid in ids:
+        engine.abort(rid)
+    return times, statistics.mean(contexts)
+
+
+def graph_replay_time(llm: LLM, batch: int, reps: int = 20) -> float | None:
+    """GPU time of the captured decode forward alone (diagnostic: no host work, no sampling).
+    Replays the graph holding the last step's inputs; it rewrites the same KV slots."""
+    runner = llm.engine.runner
+    if not runner._graphs:
+        return None
+    b = min(s for s in runner._graphs if s >= batch)
+    return statistics.median(_time_cuda(runner._graphs[b].replay, reps))
+
+
+def prefill_time(llm: LLM, tokens: int, warmup: int, reps: int, rng: random.Random, device: str) -> list[float]:
+    """Wall time of the engine step that prefills one fresh `tokens`-long prompt (and samples)."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    times = []
+    for i in range(warmup + reps):
+        rid = engine.add_request(_random_prompt(rng, tokens, vocab), SamplingParams(max_tokens=1, temperature=0.0))
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        assert [o.request_id for o in outs] == [rid] and outs[0].finished, "prefill did not finish in one step"
+        engine.release(rid)
+        if i >= warmup:
+            times.append(dt)
+    return times
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if "flash" in n:
+        return "attention"
+    if "nvjet" in n or "gemm" in n or "xmma" in n or "cutlass" in n:
+        return "matmul"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    return "elementwise/other"
+
+
+def _kernel_breakdown(prof, per: int, label: str, wall_s: float, top: int) -> str:
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels)
+    count = sum(e.count for e in kernels)
+    cats: dict[str, list[float]] = {}
+    for e in kernels:
+        c = cats.setdefault(_kernel_category(e.key), [0.0, 0.0])
+        c[0] += e.self_device_time_total
+        c[1] += e.count
+    head = (
+        f"{label}: wall {wall_s / per * 1e3:.3f} ms, GPU kernel time {total / per / 1e3:.3f} ms, "
+        f"{count / per:.0f} kernels (per step)"
+    )
+    lines = [head]
+    for name, (t, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {name:18s} {t / per / 1e3:7.3f} ms  {n / per:5.0f} kernels")
+    lines.append("  top kernels:")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        lines.append(f"  {e.self_device_time_total / per / 1e3:7.3f} ms  {e.count / per:5.0f}x  {e.key[:90]}")
+    return "\n".join(lines)
+
+
+def profile_steps(llm: LLM, batch: int, rng: random.Random, top: int = 10) -> str:
+    """Kernel-level breakdown of a few decode steps (graphs replayed) and of one 4k prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    ids = [
+        engine.add_request(
+            _random_prompt(rng, DECODE_CONTEXT, vocab), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        )
+        for _ in range(batch)
+    ]
+    started: set[str] = set()
+    while len(started) < batch:
+        for out in engine.step():
+            started.add(out.request_id)
+    for _ in range(3):
+        engine.step()
+    steps = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    out = [_kernel_breakdown(prof, steps, f"decode batch {batch}", wall, top)]
+    rid = engine.add_request(_random_prompt(rng, PREFILL_TOKENS, vocab), SamplingParams(max_tokens=1, temperature=0.0))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    engine.release(rid)
+    out.append(_kernel_breakdown(prof, 1, f"prefill {PREFILL_TOKENS} (under the profiler)", wall, top))
+    return "\n".join(out)
+
+
+def _free(llm: LLM | None) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----- experiment: fused elementwise ops ------------------------------------------------------
+
+
+def apply_fusion_experiment() -> None:
+    """Experiment only (--fuse-experiment): replace the model's RMSNorm, RoPE and SiLU-gate
+    elementwise chains with torch.compile'd (Inductor/Triton) versions of the same arithmetic,
+    to measure what fusing them would buy. Patches pdserve.engine.model in this process."""
+    import torch.nn.functional as F
+
+    import pdserve.engine.model as M
+
+    @torch.compile(dynamic=True)
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.compile(dynamic=True)
+    def rope(q, k, cos_table, sin_table, positions):
+        cos = cos_table[positions].to(q.dtype)[:, None, :]
+        sin = sin_table[positions].to(q.dtype)[:, None, :]
+        return q * cos + M._rotate_half(q) * sin, k * cos + M._rotate_half(k) * sin
+
+    @torch.compile(dynamic=True)
+    def silu_gate(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+
+    M.RMSNorm.forward = lambda self, x: rms_norm(x, self.weight, self.eps)
+    M.Rotary.forward = lambda self, q, k, positions: rope(q, k, self.cos, self.sin, positions)
+    M.MLP.forward = lambda self, x: self.down_proj(silu_gate(self.gate_up_proj(x), self.intermediate))
+
+
+# ----- GPU benchmark --------------------------------------------------------------------------
+
+
+def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]:
+    rows: list[Row] = []
+    info: dict[str, Any] = {"card": torch.cuda.get_device_name(0)}
+    if args.fuse_experiment:
+        apply_fusion_experiment()
+        info["experiment"] = "RMSNorm, RoPE and SiLU-gate torch.compile'd (not the engine as shipped)"
+    bar.set_description("copy bandwidth")
+    bw = copy_bandwidth()
+    bar.update(1)
+    bar.set_description("matmul rate")
+    mm = matmul_rate()
+    bar.update(1)
+    info["copy_bandwidth_GBps"] = bw / 1e9
+    info["matmul_TFLOPs"] = mm / 1e12
+    rows.append(Row("-", "device copy bandwidth (read+write)", bw / 1e9, "GB/s"))
+    rows.append(Row("-", "bf16 matmul 8192^3", mm / 1e12, "TFLOP/s"))
+    profiles: dict[str, str] = {}
+    rng = random.Random(0)
+    for shape in args.shapes:
+        cfg = SHAPES[shape]
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+            max_b = max(DECODE_BATCHES)
+            per_seq = -(-(DECODE_CONTEXT + args.decode_warmup + args.decode_reps + 16) // BLOCK_SIZE)
+            num_blocks = 2 * max(max_b * per_seq, -(-PREFILL_TOKENS // BLOCK_SIZE) * 2) + 64
+            bar.set_description(f"{shape}: load + capture")
+            llm = LLM(
+                tmp,
+                device="cuda",
+                dtype="bfloat16",
+                load_format="dummy",
+                max_model_len=MAX_MODEL_LEN,
+                max_num_seqs=max_b,
+                max_num_batched_tokens=max(PREFILL_TOKENS, 8192),
+                num_kv_blocks=num_blocks,
+                block_size=BLOCK_SIZE,
+                cuda_graph_max_batch=max_b,
+                enable_prefix_caching=False,
+            )
+            backend = llm.engine.runner.backend.name
+            info[f"{shape}_attention_backend"] = backend
+            info[f"{shape}_cuda_graphs"] = sorted(llm.engine.runner._graphs)
+            bar.update(1)
+            wbytes = weight_bytes_per_decode_step(cfg)
+            for b in DECODE_BATCHES:
+                bar.set_description(f"{shape}: decode batch {b}")
+                times, ctx = decode_steps(llm, b, DECODE_CONTEXT, args.decode_warmup, args.decode_reps, rng, "cuda")
+                fwd = graph_replay_time(llm, b)
+                step = statistics.median(times)
+                kv = b * ctx * kv_bytes_per_token(cfg)
+                floor = (wbytes + kv) / bw
+                met = step <= 1.5 * floor if b == 1 else None
+                rows.append(
+                    Row(
+                        shape,
+                        f"decode step, batch {b}, ctx ~{ctx:.0f}",
+                        step * 1e3,
+                        "ms",
+                        floor * 1e3,
+                        f"{step / floor:.2f}x floor",
+                        "<= 1.5x floor" if b == 1 else "",
+                        met,
+                        {
+                            "tokens_per_s": b / step,
+                            "graph_forward_ms": None if fwd is None else fwd * 1e3,
+                            "weight_GB": wbytes / 1e9,
+                            "kv_read_GB": kv / 1e9,
+                            "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+                        },
+                    )
+                )
+                bar.update(1)
+            bar.set_description(f"{shape}: prefill {PREFILL_TOKENS}")
+            ptimes = prefill_time(llm, PREFILL_TOKENS, args.prefill_warmup, args.prefill_reps, rng, "cuda")
+            pt = statistics.median(ptimes)
+            flops = prefill_flops(cfg, PREFILL_TOKENS)
+            pfloor = flops / mm
+            rows.append(
+                Row(
+                    shape,
+                    f"prefill {PREFILL_TOKENS} tokens",
+                    PREFILL_TOKENS / pt,
+                    "tok/s",
+                    PREFILL_TOKENS / pfloor,
+                    f"{100 * pfloor / pt:.0f} % of matmul ({flops / pt / 1e12:.0f} TFLOP/s)",
+                    ">= 50 % of matmul",
+                    pfloor / pt >= 0.5,
+                    {"time_ms": pt * 1e3, "tflops": flops / 1e12},
+                )
+            )
+            bar.update(1)
+            if args.profile:
+                bar.set_description(f"{shape}: profile")
+                try:
+                    profiles[shape] = profile_steps(llm, 1, rng)
+                except Exception as exc:  # noqa: BLE001 - a diagnostic must not lose the numbers
+                    profiles[shape] = f"profiling failed: {type(exc).__name__}: {exc}"
+            _free(llm)
+            llm = None
+    info["profiles"] = profiles
+    return rows, info
+
+
+# ----- CPU benchmark --------------------------------------------------------------------------
+
+
+def bench_cpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]:
+    rows: list[Row] = []
+    bar.set_description("default model: load")
+    llm = LLM(None, device="cpu")  # SmolLM2-135M, float32, torch SDPA
+    info: dict[str, Any] = {
+        "model": str(llm.engine.cfg.model),
+        "dtype": str(llm.engine.cfg.dtype),
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "loadavg_at_start": os.getloadavg(),  # other work on the machine skews CPU timings
+    }
+    bar.update(1)
+    rng = random.Random(0)
+    vocab = llm.engine.model_config.vocab_size
+    ctx, new = 128, 64
+    for b in (1, 8):
+        bar.set_description(f"cpu: decode batch {b}")
+        times, mean_ctx = decode_steps(llm, b, ctx, 3, args.cpu_reps, rng, "cpu")
+        step = statistics.median(times)
+        rows.append(
+            Row(
+                "smollm2-135m",
+                f"decode step, batch {b}, ctx ~{mean_ctx:.0f}",
+                b / step,
+                "tok/s",
+                extra={"step_ms": step * 1e3},
+            )
+        )
+        bar.update(1)
+        bar.set_description(f"cpu: generate batch {b}")
+        prompts = [_random_prompt(rng, ctx, vocab) for _ in range(b)]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+        dt = time.perf_counter() - t0
+        n = sum(len(o.token_ids) for o in outs)
+        rows.append(
+            Row(
+                "smollm2-135m",
+                f"generate end-to-end, batch {b}, {ctx}-token prompts, {new} new",
+                n / dt,
+                "tok/s",
+                extra={"wall_s": dt},
+            )
+        )
+        bar.update(1)
+    info["loadavg_at_end"] = os.getloadavg()
+    return rows, info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+# ----- output ---------------------------------------------------------------------------------
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["shape", "metric", "measured", "floor", "vs floor", "target", "met"]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r.shape,
+                r.metric,
+                f"{r.value:,.3f} {r.unit}" if r.value < 100 else f"{r.value:,.0f} {r.unit}",
+                ""
+                if r.floor is None
+                else (f"{r.floor:,.3f} {r.unit}" if r.floor < 100 else f"{r.floor:,.0f} {r.unit}"),
+                r.ratio,
+                r.target,
+                "" if r.met is None else ("yes" if r.met else "NO"),
+            ]
+        )
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), sep, *(line(b) for b in body)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", default="1b,8b", help="comma-separated subset of: " + ",".join(SHAPES))
+    ap.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON to PATH (or stdout with no PATH)",
+    )
+    ap.add_argument("--profile", action="store_true", help="GPU: print a kernel breakdown of a batch-1 decode step")
+    ap.add_argument(
+        "--fuse-experiment",
+        action="store_true",
+        help="GPU experiment: torch.compile the model's RMSNorm/RoPE/SiLU-gate chains (measures what fusion buys)",
+    )
+    ap.add_argument("--decode-warmup", type=int, default=5)
+    ap.add_argument("--decode-reps", type=int, default=30)
+    ap.add_argument("--prefill-warmup", type=int, default=2)
+    ap.add_argument("--prefill-reps", type=int, default=5)
+    ap.add_argument("--cpu-reps", type=int, default=15)
+    args = ap.parse_args()
+    args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in args.shapes:
+        if s not in SHAPES:
+            ap.error(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    from tqdm import tqdm
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: CUDA is not available")
+        total = 2 + len(args.shapes) * (2 + len(DECODE_BATCHES))
+    else:
+        total = 5
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    with tqdm(total=total, file=sys.stderr, dynamic_ncols=True) as bar:
+        rows, info = bench_gpu(args, bar) if args.device == "cuda" else bench_cpu(args, bar)
+    info.update(
+        {
+            "date": started,
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "torch": torch.__version__,
+        }
+    )
+    print()
+    for k, v in info.items():
+        if k != "profiles":
+            print(f"{k}: {v}")
+    print()
+    print(format_table(rows))
+    for shape, text in info.get("profiles", {}).items():
+        print(f"\nprofile {shape}: {text}")
+    extras = [r for r in rows if r.extra]
+    if extras:
+        print()
+        for r in extras:
+            print(
+                f"{r.shape} {r.metric}: "
+                + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
+            )
+    if args.json is not None:
+        payload = json.dumps({"info": info, "rows": [r.__dict__ for r in rows]}, indent=2)
+        if args.json == "-":
+            print(payload)
+        else:
+            Path(args.json).write_text(payload + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""flash-attn backend over the paged KV pool (CUDA only).
+
+Prefers flash-attn-4 (`flash_attn.cute.flash_attn_varlen_func`, the CuTe-DSL kernels that run on
+Hopper and Blackwell); falls back to the classic `flash_attn` package (FA2) when only that is
+installed. Importing this module raises ImportError when neither imports, which is what
+`attention.flash_available()` checks.
+
+One call per layer and step covers prefill, chunked prefill over a cached prefix and decode:
+queries are packed varlen (`cu_seqlens_q`), keys/values are read from the paged cache through
+`page_table` (= the block tables) up to `seqused_k` (= the context lengths), and the causal mask
+is aligned bottom-right, so query j of a sequence with q_len queries and k_len keys sees keys
+0 .. k_len - q_len + j.
+
+Cache layout. The pool is block-major, ``[num_blocks + 1, num_layers, 2, block_size, kv_heads,
+head_dim]``, and a layer's K (or V) is the strided view ``pool[:, layer, 0]``: shape
+``[num_blocks + 1, block_size, kv_heads, head_dim]`` with the last three dims contiguous and a
+block stride of ``num_layers * 2 * block_size * kv_heads * head_dim``. flash-attn-4 takes it as
+is: its inputs only need a unit last stride and every other stride (and the base pointer)
+16-byte aligned (`cute_dsl_utils._is_aligned_layout`); the layout is passed to the kernel as
+dynamic strides, so no copy is made. A view that broke that rule would be copied whole
+(`.contiguous()`) by flash-attn-4 on every call, which is correct but slow; we check the rule
+here once per cache view and warn loudly instead of letting that happen silently.
+
+Page size. Any block size works (tested 16 and 128 on H200). With block_size equal to the
+kernel's key tile (128 for head_dim <= 128 on Hopper) pages are loaded by TMA, whole: rows past
+a sequence's length in its last page are read and masked, so they must hold finite values (a
+NaN there would leak through P = 0 times NaN). The pool starts zeroed and only ever receives
+K/V values, so this holds unless the model itself produced NaNs.
+
+CUDA graphs. Decode steps (max_query_len == 1) are captured by the runner. Nothing in the call
+syncs with the host: the kernel is compiled on the warm-up call before capture (the compile key
+does not depend on the batch size or the lengths), lengths and tables are device tensors, and
+`max_seqlen_q` / `max_seqlen_k` are host integers that bound every replay (the runner passes
+max_model_len as max_seq_len for captured graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+_fa4_varlen = None
+_fa2_varlen = None
+_fa2_kvcache = None
+API: str
+
+try:
+    from flash_attn.cute import flash_attn_varlen_func as _fa4_varlen  # flash-attn-4
+
+    API = "fa4"
+except Exception as _fa4_error:  # noqa: BLE001 - a broken CuTe/CUTLASS install raises more than ImportError
+    try:
+        from flash_attn import flash_attn_varlen_func as _fa2_varlen  # classic flash-attn (FA2)
+        from flash_attn import flash_attn_with_kvcache as _fa2_kvcache
+
+        API = "fa2"
+    except Exception as _fa2_error:
+        raise ImportError(
+            "flash attention backend: neither flash-attn-4 (flash_attn.cute: "
+            f"{type(_fa4_error).__name__}: {_fa4_error}) nor flash-attn (flash_attn: "
+            f"{type(_fa2_error).__name__}: {_fa2_error}) imports; install flash-attn-4 or use "
+            "attention_backend='torch'"
+        ) from _fa2_error
+
+
+def _aligned_view(t: torch.Tensor, align_bytes: int = 16) -> bool:
+    """The layout rule flash-attn-4 needs to use a tensor without copying it."""
+    if t.stride(-1) != 1 or t.data_ptr() % align_bytes:
+        return False
+    step = max(1, align_bytes // t.element_size())
+    return all(s == 0 or s % step == 0 for s in t.stride()[:-1])
+
+
+class FlashAttention:
+    """Paged varlen causal attention through flash-attn-4 (or FA2 where that is what's installed)."""
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        # No split-KV: flash-attn-4 (4.0.0b36) asserts "SplitKV not supported on SM 9.0" for any
+        # num_splits > 1 on Hopper, so decode runs one CTA per (sequence, kv head).
+        self.api = API
+        self._checked: set[tuple[int, tuple[int, ...]]] = set()
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if self.api == "fa4":
+            return self._attend_fa4(q, k_cache, v_cache, meta, scale)
+        return self._attend_fa2(q, k_cache, v_cache, meta, scale)
+
+    # ----- flash-attn-4 -------------------------------------------------------------------
+
+    def _attend_fa4(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        self._check_layout(k_cache)
+        self._check_layout(v_cache)
+        out, _ = _fa4_varlen(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            seqused_k=meta.seq_lens,
+            page_table=meta.block_tables,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+        )
+        return out
+
+    def _check_layout(self, cache: torch.Tensor) -> None:
+        key = (cache.data_ptr(), tuple(cache.stride()))
+        if key in self._checked:
+            return
+        self._checked.add(key)
+        if not _aligned_view(cache):
+            log.warning(
+                "flash attention: KV cache view with strides %s is not 16-byte aligned; flash-attn-4 "
+                "will copy the whole cache on every call (slow). Use a pool layout whose strides are "
+                "multiples of 8 elements (bf16/fp16).",
+                tuple(cache.stride()),
+            )
+
+    # ----- classic flash-attn (FA2) -------------------------------------------------------
+
+    def _attend_fa2(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        # FA2's paged path needs block_size % 256 == 0 and a unit last stride (the block stride
+        # may be anything). Untested here: no FA2 build exists for the GPU image we run on.
+        if meta.max_query_len == 1:
+            out = _fa2_kvcache(
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
+        return _fa2_varlen(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
+        )
+
+
+__all__ = ["API", "FlashAttention"]
