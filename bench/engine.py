@@ -322,48 +322,13 @@ def _free(llm: LLM | None) -> None:
         torch.cuda.empty_cache()
 
 
-# ----- experiment: fused elementwise ops ------------------------------------------------------
-
-
-def apply_fusion_experiment() -> None:
-    """Experiment only (--fuse-experiment): replace the model's RMSNorm, RoPE and SiLU-gate
-    elementwise chains with torch.compile'd (Inductor/Triton) versions of the same arithmetic,
-    to measure what fusing them would buy. Patches pdserve.engine.model in this process."""
-    import torch.nn.functional as F
-
-    import pdserve.engine.model as M
-
-    @torch.compile(dynamic=True)
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x32.to(x.dtype)
-
-    @torch.compile(dynamic=True)
-    def rope(q, k, cos_table, sin_table, positions):
-        cos = cos_table[positions].to(q.dtype)[:, None, :]
-        sin = sin_table[positions].to(q.dtype)[:, None, :]
-        return q * cos + M._rotate_half(q) * sin, k * cos + M._rotate_half(k) * sin
-
-    @torch.compile(dynamic=True)
-    def silu_gate(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        gate, up = gate_up.split(inter, dim=-1)
-        return F.silu(gate) * up
-
-    M.RMSNorm.forward = lambda self, x: rms_norm(x, self.weight, self.eps)
-    M.Rotary.forward = lambda self, q, k, positions: rope(q, k, self.cos, self.sin, positions)
-    M.MLP.forward = lambda self, x: self.down_proj(silu_gate(self.gate_up_proj(x), self.intermediate))
-
-
 # ----- GPU benchmark --------------------------------------------------------------------------
 
 
 def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]:
     rows: list[Row] = []
     info: dict[str, Any] = {"card": torch.cuda.get_device_name(0)}
-    if args.fuse_experiment:
-        apply_fusion_experiment()
-        info["experiment"] = "RMSNorm, RoPE and SiLU-gate torch.compile'd (not the engine as shipped)"
+    info["elementwise"] = "eager" if args.eager else "compiled (torch.compile)"
     bar.set_description("copy bandwidth")
     bw = copy_bandwidth()
     bar.update(1)
@@ -396,6 +361,7 @@ def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
                 block_size=BLOCK_SIZE,
                 cuda_graph_max_batch=max_b,
                 enable_prefix_caching=False,
+                compile_elementwise=not args.eager,
             )
             backend = llm.engine.runner.backend.name
             info[f"{shape}_attention_backend"] = backend
@@ -564,9 +530,9 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="GPU: print a kernel breakdown of a batch-1 decode step")
     ap.add_argument(
-        "--fuse-experiment",
+        "--eager",
         action="store_true",
-        help="GPU experiment: torch.compile the model's RMSNorm/RoPE/SiLU-gate chains (measures what fusion buys)",
+        help="GPU: keep the model's norm/RoPE/SiLU chains eager instead of torch.compile'd (what fusion buys)",
     )
     ap.add_argument("--decode-warmup", type=int, default=5)
     ap.add_argument("--decode-reps", type=int, default=30)

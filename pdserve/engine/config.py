@@ -191,6 +191,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto", "flash" or "torch"
     use_cuda_graphs: bool = True
+    compile_elementwise: bool | None = None  # fuse norm/RoPE/SiLU chains with torch.compile; None: on CUDA only
     cuda_graph_max_batch: int = 128
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)

@@ -70,6 +70,8 @@ class LLMEngine:
         else:
             load_weights(model, model_dir)
         model.eval()
+        if cfg.compile_elementwise or (cfg.compile_elementwise is None and device.type == "cuda"):
+            model.ops.compile()
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(mc, device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(model, cfg, num_blocks, self.max_model_len)

@@ -69,6 +69,9 @@ class ModelRunner:
     # ----- inputs --------------------------------------------------------------------------
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        """Flatten the step into device tensors with two host-to-device copies (one int64
+        buffer, one int32 buffer) instead of one per tensor: decode steps are short enough
+        that each copy's fixed cost shows."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -79,44 +82,46 @@ class ModelRunner:
         query_lens: list[int] = []
         logits_idx: list[int] = []
         sampled: list[ScheduledSeq] = []
-        max_blocks = 1
+        width = max(len(item.seq.block_ids) for item in scheduled)
+        tables: list[int] = []
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slot_block.extend(seq.block_ids[p // bs] for p in pos)
-            slot_offset.extend(p % bs for p in pos)
+            blocks = seq.block_ids
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slot_block += [blocks[p // bs] for p in range(start, start + n)]
+            slot_offset += [p % bs for p in range(start, start + n)]
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
             query_lens.append(n)
-            max_blocks = max(max_blocks, len(seq.block_ids))
+            tables += blocks
+            tables += [0] * (width - len(blocks))
             if item.sample:
                 logits_idx.append(cu[-1] - 1)
                 sampled.append(item)
-        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, item in enumerate(scheduled):
-            ids = item.seq.block_ids
-            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        dev = self.device
+        t, b = len(input_ids), len(scheduled)
+        longs = self._to_device(input_ids + positions + slot_block + slot_offset + logits_idx, torch.int64)
+        ints = self._to_device(cu + seq_lens + tables, torch.int32)
         meta = AttentionMetadata(
-            slot_block=torch.tensor(slot_block, dtype=torch.int64).to(dev, non_blocking=True),
-            slot_offset=torch.tensor(slot_offset, dtype=torch.int64).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
+            slot_block=longs[2 * t : 3 * t],
+            slot_offset=longs[3 * t : 4 * t],
+            cu_seqlens_q=ints[: b + 1],
+            seq_lens=ints[b + 1 : 2 * b + 1],
+            block_tables=ints[2 * b + 1 :].view(b, width),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens=query_lens,
             seq_lens_host=seq_lens,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True),
-            sampled=sampled,
+            input_ids=longs[:t], positions=longs[t : 2 * t], meta=meta, logits_indices=longs[4 * t :], sampled=sampled
         )
+
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
     # ----- execution -----------------------------------------------------------------------
 

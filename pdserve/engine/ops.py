@@ -1,0 +1,54 @@
+"""The model's elementwise chains, as plain functions, optionally compiled into fused kernels.
+
+Written out in eager PyTorch each of these is 5-10 tiny kernels per layer (RMSNorm alone is a
+cast, a square, a mean, an rsqrt, two multiplies and a cast back); on a GPU decode step they
+cost as much as the matmuls. `ElementwiseOps.compile()` hands the same arithmetic to
+`torch.compile`, which fuses each chain into one or two Triton kernels. CPU engines keep the
+eager versions: they are what the token-for-token tests against transformers pin down.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].to(q.dtype)[:, None, :]
+    sin = sin_table[positions].to(q.dtype)[:, None, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    gate, up = gate_up.split(intermediate, dim=-1)
+    return F.silu(gate) * up
+
+
+class ElementwiseOps:
+    """One instance per model, shared by its layers, so compiling it switches them all."""
+
+    def __init__(self) -> None:
+        self.rms_norm = rms_norm
+        self.apply_rope = apply_rope
+        self.silu_and_mul = silu_and_mul
+        self.compiled = False
+
+    def compile(self) -> None:
+        # dynamic=True: one kernel per chain for every token count, not one per prefill length.
+        self.rms_norm = torch.compile(rms_norm, dynamic=True)
+        self.apply_rope = torch.compile(apply_rope, dynamic=True)
+        self.silu_and_mul = torch.compile(silu_and_mul, dynamic=True)
+        self.compiled = True
