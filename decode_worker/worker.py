@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, replace
 
 from kv_transfer.agent import KvTransferAgent, KvTransferError
+from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.engine import ImportPlan, LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class DecodeWorker:
         self.transfer_failures = 0
         self._importing: set[str] = set()
         self._cancelled: set[str] = set()
+        self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
         self.loop = EngineLoop(engine, self._on_step, name=f"{worker_id}-loop")
 
     def start(
@@ -135,6 +137,14 @@ class DecodeWorker:
                 self._outbox_ready.wait(timeout_s)
             out, self._outbox = self._outbox, []
         return out
+
+    def kv_events(self, wait_s: float, full: bool = False) -> KvEventBatch:
+        """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
+        `full` a snapshot of every cached block hash; the batch also carries the KV headroom."""
+        if not full:
+            self._kv_events.wait(wait_s)
+        with self.loop.lock:
+            return self.engine.blocks.drain_events(full)
 
     def stats(self) -> inference_pb2.WorkerStats:
         with self.loop.lock:

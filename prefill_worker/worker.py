@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import PROTOCOL_VERSION
+from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.engine import LLMEngine, PinnedKv, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class PrefillWorker:
         self._leases = LeaseTable()
         self._pending: dict[str, Future[PinnedKv]] = {}
         self.lease_expiries = 0
+        self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
         self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
 
     def prefill(
@@ -110,6 +112,14 @@ class PrefillWorker:
                 lease_expiries=self.lease_expiries,
                 preemptions=s.num_preemptions,
             )
+
+    def kv_events(self, wait_s: float, full: bool = False) -> KvEventBatch:
+        """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
+        `full` a snapshot of every cached block hash."""
+        if not full:
+            self._kv_events.wait(wait_s)
+        with self.loop.lock:
+            return self.engine.blocks.drain_events(full)
 
     def load(self) -> int:
         s = self.engine.scheduler

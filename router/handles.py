@@ -11,6 +11,7 @@ from typing import Protocol
 
 import grpc
 
+from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, kv_pb2
 
@@ -44,6 +45,10 @@ class PrefillHandle(Protocol):
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats: ...
 
+    # The worker's prefix-cache changes (long-poll up to wait_s; `full`: a snapshot). Optional:
+    # a handle without it is placed by the ring and load alone, and never health-checked.
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch: ...
+
 
 class DecodeHandle(Protocol):
     worker_id: str
@@ -62,3 +67,5 @@ class DecodeHandle(Protocol):
     async def poll(self, wait_s: float, timeout_s: float) -> list[Update]: ...
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats: ...
+
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch: ...

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from decode_worker.worker import DecodeWorker
+from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, kv_pb2
 from prefill_worker.worker import PrefillWorker
@@ -40,6 +41,9 @@ class LocalPrefill:
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
         return await _call(self.worker.stats, timeout_s=timeout_s, what="stats")
 
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch:
+        return await _call(self.worker.kv_events, wait_s, full, timeout_s=timeout_s, what="kv events")
+
 
 class LocalDecode:
     def __init__(self, worker: DecodeWorker) -> None:
@@ -60,3 +64,6 @@ class LocalDecode:
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
         return await _call(self.worker.stats, timeout_s=timeout_s, what="stats")
+
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch:
+        return await _call(self.worker.kv_events, wait_s, full, timeout_s=timeout_s, what="kv events")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,11 +20,13 @@ from typing import Any
 import grpc
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2
 from router.errors import to_router_error
 from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.placement import pick_least_loaded
+from router.membership import MembershipConfig, PoolMembership
+from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,9 @@ class RouterConfig:
     poll_wait_s: float = 0.05
     max_inflight_per_prefill: int = 256
     max_inflight_per_decode: int = 256
+    block_size: int = 16  # the workers' KV block size: prompts are hashed exactly as they hash them
+    placement: PlacementConfig = PlacementConfig()
+    membership: MembershipConfig = MembershipConfig()
 
 
 class _Stream:
@@ -59,19 +65,79 @@ class Router:
         self.tokenizer = tokenizer
         self.prefills = {p.worker_id: p for p in prefills}
         self.decodes = {d.worker_id: d for d in decodes}
-        self._prefill_load = {w: 0 for w in self.prefills}
-        self._decode_load = {w: 0 for w in self.decodes}
+        bs = config.block_size
+        self.prefill_policy = PrefillPolicy(config.placement, self.prefills, bs)
+        self.decode_policy = DecodePolicy(config.placement, self.decodes, bs)
+        self._prefill_members = PoolMembership("prefill", self.prefill_policy, config.membership)
+        self._decode_members = PoolMembership("decode", self.decode_policy, config.membership)
+        self._busy: dict[str, int] = {}  # requests a worker still serves, for draining it
         self._streams: dict[str, _Stream] = {}
-        self._relays: list[asyncio.Task] = []
+        self._relays: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self._relays = [asyncio.create_task(self._relay(d)) for d in self.decodes.values()]
+        for p in self.prefills.values():
+            self._watch(self._prefill_members, p)
+        for d in self.decodes.values():
+            self._watch(self._decode_members, d)
+            self._relays[d.worker_id] = asyncio.create_task(self._relay(d))
 
     async def stop(self) -> None:
-        for t in self._relays:
+        await self._prefill_members.stop()
+        await self._decode_members.stop()
+        for t in self._relays.values():
             t.cancel()
-        await asyncio.gather(*self._relays, return_exceptions=True)
+        await asyncio.gather(*self._relays.values(), return_exceptions=True)
+
+    # ----- membership ----------------------------------------------------------------------
+
+    @staticmethod
+    def _watch(members: PoolMembership, handle: PrefillHandle | DecodeHandle) -> None:
+        fetch = getattr(handle, "kv_events", None)
+        if fetch is not None:  # a handle without KV events is placed by ring and load alone
+            members.watch(handle.worker_id, fetch)
+
+    async def add_prefill(self, handle: PrefillHandle) -> None:
+        """A new prefill worker joins: it takes over about 1/N of the ring's keys."""
+        self.prefills[handle.worker_id] = handle
+        self.prefill_policy.add_worker(handle.worker_id)
+        self._watch(self._prefill_members, handle)
+
+    async def add_decode(self, handle: DecodeHandle) -> None:
+        self.decodes[handle.worker_id] = handle
+        self.decode_policy.add_worker(handle.worker_id)
+        self._watch(self._decode_members, handle)
+        self._relays[handle.worker_id] = asyncio.create_task(self._relay(handle))
+
+    async def drain(self, worker_id: str, timeout_s: float = 60.0) -> bool:
+        """Take a worker out of placement (its keys move to their next owners), wait up to
+        timeout_s for the requests it serves to finish, then forget it. True if it drained."""
+        members = self._prefill_members if worker_id in self.prefills else self._decode_members
+        self.prefill_policy.remove_worker(worker_id)
+        self.decode_policy.remove_worker(worker_id)
+        await members.unwatch(worker_id)
+        deadline = time.monotonic() + timeout_s
+        while self._busy.get(worker_id, 0) > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = self._busy.get(worker_id, 0) == 0
+        relay = self._relays.pop(worker_id, None)
+        if relay is not None:
+            relay.cancel()
+            await asyncio.gather(relay, return_exceptions=True)
+        self.prefills.pop(worker_id, None)
+        self.decodes.pop(worker_id, None)
+        return drained
+
+    def placement_stats(self) -> dict:
+        """What placement did: per pool, requests placed and in flight per worker, the prefix
+        hit rate, requests placed away from their ring owner, remaps, index size; and which
+        workers are out of placement because they stopped answering."""
+        now = time.monotonic()
+        return {
+            "prefill": self.prefill_policy.stats(now).as_dict(),
+            "decode": self.decode_policy.stats(now).as_dict(),
+            "down": sorted(self._prefill_members.down | self._decode_members.down),
+        }
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -145,23 +211,30 @@ class Router:
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
             raise RouterError(_INVALID, f"request_id: {rid!r} is already in flight")
-        p_id = pick_least_loaded(self._prefill_load, self.config.max_inflight_per_prefill)
-        d_id = pick_least_loaded(self._decode_load, self.config.max_inflight_per_decode)
-        if p_id is None or d_id is None:
+        hashes = block_hashes(ids, self.config.block_size)
+        p_at = self.prefill_policy.place(hashes, len(ids), time.monotonic(), self.config.max_inflight_per_prefill)
+        d_at = self.decode_policy.place(hashes, len(ids), self.config.max_inflight_per_decode)
+        if p_at is None or d_at is None:
+            for pool, at in ((self.prefill_policy, p_at), (self.decode_policy, d_at)):
+                if at is not None:
+                    pool.finish(at)
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cluster: every worker is at capacity; retry later")
+        p_id, d_id = p_at.worker, d_at.worker
         prefill, decode = self.prefills[p_id], self.decodes[d_id]
         stream = _Stream()
         self._streams[rid] = stream
-        self._prefill_load[p_id] += 1
-        self._decode_load[d_id] += 1
+        for w in (p_id, d_id):
+            self._busy[w] = self._busy.get(w, 0) + 1
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         state = {"pinned_on_prefill": False, "decoding": False}
         completion = 0
         try:
+            handle = None
             try:
                 handle = await prefill.prefill(ids, params, rid, self.config.prefill_timeout_s)
             finally:
-                self._prefill_load[p_id] -= 1
+                cached_tokens = handle.cached_prompt_tokens if handle is not None else None
+                self.prefill_policy.finish(p_at, time.monotonic(), cached_tokens)
             state["pinned_on_prefill"] = True
             cached = handle.cached_prompt_tokens
             completion = 1
@@ -208,7 +281,9 @@ class Router:
             raise to_router_error(exc, "generate") from exc
         finally:
             self._streams.pop(rid, None)
-            self._decode_load[d_id] -= 1
+            self.decode_policy.finish(d_at)
+            for w in (p_id, d_id):  # the prefill worker too: it holds the KV until it is pulled
+                self._busy[w] -= 1
 
     def _chunk(
         self,

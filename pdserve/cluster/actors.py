@@ -36,6 +36,9 @@ class PrefillActor:
     def stats(self) -> inference_pb2.WorkerStats:
         return self.worker.stats()
 
+    def kv_events(self, wait_s: float, full: bool) -> Any:
+        return self.worker.kv_events(wait_s, full)
+
 
 class DecodeActor:
     def __init__(self, worker_id: str, cfg: ServeConfig) -> None:
@@ -63,6 +66,9 @@ class DecodeActor:
 
     def poll(self, wait_s: float) -> list[tuple[str, list[int], str]]:
         return self.worker.poll(wait_s)
+
+    def kv_events(self, wait_s: float, full: bool) -> Any:
+        return self.worker.kv_events(wait_s, full)
 
     def stats(self) -> inference_pb2.WorkerStats:
         return self.worker.stats()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.policy import PlacementConfig
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -26,6 +28,7 @@ class ServeConfig:
     startup_timeout_s: float = 300.0
     # Fault injection for tests: a decode worker's KV reads fail this many times first.
     inject_read_failures: int = 0
+    placement: PlacementConfig = PlacementConfig()  # how the router places requests
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, kv_pb2
 from router.errors import to_router_error
@@ -38,6 +39,9 @@ class RayPrefill:
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
         return await _call(self.actor.stats.remote(), timeout_s, "stats")
 
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch:
+        return await _call(self.actor.kv_events.remote(wait_s, full), timeout_s, "kv events")
+
 
 class RayDecode:
     def __init__(self, worker_id: str, actor: Any) -> None:
@@ -58,3 +62,6 @@ class RayDecode:
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
         return await _call(self.actor.stats.remote(), timeout_s, "stats")
+
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch:
+        return await _call(self.actor.kv_events.remote(wait_s, full), timeout_s, "kv events")

@@ -27,13 +27,23 @@ NAMESPACE = "pdserve"
 
 
 class Cluster:
-    def __init__(self, cfg: ServeConfig, router: Router, server: grpc.aio.Server, port: int, actors: list[Any], owns_ray: bool) -> None:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        router: Router,
+        server: grpc.aio.Server,
+        port: int,
+        actors: list[Any],
+        owns_ray: bool,
+        workers: dict[str, tuple[str, Any, Any]] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.router = router
         self.server = server
         self.port = port
         self.actors = actors
         self._owns_ray = owns_ray
+        self._workers = workers or {}  # worker id -> (role, actor, agent info)
 
     @property
     def address(self) -> str:
@@ -76,6 +86,8 @@ class Cluster:
                 model_id=model_dir.name,
                 max_model_len=min(cfg.max_model_len or mc.max_model_len, mc.max_model_len),
                 vocab_size=mc.vocab_size,
+                block_size=cfg.block_size,
+                placement=cfg.placement,
             )
             router = Router(
                 router_cfg,
@@ -92,7 +104,50 @@ class Cluster:
                 ray.shutdown()
             raise
         log.info("pdserve serving %s on %s:%d (%d prefill, %d decode)", model_dir.name, cfg.host, port, len(prefills), len(decodes))
-        return cls(cfg, router, server, port, actors, owns_ray)
+        workers = {i.worker_id: ("prefill", a, i) for i, a in zip(p_infos, prefills)}
+        workers |= {i.worker_id: ("decode", a, i) for i, a in zip(d_infos, decodes)}
+        return cls(cfg, router, server, port, actors, owns_ray, workers)
+
+    async def add_worker(self, role: str) -> str:
+        """Start one more worker of `role`, link it with the other pool and let the router
+        place on it; nothing restarts. Returns its worker id."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role: {role!r} is neither prefill nor decode")
+        gpu = self.cfg.device.startswith("cuda")
+        prefill_cls, decode_cls = remote_classes(num_gpus=1 if gpu else 0)
+        taken = {int(w.rsplit("-", 1)[1]) for w, (r, _, _) in self._workers.items() if r == role}
+        worker_id = f"{role}-{max(taken, default=-1) + 1}"
+        worker_cfg = replace(self.cfg, device="cuda" if gpu else self.cfg.device)
+        cls = prefill_cls if role == "prefill" else decode_cls
+        actor = cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE).remote(worker_id, worker_cfg)
+        try:
+            info = await asyncio.wait_for(actor.agent_info.remote(), self.cfg.startup_timeout_s)
+            peers = [(a, i) for r, a, i in self._workers.values() if r != role]
+            links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
+            await asyncio.wait_for(asyncio.gather(*links), 60)
+            if role == "prefill":
+                await self.router.add_prefill(RayPrefill(worker_id, actor))
+            else:
+                await self.router.add_decode(RayDecode(worker_id, actor))
+        except BaseException:
+            ray.kill(actor)
+            raise
+        self._workers[worker_id] = (role, actor, info)
+        self.actors.append(actor)
+        log.info("worker %s joined", worker_id)
+        return worker_id
+
+    async def remove_worker(self, worker_id: str, drain_timeout_s: float = 60.0) -> bool:
+        """Drain a worker (no new requests; those it serves finish) and stop it. True if it
+        drained before the timeout."""
+        if worker_id not in self._workers:
+            raise ValueError(f"worker_id: no worker {worker_id!r} in this cluster")
+        drained = await self.router.drain(worker_id, drain_timeout_s)
+        _, actor, _ = self._workers.pop(worker_id)
+        self.actors.remove(actor)
+        ray.kill(actor)
+        log.info("worker %s left (%s)", worker_id, "drained" if drained else "drain timed out")
+        return drained
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.server.stop(grace_s)

@@ -1,0 +1,92 @@
+"""Keeps one pool's placement state in step with its workers (the I/O half of `router.policy`).
+
+One task per worker long-polls its KV event batches and applies them to the pool's prefix
+index; a batch that does not follow the previous one (events lost, worker restarted) makes the
+next poll ask for a full snapshot. The same poll is the health check: after `max_failures`
+failed polls in a row the worker leaves the ring and the index (its prefixes move to their next
+owners), and it rejoins, from a fresh snapshot, as soon as it answers again. Draining a worker
+(`unwatch`) stops the task; the router stops placing on it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.engine.block_manager import KvEventBatch
+
+log = logging.getLogger(__name__)
+
+# (wait_s, full, timeout_s) -> the worker's next batch
+FetchEvents = Callable[[float, bool, float], Awaitable[KvEventBatch]]
+
+
+class _Policy(Protocol):  # what this module needs of router.policy's pools
+    def apply_events(self, worker: str, batch: KvEventBatch) -> bool: ...
+    def add_worker(self, worker: str) -> None: ...
+    def remove_worker(self, worker: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    wait_s: float = 0.5  # long-poll: a worker answers at once when it has events, else after this
+    min_interval_s: float = 0.05  # between polls, so a busy worker's events come in batches, not per step
+    timeout_s: float = 5.0  # on top of wait_s
+    max_failures: int = 3  # failed polls in a row before a worker leaves placement
+    retry_s: float = 0.2  # first pause after a failure (doubles, up to 2 s)
+
+
+class PoolMembership:
+    def __init__(self, name: str, policy: _Policy, cfg: MembershipConfig = MembershipConfig()) -> None:
+        self.name = name
+        self.policy = policy
+        self.cfg = cfg
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.down: set[str] = set()
+        self.resyncs = 0
+
+    def watch(self, worker: str, fetch: FetchEvents) -> None:
+        if worker not in self._tasks:
+            self._tasks[worker] = asyncio.get_running_loop().create_task(self._follow(worker, fetch))
+
+    async def unwatch(self, worker: str) -> None:
+        task = self._tasks.pop(worker, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.down.discard(worker)
+
+    async def stop(self) -> None:
+        for w in list(self._tasks):
+            await self.unwatch(w)
+
+    async def _follow(self, worker: str, fetch: FetchEvents) -> None:
+        cfg = self.cfg
+        full, failures = True, 0
+        while True:
+            try:
+                batch = await fetch(0.0 if full else cfg.wait_s, full, cfg.wait_s + cfg.timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a dead or unreachable worker: every failure looks alike here
+                failures += 1
+                if failures == cfg.max_failures:
+                    log.warning("%s worker %s unreachable (%s); taking it out of placement", self.name, worker, exc)
+                    self.policy.remove_worker(worker)
+                    self.down.add(worker)
+                full = True
+                await asyncio.sleep(min(2.0, cfg.retry_s * 2 ** (failures - 1)))
+                continue
+            if worker in self.down:
+                log.warning("%s worker %s answers again; back in placement", self.name, worker)
+                self.down.discard(worker)
+                self.policy.add_worker(worker)
+            failures = 0
+            if full:
+                self.resyncs += 1
+            full = not self.policy.apply_events(worker, batch)
+            if batch.stored or batch.removed:
+                await asyncio.sleep(cfg.min_interval_s)
