@@ -38,8 +38,9 @@ Baselines, in the same two processes, measured before the NIXL agents exist:
 
 ``--variants`` repeats the main-size cases with diagnostic NIXL agent settings, each in a fresh
 pair of processes (an agent's busy progress thread must not share the machine with another's):
+``prog-thread`` (NIXL's own progress thread on, as kv_transfer shipped before 2026-11-26),
 ``no-prog-thread`` (``enable_prog_thread=False``: the application drives UCX progress -- the
-consumer while it polls its READ, the producer in its 1 ms notification poll),
+consumer while it polls its READ, the producer in its 1 ms notification poll; now the default),
 ``prog-thread-delay`` (the progress thread kept, but with NIXL's ``pthrDelay`` at 100 us instead
 of the 0 that ``nixl_agent`` hard-codes, so it sleeps in ``poll()`` instead of spinning) and
 ``err-none`` (UCX backend parameter ``ucx_error_handling_mode=none``, which admits UCX's
@@ -94,7 +95,7 @@ MAIN_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE  # 256
 MAX_RUN = 32  # fragmented free lists: runs of 1..MAX_RUN blocks
 VERIFY_CHUNK = 64  # blocks compared per gather when verifying
 READ_TIMEOUT_S = 120.0
-VARIANT_OPTIONS = ("no-prog-thread", "prog-thread-delay", "err-none")
+VARIANT_OPTIONS = ("prog-thread", "no-prog-thread", "prog-thread-delay", "err-none")
 PROG_THREAD_DELAY_US = 100  # "prog-thread-delay": NIXL rounds it up to a 1 ms poll() timeout
 IDLE_CPU_WINDOW_S = 0.5
 
@@ -246,6 +247,8 @@ def patch_agent_variant(variant: str) -> None:
     def nixl_agent_config(**kw: Any) -> Any:
         if "no-prog-thread" in opts:
             kw["enable_prog_thread"] = False
+        if "prog-thread" in opts or "prog-thread-delay" in opts:
+            kw["enable_prog_thread"] = True
         if "err-none" in opts:
             kw["backends"] = []  # created below, with parameters
         return real.nixl_agent_config(**kw)

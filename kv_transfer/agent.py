@@ -63,7 +63,7 @@ def _nixl_api():
 
 class KvTransferAgent:
     def __init__(
-        self, worker_id: str, pool: torch.Tensor, layout: KvLayout, progress_thread: bool | None = None
+        self, worker_id: str, pool: torch.Tensor, layout: KvLayout, progress_thread: bool = False
     ) -> None:
         api = _nixl_api()
         self.worker_id = worker_id
@@ -76,12 +76,12 @@ class KvTransferAgent:
             raise ValueError(f"KV pool blocks are {self.block_bytes} bytes, layout says {layout.block_bytes}")
         self.memory_type = "VRAM" if pool.is_cuda else "DRAM"
         self.device_id = (pool.device.index or 0) if pool.is_cuda else 0
-        # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, taken
-        # from the engine on CPU machines (bench/kv_transfer.py: READs ran at ~50 % of a plain
-        # socket with it, above the socket without it). Host-memory pools therefore progress in
-        # their callers: `read()` polls while it waits, and workers call `notifications()` from
-        # their loops. GPU workers keep the thread (their CPUs are not the engine).
-        self.progress_thread = pool.is_cuda if progress_thread is None else progress_thread
+        # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, and
+        # slower READs (bench/kv_transfer.py, 2026-11-26: on 2x H200 a 512 MiB READ ran at 59 %
+        # of the peer copy with it and 90 % without; on a 2-core CPU at ~50 % of a socket with
+        # it, above the socket without). So by default the callers drive progress: `read()`
+        # polls while it waits, and workers call `notifications()` from their loops.
+        self.progress_thread = bool(progress_thread)
         self._agent = api.nixl_agent(
             self.name, api.nixl_agent_config(enable_prog_thread=self.progress_thread, backends=["UCX"])
         )

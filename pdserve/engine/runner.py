@@ -133,11 +133,17 @@ class ModelRunner:
             # (A bare "cuda" has no index: torch.cuda.set_device rejects it; nothing to set then.)
             torch.cuda.set_device(self.device)
         inputs = self.prepare(scheduled)
-        hidden = self._forward(inputs)
-        if not inputs.sampled:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = [s.seq.params for s in inputs.sampled]
+        if self._use_graph(inputs):
+            # Decode-only: every row samples, and the graph already holds logits and argmax.
+            logits, argmax = self._replay(inputs)
+            if all(p.greedy and not p.logprobs for p in params):
+                return {s.seq.request_id: (t, None) for s, t in zip(inputs.sampled, argmax.tolist())}
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
+            if not inputs.sampled:
+                return {}
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         gens = [self._generator_for(s) for s in inputs.sampled]
         tokens, logprobs = sample(logits, params, gens, self.default_generator)
         return {
@@ -156,12 +162,9 @@ class ModelRunner:
         seq.generator.manual_seed(_mix_seed(seq.params.seed, seq.num_output_tokens))
         return seq.generator
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _use_graph(self, inputs: StepInputs) -> bool:
         n = inputs.meta.num_seqs
-        if self._graphs and inputs.meta.max_query_len == 1 and n <= max(self._graphs):
-            return self._replay(inputs)
-        ctx = ForwardContext(inputs.meta, self.kv_pool, self.backend)
-        return self.model(inputs.input_ids, inputs.positions, ctx)
+        return bool(self._graphs) and inputs.meta.max_query_len == 1 and n <= max(self._graphs) and len(inputs.sampled) == n
 
     # ----- CUDA graphs for decode steps ----------------------------------------------------
 
@@ -171,6 +174,8 @@ class ModelRunner:
         Decode steps are short and launch-bound, so replaying a graph removes most CPU cost."""
         if self.device.type != "cuda" or not self.cfg.use_cuda_graphs or self.backend.name != "flash":
             return
+        if self.device.index is not None:
+            torch.cuda.set_device(self.device)
         max_b = min(self.cfg.cuda_graph_max_batch, self.cfg.max_num_seqs)
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_b + 1, 16)) if b <= max_b} | {max_b})
         dev = self.device
@@ -186,18 +191,31 @@ class ModelRunner:
             ),
         }
         self._graph_io = io
-        hidden_out = torch.zeros(max_b, self.model.cfg.hidden_size, dtype=self.cfg.dtype, device=dev)
-        io["hidden"] = hidden_out
+        # The LM head and the greedy argmax are recorded too: outside the graph they are a
+        # dozen more launches per step.
+        logits_out = torch.zeros(max_b, self.model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        argmax_out = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        io["logits"], io["argmax"] = logits_out, argmax_out
+
+        def forward(b: int, ctx: ForwardContext) -> None:
+            hidden = self.model(io["input_ids"][:b], io["positions"][:b], ctx)
+            logits_out[:b] = self.model.compute_logits(hidden)
+            argmax_out[:b] = logits_out[:b].argmax(dim=-1)
+
+        # Warm up and record on one side stream: kernels compiled, libraries' per-stream state
+        # (cuBLAS workspaces) created and the allocator primed before anything is recorded.
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
         for b in reversed(sizes):
             meta = self._graph_meta(b)
             ctx = ForwardContext(meta, self.kv_pool, self.backend)
-            # Warm up outside the graph (kernel compilation, allocator) before recording.
-            for _ in range(2):
-                hidden_out[:b] = self.model(io["input_ids"][:b], io["positions"][:b], ctx)
-            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    forward(b, ctx)
+            torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                hidden_out[:b] = self.model(io["input_ids"][:b], io["positions"][:b], ctx)
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
+                forward(b, ctx)
             if self._graph_pool is None:
                 self._graph_pool = graph.pool()
             self._graphs[b] = graph
@@ -218,7 +236,8 @@ class ModelRunner:
             seq_lens_host=[self.max_model_len] * b,
         )
 
-    def _replay(self, inputs: StepInputs) -> torch.Tensor:
+    def _replay(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the recorded decode step; returns views of its logits and greedy tokens."""
         n = inputs.meta.num_seqs
         b = min(s for s in self._graphs if s >= n)
         io, meta = self._graph_io, inputs.meta
@@ -233,7 +252,7 @@ class ModelRunner:
         io["block_tables"][:n, :width] = meta.block_tables
         io["block_tables"][n:b] = self.scratch_block
         self._graphs[b].replay()
-        return io["hidden"][:n]
+        return io["logits"][:n], io["argmax"][:n]
 
 
 def _mix_seed(seed: int, index: int) -> int:
