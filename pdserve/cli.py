@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +72,32 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
+
+    bench = sub.add_parser("bench", help="benchmarks that need no GPU", description="Benchmarks that need no GPU.")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    br = bench_sub.add_parser(
+        "router",
+        help="replay a trace against the router's placement policies with simulated workers",
+        description="Replay a JSONL trace ({t, input_ids, output_len[, session]} a line; write one with "
+        "`python bench/traces.py`) against the router's placement policy with simulated prefill workers; "
+        "report prefix hit rate against the ideal, load balance, remapping and TTFT.",
+    )
+    bench_router = _bench_module("router")
+    if bench_router is None:
+        br.set_defaults(bench_missing=True)
+    else:
+        bench_router.add_arguments(br)
     return parser
+
+
+def _bench_module(name: str) -> ModuleType | None:
+    """bench/ lives next to the package in a source checkout; it is not installed."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / f"{name}.py").is_file():
+        return None
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    return importlib.import_module(f"bench.{name}")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -124,6 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.cluster.main import serve_forever
 
             return serve_forever(args)
+        if args.command == "bench":
+            if getattr(args, "bench_missing", False):
+                raise ImportError("bench: the benchmarks come with a source checkout of pdserve, not with the package")
+            module = _bench_module(args.bench)
+            assert module is not None
+            return module.run(args)
     except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
