@@ -113,9 +113,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, residual: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h is `input_layernorm(residual)`; returns the new residual stream and `next_norm` of it.
+        Each residual add happens inside the following norm (one fused kernel when compiled),
+        in the reference order: add in the activation dtype, then normalise."""
+        ops = self.mlp.ops
+        a = self.self_attn(h, positions, rotary, ctx)
+        post = self.post_attention_layernorm
+        residual, h = ops.add_rms_norm(residual, a, post.weight, post.eps)
+        m = self.mlp(h)
+        return ops.add_rms_norm(residual, m, next_norm.weight, next_norm.eps)
 
 
 class CausalLM(nn.Module):
@@ -130,10 +139,12 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions, self.rotary, ctx)
-        return self.norm(x)
+        residual = self.embed_tokens(input_ids)
+        h = self.layers[0].input_layernorm(residual)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            residual, h = layer(residual, h, nxt, positions, self.rotary, ctx)
+        return h
 
     @classmethod
     def empty(cls, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:

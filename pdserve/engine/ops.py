@@ -19,6 +19,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm together: (residual + delta, norm of it)."""
+    residual = residual + delta
+    return residual, rms_norm(residual, weight, eps)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -42,6 +50,7 @@ class ElementwiseOps:
 
     def __init__(self) -> None:
         self.rms_norm = rms_norm
+        self.add_rms_norm = add_rms_norm
         self.apply_rope = apply_rope
         self.silu_and_mul = silu_and_mul
         self.compiled = False
@@ -49,6 +58,7 @@ class ElementwiseOps:
     def compile(self) -> None:
         # dynamic=True: one kernel per chain for every token count, not one per prefill length.
         self.rms_norm = torch.compile(rms_norm, dynamic=True)
+        self.add_rms_norm = torch.compile(add_rms_norm, dynamic=True)
         self.apply_rope = torch.compile(apply_rope, dynamic=True)
         self.silu_and_mul = torch.compile(silu_and_mul, dynamic=True)
         self.compiled = True
