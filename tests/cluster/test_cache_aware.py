@@ -105,10 +105,11 @@ def test_a_prefill_worker_joins_and_drains_without_a_restart(loop_thread, cluste
     new = loop_thread.run(cluster.add_worker("prefill"))
     assert new == "prefill-2" and new in cluster.router.prefill_policy.workers
     ring = cluster.router.prefill_policy.ring
+    key_blocks = cluster.router.config.placement.prefix_blocks
     # A prompt whose ring key the newcomer owns goes there (nobody holds it yet).
     ids = next(
         p for i in range(1000)
-        if ring.owner(ring_key(block_hashes(p := list(range(20000 + 50 * i, 20000 + 50 * i + 48)), BLOCK), 16)) == new
+        if ring.owner(ring_key(block_hashes(p := list(range(20000 + 50 * i, 20000 + 50 * i + 48)), BLOCK), key_blocks)) == new
     )
     before = placed(loop_thread, cluster)
     assert generate(channel, ids).finish_reason == "length"

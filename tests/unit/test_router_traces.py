@@ -59,19 +59,20 @@ def test_removing_a_worker_loses_only_that_workers_prefixes(traces):
     prompts, _ = traces["mixed"]
     names = [f"w{i}" for i in range(N)]
     policy = PrefillPolicy(PlacementConfig(), names)
+    k = policy.cfg.prefix_blocks
     held: dict[str, list[int]] = {w: [] for w in names}
     for p in prompts:  # each worker holds the prefixes the ring gives it
-        owner = policy.ring.owner(ring_key(p.hashes, 16)) if p.hashes else None
+        owner = policy.ring.owner(ring_key(p.hashes, k)) if p.hashes else None
         if owner:
             held[owner].extend(p.hashes)
     for w in names:
         assert policy.apply_events(w, KvEventBatch(1, tuple(dict.fromkeys(held[w])), full=True))
-    keys = [k for p in prompts if (k := ring_key(p.hashes, 16)) is not None]
-    homes = {k: policy.home(k) for k in keys}
+    keys = [key for p in prompts if (key := ring_key(p.hashes, k)) is not None]
+    homes = {key: policy.home(key) for key in keys}
     matches = [policy.index.match(p.hashes) for p in prompts[:500]]
     policy.remove_worker("w3")
-    for k, h in homes.items():
-        assert (policy.home(k) == h) == (h != "w3")
+    for key, h in homes.items():
+        assert (policy.home(key) == h) == (h != "w3")
     for p, before in zip(prompts[:500], matches):
         assert policy.index.match(p.hashes) == {w: n for w, n in before.items() if w != "w3"}
 
