@@ -44,6 +44,7 @@ class Cluster:
         self.actors = actors
         self._owns_ray = owns_ray
         self._workers = workers or {}  # worker id -> (role, actor, agent info)
+        self._retired: set[str] = set()  # ids of removed workers: never reused (Ray names linger)
 
     @property
     def address(self) -> str:
@@ -115,7 +116,7 @@ class Cluster:
             raise ValueError(f"role: {role!r} is neither prefill nor decode")
         gpu = self.cfg.device.startswith("cuda")
         prefill_cls, decode_cls = remote_classes(num_gpus=1 if gpu else 0)
-        taken = {int(w.rsplit("-", 1)[1]) for w, (r, _, _) in self._workers.items() if r == role}
+        taken = {int(w.rsplit("-", 1)[1]) for w in (*self._workers, *self._retired) if w.startswith(role + "-")}
         worker_id = f"{role}-{max(taken, default=-1) + 1}"
         worker_cfg = replace(self.cfg, device="cuda" if gpu else self.cfg.device)
         cls = prefill_cls if role == "prefill" else decode_cls
@@ -144,6 +145,7 @@ class Cluster:
             raise ValueError(f"worker_id: no worker {worker_id!r} in this cluster")
         drained = await self.router.drain(worker_id, drain_timeout_s)
         _, actor, _ = self._workers.pop(worker_id)
+        self._retired.add(worker_id)
         self.actors.remove(actor)
         ray.kill(actor)
         log.info("worker %s left (%s)", worker_id, "drained" if drained else "drain timed out")
