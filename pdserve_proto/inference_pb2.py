@@ -24,13 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve_proto/inference.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x11\n\x0fGetStatsRequest\"\xe4\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_in_use\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x17\n\x0fpinned_requests\x18\t \x01(\r\x12\x15\n\rblocks_pulled\x18\n \x01(\x04\x12\x15\n\rblocks_reused\x18\x0b \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x0c \x01(\x04\x12\x11\n\ttransfers\x18\r \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0e \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\"8\n\x0c\x43lusterStats\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats2\xa1\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse2J\n\x05\x41\x64min\x12\x41\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x18.pdserve.v1.ClusterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve_proto/inference.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x11\n\x0fGetStatsRequest\"\xe4\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_in_use\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x17\n\x0fpinned_requests\x18\t \x01(\r\x12\x15\n\rblocks_pulled\x18\n \x01(\x04\x12\x15\n\rblocks_reused\x18\x0b \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x0c \x01(\x04\x12\x11\n\ttransfers\x18\r \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0e \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\"\xc2\x04\n\x0ePlacementStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x36\n\x06placed\x18\x02 \x03(\x0b\x32&.pdserve.v1.PlacementStats.PlacedEntry\x12:\n\x08inflight\x18\x03 \x03(\x0b\x32(.pdserve.v1.PlacementStats.InflightEntry\x12\x32\n\x04load\x18\x04 \x03(\x0b\x32$.pdserve.v1.PlacementStats.LoadEntry\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x04\x12\x15\n\rcached_tokens\x18\x06 \x01(\x04\x12\x1f\n\x17predicted_cached_tokens\x18\x07 \x01(\x04\x12\x10\n\x08off_home\x18\x08 \x01(\x04\x12\x1a\n\x12membership_changes\x18\t \x01(\x04\x12\x1b\n\x13last_remap_fraction\x18\n \x01(\x01\x12\x15\n\rindex_entries\x18\x0b \x01(\x04\x12\x12\n\nindex_gaps\x18\x0c \x01(\x04\x12\x10\n\x08hit_rate\x18\r \x01(\x01\x12\x16\n\x0emax_load_ratio\x18\x0e \x01(\x01\x1a-\n\x0bPlacedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rInflightEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a+\n\tLoadEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"}\n\x0c\x43lusterStats\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12-\n\tplacement\x18\x02 \x03(\x0b\x32\x1a.pdserve.v1.PlacementStats\x12\x14\n\x0c\x64own_workers\x18\x03 \x03(\t2\xa1\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse2J\n\x05\x41\x64min\x12\x41\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x18.pdserve.v1.ClusterStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_proto.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PLACEMENTSTATS_PLACEDENTRY']._loaded_options = None
+  _globals['_PLACEMENTSTATS_PLACEDENTRY']._serialized_options = b'8\001'
+  _globals['_PLACEMENTSTATS_INFLIGHTENTRY']._loaded_options = None
+  _globals['_PLACEMENTSTATS_INFLIGHTENTRY']._serialized_options = b'8\001'
+  _globals['_PLACEMENTSTATS_LOADENTRY']._loaded_options = None
+  _globals['_PLACEMENTSTATS_LOADENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_SAMPLINGPARAMS']._serialized_start=92
@@ -51,10 +57,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_end=918
   _globals['_WORKERSTATS']._serialized_start=921
   _globals['_WORKERSTATS']._serialized_end=1277
-  _globals['_CLUSTERSTATS']._serialized_start=1279
-  _globals['_CLUSTERSTATS']._serialized_end=1335
-  _globals['_INFERENCE']._serialized_start=1338
-  _globals['_INFERENCE']._serialized_end=1499
-  _globals['_ADMIN']._serialized_start=1501
-  _globals['_ADMIN']._serialized_end=1575
+  _globals['_PLACEMENTSTATS']._serialized_start=1280
+  _globals['_PLACEMENTSTATS']._serialized_end=1858
+  _globals['_PLACEMENTSTATS_PLACEDENTRY']._serialized_start=1719
+  _globals['_PLACEMENTSTATS_PLACEDENTRY']._serialized_end=1764
+  _globals['_PLACEMENTSTATS_INFLIGHTENTRY']._serialized_start=1766
+  _globals['_PLACEMENTSTATS_INFLIGHTENTRY']._serialized_end=1813
+  _globals['_PLACEMENTSTATS_LOADENTRY']._serialized_start=1815
+  _globals['_PLACEMENTSTATS_LOADENTRY']._serialized_end=1858
+  _globals['_CLUSTERSTATS']._serialized_start=1860
+  _globals['_CLUSTERSTATS']._serialized_end=1985
+  _globals['_INFERENCE']._serialized_start=1988
+  _globals['_INFERENCE']._serialized_end=2149
+  _globals['_ADMIN']._serialized_start=2151
+  _globals['_ADMIN']._serialized_end=2225
 # @@protoc_insertion_point(module_scope)

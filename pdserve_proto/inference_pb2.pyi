@@ -132,8 +132,65 @@ class WorkerStats(_message.Message):
     preemptions: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned_requests: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfers: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
+class PlacementStats(_message.Message):
+    __slots__ = ("pool", "placed", "inflight", "load", "prompt_tokens", "cached_tokens", "predicted_cached_tokens", "off_home", "membership_changes", "last_remap_fraction", "index_entries", "index_gaps", "hit_rate", "max_load_ratio")
+    class PlacedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class InflightEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoadEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OFF_HOME_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    LAST_REMAP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_GAPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    placed: _containers.ScalarMap[str, int]
+    inflight: _containers.ScalarMap[str, int]
+    load: _containers.ScalarMap[str, float]
+    prompt_tokens: int
+    cached_tokens: int
+    predicted_cached_tokens: int
+    off_home: int
+    membership_changes: int
+    last_remap_fraction: float
+    index_entries: int
+    index_gaps: int
+    hit_rate: float
+    max_load_ratio: float
+    def __init__(self, pool: _Optional[str] = ..., placed: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Mapping[str, int]] = ..., load: _Optional[_Mapping[str, float]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., off_home: _Optional[int] = ..., membership_changes: _Optional[int] = ..., last_remap_fraction: _Optional[float] = ..., index_entries: _Optional[int] = ..., index_gaps: _Optional[int] = ..., hit_rate: _Optional[float] = ..., max_load_ratio: _Optional[float] = ...) -> None: ...
+
 class ClusterStats(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "placement", "down_workers")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    DOWN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
+    placement: _containers.RepeatedCompositeFieldContainer[PlacementStats]
+    down_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[PlacementStats, _Mapping]]] = ..., down_workers: _Optional[_Iterable[str]] = ...) -> None: ...

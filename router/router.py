@@ -359,6 +359,26 @@ class Router:
                 out.workers.add(worker_id=h.worker_id, role="unreachable")
             else:
                 out.workers.append(r)
+        placement = self.placement_stats()
+        for pool in ("prefill", "decode"):
+            st = placement[pool]
+            out.placement.add(
+                pool=pool,
+                placed=st["placed"],
+                inflight=st["inflight"],
+                load=st["load"],
+                prompt_tokens=st["prompt_tokens"],
+                cached_tokens=st["cached_tokens"],
+                predicted_cached_tokens=st["predicted_cached_tokens"],
+                off_home=st["off_home"],
+                membership_changes=st["membership_changes"],
+                last_remap_fraction=st["last_remap_fraction"],
+                index_entries=st["index_entries"],
+                index_gaps=st["index_gaps"],
+                hit_rate=st["hit_rate"],
+                max_load_ratio=st["max_load_ratio"],
+            )
+        out.down_workers.extend(placement["down"])
         return out
 
     def model_info(self) -> inference_pb2.ModelInfo:

@@ -80,6 +80,11 @@ def test_repeated_prefix_lands_on_the_worker_holding_it(loop_thread, cluster, ch
     assert delta(placed(loop_thread, cluster), before) == {holder: 4}
     stats = placement(loop_thread, cluster)["prefill"]
     assert stats["cached_tokens"] >= 4 * 10 * BLOCK and stats["predicted_cached_tokens"] >= 4 * 10 * BLOCK
+    # The same figures through the public stats call.
+    admin = pbg.AdminStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+    prefill_stats = next(p for p in admin.placement if p.pool == "prefill")
+    assert prefill_stats.cached_tokens >= 4 * 10 * BLOCK and 0 < prefill_stats.hit_rate <= 1
+    assert prefill_stats.placed[holder] >= 5 and set(prefill_stats.load) >= {holder}
     wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
 
 

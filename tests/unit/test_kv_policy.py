@@ -1,4 +1,4 @@
-"""Pure parts of the KV path: descriptor coalescing, leases, placement, compat hashes."""
+"""Pure parts of the KV path: descriptor coalescing, leases, compat hashes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 from kv_transfer.compat import KvCompatError, KvLayout, check_compatible
 from kv_transfer.descriptors import coalesce, split_large
 from prefill_worker.leases import LeaseTable
-from router.placement import pick_least_loaded
 
 
 def test_coalesce_merges_runs_contiguous_on_both_sides():
@@ -29,12 +28,6 @@ def test_leases_expire_in_order_and_end_once():
     assert t.expired(9.9) == []
     assert t.expired(10.0) == ["a"]
     assert "a" not in t and t.end("b") and not t.end("b") and len(t) == 0
-
-
-def test_least_loaded_placement_respects_capacity():
-    assert pick_least_loaded({"a": 3, "b": 1, "c": 1}, capacity=4) == "b"
-    assert pick_least_loaded({"a": 4, "b": 4}, capacity=4) is None
-    assert pick_least_loaded({"a": 0, "b": 1}, capacity=4, exclude=frozenset({"a"})) == "b"
 
 
 def test_compat_hash_covers_every_layout_field():
