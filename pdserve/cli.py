@@ -69,6 +69,10 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0 picks a free one)")
+    srv.add_argument(
+        "--http-port", type=int, default=None, metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port",
+    )
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")

@@ -16,6 +16,7 @@ class ServeConfig:
     num_decode: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on host (None: off; 0: a free port)
     ray_address: str | None = None  # None: start a local Ray cluster
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -35,3 +36,5 @@ class ServeConfig:
             raise ValueError("prefill/decode: each pool needs at least one worker")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port: {self.http_port} is not a TCP port")

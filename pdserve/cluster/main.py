@@ -19,6 +19,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         num_decode=args.decode,
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
         ray_address=args.address,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -37,6 +38,8 @@ async def _serve(cfg: ServeConfig) -> None:
         f"({cfg.num_prefill} prefill, {cfg.num_decode} decode)",
         flush=True,
     )
+    if cluster.http_address is not None:
+        print(f"pdserve: OpenAI-compatible HTTP API on http://{cluster.http_address}/v1", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import ray
+from aiohttp import web
 
 from pdserve.cluster.actors import remote_classes
 from pdserve.cluster.config import ServeConfig
@@ -19,6 +20,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.engine.resolve import resolve_device, resolve_model
 from router.grpc_server import start_grpc_server
+from router.http_server import start_http_server
 from router.router import Router, RouterConfig
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class Cluster:
         actors: list[Any],
         owns_ray: bool,
         workers: dict[str, tuple[str, Any, Any]] | None = None,
+        http: tuple[web.AppRunner, int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.router = router
@@ -45,10 +48,15 @@ class Cluster:
         self._owns_ray = owns_ray
         self._workers = workers or {}  # worker id -> (role, actor, agent info)
         self._retired: set[str] = set()  # ids of removed workers: never reused (Ray names linger)
+        self._http_runner, self.http_port = http if http is not None else (None, None)
 
     @property
     def address(self) -> str:
         return f"{self.cfg.host}:{self.port}"
+
+    @property
+    def http_address(self) -> str | None:
+        return None if self.http_port is None else f"{self.cfg.host}:{self.http_port}"
 
     @classmethod
     async def start(cls, cfg: ServeConfig) -> Cluster:
@@ -98,6 +106,7 @@ class Cluster:
             )
             await router.start()
             server, port = await start_grpc_server(router, cfg.host, cfg.port)
+            http = None if cfg.http_port is None else await start_http_server(router, cfg.host, cfg.http_port)
         except BaseException:
             for a in actors:
                 ray.kill(a)
@@ -107,7 +116,7 @@ class Cluster:
         log.info("pdserve serving %s on %s:%d (%d prefill, %d decode)", model_dir.name, cfg.host, port, len(prefills), len(decodes))
         workers = {i.worker_id: ("prefill", a, i) for i, a in zip(p_infos, prefills)}
         workers |= {i.worker_id: ("decode", a, i) for i, a in zip(d_infos, decodes)}
-        return cls(cfg, router, server, port, actors, owns_ray, workers)
+        return cls(cfg, router, server, port, actors, owns_ray, workers, http)
 
     async def add_worker(self, role: str) -> str:
         """Start one more worker of `role`, link it with the other pool and let the router
@@ -152,6 +161,8 @@ class Cluster:
         return drained
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
         await self.server.stop(grace_s)
         await self.router.drain_cleanups()
         await self.router.stop()

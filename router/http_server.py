@@ -1,0 +1,153 @@
+"""The OpenAI-compatible HTTP server: aiohttp in the router's asyncio loop, in front of the same
+`Router.generate` the gRPC server calls (so placement, validation and cleanup are shared).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when `stream` is
+true, ending with `data: [DONE]`), GET /v1/models, GET /health. The translation to and from the
+OpenAI shapes is `router/openai_api.py`; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from pdserve_proto import inference_pb2
+from router.handles import RouterError
+from router.openai_api import (
+    ApiError,
+    ParsedRequest,
+    completion,
+    from_router_error,
+    models,
+    parse_request,
+    stream_chunk,
+    usage_chunk,
+)
+from router.router import Router
+
+log = logging.getLogger(__name__)
+
+_ROUTER = web.AppKey("router", Router)
+_CREATED = web.AppKey("created", int)
+
+
+def _error(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _models(request: web.Request) -> web.Response:
+    router = request.app[_ROUTER]
+    return web.json_response(models(router.config.model_id, router.config.max_model_len, request.app[_CREATED]))
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    router = request.app[_ROUTER]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(ApiError(400, "body: not valid JSON"))
+    try:
+        parsed = parse_request(body, chat, router.config.model_id, router.config.max_model_len)
+    except ApiError as exc:
+        return _error(exc)
+    chunks = router.generate(parsed.request)
+    try:
+        # Wait for the first token before answering, so that validation and capacity errors
+        # still get their own HTTP status instead of an error event inside a 200 stream.
+        try:
+            first = await anext(chunks)
+        except RouterError as exc:
+            log.info("request %s failed: %s %s", parsed.id, exc.code.name, exc.message)
+            return _error(from_router_error(exc, chat))
+        if parsed.stream:
+            return await _stream(request, parsed, first, chunks)
+        return await _collect(parsed, first, chunks)
+    finally:
+        # A client that went away (or an error) closes the generator: the router aborts the
+        # request on its workers and frees its KV blocks.
+        await chunks.aclose()
+
+
+async def _collect(
+    parsed: ParsedRequest, first: inference_pb2.GenerateResponse, rest: AsyncIterator[inference_pb2.GenerateResponse]
+) -> web.Response:
+    text, last = [first.text], first
+    try:
+        async for chunk in rest:
+            text.append(chunk.text)
+            last = chunk
+    except RouterError as exc:
+        return _error(from_router_error(exc, parsed.chat))
+    return web.json_response(completion(parsed, "".join(text), last.finish_reason, last.usage))
+
+
+async def _stream(
+    request: web.Request,
+    parsed: ParsedRequest,
+    first: inference_pb2.GenerateResponse,
+    rest: AsyncIterator[inference_pb2.GenerateResponse],
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    chunk, is_first = first, True
+    try:
+        while True:
+            await resp.write(_sse(stream_chunk(parsed, chunk.text, chunk.finish_reason, is_first)))
+            is_first = False
+            if chunk.finish_reason:
+                break
+            chunk = await anext(rest)
+        if parsed.include_usage:
+            await resp.write(_sse(usage_chunk(parsed, chunk.usage)))
+    except ConnectionResetError:
+        return resp  # the client left; the caller's aclose() aborts the request
+    except RouterError as exc:
+        # Headers are gone: the error travels as one last event, as other OpenAI servers do.
+        await resp.write(_sse(from_router_error(exc, parsed.chat).body()))
+    await resp.write(_sse("[DONE]"))
+    await resp.write_eof()
+    return resp
+
+
+def build_app(router: Router) -> web.Application:
+    app = web.Application()
+    app[_ROUTER] = router
+    app[_CREATED] = int(time.time())
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def start_http_server(router: Router, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (to `cleanup()`) and the bound port (0 picks a free one)."""
+    # handler_cancellation: a client that disconnects cancels its handler at once, even while
+    # it waits for the next token, so its request is aborted without waiting for a write to fail.
+    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]

@@ -1,0 +1,254 @@
+"""The OpenAI HTTP API as data: JSON request bodies in, `GenerateRequest`s out; the router's
+responses back out as OpenAI completion objects, stream chunks and error bodies.
+
+No I/O here: `router/http_server.py` is the mechanism that serves these over HTTP. Validation the
+router already does (prompt length, sampling ranges, roles) stays there; this module checks only
+what the OpenAI shape adds (JSON types, `n`, fields we do not implement).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import grpc
+
+from pdserve_proto import inference_pb2
+from router.handles import RouterError
+
+# The gRPC status the router raises -> the HTTP status and error type an OpenAI client expects.
+_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+}
+
+# Router error messages start with the proto field they are about; OpenAI names the JSON field.
+_PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "sampling_params.stop_token_ids": "stop_token_ids"}
+
+# Accepted and honoured by name; anything else an OpenAI client sends (user, metadata, ...) is ignored.
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix", "response_format")
+
+
+class ApiError(Exception):
+    """An error to return as `{"error": {...}}` with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_router_error(exc: RouterError, chat: bool) -> ApiError:
+    status, type_ = _STATUS.get(exc.code, (500, "server_error"))
+    param = None
+    head, sep, _ = exc.message.partition(": ")
+    if sep and status == 400 and " " not in head:
+        param = _PARAM_OF_FIELD.get(head, head.removeprefix("sampling_params."))
+        if chat and param == "prompt":
+            param = "messages"
+    return ApiError(status, exc.message, param, type_, exc.code.name.lower())
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What one HTTP request asks for: the router's request plus how to shape the answer."""
+
+    request: inference_pb2.GenerateRequest
+    id: str
+    model: str
+    chat: bool
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{param}: {message}", param)
+
+
+def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    # bool is an int in Python, never a number in JSON.
+    if value is not None and (isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds)):
+        raise _bad(name, f"must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _sampling(body: dict[str, Any], chat: bool, max_model_len: int) -> inference_pb2.SamplingParams:
+    sp = inference_pb2.SamplingParams()
+    for name in ("max_tokens", "max_completion_tokens", "seed", "top_k"):
+        value = body.get(name)
+        # The proto's unsigned fields reject negatives; say so in the API's terms (top_k: -1 is "off").
+        if isinstance(value, int) and not isinstance(value, bool) and value < (-1 if name == "top_k" else 0):
+            raise _bad(name, f"must be >= 0, got {value}")
+        if isinstance(value, int) and value >= 2**31 and name != "seed":
+            raise _bad(name, f"too large: {value}")
+    max_tokens = _typed(body, "max_tokens", (int,), "an integer")
+    if chat and max_tokens is None:
+        max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
+    if max_tokens is not None:
+        sp.max_tokens = max_tokens
+    elif chat:  # chat has no default length: run to EOS or the end of the context, where the scheduler stops
+        sp.max_tokens = max_model_len
+    for name in ("temperature", "top_p"):
+        value = _typed(body, name, (int, float), "a number")
+        if value is not None:
+            setattr(sp, name, float(value))
+    for name in ("seed", "top_k"):  # top_k: vLLM's extension, as are ignore_eos and stop_token_ids
+        value = _typed(body, name, (int,), "an integer")
+        if value is not None:
+            setattr(sp, name, value)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _bad("stop", "must be a string or a list of strings")
+    sp.stop.extend(s for s in stop or [] if s)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not (isinstance(stop_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
+            raise _bad("stop_token_ids", "must be a list of integers")
+        sp.stop_token_ids.extend(stop_ids)
+    sp.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
+    return sp
+
+
+def _message_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    # The list form: only text parts carry anything this server can read.
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content[{j}]", "only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def _prompt(body: dict[str, Any], req: inference_pb2.GenerateRequest) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise _bad("prompt", "token ids must be non-negative")
+        req.prompt_token_ids.extend(prompt)
+    elif prompt is None:
+        raise _bad("prompt", "required")
+    else:
+        raise _bad("prompt", "must be a string, a list of token ids, or a list of one of those (batches are not supported)")
+
+
+def parse_request(body: Any, chat: bool, served_model: str, max_model_len: int) -> ParsedRequest:
+    """Validate an OpenAI completions (chat=False) or chat completions body (ApiError otherwise)."""
+    if not isinstance(body, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", "must be a string")
+    if model and model != served_model:
+        raise ApiError(HTTPStatus.NOT_FOUND, f"model: the model {model!r} does not exist; this server serves {served_model!r}",
+                       "model", code="model_not_found")
+    n = _typed(body, "n", (int,), "an integer")
+    if n is not None and n != 1:
+        raise _bad("n", f"only n=1 is supported, got {n}")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, []):
+            raise _bad(name, "not supported by this server")
+    stream = bool(_typed(body, "stream", (bool,), "a boolean"))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "must be an object")
+    include_usage = bool((options or {}).get("include_usage", False))
+    if options is not None and not stream:
+        raise _bad("stream_options", "only allowed when stream is true")
+
+    req = inference_pb2.GenerateRequest(model=served_model)
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad(f"messages[{i}]", "must be an object with a string role")
+            req.messages.add(role=m["role"], content=_message_text(i, m.get("content")))
+    else:
+        _prompt(body, req)
+    req.sampling_params.CopyFrom(_sampling(body, chat, max_model_len))
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    req.request_id = rid
+    return ParsedRequest(req, rid, served_model, chat, stream, include_usage)
+
+
+# ----- responses ------------------------------------------------------------------------------
+
+
+def usage(u: inference_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
+
+
+def _envelope(p: ParsedRequest, stream: bool) -> dict[str, Any]:
+    obj = ("chat.completion.chunk" if p.chat else "text_completion") if stream else ("chat.completion" if p.chat else "text_completion")
+    return {"id": p.id, "object": obj, "created": p.created, "model": p.model}
+
+
+def stream_chunk(p: ParsedRequest, text: str, finish_reason: str, first: bool) -> dict[str, Any]:
+    """One SSE event for a router response (text delta; finish reason on the last)."""
+    choice: dict[str, Any] = {"index": 0}
+    if p.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["content"] = text
+        choice["delta"] = delta
+        choice["logprobs"] = None
+    else:
+        choice |= {"text": text, "logprobs": None}
+    choice["finish_reason"] = finish_reason or None
+    out = _envelope(p, stream=True) | {"choices": [choice]}
+    if p.include_usage:
+        out["usage"] = None  # as OpenAI does: only the last, choice-less chunk carries it
+    return out
+
+
+def usage_chunk(p: ParsedRequest, u: inference_pb2.Usage) -> dict[str, Any]:
+    return _envelope(p, stream=True) | {"choices": [], "usage": usage(u)}
+
+
+def completion(p: ParsedRequest, text: str, finish_reason: str, u: inference_pb2.Usage) -> dict[str, Any]:
+    """The whole answer of a non-streaming request."""
+    if p.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(p, stream=False) | {"choices": [choice], "usage": usage(u)}
+
+
+def models(model_id: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "pdserve", "max_model_len": max_model_len}],
+    }

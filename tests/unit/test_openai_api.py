@@ -1,0 +1,94 @@
+"""The OpenAI request/response translation, without a server."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from router.handles import RouterError
+from router.openai_api import ApiError, completion, from_router_error, parse_request, stream_chunk, usage_chunk
+
+MODEL = "m"
+
+
+def parse(body, chat=False):
+    return parse_request(body, chat, MODEL, 2048)
+
+
+def test_completion_fields_become_sampling_params():
+    p = parse({"model": MODEL, "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x"})
+    sp = p.request.sampling_params
+    assert (p.request.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, list(sp.stop)) == ("hi", 5, 0.0, 0.5, 3, ["x"])
+    assert p.id.startswith("cmpl-") and p.request.request_id == p.id and not p.stream
+
+
+def test_token_prompt_and_a_batch_of_one():
+    assert list(parse({"prompt": [1, 2, 3]}).request.prompt_token_ids) == [1, 2, 3]
+    assert parse({"prompt": ["hi"]}).request.prompt == "hi"
+
+
+def test_chat_without_max_tokens_runs_to_the_context_end():
+    p = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, chat=True)
+    assert p.request.messages[0].content == "ab" and p.request.sampling_params.max_tokens == 2048
+    assert parse({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 7}, chat=True).request.sampling_params.max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "hi", "stop": [1]}, 400, "stop"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"prompt": "hi", "model": "other"}, 404, "model"),
+        ([1], 400, None),
+    ],
+)
+def test_bad_bodies_name_the_field(body, status, param):
+    with pytest.raises(ApiError) as err:
+        parse(body)
+    assert (err.value.status, err.value.param) == (status, param)
+    assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    "code, status, type_",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
+        (grpc.StatusCode.INTERNAL, 500, "server_error"),
+    ],
+)
+def test_router_errors_map_to_http_status(code, status, type_):
+    err = from_router_error(RouterError(code, "cluster: every worker is at capacity; retry later"), chat=False)
+    assert (err.status, err.type) == (status, type_)
+
+
+def test_router_field_names_become_openai_param_names():
+    def param(msg, chat=False):
+        return from_router_error(RouterError(grpc.StatusCode.INVALID_ARGUMENT, msg), chat).param
+
+    assert param("sampling_params.top_p: must be in (0, 1]") == "top_p"
+    assert param("prompt_token_ids: token 9 at index 1 is outside") == "prompt"
+    assert param("prompt: 9000 tokens leave no room", chat=True) == "messages"
+    assert param("messages[0].role: unknown role 'x'", chat=True) == "messages[0].role"
+
+
+def test_stream_chunks_and_usage_have_the_openai_shape():
+    from pdserve_proto import inference_pb2
+
+    p = parse({"messages": [{"role": "user", "content": "a"}], "stream": True, "stream_options": {"include_usage": True}}, chat=True)
+    first = stream_chunk(p, "Hel", "", first=True)
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert first["choices"][0]["finish_reason"] is None and first["usage"] is None
+    assert stream_chunk(p, "lo", "stop", first=False)["choices"][0] | {} == {"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "stop"}
+    u = inference_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1)
+    last = usage_chunk(p, u)
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 5 and last["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+    whole = completion(parse({"prompt": "x"}), "abc", "length", u)
+    assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == "abc"
