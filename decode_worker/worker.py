@@ -17,11 +17,14 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from opentelemetry import trace
+
 from kv_transfer.agent import KvTransferAgent, KvTransferError
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.engine import ImportPlan, LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve_proto import inference_pb2, kv_pb2
 
 log = logging.getLogger(__name__)
@@ -43,16 +46,25 @@ class StartResult:
     reused_tokens: int  # prompt tokens found in this worker's prefix cache
     pulled_blocks: int
     recomputed: bool  # the transfer failed and the prompt is prefilled here instead
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_retries: int = 0  # failed READs before the one that worked (or before recomputing)
 
 
 class DecodeWorker:
     def __init__(
-        self, worker_id: str, engine: LLMEngine, agent: KvTransferAgent, config: DecodeConfig = DecodeConfig()
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        agent: KvTransferAgent,
+        config: DecodeConfig = DecodeConfig(),
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.agent = agent
         self.config = config
+        self._tracer = tracer if tracer is not None else trace.NoOpTracer()
         self._outbox: list[Update] = []
         self._outbox_ready = threading.Condition(threading.Lock())
         self.blocks_pulled = 0
@@ -66,7 +78,27 @@ class DecodeWorker:
         self.loop = EngineLoop(engine, self._on_step, name=f"{worker_id}-loop")
 
     def start(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        handle: kv_pb2.KvHandle,
+        trace_context: TraceCarrier | None = None,
+    ) -> StartResult:
+        span = self._tracer.start_span(
+            "pdserve.decode.import", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
+            attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
+                        "pdserve.prefill_worker_id": handle.worker_id},
+        )
+        with span:
+            result = self._start(prompt_token_ids, params, request_id, handle, span)
+            span.set_attribute("pdserve.reused_tokens", result.reused_tokens)
+            span.set_attribute("pdserve.pulled_blocks", result.pulled_blocks)
+            span.set_attribute("pdserve.recomputed", result.recomputed)
+        return result
+
+    def _start(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle, span: trace.Span
     ) -> StartResult:
         margin = handle.lease_deadline - time.time()
         if margin < self.config.transfer_timeout_s:
@@ -75,7 +107,7 @@ class DecodeWorker:
             plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
             self._importing.add(request_id)
         try:
-            return self._pull_and_commit(prompt_token_ids, params, request_id, handle, plan)
+            return self._pull_and_commit(prompt_token_ids, params, request_id, handle, plan, span)
         finally:
             with self.loop.lock:
                 self._importing.discard(request_id)
@@ -84,31 +116,54 @@ class DecodeWorker:
                     self.engine.abort(request_id)
 
     def _pull_and_commit(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle, plan: ImportPlan
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        handle: kv_pb2.KvHandle,
+        plan: ImportPlan,
+        span: trace.Span,
     ) -> StartResult:
         remote = [handle.block_ids[i] for i in plan.pull_indices]
         local = [plan.block_ids[i] for i in plan.pull_indices]
+        parent = trace.set_span_in_context(span)
+        retries = 0
         for attempt in range(1, self.config.transfer_attempts + 1):
-            try:
-                stats = self.agent.read(
-                    handle.agent_name, remote, local, PULLED + request_id.encode(), self.config.transfer_timeout_s
-                )
+            with self._tracer.start_span(
+                "pdserve.kv_transfer", context=parent, record_exception=False, set_status_on_exception=False,
+                attributes={"pdserve.attempt": attempt, "pdserve.blocks": len(remote), "pdserve.source": handle.agent_name},
+            ) as xfer:
+                try:
+                    stats = self.agent.read(
+                        handle.agent_name, remote, local, PULLED + request_id.encode(), self.config.transfer_timeout_s
+                    )
+                except KvTransferError as exc:
+                    self.transfer_failures += 1
+                    retries += 1
+                    xfer.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                    log.warning("KV transfer for %s failed (attempt %d): %s", request_id, attempt, exc)
+                    continue
+                xfer.set_attributes({
+                    "pdserve.bytes": stats.num_bytes,
+                    "pdserve.descriptors": stats.num_descriptors,
+                    "pdserve.gbps": stats.gbps,
+                })
                 break
-            except KvTransferError as exc:
-                self.transfer_failures += 1
-                log.warning("KV transfer for %s failed (attempt %d): %s", request_id, attempt, exc)
         else:
-            return self._recompute(prompt_token_ids, params, request_id, handle.first_token)
+            return replace(self._recompute(prompt_token_ids, params, request_id, handle.first_token), transfer_retries=retries)
+        done = StartResult(
+            plan.num_reused_tokens, stats.num_blocks, False, stats.num_bytes, stats.seconds, retries
+        )
         with self.loop.lock:
             if request_id in self._cancelled:
-                return StartResult(plan.num_reused_tokens, stats.num_blocks, False)
+                return done
             self.blocks_pulled += stats.num_blocks
             self.blocks_reused += len(plan.block_ids) - len(plan.pull_indices)
             self.bytes_pulled += stats.num_bytes
             self.transfers += 1
             self.engine.commit_import(request_id, handle.first_token)
         self.loop.wake()
-        return StartResult(plan.num_reused_tokens, stats.num_blocks, False)
+        return done
 
     def _recompute(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, first_token: int

@@ -15,12 +15,15 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from opentelemetry import trace
+
 from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import PROTOCOL_VERSION
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.engine import LLMEngine, PinnedKv, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve_proto import inference_pb2, kv_pb2
 from prefill_worker.leases import LeaseTable
 
@@ -46,6 +49,7 @@ class PrefillWorker:
         agent: KvTransferAgent,
         config: PrefillConfig = PrefillConfig(),
         clock: Callable[[], float] = time.time,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.engine = engine
@@ -54,23 +58,33 @@ class PrefillWorker:
         self._clock = clock
         self._leases = LeaseTable()
         self._pending: dict[str, Future[PinnedKv]] = {}
+        self._tracer = tracer if tracer is not None else trace.NoOpTracer()
+        # Traced requests: request id -> when it was added (ns). When one is first seen out of
+        # the waiting queue, its wait ends at the later of its arrival and the previous loop turn.
+        self._queued_at: dict[str, int] = {}
+        self._started_at: dict[str, int] = {}
+        self._last_turn_ns = time.time_ns()
         self.lease_expiries = 0
         self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
         self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
 
     def prefill(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
     ) -> kv_pb2.KvHandle:
-        fut: Future[PinnedKv] = Future()
-        with self.loop.lock:
-            self.engine.add_request(prompt_token_ids, params, request_id)
-            self._pending[request_id] = fut
-        self.loop.wake()
-        try:
-            pinned = fut.result(timeout=timeout_s)
-        except FutureTimeout:
-            self.release(request_id)
-            raise TimeoutError(f"prefill of {request_id} did not finish within {timeout_s}s") from None
+        span = self._tracer.start_span(
+            "pdserve.prefill.worker", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
+            attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
+                        "pdserve.prompt_tokens": len(prompt_token_ids)},
+        )
+        with span:
+            pinned = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span)
+            span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
+            span.set_attribute("pdserve.blocks", len(pinned.block_ids))
         return kv_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,
             request_id=request_id,
@@ -85,6 +99,37 @@ class PrefillWorker:
             cached_prompt_tokens=pinned.num_cached_tokens,
             finish_reason=pinned.finish_reason or "",
         )
+
+    def _run_prefill(
+        self, ids: list[int], params: SamplingParams, request_id: str, timeout_s: float, span: trace.Span
+    ) -> PinnedKv:
+        fut: Future[PinnedKv] = Future()
+        traced = span.is_recording()
+        with self.loop.lock:
+            self.engine.add_request(ids, params, request_id)
+            self._pending[request_id] = fut
+            if traced:
+                self._queued_at[request_id] = time.time_ns()
+        self.loop.wake()
+        try:
+            pinned = fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.release(request_id)
+            raise TimeoutError(f"prefill of {request_id} did not finish within {timeout_s}s") from None
+        finally:
+            with self.loop.lock:
+                queued = self._queued_at.pop(request_id, None)
+                started = self._started_at.pop(request_id, None)
+        if traced and queued is not None:
+            done = time.time_ns()
+            started = done if started is None else started
+            ctx = trace.set_span_in_context(span)
+            self._tracer.start_span("pdserve.prefill.queue", context=ctx, start_time=queued).end(end_time=started)
+            compute = self._tracer.start_span("pdserve.prefill.compute", context=ctx, start_time=started)
+            compute.set_attribute("pdserve.prompt_tokens", len(ids))
+            compute.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
+            compute.end(end_time=done)
+        return pinned
 
     def release(self, request_id: str) -> bool:
         """Free a request's blocks now: pulled, cancelled, or not needed (finished at token one)."""
@@ -142,6 +187,13 @@ class PrefillWorker:
             fut.set_result(self.engine.pinned_kv(out.request_id))
 
     def _tick(self) -> None:
+        now = time.time_ns()
+        if len(self._started_at) < len(self._queued_at):
+            waiting = {seq.request_id for seq in self.engine.scheduler.waiting}
+            for rid, queued in self._queued_at.items():
+                if rid not in self._started_at and rid not in waiting:
+                    self._started_at[rid] = max(queued, self._last_turn_ns)
+        self._last_turn_ns = now
         for msg in self.agent.notifications():
             if msg.startswith(PULLED):
                 rid = msg[len(PULLED):].decode()

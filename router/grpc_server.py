@@ -28,8 +28,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        # A client's W3C trace context (gRPC metadata keys are lower-case) parents the request's trace.
+        carrier = {k: v for k, v in context.invocation_metadata() or () if k in ("traceparent", "tracestate")}
         try:
-            async for chunk in self.router.generate(request):
+            async for chunk in self.router.generate(request, carrier or None):
                 yield chunk
         except RouterError as exc:
             log.info("request %s failed: %s %s", request.request_id or "-", exc.code.name, exc.message)

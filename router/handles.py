@@ -1,7 +1,8 @@
 """How the router talks to workers, whatever hosts them (Ray actors, or objects in this process).
 
 Every method is async and takes a deadline; implementations turn worker-side failures into
-`RouterError`s with the gRPC status the client should see.
+`RouterError`s with the gRPC status the client should see. `prefill` and `start` also take the
+W3C trace context of the router's span (`trace_context`), passed only when tracing is on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import grpc
 
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, kv_pb2
 
 
@@ -28,6 +30,9 @@ class DecodeStart:
     reused_tokens: int
     pulled_blocks: int
     recomputed: bool
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_retries: int = 0
 
 
 # (request id, new token ids, finish reason or "")
@@ -38,7 +43,12 @@ class PrefillHandle(Protocol):
     worker_id: str
 
     async def prefill(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
     ) -> kv_pb2.KvHandle: ...
 
     async def release(self, request_id: str, timeout_s: float) -> None: ...
@@ -60,6 +70,7 @@ class DecodeHandle(Protocol):
         request_id: str,
         handle: kv_pb2.KvHandle,
         timeout_s: float,
+        trace_context: TraceCarrier | None = None,
     ) -> DecodeStart: ...
 
     async def abort(self, request_id: str, timeout_s: float) -> None: ...

@@ -10,6 +10,7 @@ from typing import Any
 from decode_worker.worker import DecodeWorker
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, kv_pb2
 from prefill_worker.worker import PrefillWorker
 from router.errors import to_router_error
@@ -31,9 +32,17 @@ class LocalPrefill:
         self.worker_id = worker.worker_id
 
     async def prefill(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
     ) -> kv_pb2.KvHandle:
-        return await _call(self.worker.prefill, prompt_token_ids, params, request_id, timeout_s, timeout_s=timeout_s + 1, what="prefill")
+        return await _call(
+            self.worker.prefill, prompt_token_ids, params, request_id, timeout_s, trace_context,
+            timeout_s=timeout_s + 1, what="prefill",
+        )
 
     async def release(self, request_id: str, timeout_s: float) -> None:
         await _call(self.worker.release, request_id, timeout_s=timeout_s, what="release")
@@ -51,10 +60,21 @@ class LocalDecode:
         self.worker_id = worker.worker_id
 
     async def start(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle, timeout_s: float
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        handle: kv_pb2.KvHandle,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
     ) -> DecodeStart:
-        r = await _call(self.worker.start, prompt_token_ids, params, request_id, handle, timeout_s=timeout_s, what="decode start")
-        return DecodeStart(r.reused_tokens, r.pulled_blocks, r.recomputed)
+        r = await _call(
+            self.worker.start, prompt_token_ids, params, request_id, handle, trace_context,
+            timeout_s=timeout_s, what="decode start",
+        )
+        return DecodeStart(
+            r.reused_tokens, r.pulled_blocks, r.recomputed, r.transfer_bytes, r.transfer_seconds, r.transfer_retries
+        )
 
     async def abort(self, request_id: str, timeout_s: float) -> None:
         await _call(self.worker.abort, request_id, timeout_s=timeout_s, what="abort")

@@ -10,23 +10,27 @@ included), so chunks never split a UTF-8 character and stop strings see all of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import carrier_of, context_of
+from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
 from router.errors import to_router_error
-from router.handles import DecodeHandle, PrefillHandle, RouterError
+from router.handles import DecodeHandle, DecodeStart, PrefillHandle, RouterError
 from router.membership import MembershipConfig, PoolMembership
-from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy
+from router.policy import DecodePolicy, Placement, PlacementConfig, PrefillPolicy
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +61,20 @@ class _Stream:
 
 class Router:
     def __init__(
-        self, config: RouterConfig, tokenizer: Any, prefills: list[PrefillHandle], decodes: list[DecodeHandle]
+        self,
+        config: RouterConfig,
+        tokenizer: Any,
+        prefills: list[PrefillHandle],
+        decodes: list[DecodeHandle],
+        tracer: trace.Tracer | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         if not prefills or not decodes:
             raise ValueError("router needs at least one prefill and one decode worker")
         self.config = config
         self.tokenizer = tokenizer
+        self.tracer = tracer if tracer is not None else trace.NoOpTracer()
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.prefills = {p.worker_id: p for p in prefills}
         self.decodes = {d.worker_id: d for d in decodes}
         bs = config.block_size
@@ -206,20 +218,72 @@ class Router:
         except ValueError as exc:
             raise RouterError(_INVALID, f"sampling_params.{exc}") from None
 
-    async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def generate(
+        self, request: inference_pb2.GenerateRequest, trace_context: Mapping[str, str] | None = None
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Serve one request as a stream of chunks. `trace_context`: the caller's W3C headers
+        (`traceparent`), so the request's trace continues the client's."""
+        arrived = time.monotonic()
+        root = self.tracer.start_span("pdserve.generate", context=context_of(trace_context), kind=trace.SpanKind.SERVER)
+        m = self.metrics
+        m.in_flight.inc()
+        outcome = "cancelled"
+        last = arrived
+        try:
+            # aclosing: a client that goes away closes the inner stream too, which frees the request.
+            async with contextlib.aclosing(self._generate(request, root)) as chunks:
+                async for chunk in chunks:
+                    now = time.monotonic()
+                    n = len(chunk.token_ids)
+                    if last == arrived:
+                        m.ttft.observe(now - arrived)
+                        root.add_event("first token")
+                    elif n:
+                        for _ in range(n):  # a chunk of n tokens: n gaps of equal share
+                            m.itl.observe((now - last) / n)
+                    last = now
+                    m.generation_tokens.inc(n)
+                    if chunk.finish_reason:
+                        outcome = chunk.finish_reason
+                        root.set_attributes({
+                            "pdserve.finish_reason": chunk.finish_reason,
+                            "pdserve.completion_tokens": chunk.usage.completion_tokens,
+                            "pdserve.cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
+                        })
+                    yield chunk
+            m.e2e.observe(time.monotonic() - arrived)
+        except RouterError as exc:
+            outcome = exc.code.name.lower()
+            root.set_status(trace.Status(trace.StatusCode.ERROR, f"{exc.code.name}: {exc.message}"))
+            raise
+        finally:
+            m.requests.labels(outcome).inc()
+            m.in_flight.dec()
+            root.end()
+
+    async def _generate(
+        self, request: inference_pb2.GenerateRequest, root: trace.Span
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         ids, params = self.parse(request)
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
             raise RouterError(_INVALID, f"request_id: {rid!r} is already in flight")
+        root.set_attributes({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(ids)})
+        ctx = trace.set_span_in_context(root)
+        route = self.tracer.start_span("pdserve.route", context=ctx)
         hashes = block_hashes(ids, self.config.block_size)
         p_at = self.prefill_policy.place(hashes, len(ids), time.monotonic(), self.config.max_inflight_per_prefill)
         d_at = self.decode_policy.place(hashes, len(ids), self.config.max_inflight_per_decode)
+        if route.is_recording():
+            route.set_attributes(_placement_attributes(p_at, d_at))
+        route.end()
         if p_at is None or d_at is None:
             for pool, at in ((self.prefill_policy, p_at), (self.decode_policy, d_at)):
                 if at is not None:
                     pool.finish(at)
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cluster: every worker is at capacity; retry later")
         p_id, d_id = p_at.worker, d_at.worker
+        self.metrics.prompt_tokens.inc(len(ids))
         prefill, decode = self.prefills[p_id], self.decodes[d_id]
         stream = _Stream()
         self._streams[rid] = stream
@@ -230,13 +294,24 @@ class Router:
         completion = 0
         try:
             handle = None
+            span = self.tracer.start_span("pdserve.prefill", context=ctx, kind=trace.SpanKind.CLIENT,
+                                          attributes={"pdserve.worker_id": p_id})
+            sent = time.monotonic()
             try:
-                handle = await prefill.prefill(ids, params, rid, self.config.prefill_timeout_s)
+                handle = await prefill.prefill(ids, params, rid, self.config.prefill_timeout_s, **_traced(span))
+            except RouterError as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+                raise
             finally:
                 cached_tokens = handle.cached_prompt_tokens if handle is not None else None
                 self.prefill_policy.finish(p_at, time.monotonic(), cached_tokens)
+                self.metrics.prefill_wait.observe(time.monotonic() - sent)
+                if cached_tokens is not None:
+                    span.set_attribute("pdserve.cached_tokens", cached_tokens)
+                span.end()
             state["pinned_on_prefill"] = True
             cached = handle.cached_prompt_tokens
+            self.metrics.cached_prompt_tokens.inc(cached)
             completion = 1
             reason = handle.finish_reason
             if detok.add([handle.first_token]) is not None:
@@ -249,7 +324,11 @@ class Router:
             yield self._chunk(rid, [handle.first_token], detok, "", ids, completion, cached)
 
             state["decoding"] = True
-            start = await decode.start(ids, params, rid, handle, self.config.decode_start_timeout_s)
+            start = await self._start_decode(decode, d_id, ids, params, rid, handle, ctx)
+            first_decode = self.tracer.start_span("pdserve.decode.first_token", context=ctx,
+                                                  attributes={"pdserve.worker_id": d_id})
+            handed_over = time.monotonic()
+            stream_span: trace.Span | None = None
             if start.recomputed:
                 await prefill.release(rid, self.config.control_timeout_s)
             state["pinned_on_prefill"] = False  # pulled: the prefill worker frees on the notification
@@ -261,12 +340,19 @@ class Router:
                 if isinstance(item, RouterError):
                     raise item
                 tokens, reason = item
+                if stream_span is None:
+                    first_decode.end()
+                    self.metrics.decode_wait.observe(time.monotonic() - handed_over)
+                    stream_span = self.tracer.start_span("pdserve.stream", context=ctx,
+                                                         attributes={"pdserve.worker_id": d_id})
                 completion += len(tokens)
                 if detok.add(tokens) is not None:
                     reason = "stop"
                     await decode.abort(rid, self.config.control_timeout_s)
                 if reason:
                     state["decoding"] = False
+                    stream_span.set_attributes({"pdserve.completion_tokens": completion, "pdserve.finish_reason": reason})
+                    stream_span.end()
                 yield self._chunk(rid, tokens, detok, reason, ids, completion, cached)
                 if reason:
                     return
@@ -284,6 +370,37 @@ class Router:
             self.decode_policy.finish(d_at)
             for w in (p_id, d_id):  # the prefill worker too: it holds the KV until it is pulled
                 self._busy[w] -= 1
+
+    async def _start_decode(
+        self,
+        decode: DecodeHandle,
+        d_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        handle: Any,
+        ctx: Any,
+    ) -> DecodeStart:
+        """Hand the KV over to the decode worker (it READs the missing blocks) and record the transfer."""
+        span = self.tracer.start_span("pdserve.decode.start", context=ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": d_id})
+        try:
+            start = await decode.start(ids, params, rid, handle, self.config.decode_start_timeout_s, **_traced(span))
+        except RouterError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            span.end()
+        m = self.metrics
+        if start.transfer_seconds > 0:
+            m.transfer_seconds.observe(start.transfer_seconds)
+            m.transfer_rate.set(start.transfer_bytes / start.transfer_seconds)
+        m.transfer_bytes.inc(start.transfer_bytes)
+        m.transfer_blocks.inc(start.pulled_blocks)
+        m.transfer_retries.inc(start.transfer_retries)
+        if start.recomputed:
+            m.recomputes.inc()
+        return start
 
     def _chunk(
         self,
@@ -385,3 +502,24 @@ class Router:
         return inference_pb2.ModelInfo(
             id=self.config.model_id, max_model_len=self.config.max_model_len, vocab_size=self.config.vocab_size
         )
+
+
+def _traced(span: trace.Span) -> dict[str, Any]:
+    """The keyword that carries `span` to a worker; none when tracing is off, so handles written
+    without tracing (test doubles, older workers) are called exactly as before."""
+    carrier = carrier_of(span)
+    return {"trace_context": carrier} if carrier else {}
+
+
+def _placement_attributes(p_at: Placement | None, d_at: Placement | None) -> dict[str, Any]:
+    """What the routing span records: the chosen workers, the prefix overlap each was chosen
+    for, and whether placement had to leave the prompt's home on the ring."""
+    attrs: dict[str, Any] = {}
+    for pool, at in (("prefill", p_at), ("decode", d_at)):
+        if at is None:
+            attrs[f"pdserve.{pool}.worker_id"] = ""  # nobody had room
+            continue
+        attrs[f"pdserve.{pool}.worker_id"] = at.worker
+        attrs[f"pdserve.{pool}.matched_blocks"] = at.matched_blocks
+        attrs[f"pdserve.{pool}.off_home"] = at.home is not None and at.home != at.worker
+    return attrs

@@ -9,6 +9,8 @@ import ray
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import TraceCarrier
+from pdserve.telemetry.tracing import build_tracing
 from pdserve_proto import inference_pb2, kv_pb2
 
 ACTOR_CONCURRENCY = 256
@@ -19,7 +21,8 @@ class PrefillActor:
         from pdserve.cluster.workers import build_prefill
 
         _configure_logging()
-        self.worker = build_prefill(worker_id, cfg)
+        self.tracing = build_tracing(cfg.tracing, "prefill", worker_id)
+        self.worker = build_prefill(worker_id, cfg, self.tracing.tracer)
 
     def agent_info(self) -> kv_pb2.KvAgentInfo:
         return self.worker.agent.info()
@@ -27,8 +30,13 @@ class PrefillActor:
     def connect(self, info: kv_pb2.KvAgentInfo) -> None:
         self.worker.agent.connect(info)
 
-    def prefill(self, ids: list[int], params: SamplingParams, rid: str, timeout_s: float) -> kv_pb2.KvHandle:
-        return self.worker.prefill(ids, params, rid, timeout_s)
+    def prefill(
+        self, ids: list[int], params: SamplingParams, rid: str, timeout_s: float, trace_context: TraceCarrier | None = None
+    ) -> kv_pb2.KvHandle:
+        return self.worker.prefill(ids, params, rid, timeout_s, trace_context)
+
+    def flush_traces(self, timeout_s: float = 10.0) -> bool:
+        return self.tracing.flush(timeout_s)
 
     def release(self, rid: str) -> bool:
         return self.worker.release(rid)
@@ -45,7 +53,8 @@ class DecodeActor:
         from pdserve.cluster.workers import build_decode
 
         _configure_logging()
-        self.worker = build_decode(worker_id, cfg)
+        self.tracing = build_tracing(cfg.tracing, "decode", worker_id)
+        self.worker = build_decode(worker_id, cfg, self.tracing.tracer)
 
     def agent_info(self) -> kv_pb2.KvAgentInfo:
         return self.worker.agent.info()
@@ -58,8 +67,13 @@ class DecodeActor:
 
         return link_self_test(self.worker, prefill_agent)
 
-    def start(self, ids: list[int], params: SamplingParams, rid: str, handle: kv_pb2.KvHandle) -> Any:
-        return self.worker.start(ids, params, rid, handle)
+    def start(
+        self, ids: list[int], params: SamplingParams, rid: str, handle: kv_pb2.KvHandle, trace_context: TraceCarrier | None = None
+    ) -> Any:
+        return self.worker.start(ids, params, rid, handle, trace_context)
+
+    def flush_traces(self, timeout_s: float = 10.0) -> bool:
+        return self.tracing.flush(timeout_s)
 
     def abort(self, rid: str) -> bool:
         return self.worker.abort(rid)

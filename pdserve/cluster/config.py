@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.telemetry.tracing import TracingConfig
 from router.policy import PlacementConfig
 
 
@@ -30,6 +31,8 @@ class ServeConfig:
     # Fault injection for tests: a decode worker's KV reads fail this many times first.
     inject_read_failures: int = 0
     placement: PlacementConfig = PlacementConfig()  # how the router places requests
+    tracing: TracingConfig = TracingConfig()  # off by default; every process of the cluster uses it
+    metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -38,3 +41,5 @@ class ServeConfig:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port: {self.http_port} is not a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port")

@@ -8,6 +8,7 @@ from typing import Any
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, kv_pb2
+from pdserve.telemetry.context import TraceCarrier
 from router.errors import to_router_error
 from router.handles import DecodeStart, Update
 
@@ -30,8 +31,11 @@ class RayPrefill:
         self.worker_id = worker_id
         self.actor = actor
 
-    async def prefill(self, ids: list[int], params: SamplingParams, rid: str, timeout_s: float) -> kv_pb2.KvHandle:
-        return await _call(self.actor.prefill.remote(ids, params, rid, timeout_s), timeout_s + 5, "prefill")
+    async def prefill(
+        self, ids: list[int], params: SamplingParams, rid: str, timeout_s: float, trace_context: TraceCarrier | None = None
+    ) -> kv_pb2.KvHandle:
+        ref = self.actor.prefill.remote(ids, params, rid, timeout_s, trace_context)
+        return await _call(ref, timeout_s + 5, "prefill")
 
     async def release(self, rid: str, timeout_s: float) -> None:
         await _call(self.actor.release.remote(rid), timeout_s, "release")
@@ -49,10 +53,18 @@ class RayDecode:
         self.actor = actor
 
     async def start(
-        self, ids: list[int], params: SamplingParams, rid: str, handle: kv_pb2.KvHandle, timeout_s: float
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        handle: kv_pb2.KvHandle,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
     ) -> DecodeStart:
-        r = await _call(self.actor.start.remote(ids, params, rid, handle), timeout_s, "decode start")
-        return DecodeStart(r.reused_tokens, r.pulled_blocks, r.recomputed)
+        r = await _call(self.actor.start.remote(ids, params, rid, handle, trace_context), timeout_s, "decode start")
+        return DecodeStart(
+            r.reused_tokens, r.pulled_blocks, r.recomputed, r.transfer_bytes, r.transfer_seconds, r.transfer_retries
+        )
 
     async def abort(self, rid: str, timeout_s: float) -> None:
         await _call(self.actor.abort.remote(rid), timeout_s, "abort")

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pdserve.cluster.actors import remote_classes
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.ray_handles import RayDecode, RayPrefill
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
@@ -39,6 +40,7 @@ class Cluster:
         owns_ray: bool,
         workers: dict[str, tuple[str, Any, Any]] | None = None,
         http: tuple[web.AppRunner, int] | None = None,
+        telemetry: RouterTelemetry | None = None,
     ) -> None:
         self.cfg = cfg
         self.router = router
@@ -49,6 +51,7 @@ class Cluster:
         self._workers = workers or {}  # worker id -> (role, actor, agent info)
         self._retired: set[str] = set()  # ids of removed workers: never reused (Ray names linger)
         self._http_runner, self.http_port = http if http is not None else (None, None)
+        self.telemetry = telemetry if telemetry is not None else RouterTelemetry.create(ServeConfig())
 
     @property
     def address(self) -> str:
@@ -78,6 +81,7 @@ class Cluster:
             for i in range(cfg.num_decode)
         ]
         actors = [*prefills, *decodes]
+        telemetry = RouterTelemetry.create(cfg)
         try:
             infos = await asyncio.wait_for(
                 asyncio.gather(*(a.agent_info.remote() for a in actors)), cfg.startup_timeout_s
@@ -90,6 +94,7 @@ class Cluster:
                 for pi in p_infos:
                     gbps = await asyncio.wait_for(d.link_test.remote(pi.agent_name), 60)
                     log.info("KV link %s <- %s: %.2f GB/s", di.worker_id, pi.worker_id, gbps)
+                    telemetry.metrics.link_test.labels(di.worker_id, pi.worker_id).set(gbps * 1e9)
             mc = ModelConfig.from_dir(model_dir)
             router_cfg = RouterConfig(
                 model_id=model_dir.name,
@@ -103,11 +108,16 @@ class Cluster:
                 load_tokenizer(model_dir),
                 [RayPrefill(i.worker_id, a) for i, a in zip(p_infos, prefills)],
                 [RayDecode(i.worker_id, a) for i, a in zip(d_infos, decodes)],
+                tracer=telemetry.tracing.tracer,
+                metrics=telemetry.metrics,
             )
             await router.start()
             server, port = await start_grpc_server(router, cfg.host, cfg.port)
             http = None if cfg.http_port is None else await start_http_server(router, cfg.host, cfg.http_port)
+            if cfg.metrics_port is not None:
+                telemetry.serve_metrics(cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop())
         except BaseException:
+            telemetry.stop()
             for a in actors:
                 ray.kill(a)
             if owns_ray:
@@ -116,7 +126,7 @@ class Cluster:
         log.info("pdserve serving %s on %s:%d (%d prefill, %d decode)", model_dir.name, cfg.host, port, len(prefills), len(decodes))
         workers = {i.worker_id: ("prefill", a, i) for i, a in zip(p_infos, prefills)}
         workers |= {i.worker_id: ("decode", a, i) for i, a in zip(d_infos, decodes)}
-        return cls(cfg, router, server, port, actors, owns_ray, workers, http)
+        return cls(cfg, router, server, port, actors, owns_ray, workers, http, telemetry)
 
     async def add_worker(self, role: str) -> str:
         """Start one more worker of `role`, link it with the other pool and let the router
@@ -166,10 +176,31 @@ class Cluster:
         await self.server.stop(grace_s)
         await self.router.drain_cleanups()
         await self.router.stop()
+        await self.flush_traces()
+        self.telemetry.stop()
         for a in self.actors:
             ray.kill(a)
         if self._owns_ray:
             ray.shutdown()
+
+
+    @property
+    def metrics_address(self) -> str | None:
+        port = self.telemetry.metrics_port
+        return None if port is None else f"{self.cfg.host}:{port}"
+
+    async def flush_traces(self, timeout_s: float = 10.0) -> None:
+        """Export every finished span now, in the router and in each worker (no-op when tracing is off)."""
+        if not self.cfg.tracing.enabled:
+            return
+        self.telemetry.tracing.flush(timeout_s)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(a.flush_traces.remote(timeout_s), timeout_s + 5) for a in self.actors),
+            return_exceptions=True,
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                log.warning("flushing a worker's traces failed: %s", r)
 
 
 def _init_ray(address: str | None) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from opentelemetry import trace
+
 from decode_worker.worker import DecodeConfig, DecodeWorker
 from kv_transfer.agent import KvTransferAgent, KvTransferError, TransferStats
 from kv_transfer.compat import layout_for
@@ -43,9 +45,10 @@ def build_agent(worker_id: str, engine: LLMEngine) -> KvTransferAgent:
     return KvTransferAgent(worker_id, engine.runner.kv_pool, layout)
 
 
-def build_prefill(worker_id: str, cfg: ServeConfig) -> PrefillWorker:
+def build_prefill(worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None) -> PrefillWorker:
     engine = build_engine(cfg, "prefill")
-    return PrefillWorker(worker_id, engine, build_agent(worker_id, engine), PrefillConfig(lease_s=cfg.lease_s))
+    agent = build_agent(worker_id, engine)
+    return PrefillWorker(worker_id, engine, agent, PrefillConfig(lease_s=cfg.lease_s), tracer=tracer)
 
 
 class _FailingReads:
@@ -65,12 +68,12 @@ class _FailingReads:
         return getattr(self._agent, name)
 
 
-def build_decode(worker_id: str, cfg: ServeConfig) -> DecodeWorker:
+def build_decode(worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None) -> DecodeWorker:
     engine = build_engine(cfg, "decode")
     agent = build_agent(worker_id, engine)
     if cfg.inject_read_failures:
         agent = _FailingReads(agent, cfg.inject_read_failures)  # type: ignore[assignment]
-    return DecodeWorker(worker_id, engine, agent, DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s))
+    return DecodeWorker(worker_id, engine, agent, DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s), tracer)
 
 
 def link_self_test(decode: DecodeWorker, prefill_agent_name: str) -> float:

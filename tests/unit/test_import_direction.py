@@ -16,12 +16,16 @@ FIRST_PARTY = ("pdserve", "pdserve_proto", "prefill_worker", "decode_worker", "k
 # part -> first-party prefixes it may import (its own prefix is always allowed)
 ALLOWED: dict[str, tuple[str, ...]] = {
     "pdserve.engine": (),
+    # Tracing and metrics: a leaf every part may import (it imports no first-party code).
+    "pdserve.telemetry": (),
     "pdserve_proto": (),
     "kv_transfer": ("pdserve_proto", "pdserve.engine.hashing", "pdserve.engine.config"),
-    "prefill_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto"),
-    "decode_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto"),
-    "router": ("pdserve.engine", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto"),
-    "pdserve.cluster": ("pdserve.engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto"),
+    "prefill_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
+    "decode_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
+    "router": ("pdserve.engine", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
+    "pdserve.cluster": (
+        "pdserve.engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry",
+    ),
     "pdserve.llm": ("pdserve.engine",),
     "pdserve": ("pdserve",),  # the CLI and package root may use everything under pdserve
 }

@@ -1,0 +1,63 @@
+"""The router process's telemetry: its tracer, its metrics registry and the /metrics endpoint.
+
+Workers' figures reach /metrics through the router: at each scrape the collector asks every
+worker for its stats on the router's event loop (the same call as `Admin.GetStats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.telemetry.cluster_collector import ClusterCollector
+from pdserve.telemetry.http import MetricsServer
+from pdserve.telemetry.metrics import RouterMetrics
+from pdserve.telemetry.tracing import Tracing, build_tracing
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class RouterTelemetry:
+    def __init__(self, tracing: Tracing, metrics: RouterMetrics) -> None:
+        self.tracing = tracing
+        self.metrics = metrics
+        self.server: MetricsServer | None = None
+
+    @classmethod
+    def create(cls, cfg: ServeConfig) -> RouterTelemetry:
+        return cls(build_tracing(cfg.tracing, "router"), RouterMetrics(CollectorRegistry()))
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.server is None else self.server.port
+
+    def serve_metrics(
+        self, host: str, port: int, cluster_stats: Callable[[], Coroutine[Any, Any, Any]], loop: asyncio.AbstractEventLoop
+    ) -> int:
+        """Start /metrics; `cluster_stats` is awaited on `loop` for each scrape. Returns the port."""
+
+        def read_stats() -> Any:
+            # Runs on the HTTP server's thread: the stats call itself belongs to the router's loop.
+            try:
+                return asyncio.run_coroutine_threadsafe(cluster_stats(), loop).result(SCRAPE_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("metrics scrape could not read the cluster's stats: %s", exc)
+                return None
+
+        self.metrics.registry.register(ClusterCollector(read_stats))
+        self.server = MetricsServer.start(self.metrics.registry, host, port)
+        return self.server.port
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.tracing.flush()
+        self.tracing.shutdown()

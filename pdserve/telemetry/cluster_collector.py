@@ -1,0 +1,82 @@
+"""Workers' figures as Prometheus metrics, read from the cluster's stats at scrape time.
+
+Workers serve no HTTP port of their own: the router already asks every worker for its stats
+(`Admin.GetStats`), so one scrape of the router sees the whole fleet, and a worker that cannot
+be reached shows as `pdserve_worker_up 0` instead of a missing target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# ClusterStats (pdserve.v1) or anything shaped like it; None when the stats could not be read.
+StatsSource = Callable[[], Any]
+
+
+class ClusterCollector(Collector):
+    def __init__(self, source: StatsSource) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the fleet; registering must not call the workers
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source()
+        if stats is None:
+            return
+        wl = ["worker", "role"]
+        up = GaugeMetricFamily("pdserve_worker_up", "1 if the worker answered the last stats call.", labels=wl)
+        pools = GaugeMetricFamily("pdserve_workers", "Workers per pool and role (unreachable ones included).", labels=["role"])
+        blocks = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks per worker by state.", labels=[*wl, "state"])
+        capacity = GaugeMetricFamily("pdserve_kv_blocks_capacity", "KV blocks in the worker's pool.", labels=wl)
+        reqs = GaugeMetricFamily("pdserve_worker_requests", "Requests on a worker by state.", labels=[*wl, "state"])
+        leases = CounterMetricFamily("pdserve_lease_expiries", "KV leases that ran out before a pull.", labels=wl)
+        preempt = CounterMetricFamily("pdserve_preemptions", "Sequences preempted for lack of KV blocks.", labels=wl)
+        pulled = CounterMetricFamily("pdserve_kv_blocks_pulled", "Prompt blocks a decode worker READ.", labels=wl)
+        reused = CounterMetricFamily(
+            "pdserve_kv_blocks_reused", "Prompt blocks a decode worker found in its own prefix cache.", labels=wl
+        )
+        pulled_bytes = CounterMetricFamily("pdserve_kv_pulled_bytes", "KV bytes a decode worker READ.", labels=wl)
+        transfers = CounterMetricFamily("pdserve_kv_transfers", "KV transfers a decode worker completed.", labels=wl)
+        count: dict[str, int] = {}
+        for w in stats.workers:
+            answered = w.role in ("prefill", "decode")
+            role = w.role if answered else _role_from_id(w.worker_id)
+            count[role] = count.get(role, 0) + 1
+            key = [w.worker_id, role]
+            up.add_metric(key, 1.0 if answered else 0.0)
+            if not answered:
+                continue
+            for state, n in (("free", w.kv_blocks_free), ("cached", w.kv_blocks_cached), ("in_use", w.kv_blocks_in_use)):
+                blocks.add_metric([*key, state], n)
+            capacity.add_metric(key, w.kv_blocks_total)
+            for state, n in (("running", w.running_requests), ("waiting", w.waiting_requests), ("pinned", w.pinned_requests)):
+                reqs.add_metric([*key, state], n)
+            preempt.add_metric(key, w.preemptions)
+            if role == "prefill":
+                leases.add_metric(key, w.lease_expiries)
+            else:
+                pulled.add_metric(key, w.blocks_pulled)
+                reused.add_metric(key, w.blocks_reused)
+                pulled_bytes.add_metric(key, w.bytes_pulled)
+                transfers.add_metric(key, w.transfers)
+        for role, n in sorted(count.items()):
+            pools.add_metric([role], n)
+        hit = GaugeMetricFamily(
+            "pdserve_prefix_hit_ratio", "Share of placed prompt tokens served from a prefix cache.", labels=["pool"]
+        )
+        placed = CounterMetricFamily("pdserve_placed_requests", "Requests placed per worker.", labels=["pool", "worker"])
+        for p in stats.placement:
+            hit.add_metric([p.pool], p.hit_rate)
+            for worker, n in sorted(p.placed.items()):
+                placed.add_metric([p.pool, worker], n)
+        yield from (up, pools, blocks, capacity, reqs, leases, preempt, pulled, reused, pulled_bytes, transfers, hit, placed)
+
+
+def _role_from_id(worker_id: str) -> str:
+    # An unreachable worker reports no role; its id (prefill-0, decode-1) still names its pool.
+    return worker_id.rsplit("-", 1)[0] or "unknown"

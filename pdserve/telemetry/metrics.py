@@ -1,0 +1,69 @@
+"""The router's Prometheus metrics, in a registry the caller owns.
+
+Names follow Prometheus conventions: `pdserve_` prefix, base units (seconds, bytes), `_total`
+on counters. Workers' figures are not here: `ClusterCollector` reads them at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Latency buckets in seconds: sub-millisecond inter-token gaps up to minute-long requests.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TRANSFER = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_requests", "Requests finished, by outcome (a finish reason, or the gRPC status of a failure).",
+            ["outcome"], registry=r,
+        )
+        self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served now.", registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of placed requests.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "pdserve_cached_prompt_tokens", "Prompt tokens a prefill worker served from its prefix cache.", registry=r
+        )
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens sent to clients.", registry=r)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "From the request's arrival to its first token.",
+            buckets=_LATENCY, registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds", "Gap between consecutive tokens of one stream.",
+            buckets=_LATENCY, registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_request_duration_seconds", "From the request's arrival to its last token.",
+            buckets=_LATENCY, registry=r,
+        )
+        self.prefill_wait = Histogram(
+            "pdserve_prefill_duration_seconds", "Prefill call as the router sees it: queueing and compute on the worker.",
+            buckets=_LATENCY, registry=r,
+        )
+        self.decode_wait = Histogram(
+            "pdserve_decode_queue_seconds", "From the KV hand-over to the first token the decode worker produced.",
+            buckets=_LATENCY, registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_duration_seconds", "One KV READ from a prefill worker into a decode worker.",
+            buckets=_TRANSFER, registry=r,
+        )
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes READ between workers.", registry=r)
+        self.transfer_blocks = Counter("pdserve_kv_transfer_blocks", "KV blocks READ between workers.", registry=r)
+        self.transfer_rate = Gauge(
+            "pdserve_kv_transfer_last_bytes_per_second", "Throughput of the latest KV READ.", registry=r
+        )
+        self.transfer_retries = Counter(
+            "pdserve_kv_transfer_retries", "KV READs that failed and were tried again.", registry=r
+        )
+        self.recomputes = Counter(
+            "pdserve_kv_recomputes", "Requests whose KV never arrived and were prefilled on the decode worker.",
+            registry=r,
+        )
+        self.link_test = Gauge(
+            "pdserve_kv_link_test_bytes_per_second", "Start-up link self-test of each decode <- prefill KV link.",
+            ["decode", "prefill"], registry=r,
+        )
