@@ -25,6 +25,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "torch"])
 
 
+def _add_telemetry_args(p: argparse.ArgumentParser) -> None:
+    # Defaults are None so that the standard OTEL_* variables apply unless a flag is given.
+    p.add_argument(
+        "--metrics-port", type=int, default=None, metavar="PORT",
+        help="serve Prometheus /metrics on this port: the router's figures and every worker's (default: off)",
+    )
+    p.add_argument(
+        "--trace-exporter", default=None, choices=["none", "console", "otlp-grpc", "otlp-http"],
+        help="where request traces go (default: from OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_PROTOCOL, else none)",
+    )
+    p.add_argument(
+        "--trace-endpoint", default=None, metavar="URL",
+        help="OTLP endpoint: host:port for otlp-grpc, http://host:port/v1/traces for otlp-http "
+        "(default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else the exporter's default)",
+    )
+    p.add_argument(
+        "--trace-sample-ratio", type=float, default=None, metavar="R",
+        help="share of requests traced, 0..1 (default: OTEL_TRACES_SAMPLER[_ARG], else 1)",
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve",
@@ -76,6 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
+    _add_telemetry_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks that need no GPU", description="Benchmarks that need no GPU.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -91,6 +113,18 @@ def _build_parser() -> argparse.ArgumentParser:
         br.set_defaults(bench_missing=True)
     else:
         bench_router.add_arguments(br)
+    bs = bench_sub.add_parser(
+        "serve",
+        help="load an OpenAI-compatible server and report latency, throughput and goodput",
+        description="Send a workload (synthetic chat/rag/codegen lengths or a trace) to any OpenAI-compatible "
+        "server over streamed /v1/completions, as Poisson arrivals or at fixed concurrency; report TTFT, ITL and "
+        "end-to-end latency percentiles, tokens/s and goodput under SLOs as JSON; with --sweep, a latency-throughput curve.",
+    )
+    bench_serve = _bench_module("serve")
+    if bench_serve is None:
+        bs.set_defaults(bench_missing=True)
+    else:
+        bench_serve.add_arguments(bs)
     return parser
 
 

@@ -145,3 +145,29 @@ def test_client_disconnect_mid_stream_frees_blocks(cluster, channel):
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
     wait_for(all_blocks_free(channel), 15, "every KV block to be freed after an HTTP client left")
+
+
+def test_bench_serve_reports_latency_and_goodput(cluster, capsys):
+    from pdserve.cli import main
+
+    argv = ["bench", "serve", "--url", f"http://{cluster.http_address}", "--workload", "chat", "--scale", "0.1",
+            "--requests", "4", "--concurrency", "2", "--max-output", "8", "--warmup", "1", "--quiet"]
+    assert main(argv) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert (run["requests"], run["completed"]) == (4, 4)
+    assert 4 <= run["output_tokens"] <= 32  # at most --max-output each, ignore_eos: at least one
+    assert 0 < run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["itl_ms"]["p50"] > 0
+    assert run["output_tok_s"] > 0 and 0 <= run["goodput_req_s"] <= run["req_s"]
+
+
+def test_bench_serve_sweep_draws_the_curve(cluster, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    from pdserve.cli import main
+
+    png = tmp_path / "curve.png"
+    argv = ["bench", "serve", "--url", f"http://{cluster.http_address}/v1", "--workload", "codegen", "--scale", "0.05",
+            "--requests", "3", "--sweep", "4,8,16", "--max-output", "6", "--warmup", "0", "--quiet", "--plot", str(png)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["rate"] for r in report["runs"]] == [4.0, 8.0, 16.0] and "knee_rate" in report
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,76 @@
+"""The serving benchmark's arithmetic: latency figures, goodput, the knee; and its workloads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.serve_metrics import RequestResult, Slo, knee, percentiles, summarize
+from bench.serve_workload import SHAPES, poisson_arrivals, synthetic
+
+SLO = Slo(ttft_s=0.5, itl_s=0.05)
+
+
+def result(start=0.0, ttft=0.1, end=1.0, out=10, error=None):
+    return RequestResult(start, ttft, end, out, 20, error)
+
+
+def test_itl_is_the_time_after_the_first_token_per_later_token():
+    r = result(start=1.0, ttft=0.2, end=2.1, out=10)
+    assert r.e2e == pytest.approx(1.1) and r.itl == pytest.approx(0.1)
+    assert result(out=1).itl is None  # one token: no gap to measure
+
+
+def test_goodput_counts_only_finished_requests_meeting_both_slos():
+    rs = [
+        result(ttft=0.1, end=0.1 + 9 * 0.04, out=10),  # meets both
+        result(ttft=0.9, end=0.9 + 9 * 0.01, out=10),  # TTFT too slow
+        result(ttft=0.1, end=0.1 + 9 * 0.08, out=10),  # ITL too slow
+        result(ttft=None, end=3.0, out=0, error="HTTP 503"),  # failed
+    ]
+    s = summarize(rs, duration_s=2.0, slo=SLO)
+    assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1)
+    assert s["goodput_req_s"] == pytest.approx(0.5) and s["req_s"] == pytest.approx(1.5)
+    assert s["slo_attainment"] == pytest.approx(0.25)
+    assert s["output_tok_s"] == pytest.approx(15.0)
+    assert s["errors"] == ["HTTP 503"]
+
+
+def test_percentiles_in_ms():
+    p = percentiles([i / 1000 for i in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01) and p["mean"] == pytest.approx(50.5)
+    assert percentiles([])["p50"] is None
+
+
+def test_knee_of_a_saturating_curve_is_where_latency_takes_off():
+    # throughput grows with the offered rate until ~8 tok/s; latency stays flat, then explodes
+    xs = [1, 2, 4, 6, 7.5, 7.9, 8.0]
+    ys = [100, 102, 105, 115, 160, 600, 2000]
+    assert knee(xs, ys) == 4
+    assert knee(list(reversed(xs)), list(reversed(ys))) == 2  # the index refers to the input order
+
+
+def test_no_knee_without_a_curve():
+    assert knee([1, 2], [1, 2]) is None
+    assert knee([1, 2, 3], [5, 5, 5]) is None
+    with pytest.raises(ValueError):
+        knee([1, 2, 3], [1, 2])
+
+
+def test_synthetic_shapes_are_seeded_and_follow_their_medians():
+    a, b = synthetic("rag", 200, 1, 4096, 512), synthetic("rag", 200, 1, 4096, 512)
+    assert a == b
+    assert synthetic("rag", 5, 2, 4096, 512) != a[:5]
+    med_in = np.median([len(r.prompt) for r in a])
+    med_out = np.median([r.output_len for r in a])
+    assert 0.7 < med_in / SHAPES["rag"].input_median < 1.3 and 0.7 < med_out / SHAPES["rag"].output_median < 1.3
+    code = synthetic("codegen", 200, 1, 64, 300)
+    assert max(len(r.prompt) for r in code) <= 64 and max(r.output_len for r in code) <= 300
+    with pytest.raises(ValueError):
+        synthetic("poetry", 1, 0, 10, 10)
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    t = poisson_arrivals(4000, rate=20.0, seed=3)
+    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:]))
+    assert 4000 / t[-1] == pytest.approx(20.0, rel=0.08)
