@@ -8,6 +8,7 @@ import signal
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.telemetry.tracing import TracingConfig
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -28,6 +29,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         lease_s=args.lease_s,
+        metrics_port=args.metrics_port,
+        tracing=TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
     )
 
 
@@ -40,6 +43,8 @@ async def _serve(cfg: ServeConfig) -> None:
     )
     if cluster.http_address is not None:
         print(f"pdserve: OpenAI-compatible HTTP API on http://{cluster.http_address}/v1", flush=True)
+    if cluster.metrics_address is not None:
+        print(f"pdserve: Prometheus metrics on http://{cluster.metrics_address}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

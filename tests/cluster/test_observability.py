@@ -184,3 +184,15 @@ def test_metrics_pass_promtool_and_count_known_requests(cluster, channel):
     assert value(after, "pdserve_workers", role="prefill") == value(after, "pdserve_workers", role="decode") == 1
     assert delta("pdserve_kv_transfers_total", worker="decode-0", role="decode") == 2
     assert delta("pdserve_placed_requests_total", pool="prefill", worker="prefill-0") == 2
+
+
+def test_dashboard_queries_only_metrics_the_cluster_exposes(cluster, channel):
+    import json
+    import re
+
+    generate(channel, "dashboard-0", PROMPTS[0], 3)  # so every histogram has samples
+    exposed = {s[0] for s in samples(scrape(cluster))}
+    exposed |= {re.sub(r"_(bucket|count|sum)$", "", n) for n in exposed}
+    dashboard = json.loads((ROOT / "deploy/grafana/pdserve.json").read_text())
+    used = {name for p in dashboard["panels"] for t in p["targets"] for name in re.findall(r"pdserve_\w+", t["expr"])}
+    assert used and used <= exposed, sorted(used - exposed)
