@@ -228,14 +228,15 @@ class Router:
         m = self.metrics
         m.in_flight.inc()
         outcome = "cancelled"
-        last = arrived
+        first, last = True, arrived
         try:
             # aclosing: a client that goes away closes the inner stream too, which frees the request.
             async with contextlib.aclosing(self._generate(request, root)) as chunks:
                 async for chunk in chunks:
                     now = time.monotonic()
                     n = len(chunk.token_ids)
-                    if last == arrived:
+                    if first:
+                        first = False
                         m.ttft.observe(now - arrived)
                         root.add_event("first token")
                     elif n:
@@ -291,6 +292,7 @@ class Router:
             self._busy[w] = self._busy.get(w, 0) + 1
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         state = {"pinned_on_prefill": False, "decoding": False}
+        open_spans: list[trace.Span] = []
         completion = 0
         try:
             handle = None
@@ -327,6 +329,7 @@ class Router:
             start = await self._start_decode(decode, d_id, ids, params, rid, handle, ctx)
             first_decode = self.tracer.start_span("pdserve.decode.first_token", context=ctx,
                                                   attributes={"pdserve.worker_id": d_id})
+            open_spans.append(first_decode)
             handed_over = time.monotonic()
             stream_span: trace.Span | None = None
             if start.recomputed:
@@ -345,6 +348,7 @@ class Router:
                     self.metrics.decode_wait.observe(time.monotonic() - handed_over)
                     stream_span = self.tracer.start_span("pdserve.stream", context=ctx,
                                                          attributes={"pdserve.worker_id": d_id})
+                    open_spans.append(stream_span)
                 completion += len(tokens)
                 if detok.add(tokens) is not None:
                     reason = "stop"
@@ -366,6 +370,9 @@ class Router:
             self._cleanup_later(rid, prefill, decode, state)
             raise to_router_error(exc, "generate") from exc
         finally:
+            for span in open_spans:  # a request that failed or was cancelled mid-stream
+                if span.is_recording():
+                    span.end()
             self._streams.pop(rid, None)
             self.decode_policy.finish(d_at)
             for w in (p_id, d_id):  # the prefill worker too: it holds the KV until it is pulled
