@@ -95,7 +95,7 @@ MAIN_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE  # 256
 MAX_RUN = 32  # fragmented free lists: runs of 1..MAX_RUN blocks
 VERIFY_CHUNK = 64  # blocks compared per gather when verifying
 READ_TIMEOUT_S = 120.0
-VARIANT_OPTIONS = ("prog-thread", "no-prog-thread", "prog-thread-delay", "err-none")
+VARIANT_OPTIONS = ("prog-thread", "no-prog-thread", "prog-thread-delay", "err-none", "desc16", "desc32", "desc64", "desc128")
 PROG_THREAD_DELAY_US = 100  # "prog-thread-delay": NIXL rounds it up to a 1 ms poll() timeout
 IDLE_CPU_WINDOW_S = 0.5
 
@@ -224,6 +224,13 @@ def patch_agent_variant(variant: str) -> None:
     if not opts:
         return
     import kv_transfer.agent as agent_mod
+
+    for opt in opts:
+        if opt.startswith("desc"):
+            # Cap descriptors at N blocks: one long run becomes several descriptors in flight.
+            agent_mod.MAX_BLOCKS_PER_DESCRIPTOR = int(opt[4:])
+    if opts <= {o for o in VARIANT_OPTIONS if o.startswith("desc")}:
+        return
 
     real = agent_mod._nixl_api()
     if "prog-thread-delay" in opts:

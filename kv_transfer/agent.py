@@ -164,9 +164,11 @@ class KvTransferAgent:
                 now = time.perf_counter()
                 if now > deadline:
                     raise KvTransferError(f"READ of {len(remote_ids)} blocks from {remote_agent} timed out after {timeout_s}s")
-                # Yield only for the first milliseconds (a GPU READ of a prompt's KV takes about
-                # that long), then back off so a slow link does not burn a core.
-                time.sleep(0 if now - start < 0.005 else min(1e-3, (now - start) / 50))
+                # Spin for the first milliseconds (a GPU READ of a prompt's KV takes about that
+                # long, and even sleep(0) costs tens of microseconds of timer slack), then back
+                # off so a slow link does not burn a core.
+                if now - start > 0.005:
+                    time.sleep(min(1e-3, (now - start) / 50))
                 with self._lock:
                     state = self._agent.check_xfer_state(handle)
         finally:
