@@ -203,22 +203,14 @@ class DecodeWorker:
 
     def stats(self) -> inference_pb2.WorkerStats:
         with self.loop.lock:
-            b = self.engine.block_stats()
-            s = self.engine.scheduler
             return inference_pb2.WorkerStats(
                 worker_id=self.worker_id,
                 role="decode",
-                kv_blocks_total=b.total,
-                kv_blocks_free=b.free,
-                kv_blocks_cached=b.cached,
-                kv_blocks_in_use=b.in_use,
-                running_requests=len(s.running),
-                waiting_requests=len(s.waiting),
                 blocks_pulled=self.blocks_pulled,
                 blocks_reused=self.blocks_reused,
                 bytes_pulled=self.bytes_pulled,
                 transfers=self.transfers,
-                preemptions=s.num_preemptions,
+                **self.engine.load_stats(),
             )
 
     def close(self) -> None:

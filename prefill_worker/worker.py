@@ -142,20 +142,11 @@ class PrefillWorker:
 
     def stats(self) -> inference_pb2.WorkerStats:
         with self.loop.lock:
-            b = self.engine.block_stats()
-            s = self.engine.scheduler
             return inference_pb2.WorkerStats(
                 worker_id=self.worker_id,
                 role="prefill",
-                kv_blocks_total=b.total,
-                kv_blocks_free=b.free,
-                kv_blocks_cached=b.cached,
-                kv_blocks_in_use=b.in_use,
-                running_requests=len(s.running),
-                waiting_requests=len(s.waiting),
-                pinned_requests=len(s.pinned),
                 lease_expiries=self.lease_expiries,
-                preemptions=s.num_preemptions,
+                **self.engine.load_stats(),
             )
 
     def kv_events(self, wait_s: float, full: bool = False) -> KvEventBatch:

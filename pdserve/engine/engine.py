@@ -235,6 +235,21 @@ class LLMEngine:
     def block_stats(self) -> BlockStats:
         return self.blocks.check_integrity()
 
+    def load_stats(self) -> dict[str, int]:
+        """KV pool and queue figures under the names workers report them with."""
+        b = self.block_stats()
+        s = self.scheduler
+        return {
+            "kv_blocks_total": b.total,
+            "kv_blocks_free": b.free,
+            "kv_blocks_cached": b.cached,
+            "kv_blocks_in_use": b.in_use,
+            "running_requests": len(s.running),
+            "waiting_requests": len(s.waiting),
+            "pinned_requests": len(s.pinned),
+            "preemptions": s.num_preemptions,
+        }
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
