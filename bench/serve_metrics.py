@@ -88,10 +88,12 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
     }
 
 
-def knee(xs: Sequence[float], ys: Sequence[float]) -> int | None:
+def knee(xs: Sequence[float], ys: Sequence[float], min_rise: float = 0.5) -> int | None:
     """Index of the knee of an increasing, convex latency (ys) against throughput (xs) curve:
     the Kneedle point, where the curve, both axes scaled to [0, 1], lies farthest below the
-    straight line from its first to its last point. None with fewer than 3 points or a flat curve."""
+    straight line from its first to its last point. None with fewer than 3 points, or when
+    latency never rises by min_rise (a share of its lowest value): the sweep stayed below
+    saturation, and scaling noise to [0, 1] would invent a knee."""
     if len(xs) != len(ys):
         raise ValueError("xs/ys: must have the same length")
     if len(xs) < 3:
@@ -100,7 +102,7 @@ def knee(xs: Sequence[float], ys: Sequence[float]) -> int | None:
     order = np.argsort(x, kind="stable")
     x, y = x[order], y[order]
     dx, dy = x[-1] - x[0], y.max() - y.min()
-    if dx <= 0 or dy <= 0 or not all(math.isfinite(v) for v in (*x, *y)):
+    if dx <= 0 or dy <= 0 or not all(math.isfinite(v) for v in (*x, *y)) or dy < min_rise * max(y.min(), 1e-12):
         return None
     xn, yn = (x - x[0]) / dx, (y - y.min()) / dy
     gap = xn - yn  # for a convex increasing curve, the knee is where latency lags throughput most

@@ -53,6 +53,7 @@ def test_knee_of_a_saturating_curve_is_where_latency_takes_off():
 def test_no_knee_without_a_curve():
     assert knee([1, 2], [1, 2]) is None
     assert knee([1, 2, 3], [5, 5, 5]) is None
+    assert knee([8, 15, 28, 44], [1960, 2370, 2160, 2170]) is None  # noise below saturation is no knee
     with pytest.raises(ValueError):
         knee([1, 2, 3], [1, 2])
 
