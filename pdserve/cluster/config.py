@@ -25,6 +25,10 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    # CPU workers: torch threads each. None: this host's cores shared out among the workers,
+    # because two engines running OpenMP on the same cores stall each other at every barrier
+    # (small matmuls measured 60x slower with 2 threads each on 2 busy cores).
+    cpu_threads_per_worker: int | None = None
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+import torch
 from opentelemetry import trace
 
 from decode_worker.worker import DecodeConfig, DecodeWorker
@@ -21,6 +23,10 @@ log = logging.getLogger(__name__)
 def build_engine(cfg: ServeConfig, role: Role) -> LLMEngine:
     model_dir = resolve_model(cfg.model)
     device = resolve_device(cfg.device)
+    if device == "cpu":
+        threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // (cfg.num_prefill + cfg.num_decode))
+        torch.set_num_threads(threads)
+        log.info("%s worker: %d torch threads", role, threads)
     mc = ModelConfig.from_dir(model_dir)
     return LLMEngine(
         EngineConfig(
