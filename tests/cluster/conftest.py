@@ -60,3 +60,30 @@ def all_blocks_free(channel: grpc.Channel) -> Callable[[], bool]:
 
 def greedy(max_tokens: int, **kw: Any) -> inference_pb2.SamplingParams:
     return inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+# The default-model cluster of `pdserve serve` with no arguments (plus the HTTP front door), one per
+# test module that asks for it: modules that need another shape define their own `cluster`.
+@pytest.fixture(scope="module")
+def cluster(loop_thread: LoopThread) -> Iterator[Any]:
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve import Cluster
+
+    c = loop_thread.run(Cluster.start(ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, num_kv_blocks=384)))
+    yield c
+    loop_thread.run(c.stop())
+
+
+@pytest.fixture(scope="module")
+def channel(cluster: Any) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(cluster.address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def offline() -> Any:
+    """The same model run offline in this process, for token-for-token comparisons."""
+    from pdserve import LLM
+
+    return LLM(device="cpu", dtype="float32", num_kv_blocks=512)

@@ -6,13 +6,10 @@ from __future__ import annotations
 import http.client
 import json
 
-import grpc
 import openai
 import pytest
 
-from pdserve import LLM, SamplingParams
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.serve import Cluster
+from pdserve import SamplingParams
 from tests.cluster.conftest import all_blocks_free, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -21,28 +18,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread):
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, num_kv_blocks=256)
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
-
-
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(cluster.address) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield ch
-
-
-@pytest.fixture(scope="module")
 def client(cluster):
     return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(device="cpu", dtype="float32", num_kv_blocks=256)
 
 
 def post(cluster, path: str, body: dict) -> http.client.HTTPResponse:

@@ -11,9 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdserve import LLM, SamplingParams
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.serve import Cluster
+from pdserve import SamplingParams
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from tests.cluster.conftest import all_blocks_free, greedy, wait_for
@@ -29,26 +27,6 @@ QUESTIONS = [
     "How many legs does a spider have?", "What is 2 + 2?", "Who wrote Hamlet?",
     "What is water made of?", "Name a planet.",
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster(loop_thread):
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, num_kv_blocks=384)
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
-
-
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(cluster.address) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(device="cpu", dtype="float32", num_kv_blocks=512)
 
 
 def stream(channel, request, timeout=120):
