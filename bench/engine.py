@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import cpu_name  # noqa: E402
+
 from pdserve import LLM, SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -438,7 +440,7 @@ def bench_cpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
         "model": str(llm.engine.cfg.model),
         "dtype": str(llm.engine.cfg.dtype),
         "threads": torch.get_num_threads(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "loadavg_at_start": os.getloadavg(),  # other work on the machine skews CPU timings
     }
@@ -478,16 +480,6 @@ def bench_cpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
         bar.update(1)
     info["loadavg_at_end"] = os.getloadavg()
     return rows, info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 # ----- output ---------------------------------------------------------------------------------

@@ -83,6 +83,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import cpu_name  # noqa: E402
+
 from kv_transfer.compat import KvLayout
 from kv_transfer.descriptors import coalesce, split_large
 
@@ -671,16 +673,6 @@ def parse_ucx_log(path: Path) -> dict[str, Any]:
         if entry not in out["get"]:
             out["get"].append(entry)
     return out
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 @dataclass
