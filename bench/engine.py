@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.report import cpu_name, markdown_table  # noqa: E402
 
 from pdserve import LLM, SamplingParams
 
@@ -502,10 +502,7 @@ def format_table(rows: list[Row]) -> str:
                 "" if r.met is None else ("yes" if r.met else "NO"),
             ]
         )
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(head), sep, *(line(b) for b in body)])
+    return markdown_table(head, body)
 
 
 def main() -> None:

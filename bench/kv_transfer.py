@@ -83,7 +83,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.report import cpu_name, markdown_table  # noqa: E402
 
 from kv_transfer.compat import KvLayout
 from kv_transfer.descriptors import coalesce, split_large
@@ -741,10 +741,7 @@ def format_table(table: list[TableRow], device: str) -> str:
         ]
         for t in table
     ]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(head), sep, *(line(b) for b in body)])
+    return markdown_table(head, body)
 
 
 def main() -> None:

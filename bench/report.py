@@ -1,0 +1,27 @@
+"""Shared pieces of the benchmarks' reports: the machine they ran on, markdown tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def markdown_table(head: list[str], body: list[list[str]]) -> str:
+    """A markdown table with columns padded to their widest cell."""
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), sep, *(line(b) for b in body)])
