@@ -20,11 +20,16 @@ from prefill_worker.worker import PrefillConfig, PrefillWorker
 log = logging.getLogger(__name__)
 
 
+def cpu_threads_per_worker(cfg: ServeConfig, cores: int) -> int:
+    """Torch threads for one CPU worker: as configured, else the host's cores shared out."""
+    return cfg.cpu_threads_per_worker or max(1, cores // (cfg.num_prefill + cfg.num_decode))
+
+
 def build_engine(cfg: ServeConfig, role: Role) -> LLMEngine:
     model_dir = resolve_model(cfg.model)
     device = resolve_device(cfg.device)
     if device == "cpu":
-        threads = cfg.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // (cfg.num_prefill + cfg.num_decode))
+        threads = cpu_threads_per_worker(cfg, os.cpu_count() or 1)
         torch.set_num_threads(threads)
         log.info("%s worker: %d torch threads", role, threads)
     mc = ModelConfig.from_dir(model_dir)
