@@ -192,6 +192,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "flash" or "torch"
     use_cuda_graphs: bool = True
     compile_elementwise: bool | None = None  # fuse norm/RoPE/SiLU chains with torch.compile; None: on CUDA only
+    # CPU: matmul weights reordered once for oneDNN (3-5x faster small-batch matmuls than
+    # torch's default sgemm here); None: on wherever this torch build supports it.
+    cpu_packed_weights: bool | None = None
     cuda_graph_max_batch: int = 128
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)

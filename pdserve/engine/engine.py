@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cpu_linear import onednn_available
 from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.model import CausalLM
 from pdserve.engine.runner import ModelRunner, kv_block_bytes
@@ -70,6 +71,10 @@ class LLMEngine:
         else:
             load_weights(model, model_dir)
         model.eval()
+        if cfg.cpu_packed_weights is not False and onednn_available(device, cfg.dtype):
+            log.info("packed %d weight matrices for oneDNN", model.pack_for_cpu())
+        elif cfg.cpu_packed_weights:
+            raise ValueError(f"cpu_packed_weights: oneDNN's packed linear is not available for {device.type}/{cfg.dtype}")
         if cfg.compile_elementwise or (cfg.compile_elementwise is None and device.type == "cuda"):
             model.ops.compile()
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(mc, device)

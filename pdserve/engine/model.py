@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_linear import PackedLinear, pack_linears
 from pdserve.engine.ops import ElementwiseOps
 
 
@@ -137,6 +138,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.rotary = Rotary(cfg, max_positions, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tied_head: PackedLinear | None = None  # the embeddings packed as an LM head (CPU)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
@@ -160,6 +162,17 @@ class CausalLM(nn.Module):
         model.rotary.build(device)
         return model
 
+    def pack_for_cpu(self) -> int:
+        """Hold every matmul weight in oneDNN's layout (see cpu_linear); call after loading.
+        Returns the number of packed matrices."""
+        n = pack_linears(self)
+        if self.lm_head is None:
+            self.tied_head = PackedLinear(self.embed_tokens.weight, None)
+            n += 1
+        return n
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        if head is not None:
+            return head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
