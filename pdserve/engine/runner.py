@@ -58,6 +58,7 @@ class ModelRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_io: dict[str, torch.Tensor] = {}
         self._graph_pool = None
+        self._max_graph_batch = 0
         log.info(
             "KV pool: %d blocks x %d tokens (%.1f MiB), attention backend %s",
             num_blocks,
@@ -132,23 +133,26 @@ class ModelRunner:
             # Engine loops run on their own threads, whose current device is not ours by default.
             # (A bare "cuda" has no index: torch.cuda.set_device rejects it; nothing to set then.)
             torch.cuda.set_device(self.device)
-        inputs = self.prepare(scheduled)
-        params = [s.seq.params for s in inputs.sampled]
-        if self._use_graph(inputs):
+        if self._fits_graph(scheduled):
             # Decode-only: every row samples, and the graph already holds logits and argmax.
-            logits, argmax = self._replay(inputs)
+            sampled = scheduled
+            logits, argmax = self._replay(scheduled)
+            params = [s.seq.params for s in sampled]
             if all(p.greedy and not p.logprobs for p in params):
-                return {s.seq.request_id: (t, None) for s, t in zip(inputs.sampled, argmax.tolist())}
+                return {s.seq.request_id: (t, None) for s, t in zip(sampled, argmax.tolist())}
         else:
+            inputs = self.prepare(scheduled)
+            sampled = inputs.sampled
+            params = [s.seq.params for s in sampled]
             hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
-            if not inputs.sampled:
+            if not sampled:
                 return {}
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        gens = [self._generator_for(s) for s in inputs.sampled]
+        gens = [self._generator_for(s) for s in sampled]
         tokens, logprobs = sample(logits, params, gens, self.default_generator)
         return {
             s.seq.request_id: (tokens[i], None if logprobs is None else logprobs[i])
-            for i, s in enumerate(inputs.sampled)
+            for i, s in enumerate(sampled)
         }
 
     def _generator_for(self, item: ScheduledSeq) -> torch.Generator | None:
@@ -162,9 +166,13 @@ class ModelRunner:
         seq.generator.manual_seed(_mix_seed(seq.params.seed, seq.num_output_tokens))
         return seq.generator
 
-    def _use_graph(self, inputs: StepInputs) -> bool:
-        n = inputs.meta.num_seqs
-        return bool(self._graphs) and inputs.meta.max_query_len == 1 and n <= max(self._graphs) and len(inputs.sampled) == n
+    def _fits_graph(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A step of one sampled token per sequence, within the largest captured batch."""
+        return (
+            bool(self._graphs)
+            and len(scheduled) <= self._max_graph_batch
+            and all(item.num_new_tokens == 1 and item.sample for item in scheduled)
+        )
 
     # ----- CUDA graphs for decode steps ----------------------------------------------------
 
@@ -179,17 +187,34 @@ class ModelRunner:
         max_b = min(self.cfg.cuda_graph_max_batch, self.cfg.max_num_seqs)
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_b + 1, 16)) if b <= max_b} | {max_b})
         dev = self.device
+        self._max_graph_batch = max_b
+        # The graph's integer inputs are views of two flat device buffers, filled each step from
+        # pinned host mirrors by one copy apiece: a decode step's host work is then writing a
+        # few numbers into numpy views, not launching a copy kernel per input.
+        w = self.max_blocks_per_seq
+        longs = torch.zeros(4 * max_b, dtype=torch.int64, device=dev)
+        ints = torch.zeros(2 * max_b + 1 + max_b * w, dtype=torch.int32, device=dev)
+        self._staging = [
+            (torch.zeros_like(longs, device="cpu").pin_memory(), torch.zeros_like(ints, device="cpu").pin_memory())
+            for _ in range(2)
+        ]
+        for host_longs, host_ints in self._staging:
+            host_ints[: max_b + 1] = torch.arange(max_b + 1, dtype=torch.int32)  # cu_seqlens_q: constant
+        self._staging_turn = 0
+        self._graph_flat = (longs, ints)
         io = {
-            "input_ids": torch.zeros(max_b, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_b, dtype=torch.int64, device=dev),
-            "slot_block": torch.full((max_b,), self.scratch_block, dtype=torch.int64, device=dev),
-            "slot_offset": torch.zeros(max_b, dtype=torch.int64, device=dev),
-            "cu_seqlens_q": torch.arange(max_b + 1, dtype=torch.int32, device=dev),
-            "seq_lens": torch.ones(max_b, dtype=torch.int32, device=dev),
-            "block_tables": torch.full(
-                (max_b, self.max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=dev
-            ),
+            "input_ids": longs[:max_b],
+            "positions": longs[max_b : 2 * max_b],
+            "slot_block": longs[2 * max_b : 3 * max_b],
+            "slot_offset": longs[3 * max_b :],
+            "cu_seqlens_q": ints[: max_b + 1],
+            "seq_lens": ints[max_b + 1 : 2 * max_b + 1],
+            "block_tables": ints[2 * max_b + 1 :].view(max_b, w),
         }
+        io["cu_seqlens_q"].copy_(torch.arange(max_b + 1, dtype=torch.int32))
+        io["slot_block"].fill_(self.scratch_block)
+        io["seq_lens"].fill_(1)
+        io["block_tables"].fill_(self.scratch_block)
         self._graph_io = io
         # The LM head and the greedy argmax are recorded too: outside the graph they are a
         # dozen more launches per step.
@@ -236,22 +261,39 @@ class ModelRunner:
             seq_lens_host=[self.max_model_len] * b,
         )
 
-    def _replay(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the recorded decode step; returns views of its logits and greedy tokens."""
-        n = inputs.meta.num_seqs
+    def _replay(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the recorded decode step; returns views of its logits and greedy tokens.
+        Rows n..b-1 of the padded batch write their (garbage) K/V to the scratch block."""
+        n = len(scheduled)
         b = min(s for s in self._graphs if s >= n)
-        io, meta = self._graph_io, inputs.meta
-        io["input_ids"][:n] = inputs.input_ids
-        io["positions"][:n] = inputs.positions
-        io["slot_block"][:n] = meta.slot_block
-        io["slot_block"][n:b] = self.scratch_block
-        io["slot_offset"][:n] = meta.slot_offset
-        io["seq_lens"][:n] = meta.seq_lens
-        io["seq_lens"][n:b] = 1
-        width = meta.block_tables.shape[1]
-        io["block_tables"][:n, :width] = meta.block_tables
-        io["block_tables"][n:b] = self.scratch_block
+        max_b, bs, w = self._max_graph_batch, self.block_size, self.max_blocks_per_seq
+        host_longs, host_ints = self._staging[self._staging_turn]
+        self._staging_turn ^= 1  # the other mirror may still be feeding the previous copy
+        longs, ints = host_longs.numpy(), host_ints.numpy()
+        tables = ints[2 * max_b + 1 :].reshape(max_b, w)
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            pos = seq.num_computed_tokens
+            blocks = seq.block_ids
+            longs[i] = seq.token_ids[pos]
+            longs[max_b + i] = pos
+            longs[2 * max_b + i] = blocks[pos // bs]
+            longs[3 * max_b + i] = pos % bs
+            ints[max_b + 1 + i] = pos + 1
+            tables[i, : len(blocks)] = blocks
+            tables[i, len(blocks) :] = self.scratch_block
+        longs[n:b] = 0
+        longs[max_b + n : max_b + b] = 0
+        longs[2 * max_b + n : 2 * max_b + b] = self.scratch_block
+        longs[3 * max_b + n : 3 * max_b + b] = 0
+        ints[max_b + 1 + n : max_b + 1 + b] = 1
+        tables[n:b] = self.scratch_block
+        dev_longs, dev_ints = self._graph_flat
+        dev_longs.copy_(host_longs, non_blocking=True)
+        used = 2 * max_b + 1 + b * w  # block-table rows past b are never read by this graph
+        dev_ints[:used].copy_(host_ints[:used], non_blocking=True)
         self._graphs[b].replay()
+        io = self._graph_io
         return io["logits"][:n], io["argmax"][:n]
 
 
