@@ -1,4 +1,6 @@
-"""The decode worker: imports a prompt's KV from a prefill worker and decodes it.
+"""The decode worker: imports a prompt's KV from a prefill worker and decodes it, or prefills
+the prompt itself (`submit`: a colocated cluster, or a prompt short enough not to be worth a
+transfer).
 
 `start` matches the prompt's block hashes against this worker's own prefix cache, allocates
 the rest, READs only the missing blocks from the producer (which then frees its copy), and puts
@@ -8,6 +10,10 @@ more steps, so relaying costs one round trip per step, not one per token.
 
 A transfer that fails is retried; if it keeps failing the prompt is recomputed here, so the
 request still completes, and tokens never come from KV that did not arrive whole.
+
+`submit` adds a whole request to the engine (the engine's decode role runs a prompt added with
+`add_request` to completion, as recomputing does) and returns at once; all of its tokens, the
+first included, come out through the same outbox and `poll`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from opentelemetry import trace
 from kv_transfer.agent import KvTransferAgent, KvTransferError
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.engine import ImportPlan, LLMEngine, RequestOutput
+from pdserve.engine.hashing import block_hashes
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
@@ -51,6 +58,13 @@ class StartResult:
     transfer_retries: int = 0  # failed READs before the one that worked (or before recomputing)
 
 
+@dataclass(frozen=True)
+class SubmitResult:
+    # Prompt tokens this worker's prefix cache held when the request was added: what admission
+    # reuses unless the cache changes before the request's first step.
+    cached_prompt_tokens: int
+
+
 class DecodeWorker:
     def __init__(
         self,
@@ -72,6 +86,7 @@ class DecodeWorker:
         self.bytes_pulled = 0
         self.transfers = 0
         self.transfer_failures = 0
+        self.local_prefills = 0  # requests submitted whole, prefilled here
         self._importing: set[str] = set()
         self._cancelled: set[str] = set()
         self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
@@ -96,6 +111,31 @@ class DecodeWorker:
             span.set_attribute("pdserve.pulled_blocks", result.pulled_blocks)
             span.set_attribute("pdserve.recomputed", result.recomputed)
         return result
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        trace_context: TraceCarrier | None = None,
+    ) -> SubmitResult:
+        """Prefill and decode a request here. Returns once it is queued in the engine; its
+        tokens, the first included, come out through `poll`."""
+        with self._tracer.start_span(
+            "pdserve.decode.local_prefill", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
+            attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
+                        "pdserve.prompt_tokens": len(prompt_token_ids)},
+        ) as span:
+            bs = self.engine.blocks.block_size
+            # As admission matches: whole blocks, never the one holding the last prompt token.
+            hashes = block_hashes(prompt_token_ids, bs)[: (len(prompt_token_ids) - 1) // bs]
+            with self.loop.lock:
+                cached = len(self.engine.blocks.match_prefix(hashes)) * bs
+                self.engine.add_request(list(prompt_token_ids), params, request_id)
+                self.local_prefills += 1
+            self.loop.wake()
+            span.set_attribute("pdserve.cached_tokens", cached)
+        return SubmitResult(cached)
 
     def _start(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle, span: trace.Span

@@ -2,7 +2,8 @@
 
 Every method is async and takes a deadline; implementations turn worker-side failures into
 `RouterError`s with the gRPC status the client should see. `prefill` and `start` also take the
-W3C trace context of the router's span (`trace_context`), passed only when tracing is on.
+W3C trace context of the router's span (`trace_context`), passed only when tracing is on;
+so does `submit`, which hands a whole request to a decode worker to prefill itself.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class DecodeStart:
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     transfer_retries: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeSubmit:
+    cached_prompt_tokens: int  # prompt tokens the decode worker's prefix cache held when it took the request
 
 
 # (request id, new token ids, finish reason or "")
@@ -72,6 +78,18 @@ class DecodeHandle(Protocol):
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
     ) -> DecodeStart: ...
+
+    # Prefill and decode the whole request on this worker (colocated serving, or a prompt short
+    # enough for conditional disaggregation to keep it here). Returns once the worker has queued
+    # it; every token, the first included, comes through `poll`.
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
+    ) -> DecodeSubmit: ...
 
     async def abort(self, request_id: str, timeout_s: float) -> None: ...
 

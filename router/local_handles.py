@@ -14,7 +14,7 @@ from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, kv_pb2
 from prefill_worker.worker import PrefillWorker
 from router.errors import to_router_error
-from router.handles import DecodeStart, Update
+from router.handles import DecodeStart, DecodeSubmit, Update
 
 
 async def _call(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
@@ -75,6 +75,19 @@ class LocalDecode:
         return DecodeStart(
             r.reused_tokens, r.pulled_blocks, r.recomputed, r.transfer_bytes, r.transfer_seconds, r.transfer_retries
         )
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
+    ) -> DecodeSubmit:
+        r = await _call(
+            self.worker.submit, prompt_token_ids, params, request_id, trace_context, timeout_s=timeout_s, what="decode submit"
+        )
+        return DecodeSubmit(r.cached_prompt_tokens)
 
     async def abort(self, request_id: str, timeout_s: float) -> None:
         await _call(self.worker.abort, request_id, timeout_s=timeout_s, what="abort")

@@ -72,6 +72,11 @@ class DecodeActor:
     ) -> Any:
         return self.worker.start(ids, params, rid, handle, trace_context)
 
+    def submit(
+        self, ids: list[int], params: SamplingParams, rid: str, trace_context: TraceCarrier | None = None
+    ) -> Any:
+        return self.worker.submit(ids, params, rid, trace_context)
+
     def flush_traces(self, timeout_s: float = 10.0) -> bool:
         return self.tracing.flush(timeout_s)
 

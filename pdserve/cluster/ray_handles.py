@@ -10,7 +10,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, kv_pb2
 from pdserve.telemetry.context import TraceCarrier
 from router.errors import to_router_error
-from router.handles import DecodeStart, Update
+from router.handles import DecodeStart, DecodeSubmit, Update
 
 
 async def _call(ref: Any, timeout_s: float, what: str) -> Any:
@@ -65,6 +65,12 @@ class RayDecode:
         return DecodeStart(
             r.reused_tokens, r.pulled_blocks, r.recomputed, r.transfer_bytes, r.transfer_seconds, r.transfer_retries
         )
+
+    async def submit(
+        self, ids: list[int], params: SamplingParams, rid: str, timeout_s: float, trace_context: TraceCarrier | None = None
+    ) -> DecodeSubmit:
+        r = await _call(self.actor.submit.remote(ids, params, rid, trace_context), timeout_s, "decode submit")
+        return DecodeSubmit(r.cached_prompt_tokens)
 
     async def abort(self, rid: str, timeout_s: float) -> None:
         await _call(self.actor.abort.remote(rid), timeout_s, "abort")
