@@ -36,6 +36,10 @@ class PlacementConfig:
     max_index_entries_per_worker: int = 1 << 18
     recent_keys: int = 4096  # ring keys remembered to measure how many a membership change moves
     seed: int = 0  # for the random baseline
+    # Conditional disaggregation: a prompt whose tokens not yet cached on its decode worker are
+    # at most this many is prefilled there instead of on a prefill worker (0: never, while a
+    # prefill pool exists). See `prefill_locally`.
+    max_local_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -50,6 +54,8 @@ class PlacementConfig:
             raise ValueError("load_window_s: must be > 0")
         if self.miss_weight < 0 or self.load_weight < 0:
             raise ValueError("miss_weight/load_weight: must be >= 0")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError("max_local_prefill_tokens: must be >= 0 (0: always disaggregate)")
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,27 @@ def ring_key(block_hashes: Sequence[int], prefix_blocks: int) -> int | None:
     if not block_hashes:
         return None
     return block_hashes[min(prefix_blocks, len(block_hashes)) - 1]
+
+
+def prefill_locally(
+    num_prompt_tokens: int, decode_matched_tokens: int, has_prefill_workers: bool, max_local_prefill_tokens: int
+) -> bool:
+    """Whether to prefill a prompt on the decode worker chosen for it rather than on a prefill worker.
+
+    Always when no prefill worker is in placement (a colocated cluster, or a prefill pool that
+    was drained or is down). Otherwise when the tokens the decode worker would have to compute
+    (the prompt less the `decode_matched_tokens` its prefix cache holds; at least one, because
+    the last prompt token is always computed) are at most `max_local_prefill_tokens`; 0 turns
+    local prefill off. A short prompt, or a long one whose prefix the decode worker already
+    holds (a multi-turn chat), costs a decode step little more than a transfer would, and saves
+    the prefill round trip and the KV hand-over.
+    """
+    if not has_prefill_workers:
+        return True
+    if max_local_prefill_tokens <= 0:
+        return False
+    uncached = max(1, num_prompt_tokens - decode_matched_tokens)
+    return uncached <= max_local_prefill_tokens
 
 
 @dataclass
@@ -314,4 +341,10 @@ class DecodePolicy(_Pool):
         headroom = {w: self.index.headroom(w) for w in open_}
         needed = -(-num_tokens // self.block_size)
         w = pick_decode(open_, {w: self.inflight[w] for w in open_}, matched, headroom, needed, c=self.cfg.load_factor)
-        return self._placed(Placement(w, matched.get(w, 0), None, 1.0))
+        return self._placed(Placement(w, matched.get(w, 0), None, 1.0, num_tokens))
+
+    def prefilled_here(self, p: Placement, cached_tokens: int) -> None:
+        """The placed request's prompt was prefilled on its decode worker, `cached_tokens` of it
+        from that worker's prefix cache: it counts towards this pool's hit rate."""
+        self._counters.prompt_tokens += p.num_tokens
+        self._counters.cached_tokens += cached_tokens

@@ -1,9 +1,11 @@
 """The router: validates and tokenizes a request, prefills it on one worker, decodes it on another
-and relays the tokens to the client.
+and relays the tokens to the client. A prompt may also be prefilled on its decode worker: always
+in a colocated cluster (no prefill pool), and under conditional disaggregation when little of it
+is missing from that worker's prefix cache (`router.policy.prefill_locally`).
 
 Tokens come back from decode workers through one long-poll per worker (`_relay`), carrying every
 request's tokens of one or more engine steps; the router fans them out to per-request queues.
-Text is produced here, at the edge, from the whole token stream (the prefill worker's first token
+Text is produced here, at the edge, from the whole token stream (a prefill worker's first token
 included), so chunks never split a UTF-8 character and stop strings see all of the text.
 """
 
@@ -14,27 +16,30 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
+from prometheus_client import Histogram
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import carrier_of, context_of
 from pdserve.telemetry.metrics import RouterMetrics
-from pdserve_proto import inference_pb2
+from pdserve_proto import inference_pb2, kv_pb2
 from router.errors import to_router_error
 from router.handles import DecodeHandle, DecodeStart, PrefillHandle, RouterError
 from router.membership import MembershipConfig, PoolMembership
-from router.policy import DecodePolicy, Placement, PlacementConfig, PrefillPolicy
+from router.policy import DecodePolicy, Placement, PlacementConfig, PrefillPolicy, prefill_locally
 
 log = logging.getLogger(__name__)
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,36 @@ class _Stream:
         self.queue: asyncio.Queue[tuple[list[int], str] | RouterError] = asyncio.Queue()
 
 
+@dataclass
+class _Request:
+    """One request in flight: what its prefill path, the token relay and cleanup share."""
+
+    rid: str
+    ids: list[int]
+    params: SamplingParams
+    ctx: Any  # the root span's context: the router's spans of this request hang under it
+    d_at: Placement
+    decode: DecodeHandle
+    p_at: Placement | None  # None: prefilled on the decode worker
+    prefill: PrefillHandle | None
+    detok: IncrementalDetokenizer
+    stream: _Stream = field(default_factory=_Stream)
+    completion: int = 0  # tokens generated so far
+    cached: int = 0  # prompt tokens served from a prefix cache
+    pinned_on_prefill: bool = False  # the prefill worker holds its KV until released or pulled
+    on_decode: bool = False  # the decode worker may hold it: cleanup aborts it there
+    hand_over: asyncio.Task | None = None  # a start/submit call still running
+    open_spans: list[trace.Span] = field(default_factory=list)
+
+    @property
+    def local(self) -> bool:
+        return self.p_at is None
+
+    @property
+    def workers(self) -> list[str]:
+        return [self.d_at.worker] if self.p_at is None else [self.p_at.worker, self.d_at.worker]
+
+
 class Router:
     def __init__(
         self,
@@ -69,8 +104,8 @@ class Router:
         tracer: trace.Tracer | None = None,
         metrics: RouterMetrics | None = None,
     ) -> None:
-        if not prefills or not decodes:
-            raise ValueError("router needs at least one prefill and one decode worker")
+        if not decodes:
+            raise ValueError("decodes: the router needs at least one decode worker (prefill workers are optional)")
         self.config = config
         self.tokenizer = tokenizer
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
@@ -83,6 +118,7 @@ class Router:
         self._prefill_members = PoolMembership("prefill", self.prefill_policy, config.membership)
         self._decode_members = PoolMembership("decode", self.decode_policy, config.membership)
         self._busy: dict[str, int] = {}  # requests a worker still serves, for draining it
+        self._prefill_locations: Counter[str] = Counter()  # requests by where their prompt was prefilled
         self._streams: dict[str, _Stream] = {}
         self._relays: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
@@ -143,12 +179,14 @@ class Router:
     def placement_stats(self) -> dict:
         """What placement did: per pool, requests placed and in flight per worker, the prefix
         hit rate, requests placed away from their ring owner, remaps, index size; and which
-        workers are out of placement because they stopped answering."""
+        workers are out of placement because they stopped answering; and how many requests
+        were prefilled on their decode worker (local) or on a prefill worker (remote)."""
         now = time.monotonic()
         return {
             "prefill": self.prefill_policy.stats(now).as_dict(),
             "decode": self.decode_policy.stats(now).as_dict(),
             "down": sorted(self._prefill_members.down | self._decode_members.down),
+            "prefills": {"local": self._prefill_locations["local"], "remote": self._prefill_locations["remote"]},
         }
 
     # ----- requests ------------------------------------------------------------------------
@@ -270,129 +308,140 @@ class Router:
         if rid in self._streams:
             raise RouterError(_INVALID, f"request_id: {rid!r} is already in flight")
         root.set_attributes({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(ids)})
-        ctx = trace.set_span_in_context(root)
-        route = self.tracer.start_span("pdserve.route", context=ctx)
-        hashes = block_hashes(ids, self.config.block_size)
-        p_at = self.prefill_policy.place(hashes, len(ids), time.monotonic(), self.config.max_inflight_per_prefill)
-        d_at = self.decode_policy.place(hashes, len(ids), self.config.max_inflight_per_decode)
-        if route.is_recording():
-            route.set_attributes(_placement_attributes(p_at, d_at))
-        route.end()
-        if p_at is None or d_at is None:
-            for pool, at in ((self.prefill_policy, p_at), (self.decode_policy, d_at)):
-                if at is not None:
-                    pool.finish(at)
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cluster: every worker is at capacity; retry later")
-        p_id, d_id = p_at.worker, d_at.worker
+        r = self._place(rid, ids, params, trace.set_span_in_context(root))
+        where = "local" if r.local else "remote"
         self.metrics.prompt_tokens.inc(len(ids))
-        prefill, decode = self.prefills[p_id], self.decodes[d_id]
-        stream = _Stream()
-        self._streams[rid] = stream
-        for w in (p_id, d_id):
+        self.metrics.prefill_location.labels(where).inc()
+        self._prefill_locations[where] += 1
+        self._streams[rid] = r.stream  # before any worker call, so no token of this request is dropped
+        for w in r.workers:
             self._busy[w] = self._busy.get(w, 0) + 1
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        state = {"pinned_on_prefill": False, "decoding": False}
-        open_spans: list[trace.Span] = []
-        completion = 0
         try:
-            handle = None
-            span = self.tracer.start_span("pdserve.prefill", context=ctx, kind=trace.SpanKind.CLIENT,
-                                          attributes={"pdserve.worker_id": p_id})
-            sent = time.monotonic()
-            try:
-                handle = await prefill.prefill(ids, params, rid, self.config.prefill_timeout_s, **_traced(span))
-            except RouterError as exc:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
-                raise
-            finally:
-                cached_tokens = handle.cached_prompt_tokens if handle is not None else None
-                self.prefill_policy.finish(p_at, time.monotonic(), cached_tokens)
-                self.metrics.prefill_wait.observe(time.monotonic() - sent)
-                if cached_tokens is not None:
-                    span.set_attribute("pdserve.cached_tokens", cached_tokens)
-                span.end()
-            state["pinned_on_prefill"] = True
-            cached = handle.cached_prompt_tokens
-            self.metrics.cached_prompt_tokens.inc(cached)
-            completion = 1
-            reason = handle.finish_reason
-            if detok.add([handle.first_token]) is not None:
-                reason = "stop"
-            if reason:
-                await prefill.release(rid, self.config.control_timeout_s)
-                state["pinned_on_prefill"] = False
-                yield self._chunk(rid, [handle.first_token], detok, reason, ids, completion, cached)
-                return
-            yield self._chunk(rid, [handle.first_token], detok, "", ids, completion, cached)
-
-            state["decoding"] = True
-            start = await self._start_decode(decode, d_id, ids, params, rid, handle, ctx)
-            first_decode = self.tracer.start_span("pdserve.decode.first_token", context=ctx,
-                                                  attributes={"pdserve.worker_id": d_id})
-            open_spans.append(first_decode)
-            handed_over = time.monotonic()
-            stream_span: trace.Span | None = None
-            if start.recomputed:
-                await prefill.release(rid, self.config.control_timeout_s)
-            state["pinned_on_prefill"] = False  # pulled: the prefill worker frees on the notification
-            while True:
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), self.config.token_timeout_s)
-                except asyncio.TimeoutError:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode worker {d_id} sent nothing for {self.config.token_timeout_s}s") from None
-                if isinstance(item, RouterError):
-                    raise item
-                tokens, reason = item
-                if stream_span is None:
-                    first_decode.end()
-                    self.metrics.decode_wait.observe(time.monotonic() - handed_over)
-                    stream_span = self.tracer.start_span("pdserve.stream", context=ctx,
-                                                         attributes={"pdserve.worker_id": d_id})
-                    open_spans.append(stream_span)
-                completion += len(tokens)
-                if detok.add(tokens) is not None:
-                    reason = "stop"
-                    await decode.abort(rid, self.config.control_timeout_s)
-                if reason:
-                    state["decoding"] = False
-                    stream_span.set_attributes({"pdserve.completion_tokens": completion, "pdserve.finish_reason": reason})
-                    stream_span.end()
-                yield self._chunk(rid, tokens, detok, reason, ids, completion, cached)
-                if reason:
-                    return
-        except asyncio.CancelledError:
-            self._cleanup_later(rid, prefill, decode, state)
-            raise
-        except GeneratorExit:
-            self._cleanup_later(rid, prefill, decode, state)
+            path = self._serve_local(r) if r.local else self._serve_remote(r)
+            async with contextlib.aclosing(path) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            self._cleanup_later(r)
             raise
         except Exception as exc:
-            self._cleanup_later(rid, prefill, decode, state)
+            self._cleanup_later(r)
             raise to_router_error(exc, "generate") from exc
         finally:
-            for span in open_spans:  # a request that failed or was cancelled mid-stream
+            for span in r.open_spans:  # a request that failed or was cancelled mid-stream
                 if span.is_recording():
                     span.end()
             self._streams.pop(rid, None)
-            self.decode_policy.finish(d_at)
-            for w in (p_id, d_id):  # the prefill worker too: it holds the KV until it is pulled
+            self.decode_policy.finish(r.d_at)
+            for w in r.workers:  # the prefill worker too: it holds the KV until it is pulled
                 self._busy[w] -= 1
 
-    async def _start_decode(
-        self,
-        decode: DecodeHandle,
-        d_id: str,
-        ids: list[int],
-        params: SamplingParams,
-        rid: str,
-        handle: Any,
-        ctx: Any,
-    ) -> DecodeStart:
-        """Hand the KV over to the decode worker (it READs the missing blocks) and record the transfer."""
-        span = self.tracer.start_span("pdserve.decode.start", context=ctx, kind=trace.SpanKind.CLIENT,
-                                      attributes={"pdserve.worker_id": d_id})
+    def _place(self, rid: str, ids: list[int], params: SamplingParams, ctx: Any) -> _Request:
+        """Choose the decode worker, then whether the prompt is prefilled there (`prefill_locally`)
+        or on a prefill worker, and which. RESOURCE_EXHAUSTED when a pool it needs is full."""
+        cfg = self.config
+        route = self.tracer.start_span("pdserve.route", context=ctx)
+        hashes = block_hashes(ids, cfg.block_size)
+        d_at = self.decode_policy.place(hashes, len(ids), cfg.max_inflight_per_decode)
+        local = d_at is not None and prefill_locally(
+            len(ids), d_at.matched_blocks * cfg.block_size, bool(self.prefill_policy.workers),
+            cfg.placement.max_local_prefill_tokens,
+        )
+        p_at = None
+        if d_at is not None and not local:
+            p_at = self.prefill_policy.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill)
+        if route.is_recording():
+            route.set_attributes(_placement_attributes(p_at, d_at, local))
+        route.end()
+        if d_at is None or (p_at is None and not local):
+            if d_at is not None:
+                self.decode_policy.finish(d_at)
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cluster: every worker is at capacity; retry later")
+        return _Request(
+            rid, ids, params, ctx, d_at, self.decodes[d_at.worker], p_at,
+            None if p_at is None else self.prefills[p_at.worker], IncrementalDetokenizer(self.tokenizer, params.stop),
+        )
+
+    async def _serve_remote(self, r: _Request) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Disaggregated: prefill on a prefill worker (its first token goes to the client at once),
+        hand the KV over to the decode worker, then relay the decode worker's tokens."""
+        assert r.prefill is not None
+        handle = await self._prefill(r)
+        r.pinned_on_prefill = True
+        r.cached = handle.cached_prompt_tokens
+        self.metrics.cached_prompt_tokens.inc(r.cached)
+        r.completion = 1
+        reason = handle.finish_reason
+        if r.detok.add([handle.first_token]) is not None:
+            reason = "stop"
+        if reason:
+            await r.prefill.release(r.rid, self.config.control_timeout_s)
+            r.pinned_on_prefill = False
+            yield self._chunk(r, [handle.first_token], reason)
+            return
+        yield self._chunk(r, [handle.first_token], "")
+
+        r.on_decode = True
+        start = await self._start_decode(r, handle)
+        handed_over = time.monotonic()
+        if start.recomputed:
+            await r.prefill.release(r.rid, self.config.control_timeout_s)
+        r.pinned_on_prefill = False  # pulled: the prefill worker frees on the notification
+        async for chunk in self._relay_tokens(r, handed_over, self.metrics.decode_wait):
+            yield chunk
+
+    async def _serve_local(self, r: _Request) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Colocated, or conditionally not disaggregated: the decode worker prefills the prompt
+        itself, and every token, the first included, comes through its relay."""
+        span = self.tracer.start_span("pdserve.decode.submit", context=r.ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": r.d_at.worker})
+        sent = time.monotonic()
+        r.on_decode = True  # from the call on the worker may hold the request, whatever the call's outcome
         try:
-            start = await decode.start(ids, params, rid, handle, self.config.decode_start_timeout_s, **_traced(span))
+            submitted = await self._hand_over(
+                r, r.decode.submit(r.ids, r.params, r.rid, self.config.decode_start_timeout_s, **_traced(span))
+            )
+        except RouterError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            span.end()
+        r.cached = submitted.cached_prompt_tokens
+        self.metrics.cached_prompt_tokens.inc(r.cached)
+        self.decode_policy.prefilled_here(r.d_at, r.cached)
+        # Until its first token the request is being prefilled: that wait is the prefill's.
+        async for chunk in self._relay_tokens(r, sent, self.metrics.prefill_wait):
+            yield chunk
+
+    async def _prefill(self, r: _Request) -> kv_pb2.KvHandle:
+        """The prefill call; the prefill pool learns what the worker really computed."""
+        assert r.prefill is not None and r.p_at is not None
+        span = self.tracer.start_span("pdserve.prefill", context=r.ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": r.p_at.worker})
+        sent = time.monotonic()
+        handle = None
+        try:
+            handle = await r.prefill.prefill(r.ids, r.params, r.rid, self.config.prefill_timeout_s, **_traced(span))
+        except RouterError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            cached_tokens = handle.cached_prompt_tokens if handle is not None else None
+            self.prefill_policy.finish(r.p_at, time.monotonic(), cached_tokens)
+            self.metrics.prefill_wait.observe(time.monotonic() - sent)
+            if cached_tokens is not None:
+                span.set_attribute("pdserve.cached_tokens", cached_tokens)
+            span.end()
+        return handle
+
+    async def _start_decode(self, r: _Request, handle: kv_pb2.KvHandle) -> DecodeStart:
+        """Hand the KV over to the decode worker (it READs the missing blocks) and record the transfer."""
+        span = self.tracer.start_span("pdserve.decode.start", context=r.ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": r.d_at.worker})
+        try:
+            start = await self._hand_over(
+                r, r.decode.start(r.ids, r.params, r.rid, handle, self.config.decode_start_timeout_s, **_traced(span))
+            )
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
@@ -409,38 +458,81 @@ class Router:
             m.recomputes.inc()
         return start
 
-    def _chunk(
-        self,
-        rid: str,
-        tokens: list[int],
-        detok: IncrementalDetokenizer,
-        reason: str,
-        prompt: list[int],
-        completion: int,
-        cached: int,
-    ) -> inference_pb2.GenerateResponse:
+    @staticmethod
+    async def _hand_over(r: _Request, call: Awaitable[_T]) -> _T:
+        """Await a call that puts the request on its decode worker (start, submit). If the caller
+        is cancelled meanwhile, the call still runs to its end, and cleanup waits for it before
+        aborting: an abort that overtook it would find nothing to free, and the request would
+        then run on the worker with nobody listening."""
+        task = asyncio.ensure_future(call)
+        r.hand_over = task
+        result = await asyncio.shield(task)
+        r.hand_over = None
+        return result
+
+    async def _relay_tokens(
+        self, r: _Request, since: float, first_wait: Histogram
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The decode worker's tokens of this request, as chunks, until it finishes: the common
+        tail of both paths. `first_wait` observes the time from `since` to the first of them."""
+        first = self.tracer.start_span("pdserve.decode.first_token", context=r.ctx,
+                                       attributes={"pdserve.worker_id": r.d_at.worker})
+        r.open_spans.append(first)
+        stream_span: trace.Span | None = None
+        while True:
+            try:
+                item = await asyncio.wait_for(r.stream.queue.get(), self.config.token_timeout_s)
+            except asyncio.TimeoutError:
+                raise RouterError(
+                    grpc.StatusCode.UNAVAILABLE, f"decode worker {r.d_at.worker} sent nothing for {self.config.token_timeout_s}s"
+                ) from None
+            if isinstance(item, RouterError):
+                raise item
+            tokens, reason = item
+            if stream_span is None:
+                first.end()
+                first_wait.observe(time.monotonic() - since)
+                stream_span = self.tracer.start_span("pdserve.stream", context=r.ctx,
+                                                     attributes={"pdserve.worker_id": r.d_at.worker})
+                r.open_spans.append(stream_span)
+            r.completion += len(tokens)
+            if r.detok.add(tokens) is not None:
+                reason = "stop"
+                await r.decode.abort(r.rid, self.config.control_timeout_s)
+            if reason:
+                r.on_decode = False
+                stream_span.set_attributes({"pdserve.completion_tokens": r.completion, "pdserve.finish_reason": reason})
+                stream_span.end()
+            yield self._chunk(r, tokens, reason)
+            if reason:
+                return
+
+    def _chunk(self, r: _Request, tokens: list[int], reason: str) -> inference_pb2.GenerateResponse:
         resp = inference_pb2.GenerateResponse(
-            request_id=rid, token_ids=tokens, text=detok.stream_delta(finished=bool(reason)), finish_reason=reason
+            request_id=r.rid, token_ids=tokens, text=r.detok.stream_delta(finished=bool(reason)), finish_reason=reason
         )
         if reason:
-            resp.usage.prompt_tokens = len(prompt)
-            resp.usage.completion_tokens = completion
-            resp.usage.cached_prompt_tokens = cached
+            resp.usage.prompt_tokens = len(r.ids)
+            resp.usage.completion_tokens = r.completion
+            resp.usage.cached_prompt_tokens = r.cached
         return resp
 
-    def _cleanup_later(self, rid: str, prefill: PrefillHandle, decode: DecodeHandle, state: dict[str, bool]) -> None:
+    def _cleanup_later(self, r: _Request) -> None:
         """Free the request on the workers without blocking the cancelled caller."""
 
         async def cleanup() -> None:
+            if r.hand_over is not None:  # let a start/submit still on its way land first
+                await asyncio.gather(r.hand_over, return_exceptions=True)
             t = self.config.control_timeout_s
+            release = r.prefill is not None and (r.pinned_on_prefill or not r.on_decode)
             results = await asyncio.gather(
-                decode.abort(rid, t) if state["decoding"] else asyncio.sleep(0),
-                prefill.release(rid, t) if state["pinned_on_prefill"] or not state["decoding"] else asyncio.sleep(0),
+                r.decode.abort(r.rid, t) if r.on_decode else asyncio.sleep(0),
+                r.prefill.release(r.rid, t) if release and r.prefill is not None else asyncio.sleep(0),
                 return_exceptions=True,
             )
-            for r in results:
-                if isinstance(r, BaseException):
-                    log.warning("cleanup of %s: %s", rid, r)
+            for res in results:
+                if isinstance(res, BaseException):
+                    log.warning("cleanup of %s: %s", r.rid, res)
 
         task = asyncio.get_running_loop().create_task(cleanup())
         self._background.add(task)
@@ -518,11 +610,14 @@ def _traced(span: trace.Span) -> dict[str, Any]:
     return {"trace_context": carrier} if carrier else {}
 
 
-def _placement_attributes(p_at: Placement | None, d_at: Placement | None) -> dict[str, Any]:
+def _placement_attributes(p_at: Placement | None, d_at: Placement | None, local: bool) -> dict[str, Any]:
     """What the routing span records: the chosen workers, the prefix overlap each was chosen
-    for, and whether placement had to leave the prompt's home on the ring."""
-    attrs: dict[str, Any] = {}
+    for, whether placement had to leave the prompt's home on the ring, and whether the prompt
+    is prefilled on the decode worker (then no prefill worker is chosen)."""
+    attrs: dict[str, Any] = {"pdserve.prefill.local": local}
     for pool, at in (("prefill", p_at), ("decode", d_at)):
+        if pool == "prefill" and local:
+            continue
         if at is None:
             attrs[f"pdserve.{pool}.worker_id"] = ""  # nobody had room
             continue

@@ -24,8 +24,17 @@ class RouterMetrics:
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served now.", registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of placed requests.", registry=r)
         self.cached_prompt_tokens = Counter(
-            "pdserve_cached_prompt_tokens", "Prompt tokens a prefill worker served from its prefix cache.", registry=r
+            "pdserve_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache of the worker that prefilled them.", registry=r,
         )
+        self.prefill_location = Counter(
+            "pdserve_prefills",
+            "Placed requests by where their prompt is prefilled: on a prefill worker (remote) or on their "
+            "decode worker (local: colocated serving or conditional disaggregation).",
+            ["location"], registry=r,
+        )
+        for location in ("local", "remote"):
+            self.prefill_location.labels(location)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens sent to clients.", registry=r)
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "From the request's arrival to its first token.",
@@ -40,7 +49,9 @@ class RouterMetrics:
             buckets=_LATENCY, registry=r,
         )
         self.prefill_wait = Histogram(
-            "pdserve_prefill_duration_seconds", "Prefill call as the router sees it: queueing and compute on the worker.",
+            "pdserve_prefill_duration_seconds",
+            "Prefill as the router sees it: queueing and compute on the worker (for a local prefill, until the "
+            "decode worker's first token).",
             buckets=_LATENCY, registry=r,
         )
         self.decode_wait = Histogram(

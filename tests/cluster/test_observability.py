@@ -108,6 +108,7 @@ def test_one_trace_per_request_across_router_prefill_and_decode(loop_thread, clu
         route = by_name["pdserve.route"].attributes
         assert route["pdserve.prefill.worker_id"] == "prefill-0" and route["pdserve.decode.worker_id"] == "decode-0"
         assert "pdserve.prefill.matched_blocks" in route
+        assert route["pdserve.prefill.local"] is False
         prompt_tokens = root.attributes["pdserve.prompt_tokens"]
         assert by_name["pdserve.prefill.compute"].attributes["pdserve.prompt_tokens"] == prompt_tokens
         assert "pdserve.cached_tokens" in by_name["pdserve.prefill.compute"].attributes
@@ -173,6 +174,8 @@ def test_metrics_pass_promtool_and_count_known_requests(cluster, channel):
     assert delta("pdserve_inter_token_latency_seconds_count") == 8
     assert delta("pdserve_kv_transfer_duration_seconds_count") == 2
     assert delta("pdserve_kv_transfer_bytes_total") > 0
+    assert delta("pdserve_prefills_total", location="remote") == 2  # disaggregated: no prompt prefilled locally
+    assert delta("pdserve_prefills_total", location="local") == 0
     assert value(after, "pdserve_requests_in_flight") == 0
     assert value(after, "pdserve_kv_link_test_bytes_per_second", decode="decode-0", prefill="prefill-0") > 0
 

@@ -1,0 +1,313 @@
+"""Colocated serving and conditional disaggregation without processes: the decision as a pure
+function, and the router's local path with in-memory workers (placement, metrics, cleanup)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdserve.engine.block_manager import BlockManager, KvEventBatch
+from pdserve.engine.hashing import block_hashes
+from pdserve_proto import inference_pb2 as pb
+from pdserve_proto import kv_pb2
+from router.handles import DecodeStart, DecodeSubmit
+from router.membership import MembershipConfig
+from router.policy import PlacementConfig, prefill_locally
+from router.router import Router, RouterConfig
+
+FAST = MembershipConfig(wait_s=0.02, min_interval_s=0.0, timeout_s=1.0, max_failures=2, retry_s=0.01)
+BS = 16
+
+
+# ----- the decision ----------------------------------------------------------------------------
+
+
+def test_without_a_prefill_worker_every_prompt_is_prefilled_locally():
+    assert prefill_locally(5000, 0, has_prefill_workers=False, max_local_prefill_tokens=0)
+    assert prefill_locally(1, 0, has_prefill_workers=False, max_local_prefill_tokens=64)
+
+
+def test_a_zero_threshold_always_disaggregates_when_a_prefill_pool_exists():
+    assert not prefill_locally(1, 0, True, 0)
+    assert not prefill_locally(64, 64, True, 0)  # even a prompt the decode worker holds whole
+
+
+def test_the_threshold_counts_only_the_tokens_the_decode_worker_lacks():
+    assert prefill_locally(64, 0, True, 64)
+    assert not prefill_locally(65, 0, True, 64)
+    assert prefill_locally(1000, 960, True, 64)  # a long prompt whose prefix the decode worker holds
+    assert not prefill_locally(1000, 928, True, 64)
+    assert prefill_locally(64, 64, True, 1)  # the last token is always computed: at least 1
+
+
+def test_a_negative_threshold_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="^max_local_prefill_tokens:"):
+        PlacementConfig(max_local_prefill_tokens=-1)
+
+
+# ----- in-memory workers -----------------------------------------------------------------------
+
+
+def _cache(blocks: BlockManager, ids: list[int]) -> int:
+    """Do to a prefix cache what computing `ids` would; returns the prompt tokens it already held."""
+    hashes = block_hashes(ids, BS)
+    hits = blocks.match_prefix(hashes[: (len(ids) - 1) // BS])
+    blocks.acquire(hits)
+    got = hits + blocks.allocate(blocks.blocks_needed(len(ids)) - len(hits))
+    for i in range(len(hits), len(hashes)):
+        blocks.register(got[i], hashes[i])
+    blocks.release(got)
+    return len(hits) * BS
+
+
+class FakeDecode:
+    """A decode worker reduced to its bookkeeping: a prefix cache with KV events, the requests
+    it holds, and tokens (7, 7, ...) emitted one per request per poll while `emitting` is set."""
+
+    def __init__(self, worker_id: str = "decode-0") -> None:
+        self.worker_id = worker_id
+        self.blocks = BlockManager(256, BS)
+        self.blocks.enable_events()
+        self.live: dict[str, int] = {}  # request id -> tokens still to emit
+        self.calls: list[tuple[str, str]] = []
+        self.submit_gate: asyncio.Event | None = None
+        self.emitting = asyncio.Event()
+        self.emitting.set()
+        self.trace_contexts: list[dict | None] = []
+
+    async def submit(self, ids, params, rid, timeout_s, trace_context=None) -> DecodeSubmit:
+        if self.submit_gate is not None:
+            self.calls.append(("submit waiting", rid))
+            await self.submit_gate.wait()
+        self.calls.append(("submit", rid))
+        self.trace_contexts.append(trace_context)
+        cached = _cache(self.blocks, ids)
+        self.live[rid] = params.max_tokens
+        return DecodeSubmit(cached)
+
+    async def start(self, ids, params, rid, handle, timeout_s, trace_context=None) -> DecodeStart:
+        self.calls.append(("start", rid))
+        _cache(self.blocks, ids)
+        self.live[rid] = params.max_tokens - 1  # the prefill worker sampled the first
+        return DecodeStart(0, 0, False)
+
+    async def abort(self, rid, timeout_s) -> None:
+        self.calls.append(("abort", rid))
+        self.live.pop(rid, None)
+
+    async def poll(self, wait_s, timeout_s):
+        await asyncio.sleep(0.005)
+        if not self.emitting.is_set():
+            return []
+        out = []
+        for rid in list(self.live):
+            self.live[rid] -= 1
+            done = self.live[rid] == 0
+            out.append((rid, [7], "length" if done else ""))
+            if done:
+                del self.live[rid]
+        return out
+
+    async def stats(self, timeout_s) -> pb.WorkerStats:
+        return pb.WorkerStats(worker_id=self.worker_id, role="decode")
+
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch:
+        await asyncio.sleep(0 if full else wait_s)
+        return self.blocks.drain_events(full)
+
+
+class FakePrefill:
+    def __init__(self, worker_id: str = "prefill-0") -> None:
+        self.worker_id = worker_id
+        self.prefilled: list[str] = []
+
+    async def prefill(self, ids, params, rid, timeout_s, trace_context=None) -> kv_pb2.KvHandle:
+        self.prefilled.append(rid)
+        return kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id, first_token=7)
+
+    async def release(self, rid, timeout_s) -> None:
+        pass
+
+    async def stats(self, timeout_s) -> pb.WorkerStats:
+        return pb.WorkerStats(worker_id=self.worker_id, role="prefill")
+
+
+def make_router(prefills, decodes, max_local: int = 0, tracer=None) -> Router:
+    cfg = RouterConfig(
+        model_id="m", max_model_len=4096, vocab_size=50000, membership=FAST,
+        placement=PlacementConfig(max_local_prefill_tokens=max_local),
+    )
+    return Router(cfg, None, prefills, decodes, tracer=tracer)
+
+
+def request(rid: str, ids: list[int], max_tokens: int = 4) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling_params=pb.SamplingParams(max_tokens=max_tokens))
+
+
+async def ask(router: Router, rid: str, ids: list[int], max_tokens: int = 4) -> list[pb.GenerateResponse]:
+    return [c async for c in router.generate(request(rid, ids, max_tokens))]
+
+
+async def wait_until(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def served(router: Router) -> dict[str, int]:
+    return router.placement_stats()["prefills"]
+
+
+def test_a_router_needs_a_decode_worker_but_no_prefill_worker():
+    with pytest.raises(ValueError, match="^decodes:"):
+        make_router([FakePrefill()], [])
+    make_router([], [FakeDecode()])
+
+
+def test_a_colocated_router_streams_every_token_from_the_decode_worker():
+    async def go() -> None:
+        decode = FakeDecode()
+        router = make_router([], [decode])
+        await router.start()
+        try:
+            chunks = await ask(router, "r1", list(range(100, 140)), max_tokens=5)
+            assert [t for c in chunks for t in c.token_ids] == [7] * 5
+            assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 5
+            assert chunks[-1].usage.cached_prompt_tokens == 0
+            again = await ask(router, "r2", list(range(100, 140)), max_tokens=2)
+            assert again[-1].usage.cached_prompt_tokens == 32  # two full blocks, from the decode worker's report
+            assert decode.calls == [("submit", "r1"), ("submit", "r2")]
+            assert served(router) == {"local": 2, "remote": 0}
+            value = router.metrics.registry.get_sample_value
+            assert value("pdserve_prefills_total", {"location": "local"}) == 2
+            assert value("pdserve_time_to_first_token_seconds_count") == 2
+            assert value("pdserve_prefill_duration_seconds_count") == 2
+            assert router.placement_stats()["decode"]["prompt_tokens"] == 80
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
+def test_closing_a_local_stream_mid_way_aborts_it_on_the_decode_worker():
+    async def go() -> None:
+        decode = FakeDecode()
+        router = make_router([], [decode])
+        await router.start()
+        try:
+            stream = router.generate(request("gone", list(range(40)), max_tokens=1000))
+            await anext(stream)
+            await anext(stream)
+            await stream.aclose()
+            await router.drain_cleanups()
+            assert decode.calls == [("submit", "gone"), ("abort", "gone")]
+            assert decode.live == {} and router.decode_policy.inflight == {"decode-0": 0}
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
+def test_a_cancel_during_submit_aborts_only_after_the_submit_landed():
+    async def go() -> None:
+        decode = FakeDecode()
+        decode.submit_gate = asyncio.Event()
+        router = make_router([], [decode])
+        await router.start()
+        try:
+            task = asyncio.create_task(ask(router, "early", list(range(40)), max_tokens=1000))
+            await wait_until(lambda: decode.calls == [("submit waiting", "early")])
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.05)
+            assert ("abort", "early") not in decode.calls  # nothing to abort yet: the abort would be lost
+            decode.submit_gate.set()
+            await router.drain_cleanups()
+            assert decode.calls[1:] == [("submit", "early"), ("abort", "early")]
+            assert decode.live == {}
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
+def test_conditional_disaggregation_follows_what_the_decode_worker_lacks():
+    async def go() -> None:
+        prefill, decode = FakePrefill(), FakeDecode()
+        router = make_router([prefill], [decode], max_local=32)
+        await router.start()
+        try:
+            await ask(router, "short", list(range(20)))
+            await ask(router, "long", list(range(1000, 1160)))  # 160 tokens, none cached on the decode worker
+            assert prefill.prefilled == ["long"]
+            assert decode.calls == [("submit", "short"), ("start", "long")]
+            # Once the decode worker's events reach the index, a longer prompt behind that prefix
+            # lacks only 20 tokens there: it stays local.
+            await wait_until(lambda: router.decode_policy.index.match(block_hashes(list(range(1000, 1160)), BS)).get("decode-0") == 10)
+            await ask(router, "turn-2", list(range(1000, 1160)) + list(range(20)))
+            assert prefill.prefilled == ["long"] and decode.calls[-1] == ("submit", "turn-2")
+            assert served(router) == {"local": 2, "remote": 1}
+            value = router.metrics.registry.get_sample_value
+            assert value("pdserve_prefills_total", {"location": "remote"}) == 1
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
+def test_a_colocated_router_grows_a_prefill_pool():
+    async def go() -> None:
+        decode = FakeDecode()
+        router = make_router([], [decode])
+        await router.start()
+        try:
+            await ask(router, "before", list(range(40)))
+            prefill = FakePrefill()
+            await router.add_prefill(prefill)
+            await ask(router, "after", list(range(500, 540)))
+            assert prefill.prefilled == ["after"] and served(router) == {"local": 1, "remote": 1}
+            assert await router.drain("prefill-0", 5.0)
+            await ask(router, "drained", list(range(900, 940)))
+            assert served(router) == {"local": 2, "remote": 1}  # no prefill worker left: local again
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
+def test_a_local_request_is_traced_through_the_submit_call():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def go() -> None:
+        decode = FakeDecode()
+        router = make_router([], [decode], tracer=provider.get_tracer("test"))
+        await router.start()
+        try:
+            await ask(router, "traced", list(range(40)), max_tokens=3)
+        finally:
+            await router.stop()
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        assert set(spans) == {"pdserve.generate", "pdserve.route", "pdserve.decode.submit",
+                              "pdserve.decode.first_token", "pdserve.stream"}
+        root = spans["pdserve.generate"]
+        assert all(s.parent.span_id == root.context.span_id for n, s in spans.items() if n != "pdserve.generate")
+        route = spans["pdserve.route"].attributes
+        assert route["pdserve.prefill.local"] is True and route["pdserve.decode.worker_id"] == "decode-0"
+        assert "pdserve.prefill.worker_id" not in route
+        # The worker's span continues the submit call's.
+        submit = spans["pdserve.decode.submit"]
+        assert decode.trace_contexts[0]["traceparent"].split("-")[2] == format(submit.context.span_id, "016x")
+        assert spans["pdserve.stream"].attributes["pdserve.completion_tokens"] == 3
+        provider.shutdown()
+
+    asyncio.run(go())
