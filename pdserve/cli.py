@@ -81,13 +81,22 @@ def _build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser(
         "serve",
-        help="start a disaggregated cluster (prefill + decode pools on Ray) and its gRPC API",
+        help="start a disaggregated cluster (prefill + decode pools on Ray), or a colocated one, and its gRPC API",
         description="Start (or join, with --address) a Ray cluster, the prefill and decode worker pools and the "
-        "router's gRPC server; print the address once ready; stop cleanly on SIGINT/SIGTERM.",
+        "router's gRPC server; print the address once ready; stop cleanly on SIGINT/SIGTERM. With --prefill 0 the "
+        "cluster is colocated: each decode worker prefills its own requests and no KV moves between workers.",
     )
     _add_engine_args(srv)
-    srv.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    srv.add_argument(
+        "--prefill", type=int, default=1,
+        help="prefill workers (default: 1); 0 serves colocated: the decode workers prefill their own requests",
+    )
     srv.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    srv.add_argument(
+        "--max-local-prefill-tokens", type=int, default=0, metavar="N",
+        help="conditional disaggregation: prefill a prompt on its decode worker when at most N of its tokens are "
+        "missing from that worker's prefix cache (default: 0, always use the prefill pool)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0 picks a free one)")
     srv.add_argument(

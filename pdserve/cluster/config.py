@@ -13,7 +13,7 @@ class ServeConfig:
     model: str | None = None  # None: the embedded default model
     device: str = "auto"
     dtype: str = "auto"
-    num_prefill: int = 1
+    num_prefill: int = 1  # 0: colocated, the decode workers prefill their own requests
     num_decode: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
@@ -39,8 +39,10 @@ class ServeConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("prefill/decode: each pool needs at least one worker")
+        if self.num_prefill < 0:
+            raise ValueError(f"num_prefill: {self.num_prefill} workers; use 0 for a colocated cluster")
+        if self.num_decode < 1:
+            raise ValueError(f"num_decode: {self.num_decode} workers; every cluster needs at least one decode worker")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

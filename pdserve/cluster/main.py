@@ -9,6 +9,7 @@ import signal
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
 from pdserve.telemetry.tracing import TracingConfig
+from router.policy import PlacementConfig
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -29,6 +30,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         lease_s=args.lease_s,
+        placement=PlacementConfig(max_local_prefill_tokens=args.max_local_prefill_tokens),
         metrics_port=args.metrics_port,
         tracing=TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
     )
@@ -36,11 +38,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 async def _serve(cfg: ServeConfig) -> None:
     cluster = await Cluster.start(cfg)
-    print(
-        f"pdserve: serving {cluster.router.config.model_id} on {cluster.address} "
-        f"({cfg.num_prefill} prefill, {cfg.num_decode} decode)",
-        flush=True,
+    shape = (
+        f"{cfg.num_prefill} prefill, {cfg.num_decode} decode" if cfg.num_prefill
+        else f"colocated: {cfg.num_decode} decode, prefilling locally"
     )
+    print(f"pdserve: serving {cluster.router.config.model_id} on {cluster.address} ({shape})", flush=True)
     if cluster.http_address is not None:
         print(f"pdserve: OpenAI-compatible HTTP API on http://{cluster.http_address}/v1", flush=True)
     if cluster.metrics_address is not None:

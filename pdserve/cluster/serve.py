@@ -1,5 +1,7 @@
 """Start a serving cluster: Ray actors for the two pools, the KV links between them, the router
-and its gRPC server. `pdserve serve` and the cluster tests both go through `Cluster.start`."""
+and its gRPC server. `pdserve serve` and the cluster tests both go through `Cluster.start`.
+With no prefill pool (`num_prefill=0`) the cluster is colocated: decode workers prefill their own
+requests, and a prefill pool can still be added later with `Cluster.add_worker("prefill")`."""
 
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ class Cluster:
                 asyncio.gather(*(a.agent_info.remote() for a in actors)), cfg.startup_timeout_s
             )
             p_infos, d_infos = infos[: len(prefills)], infos[len(prefills):]
+            # Colocated (no prefill pool): no KV moves between workers, so nothing to link or test.
             links = [d.connect.remote(pi) for d in decodes for pi in p_infos]
             links += [p.connect.remote(di) for p in prefills for di in d_infos]
             await asyncio.wait_for(asyncio.gather(*links), 60)
@@ -123,7 +126,8 @@ class Cluster:
             if owns_ray:
                 ray.shutdown()
             raise
-        log.info("pdserve serving %s on %s:%d (%d prefill, %d decode)", model_dir.name, cfg.host, port, len(prefills), len(decodes))
+        shape = f"{len(prefills)} prefill, {len(decodes)} decode" if prefills else f"colocated: {len(decodes)} decode"
+        log.info("pdserve serving %s on %s:%d (%s)", model_dir.name, cfg.host, port, shape)
         workers = {i.worker_id: ("prefill", a, i) for i, a in zip(p_infos, prefills)}
         workers |= {i.worker_id: ("decode", a, i) for i, a in zip(d_infos, decodes)}
         return cls(cfg, router, server, port, actors, owns_ray, workers, http, telemetry)

@@ -62,6 +62,54 @@ def greedy(max_tokens: int, **kw: Any) -> inference_pb2.SamplingParams:
     return inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
+class InProcessCluster:
+    """One prefill and one decode worker in this process (real engines, real NIXL), the router
+    on local handles and its gRPC server."""
+
+    def __init__(self, loop_thread: LoopThread, model_dir: Any, cfg: Any, router_overrides: dict | None = None) -> None:
+        from pdserve.cluster.workers import build_decode, build_prefill
+        from pdserve.engine.config import ModelConfig
+        from pdserve.engine.detokenizer import load_tokenizer
+        from router.grpc_server import start_grpc_server
+        from router.local_handles import LocalDecode, LocalPrefill
+        from router.router import Router, RouterConfig
+
+        self.loop_thread = loop_thread
+        self.prefill = build_prefill("prefill-0", cfg)
+        self.decode = build_decode("decode-0", cfg)
+        self.decode.agent.connect(self.prefill.agent.info())
+        self.prefill.agent.connect(self.decode.agent.info())
+        mc = ModelConfig.from_dir(model_dir)
+        rc = RouterConfig(model_id=model_dir.name, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size, **(router_overrides or {}))
+        self.router = Router(rc, load_tokenizer(model_dir), [LocalPrefill(self.prefill)], [LocalDecode(self.decode)])
+
+        async def start():
+            await self.router.start()
+            return await start_grpc_server(self.router, "127.0.0.1", 0)
+
+        self.server, port = loop_thread.run(start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+    def close(self) -> None:
+        self.channel.close()
+
+        async def stop():
+            await self.server.stop(1)
+            await self.router.drain_cleanups()
+            await self.router.stop()
+
+        self.loop_thread.run(stop())
+        self.prefill.close()
+        self.decode.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Any:
+    from pdserve.engine.default_model import default_model_dir
+
+    return default_model_dir()
+
+
 # The default-model cluster of `pdserve serve` with no arguments (plus the HTTP front door), one per
 # test module that asks for it: modules that need another shape define their own `cluster`.
 @pytest.fixture(scope="module")

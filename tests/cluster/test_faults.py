@@ -14,53 +14,9 @@ from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from prefill_worker.worker import PrefillConfig, PrefillWorker
-from router.grpc_server import start_grpc_server
-from router.local_handles import LocalDecode, LocalPrefill
-from router.router import Router, RouterConfig
-from tests.cluster.conftest import all_blocks_free, greedy, wait_for
+from tests.cluster.conftest import InProcessCluster, all_blocks_free, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-class InProcessCluster:
-    def __init__(self, loop_thread, model_dir, cfg: ServeConfig, router_overrides: dict | None = None):
-        from pdserve.engine.config import ModelConfig
-        from pdserve.engine.detokenizer import load_tokenizer
-
-        self.loop_thread = loop_thread
-        self.prefill = build_prefill("prefill-0", cfg)
-        self.decode = build_decode("decode-0", cfg)
-        self.decode.agent.connect(self.prefill.agent.info())
-        self.prefill.agent.connect(self.decode.agent.info())
-        mc = ModelConfig.from_dir(model_dir)
-        rc = RouterConfig(model_id=model_dir.name, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size, **(router_overrides or {}))
-        self.router = Router(rc, load_tokenizer(model_dir), [LocalPrefill(self.prefill)], [LocalDecode(self.decode)])
-
-        async def start():
-            await self.router.start()
-            return await start_grpc_server(self.router, "127.0.0.1", 0)
-
-        self.server, port = loop_thread.run(start())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-
-    def close(self):
-        self.channel.close()
-
-        async def stop():
-            await self.server.stop(1)
-            await self.router.drain_cleanups()
-            await self.router.stop()
-
-        self.loop_thread.run(stop())
-        self.prefill.close()
-        self.decode.close()
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from pdserve.engine.default_model import default_model_dir
-
-    return default_model_dir()
 
 
 def test_failed_transfers_fall_back_to_recompute_with_the_same_tokens(loop_thread, model_dir):

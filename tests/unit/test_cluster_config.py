@@ -1,6 +1,9 @@
-"""CPU workers on one host share its cores instead of each taking all of them."""
+"""Cluster configuration: CPU workers on one host share its cores instead of each taking all of
+them; pool sizes (a colocated cluster has no prefill pool) and the flags of `pdserve serve`."""
 
 from __future__ import annotations
+
+import pytest
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.workers import cpu_threads_per_worker
@@ -14,3 +17,24 @@ def test_cores_are_shared_out_among_the_workers():
 
 def test_an_explicit_thread_count_wins():
     assert cpu_threads_per_worker(ServeConfig(cpu_threads_per_worker=3), cores=2) == 3
+
+
+def test_no_prefill_pool_is_a_colocated_cluster_but_a_decode_pool_is_required():
+    assert ServeConfig(num_prefill=0, num_decode=2).num_prefill == 0
+    assert cpu_threads_per_worker(ServeConfig(num_prefill=0, num_decode=2), cores=2) == 1
+    with pytest.raises(ValueError, match="^num_decode:"):
+        ServeConfig(num_prefill=1, num_decode=0)
+    with pytest.raises(ValueError, match="^num_decode:"):
+        ServeConfig(num_prefill=0, num_decode=0)
+    with pytest.raises(ValueError, match="^num_prefill:"):
+        ServeConfig(num_prefill=-1)
+
+
+def test_the_serve_command_maps_colocation_and_the_local_prefill_threshold():
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.main import config_from_args
+
+    args = _build_parser().parse_args(["serve", "--prefill", "0", "--decode", "2", "--max-local-prefill-tokens", "256"])
+    cfg = config_from_args(args)
+    assert (cfg.num_prefill, cfg.num_decode, cfg.placement.max_local_prefill_tokens) == (0, 2, 256)
+    assert config_from_args(_build_parser().parse_args(["serve"])).placement.max_local_prefill_tokens == 0

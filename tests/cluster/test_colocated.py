@@ -1,0 +1,165 @@
+"""Colocated serving and conditional disaggregation on real workers.
+
+A colocated cluster (`pdserve serve --prefill 0`: Ray, decode actors that prefill their own
+requests, no KV links) streams exactly what offline `LLM.generate` does, frees every block when
+a client cancels, serves the OpenAI HTTP API, and can grow a prefill pool while serving. With a
+prefill pool and `max_local_prefill_tokens`, short prompts (or prompts the decode worker mostly
+holds already) are prefilled on the decode worker, long ones on the prefill worker, with the
+same tokens either way."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.cluster.config import ServeConfig
+from pdserve.engine.hashing import block_hashes
+from pdserve_proto import inference_pb2 as pb
+from pdserve_proto import inference_pb2_grpc as pbg
+from router.policy import PlacementConfig
+from tests.cluster.conftest import InProcessCluster, LoopThread, all_blocks_free, greedy, wait_for
+
+pytestmark = pytest.mark.cluster
+
+SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain English."
+QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?", "Who wrote Hamlet?"]
+
+
+@pytest.fixture(scope="module")
+def cluster(loop_thread: LoopThread) -> Iterator[Any]:
+    from pdserve.cluster.serve import Cluster
+
+    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, num_prefill=0, num_decode=1, num_kv_blocks=160)
+    c = loop_thread.run(Cluster.start(cfg))
+    yield c
+    loop_thread.run(c.stop())
+
+
+def stream(channel: grpc.Channel, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    return list(pbg.InferenceStub(channel).Generate(request, timeout=120))
+
+
+def chat(question: str, system: bool) -> list[pb.ChatMessage]:
+    msgs = [pb.ChatMessage(role="system", content=SYSTEM)] if system else []
+    return msgs + [pb.ChatMessage(role="user", content=question)]
+
+
+def test_concurrent_colocated_streams_equal_offline_generate(cluster, channel, offline):
+    convs = [chat(q, system=True) for q in QUESTIONS] + [chat(q + " Explain.", system=False) for q in QUESTIONS]
+    params = greedy(16, ignore_eos=True)
+    before = cluster.router.placement_stats()["prefills"]
+    with ThreadPoolExecutor(len(convs)) as pool:
+        results = list(pool.map(lambda m: stream(channel, pb.GenerateRequest(messages=m, sampling_params=params)), convs))
+    prompts = [offline.chat_prompt([{"role": m.role, "content": m.content} for m in conv]) for conv in convs]
+    expected = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for i, (chunks, exp) in enumerate(zip(results, expected)):
+        assert [t for c in chunks for t in c.token_ids] == exp.token_ids, f"request {i} differs from offline generate"
+        assert "".join(c.text for c in chunks) == exp.text
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 16
+        assert chunks[-1].usage.prompt_tokens == len(offline.tokenizer.encode(prompts[i]))
+    after = cluster.router.placement_stats()["prefills"]
+    assert after["local"] - before["local"] == len(convs) and after["remote"] == before["remote"] == 0
+    wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
+
+
+def test_a_repeated_prefix_is_served_from_the_decode_workers_cache(channel):
+    base = list(range(2000, 2000 + 96))  # six full blocks
+    first = stream(channel, pb.GenerateRequest(prompt_token_ids=base + [5, 6, 7], sampling_params=greedy(3)))
+    second = stream(channel, pb.GenerateRequest(prompt_token_ids=base + [8, 9], sampling_params=greedy(3)))
+    assert first[-1].usage.cached_prompt_tokens < 96
+    assert second[-1].usage.cached_prompt_tokens == 96
+
+
+def test_cancel_mid_stream_frees_every_block(channel):
+    call = pbg.InferenceStub(channel).Generate(
+        pb.GenerateRequest(prompt_token_ids=list(range(100, 180)), sampling_params=greedy(400, ignore_eos=True))
+    )
+    for got, _ in enumerate(call, start=1):
+        if got == 3:
+            call.cancel()
+            break
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a cancel")
+
+
+def test_openai_http_api_on_a_colocated_cluster(cluster, offline):
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chunks = list(client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12, temperature=0, stream=True,
+    ))
+    expected = offline.generate([offline.chat_prompt(messages)], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+
+
+def test_a_colocated_cluster_grows_a_prefill_pool_and_shrinks_back(loop_thread, cluster, channel, offline):
+    """Runs last in this module: it adds and removes a worker."""
+    new = loop_thread.run(cluster.add_worker("prefill"))
+    assert new == "prefill-0" and new in cluster.router.prefill_policy.workers
+    before = cluster.router.placement_stats()["prefills"]
+    ids = list(range(700, 760))
+    chunks = stream(channel, pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(8, ignore_eos=True)))
+    expected = offline.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    after = cluster.router.placement_stats()["prefills"]
+    assert after["remote"] - before["remote"] == 1 and after["local"] == before["local"]  # the KV moved over NIXL
+    assert loop_thread.run(cluster.remove_worker(new)) is True
+    stream(channel, pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(2)))
+    assert cluster.router.placement_stats()["prefills"]["local"] == after["local"] + 1
+    wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
+
+
+# ----- conditional disaggregation: one prefill and one decode worker in this process ---------------
+
+
+@pytest.fixture(scope="module")
+def conditional(loop_thread: LoopThread, model_dir: Any) -> Iterator[InProcessCluster]:
+    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128)
+    c = InProcessCluster(loop_thread, model_dir, cfg, {"placement": PlacementConfig(max_local_prefill_tokens=32)})
+    yield c
+    c.close()
+
+
+def test_short_prompts_stay_local_and_long_ones_disaggregate_with_the_same_tokens(conditional, offline):
+    c = conditional
+    short, long = list(range(40, 60)), list(range(3000, 3100))  # 20 and 100 prompt tokens; threshold 32
+    follow_up = long + list(range(60, 80))  # the long prompt's next turn: 20 tokens the decode worker lacks
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = offline.generate([short, long, follow_up], params)
+
+    def run(ids: list[int]) -> list[pb.GenerateResponse]:
+        return stream(c.channel, pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(10, ignore_eos=True)))
+
+    got_short = run(short)
+    assert c.router.placement_stats()["prefills"] == {"local": 1, "remote": 0}
+    assert (c.decode.local_prefills, c.decode.transfers) == (1, 0)
+    got_long = run(long)
+    assert c.router.placement_stats()["prefills"] == {"local": 1, "remote": 1}
+    assert (c.decode.local_prefills, c.decode.transfers) == (1, 1)
+    # The decode worker now holds the long prompt's blocks; once its KV events reach the router,
+    # the next turn lacks only 20 of 120 tokens there and is prefilled locally.
+    hashes = block_hashes(long, 16)
+    deadline = time.monotonic() + 10
+    while c.router.decode_policy.index.match(hashes).get("decode-0", 0) < len(hashes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got_follow_up = run(follow_up)
+    assert c.router.placement_stats()["prefills"] == {"local": 2, "remote": 1}
+    assert (c.decode.local_prefills, c.decode.transfers) == (2, 1)
+    assert got_follow_up[-1].usage.cached_prompt_tokens == 96  # six blocks from the decode worker's cache
+
+    for chunks, exp in zip((got_short, got_long, got_follow_up), expected):
+        assert [t for ch in chunks for t in ch.token_ids] == exp.token_ids
+    value = c.router.metrics.registry.get_sample_value
+    assert value("pdserve_prefills_total", {"location": "local"}) == 2
+    assert value("pdserve_prefills_total", {"location": "remote"}) == 1
+    wait_for(all_blocks_free(c.channel), 15, "every KV block to be freed")
