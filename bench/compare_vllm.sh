@@ -15,7 +15,9 @@
 #   SWEEP          Poisson rates R1,R2,... instead of one point: a run per rate, a PNG curve per
 #                  server (drop --concurrency from WORKLOAD, or it caps the requests in flight)
 #   OUT            where reports, curves and logs go [out/compare-<UTC time>]
-#   SERVERS        which to run, of: pdserve-disagg vllm ["pdserve-disagg vllm"]
+#   SERVERS        which to run, of: pdserve-colocated (--prefill 0 --decode 1: one worker prefills and
+#                  decodes, like vLLM's single engine) pdserve-disagg (--prefill 1 --decode 1) vllm
+#                  ["pdserve-colocated pdserve-disagg vllm"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,7 +26,7 @@ WORKLOAD=${WORKLOAD:-"--workload chat --scale 0.25 --requests 16 --concurrency 4
 DTYPE=${DTYPE:-float32}
 OUT=${OUT:-out/compare-$(date -u +%Y%m%dT%H%M%SZ)}
 SWEEP=${SWEEP:-}
-SERVERS=${SERVERS:-"pdserve-disagg vllm"}
+SERVERS=${SERVERS:-"pdserve-colocated pdserve-disagg vllm"}
 HTTP_PORT=${HTTP_PORT:-18100}
 mkdir -p "$OUT"
 
@@ -80,6 +82,10 @@ echo "compare: model $MODEL_DIR, dtype $DTYPE, workload: $WORKLOAD" >&2
 for server in $SERVERS; do
     log="$OUT/$server.log"
     case $server in
+    pdserve-colocated)
+        setsid pdserve serve --model "$MODEL_DIR" --device cpu --dtype "$DTYPE" --prefill 0 --decode 1 \
+            --port 0 --http-port "$HTTP_PORT" >"$log" 2>&1 &
+        ;;
     pdserve-disagg)
         setsid pdserve serve --model "$MODEL_DIR" --device cpu --dtype "$DTYPE" --prefill 1 --decode 1 \
             --port 0 --http-port "$HTTP_PORT" >"$log" 2>&1 &
