@@ -195,6 +195,9 @@ class EngineConfig:
     # CPU: matmul weights reordered once for oneDNN (3-5x faster small-batch matmuls than
     # torch's default sgemm here); None: on wherever this torch build supports it.
     cpu_packed_weights: bool | None = None
+    # Launch decode step n+1 before reading step n's tokens back (greedy decode batches only);
+    # None: on where decode steps are CUDA graphs, the only place the host's time shows.
+    overlap_decode: bool | None = None
     cuda_graph_max_batch: int = 128
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)

@@ -16,9 +16,9 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu_linear import onednn_available
 from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.model import CausalLM
-from pdserve.engine.runner import ModelRunner, kv_block_bytes
+from pdserve.engine.runner import DecodeLaunch, ModelRunner, kv_block_bytes
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerLimits
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import Sequence, SeqStatus
 from pdserve.engine.weights import init_dummy_weights, load_weights
 
@@ -47,6 +47,14 @@ class PinnedKv:
     first_token: int
     num_cached_tokens: int
     finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A greedy decode step running on the device, its outputs not yet taken."""
+
+    scheduled: list[ScheduledSeq]
+    launch: DecodeLaunch
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,12 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+        # Overlapped decode: step n+1 is launched before step n's tokens are read back (see step).
+        self._overlap = cfg.role != "prefill" and (
+            cfg.overlap_decode if cfg.overlap_decode is not None else self.runner.has_decode_graphs
+        )
+        self._inflight: _InFlight | None = None
+        self.num_overlapped_steps = 0  # steps launched before the previous one's tokens were read
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -164,6 +178,10 @@ class LLMEngine:
         own = seq.full_block_hashes(self.cfg.block_size)
         if list(block_hashes) != own[: len(block_hashes)] or len(block_hashes) != len(own):
             raise ValueError("block_hashes: do not match the prompt (different block size or hash function?)")
+        if self._inflight is not None:
+            # The READ that fills these blocks is not ordered with the device's stream: a block
+            # just freed by a finished request may still be written by the step in flight.
+            self.runner.wait_device()
         pull = self.scheduler.begin_import(seq)  # raises NoFreeBlocksError when full
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer if self.cfg.detokenize else None, params.stop)
@@ -194,15 +212,71 @@ class LLMEngine:
         return self.scheduler.release_pinned(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ----- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step and return what it produced.
+
+        Overlapped decode (on with CUDA graphs): while every running sequence decodes greedily
+        and nothing waits, step n+1 is launched with step n's tokens as its inputs, on the
+        device, before step n's tokens are read back; the host's bookkeeping for step n then
+        runs while the device computes step n+1. A sequence that stops at step n had one more
+        token computed in step n+1; it is dropped. Outputs of a launched step come with the
+        next call."""
+        if self._inflight is not None:
+            return self._step_overlapped(self._inflight)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self._overlap and self._overlappable(scheduled):
+            self._inflight = _InFlight(scheduled, self.runner.launch_greedy_decode(scheduled))
+            return []
         sampled = self.runner.execute(scheduled)
+        return self._finish_step(scheduled, sampled)
+
+    def _overlappable(self, scheduled: list[ScheduledSeq]) -> bool:
+        return all(
+            item.num_new_tokens == 1 and item.sample and item.seq.params.greedy and not item.seq.params.logprobs
+            for item in scheduled
+        )
+
+    def _step_overlapped(self, current: _InFlight) -> list[RequestOutput]:
+        following = self._plan_following(current.scheduled)
+        launch = None
+        if following:
+            launch = self.runner.launch_greedy_decode(following, current.launch)
+            self.num_overlapped_steps += 1
+        tokens = self.runner.collect(current.launch)
+        # Aborted while in flight: its token is dropped (its blocks were freed in stream order).
+        live = [(item, t) for item, t in zip(current.scheduled, tokens) if item.seq.status is SeqStatus.RUNNING]
+        outputs = self._finish_step([item for item, _ in live], {item.seq.request_id: (t, None) for item, t in live})
+        self._inflight = _InFlight(following, launch) if following and launch is not None else None
+        return outputs
+
+    def _plan_following(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
+        """The step after `scheduled` (same sequences, one token further), or None when it
+        cannot be launched blind: requests are waiting, the running set changed, a sequence
+        is sure to stop at `scheduled` (length), or a KV block is missing."""
+        sched = self.scheduler
+        if sched.waiting or len(sched.running) != len(scheduled):
+            return None
+        if any(a is not item.seq for a, item in zip(sched.running, scheduled)):
+            return None
+        for item in scheduled:
+            seq = item.seq
+            # After `scheduled`: num_tokens + 1 tokens, of which num_output_tokens + 1 generated.
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                return None
+        for item in scheduled:
+            if not sched.reserve(item.seq, item.seq.num_computed_tokens + 2):
+                return None  # blocks taken so far stay with their sequences: the next step uses them
+        return [ScheduledSeq(item.seq, 1, True) for item in scheduled]
+
+    def _finish_step(
+        self, scheduled: list[ScheduledSeq], sampled: dict[str, tuple[int, float | None]]
+    ) -> list[RequestOutput]:
         tokens = {rid: tok for rid, (tok, _) in sampled.items()}
         produced = self.scheduler.update(scheduled, tokens)
         outputs: list[RequestOutput] = []

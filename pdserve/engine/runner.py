@@ -33,6 +33,15 @@ class StepInputs:
     sampled: list[ScheduledSeq]
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """A greedy decode step launched on the device and not yet waited for."""
+
+    tokens: torch.Tensor  # on the device: the step's greedy tokens, one per sequence
+    host_tokens: torch.Tensor  # pinned host mirror they are copied to
+    done: torch.cuda.Event | None  # recorded after that copy (None on CPU: already done)
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
@@ -59,6 +68,9 @@ class ModelRunner:
         self._graph_io: dict[str, torch.Tensor] = {}
         self._graph_pool = None
         self._max_graph_batch = 0
+        pin = self.device.type == "cuda"
+        self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._token_turn = 0
         log.info(
             "KV pool: %d blocks x %d tokens (%.1f MiB), attention backend %s",
             num_blocks,
@@ -69,10 +81,11 @@ class ModelRunner:
 
     # ----- inputs --------------------------------------------------------------------------
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledSeq], ahead: int = 0) -> StepInputs:
         """Flatten the step into device tensors with two host-to-device copies (one int64
         buffer, one int32 buffer) instead of one per tensor: decode steps are short enough
-        that each copy's fixed cost shows."""
+        that each copy's fixed cost shows. `ahead=1`: a decode step one position past the
+        computed tokens, whose input tokens are still on the device (left as 0 here)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -86,9 +99,9 @@ class ModelRunner:
         width = max(len(item.seq.block_ids) for item in scheduled)
         tables: list[int] = []
         for item in scheduled:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            seq, start, n = item.seq, item.seq.num_computed_tokens + ahead, item.num_new_tokens
             blocks = seq.block_ids
-            input_ids += seq.token_ids[start : start + n]
+            input_ids += seq.token_ids[start : start + n] if not ahead else [0] * n
             positions += range(start, start + n)
             slot_block += [blocks[p // bs] for p in range(start, start + n)]
             slot_offset += [p % bs for p in range(start, start + n)]
@@ -155,6 +168,50 @@ class ModelRunner:
             for i, s in enumerate(sampled)
         }
 
+    @torch.inference_mode()
+    def launch_greedy_decode(self, scheduled: list[ScheduledSeq], previous: DecodeLaunch | None = None) -> DecodeLaunch:
+        """Start a greedy decode step (one token per sequence) and return without waiting for it.
+
+        With `previous`, the step still running for the same sequences in the same order, this
+        one is a step further: each sequence's input is the token `previous` produces, taken on
+        the device, at the position after it. The host never waits between the two steps, so it
+        can do the bookkeeping of one while the device runs the next."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        n = len(scheduled)
+        ahead = 1 if previous is not None else 0
+        if self._fits_graph(scheduled):
+            self._fill_graph_inputs(scheduled, ahead)
+            if previous is not None:
+                self._graph_io["input_ids"][:n].copy_(previous.tokens)
+            self._graphs[self._graph_size(n)].replay()
+            tokens = self._graph_io["argmax"][:n]
+        else:
+            inputs = self.prepare(scheduled, ahead)
+            if previous is not None:
+                inputs.input_ids.copy_(previous.tokens)
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
+            tokens = self.model.compute_logits(hidden[inputs.logits_indices]).argmax(dim=-1)
+        host = self._token_mirrors[self._token_turn][:n]
+        self._token_turn ^= 1  # the previous step's mirror may not have been read yet
+        host.copy_(tokens, non_blocking=self.device.type == "cuda")
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        return DecodeLaunch(tokens, host, done)
+
+    def collect(self, launch: DecodeLaunch) -> list[int]:
+        """Wait for a launched step and return its tokens."""
+        if launch.done is not None:
+            launch.done.synchronize()
+        return launch.host_tokens.tolist()
+
+    def wait_device(self) -> None:
+        """Wait until the device has run everything launched, e.g. before another engine
+        (a KV transfer) writes blocks that a launched step might still write."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _generator_for(self, item: ScheduledSeq) -> torch.Generator | None:
         """A seeded request draws its i-th token from a generator seeded with (seed, i): the
         draw depends on neither the batch, a preemption, nor which worker samples it."""
@@ -165,6 +222,10 @@ class ModelRunner:
             seq.generator = torch.Generator(device=self.device)
         seq.generator.manual_seed(_mix_seed(seq.params.seed, seq.num_output_tokens))
         return seq.generator
+
+    @property
+    def has_decode_graphs(self) -> bool:
+        return bool(self._graphs)
 
     def _fits_graph(self, scheduled: list[ScheduledSeq]) -> bool:
         """A step of one sampled token per sequence, within the largest captured batch."""
@@ -261,11 +322,23 @@ class ModelRunner:
             seq_lens_host=[self.max_model_len] * b,
         )
 
+    def _graph_size(self, n: int) -> int:
+        return min(s for s in self._graphs if s >= n)
+
     def _replay(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the recorded decode step; returns views of its logits and greedy tokens.
-        Rows n..b-1 of the padded batch write their (garbage) K/V to the scratch block."""
+        """Run the recorded decode step; returns views of its logits and greedy tokens."""
         n = len(scheduled)
-        b = min(s for s in self._graphs if s >= n)
+        self._fill_graph_inputs(scheduled, ahead=0)
+        self._graphs[self._graph_size(n)].replay()
+        io = self._graph_io
+        return io["logits"][:n], io["argmax"][:n]
+
+    def _fill_graph_inputs(self, scheduled: list[ScheduledSeq], ahead: int) -> None:
+        """Write the step's inputs into a pinned mirror and copy it to the graph's buffers.
+        Rows n..b-1 of the padded batch write their (garbage) K/V to the scratch block.
+        `ahead=1`: positions one past the computed tokens; input tokens left for the caller."""
+        n = len(scheduled)
+        b = self._graph_size(n)
         max_b, bs, w = self._max_graph_batch, self.block_size, self.max_blocks_per_seq
         host_longs, host_ints = self._staging[self._staging_turn]
         self._staging_turn ^= 1  # the other mirror may still be feeding the previous copy
@@ -273,9 +346,9 @@ class ModelRunner:
         tables = ints[2 * max_b + 1 :].reshape(max_b, w)
         for i, item in enumerate(scheduled):
             seq = item.seq
-            pos = seq.num_computed_tokens
+            pos = seq.num_computed_tokens + ahead
             blocks = seq.block_ids
-            longs[i] = seq.token_ids[pos]
+            longs[i] = 0 if ahead else seq.token_ids[pos]
             longs[max_b + i] = pos
             longs[2 * max_b + i] = blocks[pos // bs]
             longs[3 * max_b + i] = pos % bs
@@ -292,9 +365,6 @@ class ModelRunner:
         dev_longs.copy_(host_longs, non_blocking=True)
         used = 2 * max_b + 1 + b * w  # block-table rows past b are never read by this graph
         dev_ints[:used].copy_(host_ints[:used], non_blocking=True)
-        self._graphs[b].replay()
-        io = self._graph_io
-        return io["logits"][:n], io["argmax"][:n]
 
 
 def _mix_seed(seed: int, index: int) -> int:

@@ -104,6 +104,11 @@ class Scheduler:
             budget -= n
         return out
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for `num_tokens` tokens of a running sequence without preempting anyone
+        (a step launched ahead of scheduling); False if the blocks are not there."""
+        return self._grow(seq, num_tokens)
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         extra = self.blocks.blocks_needed(num_tokens) - len(seq.block_ids)
         if extra <= 0:

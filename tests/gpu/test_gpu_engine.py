@@ -292,6 +292,32 @@ def test_cuda_graphs_do_not_change_tokens(batch, tiny_model_factory, check_block
         check_blocks_freed(llm.engine)
         assert bool(llm.engine.runner._graphs) == graphs
         results[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        # With graphs, decode steps overlap by default (step n+1 launched before n is read).
+        assert (llm.engine.num_overlapped_steps > 0) == graphs
+    assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("batch", [8, 5])
+def test_overlapped_decode_does_not_change_tokens(batch, tiny_model_factory, check_blocks_freed):
+    """Stops and length limits part-way through the batch, graphs on, overlap on vs off."""
+    from pdserve import LLM, SamplingParams
+
+    model_dir, hf_cpu = tiny_model_factory("llama")
+    prompts = _prompts(hf_cpu.config.vocab_size, seed=200 + batch, lengths=(3, 9, 17, 30, 64, 100, 5, 41)[:batch])
+    plain = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512, overlap_decode=overlap)
+        check_blocks_freed(llm.engine)
+        if not overlap:
+            ref = llm.generate(prompts, plain)
+            params = [
+                SamplingParams(max_tokens=MAX_NEW - i, temperature=0.0, ignore_eos=True, stop_token_ids=(r.token_ids[4 + i],))
+                for i, r in enumerate(ref)
+            ]
+        outs = llm.generate(prompts, params)
+        results[overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        assert (llm.engine.num_overlapped_steps > 0) == overlap
     assert results[True] == results[False]
 
 

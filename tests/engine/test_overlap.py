@@ -1,0 +1,92 @@
+"""Overlapped decode: step n+1 launched before step n's tokens are read back gives exactly the
+tokens of stepping one at a time, also when sequences stop, are aborted or run out of room.
+
+On a GPU the overlap hides the host's work behind the device's; on CPU the steps run one after
+the other, which is what lets these tests check its bookkeeping here."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.engine.test_equivalence import assert_same, mixed_prompts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_overlapped_greedy_matches_transformers(arch, tiny_model_factory, check_blocks_freed):
+    model_dir, hf_model = tiny_model_factory(arch)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256, overlap_decode=True)
+    check_blocks_freed(llm.engine)
+    assert_same(llm, hf_model, mixed_prompts(hf_model.config.vocab_size, seed=31))
+    assert llm.engine.num_overlapped_steps > 10
+
+
+def _pair(model_dir, **options):
+    on = LLM(str(model_dir), device="cpu", dtype="float32", overlap_decode=True, **options)
+    off = LLM(str(model_dir), device="cpu", dtype="float32", overlap_decode=False, **options)
+    return on, off
+
+
+def test_stops_and_lengths_mid_batch(tiny_model_factory, check_blocks_freed):
+    model_dir, hf_model = tiny_model_factory("llama")
+    on, off = _pair(model_dir, num_kv_blocks=256)
+    check_blocks_freed(on.engine)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=7)
+    ref = off.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0))
+    # Stop each prompt on a token it produces part-way, and give each its own length limit.
+    params = [
+        SamplingParams(max_tokens=30 - 3 * i, temperature=0.0, stop_token_ids=(r.token_ids[5 + i],))
+        for i, r in enumerate(ref)
+    ]
+    want = [o.token_ids for o in off.generate(prompts, params)]
+    got = on.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in off.generate(prompts, params)]
+    assert any(len(w) < 25 for w in want)  # some stopped early on their stop token
+    assert on.engine.num_overlapped_steps > 0
+
+
+def test_context_limit_and_small_pool(tiny_model_factory, check_blocks_freed):
+    model_dir, hf_model = tiny_model_factory("qwen2")
+    # 48-token context: every sequence ends by length; 40 blocks of 4 force preemptions.
+    on, off = _pair(model_dir, num_kv_blocks=40, block_size=4, max_model_len=48)
+    check_blocks_freed(on.engine)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=9, lengths=(3, 10, 20, 30, 40))
+    sp = SamplingParams(max_tokens=100, temperature=0.0)
+    got, want = on.generate(prompts, sp), off.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.finish_reason == "length" for o in got)
+    assert on.engine.num_overlapped_steps > 0
+
+
+def test_abort_while_a_step_is_in_flight(tiny_model_factory, check_blocks_freed):
+    model_dir, hf_model = tiny_model_factory("llama")
+    on, off = _pair(model_dir, num_kv_blocks=128)
+    check_blocks_freed(on.engine)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=13, lengths=(5, 12, 19))
+    sp = SamplingParams(max_tokens=20, temperature=0.0)
+    want = {i: o.token_ids for i, o in enumerate(off.generate(prompts, sp))}
+    engine = on.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(p, sp, str(i))
+    got: dict[str, list[int]] = {}
+    aborted = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] = out.token_ids
+        if not aborted and engine._inflight is not None and len(got.get("1", [])) >= 4:
+            assert engine.abort("1")  # its step is on the device: the token it makes is dropped
+            aborted = True
+    assert aborted
+    assert got["0"] == want[0] and got["2"] == want[2]
+    assert got["1"] == want[1][: len(got["1"])] and len(got["1"]) < 20
+    assert engine.num_overlapped_steps > 0
+
+
+def test_sampled_requests_are_not_overlapped(tiny_model_factory):
+    model_dir, hf_model = tiny_model_factory("llama")
+    on, off = _pair(model_dir, num_kv_blocks=128)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=17, lengths=(6, 11))
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+    assert [o.token_ids for o in on.generate(prompts, sp)] == [o.token_ids for o in off.generate(prompts, sp)]
+    assert on.engine.num_overlapped_steps == 0
