@@ -222,6 +222,8 @@ def decode_steps(
     assert produced == batch * reps, f"expected {batch * reps} tokens from {reps} decode steps, got {produced}"
     for rid in ids:
         engine.abort(rid)
+    while engine.has_unfinished():  # a step launched ahead is still on the device: let it land
+        engine.step()
     return times, steady, statistics.mean(contexts)
 
 
