@@ -15,6 +15,7 @@
 #   SWEEP          Poisson rates R1,R2,... instead of one point: a run per rate, a PNG curve per
 #                  server (drop --concurrency from WORKLOAD, or it caps the requests in flight)
 #   OUT            where reports, curves and logs go [out/compare-<UTC time>]
+#   PDSERVE_ARGS   extra `pdserve serve` flags for the pdserve servers, e.g. "--cpu-threads 1" [none]
 #   SERVERS        which to run, of: pdserve-colocated (--prefill 0 --decode 1: one worker prefills and
 #                  decodes, like vLLM's single engine) pdserve-disagg (--prefill 1 --decode 1) vllm
 #                  ["pdserve-colocated pdserve-disagg vllm"]
@@ -28,6 +29,7 @@ OUT=${OUT:-out/compare-$(date -u +%Y%m%dT%H%M%SZ)}
 SWEEP=${SWEEP:-}
 SERVERS=${SERVERS:-"pdserve-colocated pdserve-disagg vllm"}
 HTTP_PORT=${HTTP_PORT:-18100}
+PDSERVE_ARGS=${PDSERVE_ARGS:-}
 mkdir -p "$OUT"
 
 install_vllm() {
@@ -83,12 +85,14 @@ for server in $SERVERS; do
     log="$OUT/$server.log"
     case $server in
     pdserve-colocated)
+        # shellcheck disable=SC2086
         setsid pdserve serve --model "$MODEL_DIR" --device cpu --dtype "$DTYPE" --prefill 0 --decode 1 \
-            --port 0 --http-port "$HTTP_PORT" >"$log" 2>&1 &
+            --port 0 --http-port "$HTTP_PORT" $PDSERVE_ARGS >"$log" 2>&1 &
         ;;
     pdserve-disagg)
+        # shellcheck disable=SC2086
         setsid pdserve serve --model "$MODEL_DIR" --device cpu --dtype "$DTYPE" --prefill 1 --decode 1 \
-            --port 0 --http-port "$HTTP_PORT" >"$log" 2>&1 &
+            --port 0 --http-port "$HTTP_PORT" $PDSERVE_ARGS >"$log" 2>&1 &
         ;;
     vllm)
         install_vllm

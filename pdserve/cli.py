@@ -106,6 +106,10 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
+    srv.add_argument(
+        "--cpu-threads", type=int, default=None, metavar="N",
+        help="CPU workers: torch threads each (default: this host's cores shared out among the workers)",
+    )
     _add_telemetry_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks that need no GPU", description="Benchmarks that need no GPU.")

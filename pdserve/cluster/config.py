@@ -43,6 +43,8 @@ class ServeConfig:
             raise ValueError(f"num_prefill: {self.num_prefill} workers; use 0 for a colocated cluster")
         if self.num_decode < 1:
             raise ValueError(f"num_decode: {self.num_decode} workers; every cluster needs at least one decode worker")
+        if self.cpu_threads_per_worker is not None and self.cpu_threads_per_worker < 1:
+            raise ValueError(f"cpu_threads_per_worker: {self.cpu_threads_per_worker}; must be >= 1 (or None: shared out)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

@@ -38,3 +38,13 @@ def test_the_serve_command_maps_colocation_and_the_local_prefill_threshold():
     cfg = config_from_args(args)
     assert (cfg.num_prefill, cfg.num_decode, cfg.placement.max_local_prefill_tokens) == (0, 2, 256)
     assert config_from_args(_build_parser().parse_args(["serve"])).placement.max_local_prefill_tokens == 0
+
+
+def test_the_serve_command_maps_cpu_threads():
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.main import config_from_args
+
+    assert config_from_args(_build_parser().parse_args(["serve", "--cpu-threads", "3"])).cpu_threads_per_worker == 3
+    assert config_from_args(_build_parser().parse_args(["serve"])).cpu_threads_per_worker is None
+    with pytest.raises(ValueError, match="^cpu_threads_per_worker:"):
+        ServeConfig(cpu_threads_per_worker=0)
