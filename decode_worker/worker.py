@@ -212,7 +212,9 @@ class DecodeWorker:
         with self.loop.lock:
             self.engine.abort(request_id)
             self.engine.add_request(
-                list(prompt_token_ids) + [first_token], replace(params, max_tokens=params.max_tokens - 1), request_id
+                list(prompt_token_ids) + [first_token],
+                replace(params, max_tokens=params.max_tokens - 1, output_offset=params.output_offset + 1),
+                request_id
             )
         self.loop.wake()
         return StartResult(0, 0, True)

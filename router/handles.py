@@ -20,10 +20,15 @@ from pdserve_proto import inference_pb2, kv_pb2
 
 
 class RouterError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """What the client is told. `worker_failed`: the worker itself failed the call (it died,
+    cannot be reached, or missed the call's deadline), as opposed to answering with an error;
+    the router then moves the request to another worker."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker_failed: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.worker_failed = worker_failed
 
 
 @dataclass(frozen=True)

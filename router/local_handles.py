@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from decode_worker.worker import DecodeWorker
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
@@ -14,14 +16,14 @@ from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, kv_pb2
 from prefill_worker.worker import PrefillWorker
 from router.errors import to_router_error
-from router.handles import DecodeStart, DecodeSubmit, Update
+from router.handles import DecodeStart, DecodeSubmit, RouterError, Update
 
 
 async def _call(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
     except asyncio.TimeoutError:
-        raise to_router_error(TimeoutError(f"no answer within {timeout_s}s"), what) from None
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True) from None
     except Exception as exc:
         raise to_router_error(exc, what) from exc
 

@@ -59,6 +59,16 @@ class PoolMembership:
             await asyncio.gather(task, return_exceptions=True)
         self.down.discard(worker)
 
+    def report_failure(self, worker: str, reason: str) -> None:
+        """A call to `worker` failed (it died, or missed a deadline): take it out of placement
+        now rather than after `max_failures` health checks. Its health check brings it back as
+        soon as it answers again."""
+        if worker in self.down:
+            return
+        log.warning("%s worker %s failed a call (%s); taking it out of placement", self.name, worker, reason)
+        self.policy.remove_worker(worker)
+        self.down.add(worker)
+
     async def stop(self) -> None:
         for w in list(self._tasks):
             await self.unwatch(w)

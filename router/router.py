@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -32,7 +32,7 @@ from pdserve.telemetry.context import carrier_of, context_of
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2, kv_pb2
 from router.errors import to_router_error
-from router.handles import DecodeHandle, DecodeStart, PrefillHandle, RouterError
+from router.handles import DecodeHandle, DecodeStart, DecodeSubmit, PrefillHandle, RouterError
 from router.membership import MembershipConfig, PoolMembership
 from router.policy import DecodePolicy, Placement, PlacementConfig, PrefillPolicy, prefill_locally
 
@@ -57,11 +57,25 @@ class RouterConfig:
     block_size: int = 16  # the workers' KV block size: prompts are hashed exactly as they hash them
     placement: PlacementConfig = PlacementConfig()
     membership: MembershipConfig = MembershipConfig()
+    # Failover: a worker that fails a call (dead, unreachable, past its deadline) leaves
+    # placement and the request moves on, to at most this many workers of each pool in all.
+    max_prefill_attempts: int = 3
+    max_decode_attempts: int = 3
+    relay_failures_to_fail: int = 3  # failed polls in a row before a decode worker's streams move
 
 
 class _Stream:
-    def __init__(self) -> None:
+    def __init__(self, worker: str) -> None:
         self.queue: asyncio.Queue[tuple[list[int], str] | RouterError] = asyncio.Queue()
+        self.worker = worker  # the decode worker whose tokens it takes; any other's are stale
+
+
+class WorkerLost(RouterError):
+    """The decode worker serving a stream stopped answering: the stream moves elsewhere."""
+
+    def __init__(self, worker: str, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.worker = worker
 
 
 @dataclass
@@ -77,8 +91,11 @@ class _Request:
     p_at: Placement | None  # None: prefilled on the decode worker
     prefill: PrefillHandle | None
     detok: IncrementalDetokenizer
-    stream: _Stream = field(default_factory=_Stream)
+    stream: _Stream
     completion: int = 0  # tokens generated so far
+    generated: list[int] = field(default_factory=list)  # the tokens sent to the client so far
+    busy: list[str] = field(default_factory=list)  # workers counting this request as theirs
+    tried: set[str] = field(default_factory=set)  # workers that failed it
     cached: int = 0  # prompt tokens served from a prefix cache
     pinned_on_prefill: bool = False  # the prefill worker holds its KV until released or pulled
     on_decode: bool = False  # the decode worker may hold it: cleanup aborts it there
@@ -89,9 +106,6 @@ class _Request:
     def local(self) -> bool:
         return self.p_at is None
 
-    @property
-    def workers(self) -> list[str]:
-        return [self.d_at.worker] if self.p_at is None else [self.p_at.worker, self.d_at.worker]
 
 
 class Router:
@@ -314,8 +328,8 @@ class Router:
         self.metrics.prefill_location.labels(where).inc()
         self._prefill_locations[where] += 1
         self._streams[rid] = r.stream  # before any worker call, so no token of this request is dropped
-        for w in r.workers:
-            self._busy[w] = self._busy.get(w, 0) + 1
+        for w in ([r.d_at.worker] if r.p_at is None else [r.p_at.worker, r.d_at.worker]):
+            self._hold(r, w)
         try:
             path = self._serve_local(r) if r.local else self._serve_remote(r)
             async with contextlib.aclosing(path) as chunks:
@@ -333,8 +347,8 @@ class Router:
                     span.end()
             self._streams.pop(rid, None)
             self.decode_policy.finish(r.d_at)
-            for w in r.workers:  # the prefill worker too: it holds the KV until it is pulled
-                self._busy[w] -= 1
+            for w in list(r.busy):  # the prefill worker too: it holds the KV until it is pulled
+                self._let_go(r, w)
 
     def _place(self, rid: str, ids: list[int], params: SamplingParams, ctx: Any) -> _Request:
         """Choose the decode worker, then whether the prompt is prefilled there (`prefill_locally`)
@@ -360,13 +374,14 @@ class Router:
         return _Request(
             rid, ids, params, ctx, d_at, self.decodes[d_at.worker], p_at,
             None if p_at is None else self.prefills[p_at.worker], IncrementalDetokenizer(self.tokenizer, params.stop),
+            _Stream(d_at.worker),
         )
 
     async def _serve_remote(self, r: _Request) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Disaggregated: prefill on a prefill worker (its first token goes to the client at once),
         hand the KV over to the decode worker, then relay the decode worker's tokens."""
         assert r.prefill is not None
-        handle = await self._prefill(r)
+        handle = await self._prefill_with_failover(r)
         r.pinned_on_prefill = True
         r.cached = handle.cached_prompt_tokens
         self.metrics.cached_prompt_tokens.inc(r.cached)
@@ -382,7 +397,7 @@ class Router:
         yield self._chunk(r, [handle.first_token], "")
 
         r.on_decode = True
-        start = await self._start_decode(r, handle)
+        start = await self._start_with_failover(r, handle)
         handed_over = time.monotonic()
         if start.recomputed:
             await r.prefill.release(r.rid, self.config.control_timeout_s)
@@ -393,25 +408,143 @@ class Router:
     async def _serve_local(self, r: _Request) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Colocated, or conditionally not disaggregated: the decode worker prefills the prompt
         itself, and every token, the first included, comes through its relay."""
-        span = self.tracer.start_span("pdserve.decode.submit", context=r.ctx, kind=trace.SpanKind.CLIENT,
-                                      attributes={"pdserve.worker_id": r.d_at.worker})
         sent = time.monotonic()
         r.on_decode = True  # from the call on the worker may hold the request, whatever the call's outcome
-        try:
-            submitted = await self._hand_over(
-                r, r.decode.submit(r.ids, r.params, r.rid, self.config.decode_start_timeout_s, **_traced(span))
-            )
-        except RouterError as exc:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
-            raise
-        finally:
-            span.end()
+        while True:
+            try:
+                submitted = await self._submit(r, r.ids, r.params)
+                break
+            except RouterError as exc:
+                if not exc.worker_failed:
+                    raise
+                self._move_decode(r, exc, "handover")
         r.cached = submitted.cached_prompt_tokens
         self.metrics.cached_prompt_tokens.inc(r.cached)
         self.decode_policy.prefilled_here(r.d_at, r.cached)
         # Until its first token the request is being prefilled: that wait is the prefill's.
         async for chunk in self._relay_tokens(r, sent, self.metrics.prefill_wait):
             yield chunk
+
+    async def _submit(self, r: _Request, ids: list[int], params: SamplingParams) -> DecodeSubmit:
+        """Put the whole request on its decode worker, to prefill `ids` there and decode."""
+        span = self.tracer.start_span("pdserve.decode.submit", context=r.ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": r.d_at.worker})
+        try:
+            return await self._hand_over(
+                r, r.decode.submit(ids, params, r.rid, self.config.decode_start_timeout_s, **_traced(span))
+            )
+        except RouterError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            span.end()
+
+    # ----- failover ------------------------------------------------------------------------
+
+    def _hold(self, r: _Request, worker: str) -> None:
+        r.busy.append(worker)
+        self._busy[worker] = self._busy.get(worker, 0) + 1
+
+    def _let_go(self, r: _Request, worker: str) -> None:
+        r.busy.remove(worker)
+        self._busy[worker] -= 1
+
+    def _worker_failed(self, r: _Request, worker: str, exc: RouterError) -> int:
+        """`worker` failed a call for `r`: it leaves placement until its health check answers
+        again, and `r` does not go back to it. Returns how many workers of that pool failed `r`."""
+        r.tried.add(worker)
+        prefill = worker in self.prefills
+        (self._prefill_members if prefill else self._decode_members).report_failure(worker, exc.message)
+        return len(r.tried & (self.prefills.keys() if prefill else self.decodes.keys()))
+
+    async def _prefill_with_failover(self, r: _Request) -> kv_pb2.KvHandle:
+        """Prefill on the placed worker; if it fails (dead, unreachable, past the deadline), on
+        another one, up to `max_prefill_attempts` workers, then UNAVAILABLE."""
+        while True:
+            try:
+                return await self._prefill(r)
+            except RouterError as exc:
+                if not exc.worker_failed:
+                    raise
+                assert r.p_at is not None and r.prefill is not None
+                failed, failed_handle = r.p_at.worker, r.prefill
+                tried = self._worker_failed(r, failed, exc)
+                self._later(failed_handle.release(r.rid, self.config.control_timeout_s), f"release of {r.rid} on {failed}")
+                if tried >= self.config.max_prefill_attempts:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill: {tried} prefill workers failed; last: {exc.message}") from exc
+                p_at = self.prefill_policy.place(
+                    block_hashes(r.ids, self.config.block_size), len(r.ids), time.monotonic(), self.config.max_inflight_per_prefill
+                )
+                if p_at is None:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill: no other prefill worker after {failed} failed: {exc.message}") from exc
+                self._let_go(r, failed)
+                r.p_at, r.prefill = p_at, self.prefills[p_at.worker]
+                self._hold(r, p_at.worker)
+                self.metrics.failovers.labels("prefill").inc()
+                log.warning("request %s: prefill worker %s failed (%s); retrying on %s", r.rid, failed, exc.message, p_at.worker)
+
+    async def _start_with_failover(self, r: _Request, handle: kv_pb2.KvHandle) -> DecodeStart:
+        """Hand the KV over; if the decode worker fails before it has pulled, hand the same
+        handle to another one (the prefill worker still holds the blocks under its lease)."""
+        while True:
+            try:
+                return await self._start_decode(r, handle)
+            except RouterError as exc:
+                if not exc.worker_failed:
+                    raise
+                self._move_decode(r, exc, "handover")
+
+    async def _resume(self, r: _Request, lost: RouterError) -> None:
+        """The decode worker died mid-stream: prefill the prompt and every token already sent on
+        another decode worker, which goes on from there. The client sees each token once: the
+        ones it has are part of the new prompt, and a token the lost worker made but never
+        delivered is made again."""
+        self._move_decode(r, lost, "stream")
+        done = len(r.generated)
+        params = replace(r.params, max_tokens=r.params.max_tokens - done, output_offset=r.params.output_offset + done)
+        while True:
+            try:
+                await self._submit(r, r.ids + r.generated, params)
+                return
+            except RouterError as exc:
+                if not exc.worker_failed:
+                    raise
+                self._move_decode(r, exc, "stream")
+
+    def _move_decode(self, r: _Request, exc: RouterError, stage: str) -> None:
+        """Place `r` on another decode worker after its own failed it (the caller then repeats
+        its call there); UNAVAILABLE after `max_decode_attempts` workers or when none is left."""
+        failed, failed_handle = r.d_at.worker, r.decode
+        tried = self._worker_failed(r, failed, exc)
+        # A worker that only missed a deadline may still hold the request: free it there.
+        self._later(failed_handle.abort(r.rid, self.config.control_timeout_s), f"abort of {r.rid} on {failed}")
+        r.stream.worker = None  # nothing more from the failed worker reaches this stream
+        if tried >= self.config.max_decode_attempts:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode: {tried} decode workers failed; last: {exc.message}") from exc
+        ids = r.ids + r.generated
+        d_at = self.decode_policy.place(block_hashes(ids, self.config.block_size), len(ids), self.config.max_inflight_per_decode)
+        if d_at is None:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode: no other decode worker after {failed} failed: {exc.message}") from exc
+        self.decode_policy.finish(r.d_at)
+        self._let_go(r, failed)
+        r.d_at, r.decode = d_at, self.decodes[d_at.worker]
+        r.stream.worker = d_at.worker
+        self._hold(r, d_at.worker)
+        self.metrics.failovers.labels(stage).inc()
+        log.warning("request %s: decode worker %s failed (%s); moved to %s", r.rid, failed, exc.message, d_at.worker)
+
+    def _later(self, call: Awaitable[Any], what: str) -> None:
+        """Run a best-effort call in the background; a failure (the worker is gone) is logged."""
+
+        async def run() -> None:
+            try:
+                await call
+            except Exception as exc:  # noqa: BLE001 - best effort by design
+                log.info("%s: %s", what, exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _prefill(self, r: _Request) -> kv_pb2.KvHandle:
         """The prefill call; the prefill pool learns what the worker really computed."""
@@ -483,9 +616,11 @@ class Router:
             try:
                 item = await asyncio.wait_for(r.stream.queue.get(), self.config.token_timeout_s)
             except asyncio.TimeoutError:
-                raise RouterError(
-                    grpc.StatusCode.UNAVAILABLE, f"decode worker {r.d_at.worker} sent nothing for {self.config.token_timeout_s}s"
-                ) from None
+                item = WorkerLost(r.d_at.worker, f"decode worker {r.d_at.worker} sent nothing for {self.config.token_timeout_s}s")
+            if isinstance(item, WorkerLost):
+                if item.worker == r.d_at.worker:  # else: about a worker this request already left
+                    await self._resume(r, item)
+                continue
             if isinstance(item, RouterError):
                 raise item
             tokens, reason = item
@@ -508,6 +643,7 @@ class Router:
                 return
 
     def _chunk(self, r: _Request, tokens: list[int], reason: str) -> inference_pb2.GenerateResponse:
+        r.generated += tokens
         resp = inference_pb2.GenerateResponse(
             request_id=r.rid, token_ids=tokens, text=r.detok.stream_delta(finished=bool(reason)), finish_reason=reason
         )
@@ -556,12 +692,22 @@ class Router:
             except Exception as exc:
                 failures += 1
                 log.warning("polling decode worker %s failed (%d): %s", decode.worker_id, failures, exc)
+                if failures == self.config.relay_failures_to_fail:
+                    self._lose_streams(decode.worker_id, f"decode worker {decode.worker_id} stopped answering ({exc})")
                 await asyncio.sleep(min(0.05 * failures, 1.0))
                 continue
             for rid, tokens, reason in updates:
                 stream = self._streams.get(rid)
-                if stream is not None:
+                if stream is not None and stream.worker == decode.worker_id:
                     stream.queue.put_nowait((tokens, reason))
+
+    def _lose_streams(self, worker: str, message: str) -> None:
+        """Every stream served by `worker` moves to another decode worker (see `_resume`)."""
+        self._decode_members.report_failure(worker, message)
+        for stream in self._streams.values():
+            if stream.worker == worker:
+                stream.worker = None
+                stream.queue.put_nowait(WorkerLost(worker, message))
 
     # ----- introspection -------------------------------------------------------------------
 

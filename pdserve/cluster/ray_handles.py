@@ -5,21 +5,26 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
+import ray
+
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, kv_pb2
 from pdserve.telemetry.context import TraceCarrier
 from router.errors import to_router_error
-from router.handles import DecodeStart, DecodeSubmit, Update
+from router.handles import DecodeStart, DecodeSubmit, RouterError, Update
 
 
 async def _call(ref: Any, timeout_s: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(ref, timeout_s)
     except asyncio.TimeoutError:
-        raise to_router_error(TimeoutError(f"no answer within {timeout_s}s"), what) from None
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True) from None
     except asyncio.CancelledError:
         raise
+    except ray.exceptions.RayActorError as exc:  # the actor died or cannot be reached
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {type(exc).__name__}: {exc}", worker_failed=True) from exc
     except Exception as exc:
         # Ray re-raises a worker's exception as a subclass of the original type, so a
         # ValueError stays a ValueError; a dead actor becomes UNAVAILABLE.

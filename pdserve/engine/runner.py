@@ -220,7 +220,7 @@ class ModelRunner:
             return None
         if seq.generator is None:
             seq.generator = torch.Generator(device=self.device)
-        seq.generator.manual_seed(_mix_seed(seq.params.seed, seq.num_output_tokens))
+        seq.generator.manual_seed(_mix_seed(seq.params.seed, seq.params.output_offset + seq.num_output_tokens))
         return seq.generator
 
     @property

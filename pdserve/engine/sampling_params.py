@@ -16,6 +16,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: bool = False
+    # Tokens of this request already generated elsewhere, now part of the prompt (a decode
+    # worker recomputing after a failed transfer, a stream resumed on another worker): a seeded
+    # request's i-th token here draws as token output_offset + i, as it would have there.
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -36,6 +40,8 @@ class SamplingParams:
             raise ValueError("stop: stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be >= 0")
+        if not isinstance(self.output_offset, int) or self.output_offset < 0:
+            raise ValueError(f"output_offset: must be an integer >= 0, got {self.output_offset!r}")
 
     @property
     def greedy(self) -> bool:

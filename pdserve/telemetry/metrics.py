@@ -35,6 +35,14 @@ class RouterMetrics:
         )
         for location in ("local", "remote"):
             self.prefill_location.labels(location)
+        self.failovers = Counter(
+            "pdserve_failovers",
+            "Requests moved off a worker that failed them (dead, unreachable or past its deadline), by "
+            "what moved: a prefill, a KV hand-over to another decode worker, or a stream resumed mid-way.",
+            ["stage"], registry=r,
+        )
+        for stage in ("prefill", "handover", "stream"):
+            self.failovers.labels(stage)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens sent to clients.", registry=r)
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "From the request's arrival to its first token.",
