@@ -251,10 +251,15 @@ class ModelRunner:
         self._max_graph_batch = max_b
         # The graph's integer inputs are views of two flat device buffers, filled each step from
         # pinned host mirrors by one copy apiece: a decode step's host work is then writing a
-        # few numbers into numpy views, not launching a copy kernel per input.
-        w = self.max_blocks_per_seq
-        longs = torch.zeros(4 * max_b, dtype=torch.int64, device=dev)
-        ints = torch.zeros(2 * max_b + 1 + max_b * w, dtype=torch.int32, device=dev)
+        # few numbers into numpy views, not launching a copy kernel per input. Every view starts
+        # 128-byte aligned and the block table's rows are a multiple of 16 bytes: flash-attn-4
+        # requires 16-byte aligned pointers and strides.
+        ls = _round_up(max_b, 16)  # int64 segment length
+        ints_seg = _round_up(max_b + 1, 32)  # int32 segment length
+        w = _round_up(self.max_blocks_per_seq, 4)  # block-table row width
+        self._io_layout = (ls, ints_seg, w)
+        longs = torch.zeros(4 * ls, dtype=torch.int64, device=dev)
+        ints = torch.zeros(2 * ints_seg + max_b * w, dtype=torch.int32, device=dev)
         self._staging = [
             (torch.zeros_like(longs, device="cpu").pin_memory(), torch.zeros_like(ints, device="cpu").pin_memory())
             for _ in range(2)
@@ -265,13 +270,16 @@ class ModelRunner:
         self._graph_flat = (longs, ints)
         io = {
             "input_ids": longs[:max_b],
-            "positions": longs[max_b : 2 * max_b],
-            "slot_block": longs[2 * max_b : 3 * max_b],
-            "slot_offset": longs[3 * max_b :],
+            "positions": longs[ls : ls + max_b],
+            "slot_block": longs[2 * ls : 2 * ls + max_b],
+            "slot_offset": longs[3 * ls : 3 * ls + max_b],
             "cu_seqlens_q": ints[: max_b + 1],
-            "seq_lens": ints[max_b + 1 : 2 * max_b + 1],
-            "block_tables": ints[2 * max_b + 1 :].view(max_b, w),
+            "seq_lens": ints[ints_seg : ints_seg + max_b],
+            "block_tables": ints[2 * ints_seg :].view(max_b, w),
         }
+        for name, t in io.items():
+            strides = [st * t.element_size() for st in t.stride()[:-1]]
+            assert t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in strides), f"graph input {name} is misaligned"
         io["cu_seqlens_q"].copy_(torch.arange(max_b + 1, dtype=torch.int32))
         io["slot_block"].fill_(self.scratch_block)
         io["seq_lens"].fill_(1)
@@ -339,32 +347,36 @@ class ModelRunner:
         `ahead=1`: positions one past the computed tokens; input tokens left for the caller."""
         n = len(scheduled)
         b = self._graph_size(n)
-        max_b, bs, w = self._max_graph_batch, self.block_size, self.max_blocks_per_seq
+        bs = self.block_size
+        ls, seg, w = self._io_layout
         host_longs, host_ints = self._staging[self._staging_turn]
         self._staging_turn ^= 1  # the other mirror may still be feeding the previous copy
         longs, ints = host_longs.numpy(), host_ints.numpy()
-        tables = ints[2 * max_b + 1 :].reshape(max_b, w)
+        seq_lens = ints[seg : seg + b]
+        tables = ints[2 * seg :].reshape(-1, w)
         for i, item in enumerate(scheduled):
             seq = item.seq
             pos = seq.num_computed_tokens + ahead
             blocks = seq.block_ids
             longs[i] = 0 if ahead else seq.token_ids[pos]
-            longs[max_b + i] = pos
-            longs[2 * max_b + i] = blocks[pos // bs]
-            longs[3 * max_b + i] = pos % bs
-            ints[max_b + 1 + i] = pos + 1
+            longs[ls + i] = pos
+            longs[2 * ls + i] = blocks[pos // bs]
+            longs[3 * ls + i] = pos % bs
+            seq_lens[i] = pos + 1
             tables[i, : len(blocks)] = blocks
             tables[i, len(blocks) :] = self.scratch_block
-        longs[n:b] = 0
-        longs[max_b + n : max_b + b] = 0
-        longs[2 * max_b + n : 2 * max_b + b] = self.scratch_block
-        longs[3 * max_b + n : 3 * max_b + b] = 0
-        ints[max_b + 1 + n : max_b + 1 + b] = 1
+        for k, pad in enumerate((0, 0, self.scratch_block, 0)):
+            longs[k * ls + n : k * ls + b] = pad
+        seq_lens[n:b] = 1
         tables[n:b] = self.scratch_block
         dev_longs, dev_ints = self._graph_flat
         dev_longs.copy_(host_longs, non_blocking=True)
-        used = 2 * max_b + 1 + b * w  # block-table rows past b are never read by this graph
+        used = 2 * seg + b * w  # block-table rows past b are never read by this graph
         dev_ints[:used].copy_(host_ints[:used], non_blocking=True)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
 
 
 def _mix_seed(seed: int, index: int) -> int:
