@@ -294,7 +294,21 @@ def test_cuda_graphs_do_not_change_tokens(batch, tiny_model_factory, check_block
         results[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         # With graphs, decode steps overlap by default (step n+1 launched before n is read).
         assert (llm.engine.num_overlapped_steps > 0) == graphs
-    assert results[True] == results[False]
+    # Graph replay and eager launches may get different cuBLAS kernels (the choice depends on the
+    # process's history: run after the two-GPU test, 2 of 8 prompts flipped, at fp32 gaps of
+    # 0.0009 and 0.0037), so the bf16 tokens are equal unless they first differ at a near-tie.
+    identical = 0
+    for p, a, b in zip(prompts, results[True], results[False]):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            row = hf_cpu(torch.tensor([p + a[:k]])).logits[0, -1].float()
+        gap = abs((row[a[k]] - row[b[k]]).item())
+        tol = max(TIE_ABS, 4 * _bf16_ulp(row.max().item()))
+        assert gap <= tol, f"graphs and eager differ at token {k} ({a[k]} vs {b[k]}) by {gap:.4f} in fp32: not a near-tie"
+    assert identical >= len(prompts) // 2
 
 
 @pytest.mark.parametrize("batch", [8, 5])
