@@ -10,7 +10,6 @@ actors killed by `ray.kill` are in test_failover_ray.py.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,23 +163,15 @@ def test_a_decode_worker_dying_mid_stream_is_resumed_elsewhere(two_by_two: Clust
     wait_for(lambda: survivor.engine.block_stats().in_use == 0, 10, "the survivor's blocks freed")
 
 
-def test_with_every_prefill_worker_dead_the_request_ends_unavailable(two_by_two: Cluster):
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_with_every_worker_of_a_pool_dead_the_request_ends_unavailable(two_by_two: Cluster, pool: str):
     c = two_by_two
-    for p in c.prefills:
-        p.kill()
+    for w in c.prefills if pool == "prefill" else c.decodes:
+        w.kill()
     with pytest.raises(RouterError) as err:
         c.generate(_prompts(1)[0], pb.SamplingParams(max_tokens=4, temperature=0.0))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
-    assert err.value.message.startswith("prefill:"), err.value.message
-
-
-def test_with_every_decode_worker_dead_the_request_ends_unavailable(two_by_two: Cluster):
-    c = two_by_two
-    for d in c.decodes:
-        d.kill()
-    with pytest.raises(RouterError) as err:
-        c.generate(_prompts(1)[0], pb.SamplingParams(max_tokens=4, temperature=0.0))
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE
-    assert err.value.message.startswith("decode:"), err.value.message
-    for p in c.prefill_workers:  # the KV it prefilled is released, not left to its lease
-        wait_for(lambda p=p: not p.engine.scheduler.pinned, 10, "the prefill worker's KV released")
+    assert err.value.message.startswith(f"{pool}:"), err.value.message
+    if pool == "decode":
+        for p in c.prefill_workers:  # the KV it prefilled is released, not left to its lease
+            wait_for(lambda p=p: not p.engine.scheduler.pinned, 10, "the prefill worker's KV released")
