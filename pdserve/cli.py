@@ -46,6 +46,10 @@ def _add_telemetry_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# router.policy.POLICIES, spelled out: importing the router here would load torch for --help.
+PLACEMENT_POLICIES = ("index", "ring", "round_robin", "random", "modulo")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve",
@@ -106,6 +110,16 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
+    srv.add_argument(
+        "--placement-policy", choices=PLACEMENT_POLICIES, default="index",
+        help="how prompts are placed on prefill workers: index (consistent-hash ring with bounded loads "
+        "plus the workers' prefix caches, the default), ring (without the prefix index), or a baseline "
+        "(round_robin, random, modulo); see docs/router.md",
+    )
+    srv.add_argument(
+        "--load-factor", type=float, default=1.25, metavar="C",
+        help="bounded loads: a worker takes new work only while below C x the pool's mean load (default: 1.25)",
+    )
     srv.add_argument(
         "--cpu-threads", type=int, default=None, metavar="N",
         help="CPU workers: torch threads each (default: this host's cores shared out among the workers)",

@@ -31,7 +31,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         attention_backend=args.attention_backend,
         lease_s=args.lease_s,
         cpu_threads_per_worker=args.cpu_threads,
-        placement=PlacementConfig(max_local_prefill_tokens=args.max_local_prefill_tokens),
+        placement=PlacementConfig(
+            policy=args.placement_policy,
+            load_factor=args.load_factor,
+            max_local_prefill_tokens=args.max_local_prefill_tokens,
+        ),
         metrics_port=args.metrics_port,
         tracing=TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
     )

@@ -48,3 +48,18 @@ def test_the_serve_command_maps_cpu_threads():
     assert config_from_args(_build_parser().parse_args(["serve"])).cpu_threads_per_worker is None
     with pytest.raises(ValueError, match="^cpu_threads_per_worker:"):
         ServeConfig(cpu_threads_per_worker=0)
+
+
+def test_the_serve_command_maps_placement_flags():
+    from pdserve.cli import PLACEMENT_POLICIES, _build_parser
+    from pdserve.cluster.main import config_from_args
+    from router.policy import POLICIES
+
+    assert PLACEMENT_POLICIES == POLICIES
+    args = _build_parser().parse_args(["serve", "--placement-policy", "ring", "--load-factor", "1.5"])
+    cfg = config_from_args(args)
+    assert (cfg.placement.policy, cfg.placement.load_factor) == ("ring", 1.5)
+    default = config_from_args(_build_parser().parse_args(["serve"])).placement
+    assert (default.policy, default.load_factor) == ("index", 1.25)
+    with pytest.raises(ValueError, match="^load_factor:"):
+        config_from_args(_build_parser().parse_args(["serve", "--load-factor", "0.5"]))
