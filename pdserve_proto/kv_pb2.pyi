@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvHandle(_message.Message):
-    __slots__ = ("protocol_version", "request_id", "worker_id", "agent_name", "block_ids", "block_hashes", "num_tokens", "first_token", "lease_deadline", "compat_hash", "cached_prompt_tokens", "finish_reason")
+    __slots__ = ("protocol_version", "request_id", "worker_id", "agent_name", "block_ids", "block_hashes", "num_tokens", "first_token", "lease_deadline", "compat_hash", "cached_prompt_tokens", "finish_reason", "queue_seconds")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class KvHandle(_message.Message):
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     request_id: str
     worker_id: str
@@ -32,7 +33,8 @@ class KvHandle(_message.Message):
     compat_hash: str
     cached_prompt_tokens: int
     finish_reason: str
-    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., compat_hash: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    queue_seconds: float
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., compat_hash: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class KvAgentInfo(_message.Message):
     __slots__ = ("protocol_version", "worker_id", "agent_name", "agent_metadata", "compat_hash", "pool_address", "block_bytes", "num_blocks", "device_id", "memory_type")

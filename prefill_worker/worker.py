@@ -59,8 +59,8 @@ class PrefillWorker:
         self._leases = LeaseTable()
         self._pending: dict[str, Future[PinnedKv]] = {}
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
-        # Traced requests: request id -> when it was added (ns). When one is first seen out of
-        # the waiting queue, its wait ends at the later of its arrival and the previous loop turn.
+        # Request id -> when it was added (ns). When one is first seen out of the waiting queue,
+        # its wait ends at the later of its arrival and the previous loop turn.
         self._queued_at: dict[str, int] = {}
         self._started_at: dict[str, int] = {}
         self._last_turn_ns = time.time_ns()
@@ -82,7 +82,7 @@ class PrefillWorker:
                         "pdserve.prompt_tokens": len(prompt_token_ids)},
         )
         with span:
-            pinned = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span)
+            pinned, queue_s = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span)
             span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
         return kv_pb2.KvHandle(
@@ -98,18 +98,19 @@ class PrefillWorker:
             compat_hash=self.agent.compat_hash,
             cached_prompt_tokens=pinned.num_cached_tokens,
             finish_reason=pinned.finish_reason or "",
+            queue_seconds=queue_s,
         )
 
     def _run_prefill(
         self, ids: list[int], params: SamplingParams, request_id: str, timeout_s: float, span: trace.Span
-    ) -> PinnedKv:
+    ) -> tuple[PinnedKv, float]:
+        """The prompt's pinned KV once prefilled, and the seconds it waited in the queue."""
         fut: Future[PinnedKv] = Future()
         traced = span.is_recording()
         with self.loop.lock:
             self.engine.add_request(ids, params, request_id)
             self._pending[request_id] = fut
-            if traced:
-                self._queued_at[request_id] = time.time_ns()
+            self._queued_at[request_id] = time.time_ns()
         self.loop.wake()
         try:
             pinned = fut.result(timeout=timeout_s)
@@ -120,16 +121,17 @@ class PrefillWorker:
             with self.loop.lock:
                 queued = self._queued_at.pop(request_id, None)
                 started = self._started_at.pop(request_id, None)
+        done = time.time_ns()
+        started = done if started is None else started
+        queue_s = 0.0 if queued is None else max(0, started - queued) / 1e9
         if traced and queued is not None:
-            done = time.time_ns()
-            started = done if started is None else started
             ctx = trace.set_span_in_context(span)
             self._tracer.start_span("pdserve.prefill.queue", context=ctx, start_time=queued).end(end_time=started)
             compute = self._tracer.start_span("pdserve.prefill.compute", context=ctx, start_time=started)
             compute.set_attribute("pdserve.prompt_tokens", len(ids))
             compute.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             compute.end(end_time=done)
-        return pinned
+        return pinned, queue_s
 
     def release(self, request_id: str) -> bool:
         """Free a request's blocks now: pulled, cancelled, or not needed (finished at token one)."""

@@ -565,6 +565,7 @@ class Router:
             if cached_tokens is not None:
                 span.set_attribute("pdserve.cached_tokens", cached_tokens)
             span.end()
+        self.metrics.prefill_queue.observe(handle.queue_seconds)
         return handle
 
     async def _start_decode(self, r: _Request, handle: kv_pb2.KvHandle) -> DecodeStart:

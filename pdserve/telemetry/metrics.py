@@ -62,6 +62,12 @@ class RouterMetrics:
             "decode worker's first token).",
             buckets=_LATENCY, registry=r,
         )
+        self.prefill_queue = Histogram(
+            "pdserve_prefill_queue_seconds",
+            "How long a prompt waited in its prefill worker's queue before its first prefill step "
+            "(reported by the worker; part of pdserve_prefill_duration_seconds).",
+            buckets=_LATENCY, registry=r,
+        )
         self.decode_wait = Histogram(
             "pdserve_decode_queue_seconds", "From the KV hand-over to the first token the decode worker produced.",
             buckets=_LATENCY, registry=r,

@@ -173,6 +173,8 @@ def test_metrics_pass_promtool_and_count_known_requests(cluster, channel):
     assert delta("pdserve_request_duration_seconds_count") == 2
     assert delta("pdserve_inter_token_latency_seconds_count") == 8
     assert delta("pdserve_kv_transfer_duration_seconds_count") == 2
+    assert delta("pdserve_prefill_queue_seconds_count") == 2  # reported by the prefill worker
+    assert delta("pdserve_prefill_queue_seconds_sum") <= delta("pdserve_prefill_duration_seconds_sum")
     assert delta("pdserve_kv_transfer_bytes_total") > 0
     assert delta("pdserve_prefills_total", location="remote") == 2  # disaggregated: no prompt prefilled locally
     assert delta("pdserve_prefills_total", location="local") == 0
