@@ -72,6 +72,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        half = cfg.head_dim // 2
+        self._half_pow2 = cfg.head_dim % 2 == 0 and half & (half - 1) == 0  # the fused RoPE kernel's tile
         # q, k and v in one matmul: one weight read per step instead of three.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -86,10 +88,15 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
         k_cache = ctx.kv_pool[:, self.layer_idx, 0]
         v_cache = ctx.kv_pool[:, self.layer_idx, 1]
-        write_kv(k, v, k_cache, v_cache, ctx.meta)
+        fused = rotary.ops.rope_and_store_kv
+        if fused is not None and q.is_cuda and self._half_pow2:
+            # One kernel for RoPE and both cache writes (see triton_ops).
+            q = fused(q, k, v, rotary.cos, rotary.sin, positions, k_cache, v_cache, ctx.meta.slot_block, ctx.meta.slot_offset)
+        else:
+            q, k = rotary(q, k, positions)
+            write_kv(k, v, k_cache, v_cache, ctx.meta)
         o = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 

@@ -9,6 +9,8 @@ eager versions: they are what the token-for-token tests against transformers pin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,7 @@ class ElementwiseOps:
         self.add_rms_norm = add_rms_norm
         self.apply_rope = apply_rope
         self.silu_and_mul = silu_and_mul
+        self.rope_and_store_kv: Callable[..., torch.Tensor] | None = None  # CUDA: one Triton kernel
         self.compiled = False
 
     def compile(self) -> None:
@@ -62,3 +65,9 @@ class ElementwiseOps:
         self.apply_rope = torch.compile(apply_rope, dynamic=True)
         self.silu_and_mul = torch.compile(silu_and_mul, dynamic=True)
         self.compiled = True
+        if torch.cuda.is_available():
+            try:
+                from pdserve.engine.triton_ops import rope_and_store_kv
+            except ImportError:
+                return
+            self.rope_and_store_kv = rope_and_store_kv

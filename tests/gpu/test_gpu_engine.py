@@ -367,3 +367,43 @@ def test_default_model_bf16_matches_transformers(check_blocks_freed):
         info = _compare_greedy(f"default {t[:24]!r}", o.token_ids, ref, ref_logits)
         firsts.append(info["first_divergence"])
     print(f"[default model] first divergences (None = identical for {MAX_NEW} tokens): {firsts}")
+
+
+# ----- (e) the fused RoPE + KV-write kernel --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 64), (8, 8, 128), (4, 2, 16)])
+def test_fused_rope_and_kv_write_match_the_unfused_ops(dtype, hq, hk, d):
+    from pdserve.engine.attention import AttentionMetadata, write_kv
+    from pdserve.engine.ops import apply_rope
+    from pdserve.engine.triton_ops import rope_and_store_kv
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(hq * 1000 + d)
+    t, blocks, bs, layers, layer = 37, 24, 16, 3, 1
+    # q, k and v as the model has them: strided views of one fused projection output.
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+    positions = torch.randint(0, 4000, (t,), device=dev, generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    freqs = torch.arange(4096, device=dev).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    slots = torch.randperm(blocks * bs, device=dev, generator=g)[:t]
+    meta = AttentionMetadata(slot_block=slots // bs, slot_offset=slots % bs, cu_seqlens_q=None, seq_lens=None,
+                             block_tables=None, max_query_len=t, max_seq_len=t, query_lens=[t], seq_lens_host=[t])
+    pools = [torch.randn(blocks + 1, layers, 2, bs, hk, d, device=dev, generator=g).to(dtype) for _ in range(2)]
+    fused_pool, ref_pool = pools[0], pools[0].clone()
+
+    q_fused = rope_and_store_kv(q, k, v, cos, sin, positions, fused_pool[:, layer, 0], fused_pool[:, layer, 1],
+                                meta.slot_block, meta.slot_offset)
+    q_ref, k_ref = apply_rope(q, k, cos, sin, positions)
+    write_kv(k_ref, v, ref_pool[:, layer, 0], ref_pool[:, layer, 1], meta)
+
+    # float32: the same arithmetic; bf16: one rounding here against three in the eager chain.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(q_fused.float(), q_ref.float(), **tol)
+    torch.testing.assert_close(fused_pool.float(), ref_pool.float(), **tol)  # every other slot untouched
+    assert torch.equal(fused_pool[:, layer, 1], ref_pool[:, layer, 1])  # values are copied exactly
