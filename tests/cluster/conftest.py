@@ -62,6 +62,25 @@ def greedy(max_tokens: int, **kw: Any) -> inference_pb2.SamplingParams:
     return inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
+def cancel_after_three_chunks_frees_every_block(channel: grpc.Channel) -> None:
+    """Start a long stream, cancel it after 3 chunks: the client sees CANCELLED and every KV
+    block of the cluster is free again soon after."""
+    from pdserve_proto import inference_pb2_grpc as pbg
+
+    call = pbg.InferenceStub(channel).Generate(
+        inference_pb2.GenerateRequest(prompt_token_ids=list(range(100, 180)), sampling_params=greedy(400, ignore_eos=True))
+    )
+    for got, _ in enumerate(call, start=1):
+        if got == 3:
+            call.cancel()
+            break
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a cancel")
+
+
 class InProcessCluster:
     """One prefill and one decode worker in this process (real engines, real NIXL), the router
     on local handles and its gRPC server."""

@@ -24,7 +24,7 @@ from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from router.policy import PlacementConfig
-from tests.cluster.conftest import InProcessCluster, LoopThread, all_blocks_free, greedy, wait_for
+from tests.cluster.conftest import InProcessCluster, LoopThread, all_blocks_free, cancel_after_three_chunks_frees_every_block, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -78,18 +78,7 @@ def test_a_repeated_prefix_is_served_from_the_decode_workers_cache(channel):
 
 
 def test_cancel_mid_stream_frees_every_block(channel):
-    call = pbg.InferenceStub(channel).Generate(
-        pb.GenerateRequest(prompt_token_ids=list(range(100, 180)), sampling_params=greedy(400, ignore_eos=True))
-    )
-    for got, _ in enumerate(call, start=1):
-        if got == 3:
-            call.cancel()
-            break
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in call:
-            pass
-    assert err.value.code() == grpc.StatusCode.CANCELLED
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a cancel")
+    cancel_after_three_chunks_frees_every_block(channel)
 
 
 def test_openai_http_api_on_a_colocated_cluster(cluster, offline):

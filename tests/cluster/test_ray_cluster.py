@@ -14,7 +14,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from tests.cluster.conftest import all_blocks_free, greedy, wait_for
+from tests.cluster.conftest import all_blocks_free, cancel_after_three_chunks_frees_every_block, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -69,19 +69,7 @@ def test_tokens_arrive_incrementally(channel):
 
 
 def test_cancel_mid_stream_frees_blocks_on_both_workers(channel):
-    stub = pbg.InferenceStub(channel)
-    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(100, 180)), sampling_params=greedy(400, ignore_eos=True)))
-    got = 0
-    for _ in call:
-        got += 1
-        if got == 3:
-            call.cancel()
-            break
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in call:
-            pass
-    assert err.value.code() == grpc.StatusCode.CANCELLED
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a cancel")
+    cancel_after_three_chunks_frees_every_block(channel)
 
 
 def test_repeated_prefix_pulls_only_missing_blocks(channel):
