@@ -28,7 +28,6 @@ from opentelemetry import trace
 from kv_transfer.agent import KvTransferAgent, KvTransferError
 from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.engine import ImportPlan, LLMEngine, RequestOutput
-from pdserve.engine.hashing import block_hashes
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
@@ -126,11 +125,8 @@ class DecodeWorker:
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
                         "pdserve.prompt_tokens": len(prompt_token_ids)},
         ) as span:
-            bs = self.engine.blocks.block_size
-            # As admission matches: whole blocks, never the one holding the last prompt token.
-            hashes = block_hashes(prompt_token_ids, bs)[: (len(prompt_token_ids) - 1) // bs]
             with self.loop.lock:
-                cached = len(self.engine.blocks.match_prefix(hashes)) * bs
+                cached = self.engine.cached_prompt_tokens(prompt_token_ids)
                 self.engine.add_request(list(prompt_token_ids), params, request_id)
                 self.local_prefills += 1
             self.loop.wake()

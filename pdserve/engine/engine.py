@@ -15,10 +15,11 @@ from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu_linear import onednn_available
 from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.hashing import block_hashes
 from pdserve.engine.model import CausalLM
 from pdserve.engine.runner import DecodeLaunch, ModelRunner, kv_block_bytes
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, admissible_prefix
 from pdserve.engine.sequence import Sequence, SeqStatus
 from pdserve.engine.weights import init_dummy_weights, load_weights
 
@@ -210,6 +211,12 @@ class LLMEngine:
     def release(self, request_id: str) -> bool:
         """Prefill role: free a finished request's pinned KV blocks (after its transfer)."""
         return self.scheduler.release_pinned(request_id)
+
+    def cached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens that admission would serve from this engine's prefix cache now."""
+        bs = self.cfg.block_size
+        hashes = admissible_prefix(block_hashes(prompt_token_ids, bs), len(prompt_token_ids), bs)
+        return len(self.blocks.match_prefix(hashes)) * bs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None

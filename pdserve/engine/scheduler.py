@@ -23,6 +23,12 @@ from pdserve.engine.config import Role
 from pdserve.engine.sequence import Sequence, SeqStatus
 
 
+def admissible_prefix(full_block_hashes: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """The block hashes of a prompt that admission may serve from the prefix cache: whole blocks,
+    never the one holding the last token (at least one token must be computed for logits)."""
+    return full_block_hashes[: (num_tokens - 1) // block_size]
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
@@ -123,9 +129,7 @@ class Scheduler:
         bs = self.blocks.block_size
         hits: list[int] = []
         if seq.num_computed_tokens == 0:
-            # At least one token must be computed to produce logits, so never match the last one.
-            hashes = seq.full_block_hashes(bs)[: (seq.num_tokens - 1) // bs]
-            hits = self.blocks.match_prefix(hashes)
+            hits = self.blocks.match_prefix(admissible_prefix(seq.full_block_hashes(bs), seq.num_tokens, bs))
         computed = max(seq.num_computed_tokens, len(hits) * bs)
         n = min(seq.num_tokens - computed, budget)
         need = self.blocks.blocks_needed(computed + n) - len(seq.block_ids) - len(hits)
