@@ -142,25 +142,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> dict[str, tuple[int, float | None]]:
         """Run one step; returns request id -> (sampled token, its logprob or None)."""
-        if self.device.type == "cuda" and self.device.index is not None:
-            # Engine loops run on their own threads, whose current device is not ours by default.
-            # (A bare "cuda" has no index: torch.cuda.set_device rejects it; nothing to set then.)
-            torch.cuda.set_device(self.device)
-        if self._fits_graph(scheduled):
-            # Decode-only: every row samples, and the graph already holds logits and argmax.
-            sampled = scheduled
-            logits, argmax = self._replay(scheduled)
-            params = [s.seq.params for s in sampled]
-            if all(p.greedy and not p.logprobs for p in params):
-                return {s.seq.request_id: (t, None) for s, t in zip(sampled, argmax.tolist())}
-        else:
-            inputs = self.prepare(scheduled)
-            sampled = inputs.sampled
-            params = [s.seq.params for s in sampled]
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
-            if not sampled:
-                return {}
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampled, logits, argmax = self._forward(scheduled)
+        if not sampled:
+            return {}
+        params = [s.seq.params for s in sampled]
+        if argmax is not None and all(p.greedy and not p.logprobs for p in params):
+            return {s.seq.request_id: (t, None) for s, t in zip(sampled, argmax.tolist())}
         gens = [self._generator_for(s) for s in sampled]
         tokens, logprobs = sample(logits, params, gens, self.default_generator)
         return {
@@ -176,22 +163,9 @@ class ModelRunner:
         one is a step further: each sequence's input is the token `previous` produces, taken on
         the device, at the position after it. The host never waits between the two steps, so it
         can do the bookkeeping of one while the device runs the next."""
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)
+        _, logits, argmax = self._forward(scheduled, None if previous is None else previous.tokens)
+        tokens = argmax if argmax is not None else logits.argmax(dim=-1)
         n = len(scheduled)
-        ahead = 1 if previous is not None else 0
-        if self._fits_graph(scheduled):
-            self._fill_graph_inputs(scheduled, ahead)
-            if previous is not None:
-                self._graph_io["input_ids"][:n].copy_(previous.tokens)
-            self._graphs[self._graph_size(n)].replay()
-            tokens = self._graph_io["argmax"][:n]
-        else:
-            inputs = self.prepare(scheduled, ahead)
-            if previous is not None:
-                inputs.input_ids.copy_(previous.tokens)
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
-            tokens = self.model.compute_logits(hidden[inputs.logits_indices]).argmax(dim=-1)
         host = self._token_mirrors[self._token_turn][:n]
         self._token_turn ^= 1  # the previous step's mirror may not have been read yet
         host.copy_(tokens, non_blocking=self.device.type == "cuda")
@@ -199,6 +173,34 @@ class ModelRunner:
         if done is not None:
             done.record()
         return DecodeLaunch(tokens, host, done)
+
+    def _forward(
+        self, scheduled: list[ScheduledSeq], previous_tokens: torch.Tensor | None = None
+    ) -> tuple[list[ScheduledSeq], torch.Tensor | None, torch.Tensor | None]:
+        """Run the model for a step: (the items that sample, their logits, their greedy tokens
+        when the decode graph computed them). With `previous_tokens` (one per item, on the
+        device) it is a decode step one position past the computed tokens, fed those tokens."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Engine loops run on their own threads, whose current device is not ours by default.
+            # (A bare "cuda" has no index: torch.cuda.set_device rejects it; nothing to set then.)
+            torch.cuda.set_device(self.device)
+        ahead = 0 if previous_tokens is None else 1
+        if self._fits_graph(scheduled):
+            # Decode-only: every row samples, and the graph already holds logits and argmax.
+            n = len(scheduled)
+            self._fill_graph_inputs(scheduled, ahead)
+            io = self._graph_io
+            if previous_tokens is not None:
+                io["input_ids"][:n].copy_(previous_tokens)
+            self._graphs[self._graph_size(n)].replay()
+            return scheduled, io["logits"][:n], io["argmax"][:n]
+        inputs = self.prepare(scheduled, ahead)
+        if previous_tokens is not None:
+            inputs.input_ids.copy_(previous_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
+        if not inputs.sampled:
+            return [], None, None
+        return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None
 
     def collect(self, launch: DecodeLaunch) -> list[int]:
         """Wait for a launched step and return its tokens."""
@@ -332,14 +334,6 @@ class ModelRunner:
 
     def _graph_size(self, n: int) -> int:
         return min(s for s in self._graphs if s >= n)
-
-    def _replay(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the recorded decode step; returns views of its logits and greedy tokens."""
-        n = len(scheduled)
-        self._fill_graph_inputs(scheduled, ahead=0)
-        self._graphs[self._graph_size(n)].replay()
-        io = self._graph_io
-        return io["logits"][:n], io["argmax"][:n]
 
     def _fill_graph_inputs(self, scheduled: list[ScheduledSeq], ahead: int) -> None:
         """Write the step's inputs into a pinned mirror and copy it to the graph's buffers.
