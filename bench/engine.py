@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cpu_name, markdown_table  # noqa: E402
+from bench.report import cpu_name, markdown_table, write_json  # noqa: E402
 
 from pdserve import LLM, SamplingParams
 
@@ -588,10 +588,7 @@ def main() -> None:
             )
     if args.json is not None:
         payload = json.dumps({"info": info, "rows": [r.__dict__ for r in rows]}, indent=2)
-        if args.json == "-":
-            print(payload)
-        else:
-            Path(args.json).write_text(payload + "\n")
+        write_json(args.json, payload)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cpu_name, markdown_table  # noqa: E402
+from bench.report import cpu_name, markdown_table, write_json  # noqa: E402
 
 from kv_transfer.compat import KvLayout
 from kv_transfer.descriptors import coalesce, split_large
@@ -873,10 +873,7 @@ def main() -> None:
             print(f"  [{t.variant}] {t.case}, {t.blocks} blocks: {t.extra['read_internal_gbps']:.2f} GB/s")
     if args.json is not None:
         payload = json.dumps({"info": info, "rows": rows, "table": [asdict(t) for t in table]}, indent=2, default=str)
-        if args.json == "-":
-            print(payload)
-        else:
-            Path(args.json).write_text(payload + "\n")
+        write_json(args.json, payload)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,11 @@ def markdown_table(head: list[str], body: list[list[str]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(head), sep, *(line(b) for b in body)])
+
+
+def write_json(path: str, payload: str) -> None:
+    """A benchmark's `--json` output: to stdout for "-", else to the file at `path`."""
+    if path == "-":
+        print(payload)
+    else:
+        Path(path).write_text(payload + "\n")
