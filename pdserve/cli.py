@@ -128,30 +128,27 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that need no GPU", description="Benchmarks that need no GPU.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    br = bench_sub.add_parser(
-        "router",
-        help="replay a trace against the router's placement policies with simulated workers",
-        description="Replay a JSONL trace ({t, input_ids, output_len[, session]} a line; write one with "
-        "`python bench/traces.py`) against the router's placement policy with simulated prefill workers; "
-        "report prefix hit rate against the ideal, load balance, remapping and TTFT.",
-    )
-    bench_router = _bench_module("router")
-    if bench_router is None:
-        br.set_defaults(bench_missing=True)
-    else:
-        bench_router.add_arguments(br)
-    bs = bench_sub.add_parser(
-        "serve",
-        help="load an OpenAI-compatible server and report latency, throughput and goodput",
-        description="Send a workload (synthetic chat/rag/codegen lengths or a trace) to any OpenAI-compatible "
-        "server over streamed /v1/completions, as Poisson arrivals or at fixed concurrency; report TTFT, ITL and "
-        "end-to-end latency percentiles, tokens/s and goodput under SLOs as JSON; with --sweep, a latency-throughput curve.",
-    )
-    bench_serve = _bench_module("serve")
-    if bench_serve is None:
-        bs.set_defaults(bench_missing=True)
-    else:
-        bench_serve.add_arguments(bs)
+    benchmarks = {
+        "router": (
+            "replay a trace against the router's placement policies with simulated workers",
+            "Replay a JSONL trace ({t, input_ids, output_len[, session]} a line; write one with "
+            "`python bench/traces.py`) against the router's placement policy with simulated prefill workers; "
+            "report prefix hit rate against the ideal, load balance, remapping and TTFT.",
+        ),
+        "serve": (
+            "load an OpenAI-compatible server and report latency, throughput and goodput",
+            "Send a workload (synthetic chat/rag/codegen lengths or a trace) to any OpenAI-compatible "
+            "server over streamed /v1/completions, as Poisson arrivals or at fixed concurrency; report TTFT, ITL and "
+            "end-to-end latency percentiles, tokens/s and goodput under SLOs as JSON; with --sweep, a latency-throughput curve.",
+        ),
+    }
+    for name, (summary, description) in benchmarks.items():
+        sp = bench_sub.add_parser(name, help=summary, description=description)
+        module = _bench_module(name)
+        if module is None:
+            sp.set_defaults(bench_missing=True)
+        else:
+            module.add_arguments(sp)
     return parser
 
 
