@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
 from pdserve.cluster.config import ServeConfig
@@ -30,13 +29,6 @@ def cluster(loop_thread):
     c = loop_thread.run(Cluster.start(cfg))
     yield c
     loop_thread.run(c.stop())
-
-
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(cluster.address) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield ch
 
 
 def placement(loop_thread, cluster) -> dict:

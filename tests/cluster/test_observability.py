@@ -8,7 +8,6 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,13 +48,6 @@ def cluster(loop_thread, receiver):
     c = loop_thread.run(Cluster.start(cfg))
     yield c
     loop_thread.run(c.stop())
-
-
-@pytest.fixture(scope="module")
-def channel(cluster):
-    with grpc.insecure_channel(cluster.address) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield ch
 
 
 def generate(channel, rid: str, prompt: str, max_tokens: int, metadata=()) -> list[pb.GenerateResponse]:
