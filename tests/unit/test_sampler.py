@@ -60,6 +60,7 @@ def test_logprobs_are_of_the_model_distribution():
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"output_offset": -1}, "output_offset"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
