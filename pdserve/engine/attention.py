@@ -116,10 +116,12 @@ def flash_available() -> bool:
     return True
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" picks flash-attn on CUDA when it imports, else torch SDPA."""
+def make_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
+    """"auto" picks flash-attn on CUDA for 16-bit activations when it imports, else torch SDPA
+    (flash-attn has no float32 kernels)."""
     if name == "auto":
-        name = "flash" if device.type == "cuda" and flash_available() else "torch"
+        half = dtype in (torch.bfloat16, torch.float16)
+        name = "flash" if device.type == "cuda" and half and flash_available() else "torch"
     if name == "torch":
         return TorchAttention()
     if name == "flash":

@@ -199,6 +199,10 @@ class EngineConfig:
     # None: on where decode steps are CUDA graphs, the only place the host's time shows.
     overlap_decode: bool | None = None
     cuda_graph_max_batch: int = 128
+    # Triton decode kernels in the CUDA graphs (pdserve/engine/decode_kernels.py): split-KV
+    # attention up to batch 32, and at batch 1 matmuls with the norms and SiLU folded in.
+    # None: on wherever Triton imports.
+    triton_decode_kernels: bool | None = None
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)

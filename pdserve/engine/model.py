@@ -9,6 +9,8 @@ activation dtype) so float32 runs reproduce it token for token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,12 +56,17 @@ class Rotary(nn.Module):
 
 
 class ForwardContext:
-    """What the layers need besides activations for one forward pass."""
+    """What the layers need besides activations for one forward pass. `batch1` (a
+    `decode_kernels.Batch1Kernels`, CUDA only) switches a batch-1 decode step to the fused
+    Triton kernels."""
 
-    def __init__(self, meta: AttentionMetadata, kv_pool: torch.Tensor, backend: AttentionBackend) -> None:
+    def __init__(
+        self, meta: AttentionMetadata, kv_pool: torch.Tensor, backend: AttentionBackend, batch1: Any = None
+    ) -> None:
         self.meta = meta
         self.kv_pool = kv_pool  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         self.backend = backend
+        self.batch1 = batch1
 
 
 class Attention(nn.Module):
@@ -100,6 +107,28 @@ class Attention(nn.Module):
         o = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
+    def forward_batch1(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a batch-1 decode step through `ctx.batch1`'s kernels, with the
+        preceding residual add and `norm` folded into the q/k/v matmul. Returns (the new
+        residual stream, this block's output)."""
+        kernels = ctx.batch1
+        t = residual.shape[0]
+        qkv, residual = kernels.gemv(residual, self.qkv_proj.weight, self.qkv_proj.bias, add_norm=(delta, norm.weight, norm.eps))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        k_cache = ctx.kv_pool[:, self.layer_idx, 0]
+        v_cache = ctx.kv_pool[:, self.layer_idx, 1]
+        # RoPE and the cache write happen inside the attention kernel.
+        o = kernels.rope_and_attend(q, k, v, rotary.cos, rotary.sin, positions, k_cache, v_cache, ctx.meta, self.scale)
+        out, _ = kernels.gemv(o.reshape(t, self.q_size), self.o_proj.weight)
+        return residual, out
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: ElementwiseOps) -> None:
@@ -134,6 +163,19 @@ class DecoderLayer(nn.Module):
         m = self.mlp(h)
         return ops.add_rms_norm(residual, m, next_norm.weight, next_norm.eps)
 
+    def forward_batch1(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` through `ctx.batch1`'s kernels. The stream is carried un-normalised:
+        (residual, delta) in, (residual + everything up to the MLP, the MLP's output) out;
+        each add and norm runs inside the next matmul."""
+        kernels = ctx.batch1
+        residual, a = self.self_attn.forward_batch1(residual, delta, self.input_layernorm, positions, rotary, ctx)
+        post = self.post_attention_layernorm
+        gate_up, residual = kernels.gemv(residual, self.mlp.gate_up_proj.weight, add_norm=(a, post.weight, post.eps))
+        m, _ = kernels.gemv(gate_up, self.mlp.down_proj.weight, silu_mul=True)
+        return residual, m
+
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
@@ -149,6 +191,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
+        if ctx.batch1 is not None:
+            delta = None
+            for layer in self.layers:
+                residual, delta = layer.forward_batch1(residual, delta, positions, self.rotary, ctx)
+            return self.ops.add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)[1]
         h = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -62,12 +63,13 @@ class ModelRunner:
             dtype=cfg.dtype,
             device=self.device,
         )
-        self.backend = make_backend(cfg.attention_backend, self.device)
+        self.backend = make_backend(cfg.attention_backend, self.device, cfg.dtype)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_io: dict[str, torch.Tensor] = {}
         self._graph_pool = None
         self._max_graph_batch = 0
+        self.decode_kernel_graphs: dict[int, str] = {}  # graph batch size -> Triton kernels it runs
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_turn = 0
@@ -243,11 +245,18 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Record the decode forward for a ladder of batch sizes; a step pads up to the next one.
         Decode steps are short and launch-bound, so replaying a graph removes most CPU cost."""
-        if self.device.type != "cuda" or not self.cfg.use_cuda_graphs or self.backend.name != "flash":
+        if self.device.type != "cuda" or not self.cfg.use_cuda_graphs:
             return
+        kernels = self._decode_kernels()
+        max_b = min(self.cfg.cuda_graph_max_batch, self.cfg.max_num_seqs)
+        if self.backend.name != "flash":
+            # The torch backend sizes its decode gather on the host, so it cannot be recorded;
+            # only steps that attend through the split-KV kernel can.
+            if kernels is None:
+                return
+            max_b = min(max_b, kernels.ATTENTION_MAX_BATCH)
         if self.device.index is not None:
             torch.cuda.set_device(self.device)
-        max_b = min(self.cfg.cuda_graph_max_batch, self.cfg.max_num_seqs)
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_b + 1, 16)) if b <= max_b} | {max_b})
         dev = self.device
         self._max_graph_batch = max_b
@@ -302,9 +311,20 @@ class ModelRunner:
         # (cuBLAS workspaces) created and the allocator primed before anything is recorded.
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
+        kv_heads = self.model.cfg.num_kv_heads
+        # Arrival counters of the split kernels: shared, since a graph's kernels run in order.
+        counters = kernels.split_counters(dev) if kernels is not None else None
         for b in reversed(sizes):
             meta = self._graph_meta(b)
-            ctx = ForwardContext(meta, self.kv_pool, self.backend)
+            backend, batch1 = self.backend, None
+            if kernels is not None and b == 1:
+                batch1 = kernels.Batch1Kernels.create(kv_heads, dev, counters)
+                backend = batch1.attention
+                self.decode_kernel_graphs[b] = "batch-1 fused"
+            elif kernels is not None and b <= kernels.ATTENTION_MAX_BATCH:
+                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev, counters)
+                self.decode_kernel_graphs[b] = "split-kv attention"
+            ctx = ForwardContext(meta, self.kv_pool, backend, batch1)
             with torch.cuda.stream(stream):
                 for _ in range(3):
                     forward(b, ctx)
@@ -316,7 +336,22 @@ class ModelRunner:
                 self._graph_pool = graph.pool()
             self._graphs[b] = graph
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for decode batch sizes %s", sizes)
+        log.info("captured CUDA graphs for decode batch sizes %s; Triton decode kernels: %s", sizes, self.decode_kernel_graphs or "off")
+
+    def _decode_kernels(self) -> ModuleType | None:
+        """The Triton decode kernels' module, or None where they are off, Triton does not
+        import, or head_dim is not a power of two >= 16 (the attention kernel's tile)."""
+        d = self.model.cfg.head_dim
+        if self.cfg.triton_decode_kernels is False or d < 16 or d & (d - 1):
+            return None
+        try:
+            from pdserve.engine import decode_kernels
+        except ImportError as exc:
+            if self.cfg.triton_decode_kernels:
+                raise ValueError(f"triton_decode_kernels: Triton does not import ({exc})") from exc
+            log.info("Triton decode kernels off: %s", exc)
+            return None
+        return decode_kernels
 
     def _graph_meta(self, b: int) -> AttentionMetadata:
         io = self._graph_io

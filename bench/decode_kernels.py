@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""The small-batch decode kernels (pdserve/engine/decode_kernels.py) beside what they replace.
+
+For the matmuls of a Llama-3.2-1B- and a Llama-3-8B-shaped layer (and the 1B LM head) at
+batch 1: cuBLAS (`F.linear`), our GEMV with its default tile, and the best tile of a small
+sweep, each as µs per call and TB/s of weight bytes. For decode attention at batch 1, 4
+and 32: flash-attn-4 (when it imports) against the split-KV kernel.
+
+Timing. Each op is recorded 32 times in a CUDA graph and replayed; the time is the replay's
+over 32, median of 7 replays. The 32 calls cycle through copies of the weights (or caches)
+that together exceed the L2 cache, so every call reads from HBM as in a real step. `--pdl`
+rows launch the same kernels as programmatic dependents, which is how a decode step runs
+them: a kernel's ramp-up then overlaps its predecessor's tail.
+
+    python bench/decode_kernels.py [--json out.json] [--no-sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import markdown_table, write_json  # noqa: E402
+
+from pdserve.engine import decode_kernels as dk  # noqa: E402
+
+CALLS = 32
+L2_BYTES = 256 << 20  # copies of an operand rotate through at least this much memory
+
+# name -> (N, K, prologue) per shape; the LM head of the 1B shape is the tied embedding
+MATMULS = {
+    "1b": {"qkv": (3072, 2048, "norm"), "o": (2048, 2048, "plain"), "gate_up": (16384, 2048, "norm"),
+           "down": (2048, 8192, "silu"), "lm_head": (128256, 2048, "plain")},
+    "8b": {"qkv": (6144, 4096, "norm"), "o": (4096, 4096, "plain"), "gate_up": (28672, 4096, "norm"),
+           "down": (4096, 14336, "silu")},
+}
+# (BLOCK_N, BLOCK_K, warps, split_k)
+SWEEP = [(bn, bk, w, sk) for bn, bk, w in ((8, 512, 4), (16, 512, 4), (16, 256, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8))
+         for sk in (1, 2, 4, 8)]
+
+
+def graph_time(step: Callable[[int], None], reps: int = 7) -> float:
+    """Seconds per call of step(i), i = 0..CALLS-1, recorded in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            step(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(CALLS):
+            step(i)
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / CALLS)
+    return statistics.median(times[1:])
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, -(-L2_BYTES // nbytes))
+
+
+def bench_matmuls(sweep: bool) -> list[dict]:
+    out = []
+    counters = dk.split_counters(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape, ops in MATMULS.items():
+        for name, (n, k, prologue) in ops.items():
+            weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(_copies(n * k * 2))]
+            norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+            for m in (1,):
+                x = torch.randn(m, 2 * k if prologue == "silu" else k, dtype=torch.bfloat16, device="cuda")
+                delta = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                kw = {"add_norm": (delta, norm_w, 1e-5)} if prologue == "norm" else {"silu_mul": prologue == "silu"}
+
+                def ours(config=None, pdl=False):
+                    return lambda i: dk.gemv(x, weights[i % len(weights)], pdl=pdl, config=config, counters=counters, **kw)
+
+                def cublas(i):
+                    # cuBLAS alone: the prologue's chain would add its own kernels on top.
+                    F.linear(x[:, :k], weights[i % len(weights)])
+
+                row = {"shape": shape, "op": name, "rows": m, "n": n, "k": k, "bytes": n * k * 2,
+                       "cublas_s": graph_time(cublas), "ours_s": graph_time(ours()), "ours_pdl_s": graph_time(ours(pdl=True)),
+                       "default_config": list(dk._gemv_config(n, k, sms))}
+                if sweep and m == 1:
+                    best = None
+                    for cfg in SWEEP:
+                        if cfg[1] > triton_next_pow2(k) or k // cfg[3] < cfg[1]:
+                            continue
+                        try:
+                            t = graph_time(ours(cfg), reps=3)
+                        except Exception as exc:  # noqa: BLE001 - a tile too large for the SM is skipped
+                            print(f"  {shape} {name} {cfg}: {type(exc).__name__}", file=sys.stderr)
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, cfg)
+                    if best is not None:
+                        row["best_s"], row["best_config"] = best[0], list(best[1])
+                out.append(row)
+                print(_matmul_line(row), file=sys.stderr)
+            del weights
+            torch.cuda.empty_cache()
+    return out
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def _matmul_line(r: dict) -> str:
+    return f"{r['shape']} {r['op']} m={r['rows']}: cublas {r['cublas_s']*1e6:.1f} ours {r['ours_s']*1e6:.1f} pdl {r['ours_pdl_s']*1e6:.1f} best {r.get('best_s', 0)*1e6:.1f} {r.get('best_config')}"
+
+
+def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4
+    except Exception:  # noqa: BLE001 - benchmark without the baseline
+        fa4 = None
+    hq, hk, d, page = 32, 8, 64, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for batch, ctx in cases:
+        pages = -(-ctx // page)
+        per_copy = 2 * batch * pages * page * hk * d * 2
+        copies = _copies(per_copy)
+        blocks = copies * batch * pages
+        pool = torch.randn(blocks, 2, page, hk, d, dtype=torch.bfloat16, device="cuda")
+        k_cache, v_cache = pool[:, 0], pool[:, 1]
+        tables = [torch.arange(c * batch * pages, (c + 1) * batch * pages, dtype=torch.int32, device="cuda").view(batch, pages) for c in range(copies)]
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        splits = dk.attention_splits(batch, hk, sms)
+        counters = dk.split_counters(torch.device("cuda"))
+        row = {"batch": batch, "context": ctx, "splits": splits, "kv_bytes": per_copy}
+        row["ours_s"] = graph_time(lambda i: dk.decode_attention(q, k_cache, v_cache, tables[i % copies], lens, d**-0.5, splits, counters))
+        row["ours_pdl_s"] = graph_time(lambda i: dk.decode_attention(q, k_cache, v_cache, tables[i % copies], lens, d**-0.5, splits, counters, pdl=True))
+        if fa4 is not None:
+            row["fa4_s"] = graph_time(
+                lambda i: fa4(q, k_cache, v_cache, cu_seqlens_q=cu_q, seqused_k=lens, page_table=tables[i % copies],
+                              max_seqlen_q=1, max_seqlen_k=ctx, softmax_scale=d**-0.5, causal=True)
+            )
+        out.append(row)
+        print(row, file=sys.stderr)
+        del pool
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the results as JSON here ('-' for stdout)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/decode_kernels.py needs a CUDA GPU")
+    card = torch.cuda.get_device_name(0)
+    mm = bench_matmuls(not args.no_sweep)
+    at = bench_attention([(1, 512), (1, 4096), (4, 512), (32, 512)])
+
+    def us(s: float | None) -> str:
+        return "-" if s is None else f"{s * 1e6:.1f}"
+
+    def tbs(nbytes: int, s: float | None) -> str:
+        return "-" if not s else f"{nbytes / s / 1e12:.2f}"
+
+    print(f"\n{card}: matmuls, µs per call (TB/s of weights)\n")
+    print(markdown_table(
+        ["shape", "op", "rows", "cuBLAS", "ours", "ours, PDL", "best tile", "tile (N, K, warps, split-K)"],
+        [[r["shape"], r["op"], str(r["rows"]), f"{us(r['cublas_s'])} ({tbs(r['bytes'], r['cublas_s'])})",
+          f"{us(r['ours_s'])} ({tbs(r['bytes'], r['ours_s'])})", f"{us(r['ours_pdl_s'])} ({tbs(r['bytes'], r['ours_pdl_s'])})",
+          f"{us(r.get('best_s'))} ({tbs(r['bytes'], r.get('best_s'))})", str(r.get("best_config", r["default_config"]))] for r in mm],
+    ))
+    print(f"\n{card}: decode attention (32 q heads, 8 KV heads, head_dim 64, pages of 16), µs per call\n")
+    print(markdown_table(
+        ["batch", "context", "splits", "flash-attn-4", "ours", "ours, PDL"],
+        [[str(r["batch"]), str(r["context"]), str(r["splits"]), us(r.get("fa4_s")), us(r["ours_s"]), us(r["ours_pdl_s"])] for r in at],
+    ))
+    if args.json:
+        write_json(args.json, json.dumps({"card": card, "matmuls": mm, "attention": at}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,468 @@
+"""Triton kernels for small-batch decode steps (CUDA only).
+
+At batch 1 a decode step reads every weight once and does almost no arithmetic, so its time
+is the weight bytes over memory bandwidth plus whatever the step spends between and around
+its kernels. Through cuBLAS, flash-attn and compiled elementwise chains a layer is about ten
+kernels, and each launch, ramp-up and tail costs a few microseconds at which the memory bus
+sits idle; for a 1B model that is as much time again as the weights take. These kernels cut a
+layer to six and let each one start while the previous one drains:
+
+- `linear` is a matrix-vector product for up to `MAX_ROWS` rows that can fold the layer's
+  elementwise chains into its prologue: the residual add and RMSNorm before the q/k/v and the
+  gate/up projections, SiLU(gate) * up before the down projection. Many programs, each owning
+  a few output features and the whole reduction, so no split-K pass follows.
+- `decode_attention` is paged decode attention split over the context (flash-attn-4 has no
+  split-KV on Hopper and runs one program per sequence and KV head: 8 programs for a 1B model
+  at batch 1), followed by a small kernel that merges the splits.
+- Programmatic dependent launch: each kernel is launched so that it may start before the
+  previous kernel has finished. It first loads only what no earlier kernel writes (weights),
+  then waits on the grid dependency (`gdc_wait`) before it reads activations or writes
+  anything, so it never reads a stale input nor overwrites a buffer an earlier kernel still
+  reads. Every kernel waits unconditionally, which makes the ordering transitive down the
+  chain. CUDA graphs record the dependency as a programmatic edge.
+
+Arithmetic follows the reference order: the residual add rounds to the activation dtype,
+RMSNorm runs in float32 and rounds before its weight multiply, SiLU rounds before the
+multiply by `up`; products accumulate in float32 and round once at the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.engine.attention import AttentionMetadata
+
+# Decode graphs up to this batch attend with the split-KV kernel: measured faster than
+# flash-attn-4 at 1, 4 and 32 sequences (bench/decode_kernels.py); larger ones keep flash-attn.
+ATTENTION_MAX_BATCH = 32
+
+_PLAIN, _ADD_RMS_NORM, _SILU_MUL = 0, 1, 2
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper (SM 9.0) or newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _load_input(x_ptr, delta_ptr, norm_w_ptr, rk, K, rstd, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """BLOCK_K values of the matmul's input vector after the prologue, in float32, rounded
+    to the activation dtype where the reference rounds."""
+    mk = rk < K
+    if PROLOGUE == 2:
+        # x is [2K]: gate then up.
+        gate = tl.load(x_ptr + rk, mask=mk, other=0.0)
+        up = tl.load(x_ptr + K + rk, mask=mk, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        return (act * up).to(tl.float32)
+    x = tl.load(x_ptr + rk, mask=mk, other=0.0)
+    if PROLOGUE == 1:
+        if HAS_DELTA:
+            x = x + tl.load(delta_ptr + rk, mask=mk, other=0.0)
+        w = tl.load(norm_w_ptr + rk, mask=mk, other=0.0)
+        return (w * (x.to(tl.float32) * rstd).to(x.dtype)).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, delta_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+    N, K, K_PER_SPLIT, stride_wn, eps,
+    PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (n, s) owns BLOCK_N outputs and K_PER_SPLIT of the reduction. Weight tiles are
+    # loaded two steps ahead of the multiply (three in flight per program), products
+    # accumulate elementwise and are summed across K once at the end. With SPLIT_K > 1 the
+    # last of an n's programs to finish adds up their float32 partials.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk0 = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    k_begin = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    if USE_PDL:
+        # Let the next kernel's programs be placed as ours finish: they load their first
+        # weights, then wait for this grid to complete before reading anything it writes.
+        tl.extra.cuda.gdc_launch_dependents()
+    # The first two tiles are loaded before the grid dependency: no kernel writes weights.
+    rk = k_begin + rk0
+    w0 = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < k_end), other=0.0)
+    rk = k_begin + BLOCK_K + rk0
+    w1 = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < k_end), other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    rstd = 0.0
+    if PROLOGUE == 1:
+        # Every program computes the norm (K values, from L2) in one pass; program (0, 0)
+        # also writes the new residual stream.
+        rk = tl.arange(0, NORM_BLOCK)
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+        if HAS_DELTA:
+            x = x + tl.load(delta_ptr + rk, mask=rk < K, other=0.0)
+        if pid == 0 and pid_k == 0:
+            tl.store(res_out_ptr + rk, x, mask=rk < K)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        rk = k0 + 2 * BLOCK_K + rk0
+        w2 = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < k_end), other=0.0)
+        x = _load_input(x_ptr, delta_ptr, norm_w_ptr, k0 + rk0, K, rstd, PROLOGUE, HAS_DELTA)
+        acc += w0.to(tl.float32) * x[None, :]
+        w0 = w1
+        w1 = w2
+    y = tl.sum(acc, axis=1)
+    out_mask = n_mask
+    if SPLIT_K > 1:
+        tl.store(part_ptr + pid_k * N + rn, y, mask=n_mask)
+        # Release our partial, acquire everyone's: the program that counts last reduces.
+        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        out_mask = n_mask & last
+        y = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for s in range(SPLIT_K):
+            y += tl.load(part_ptr + s * N + rn, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0, mask=last)  # ready for the next launch (and graph replay)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _gemv_config(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, split_k): at least three programs per SM where the
+    shape allows, from narrower tiles first and then from splitting K (the best tiles of
+    bench/decode_kernels.py's sweep on H200 for the 1B and 8B shapes are of this kind)."""
+    block_n, block_k = 16, 256
+    if triton.cdiv(n, block_n) < 2 * num_sms:
+        block_n, block_k = 8, 512
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    split_k = 1
+    while triton.cdiv(n, block_n) * split_k < 3 * num_sms and k // (split_k * 2) >= 4 * block_k and split_k < 8:
+        split_k *= 2
+    return block_n, block_k, 4, split_k
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The zeroed arrival counters split-K launches need (one per output tile; every launch
+    leaves them zeroed again)."""
+    return torch.zeros(1 << 14, dtype=torch.int32, device=device)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    add_norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+    silu_mul: bool = False,
+    pdl: bool = False,
+    counters: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = f(x) @ weight.T (+ bias) for one row x [1, ...], weight [N, K] row-major.
+
+    f is the identity, or with `add_norm=(delta, norm_weight, eps)` RMSNorm(x + delta) (delta
+    may be None) whose residual x + delta is returned as the second value, or with `silu_mul`
+    SiLU(x[:, :K]) * x[:, K:]. Returns (y [1, N], the new residual or None). Split-K launches
+    need `counters` (from `split_counters`); `config` overrides the (BLOCK_N, BLOCK_K,
+    num_warps, split_k) heuristic (for tuning)."""
+    n, k = weight.shape
+    assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert x.shape[1] == (2 * k if silu_mul else k)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    residual = None
+    prologue, delta, norm_w, eps = _PLAIN, x, x, 0.0
+    if add_norm is not None:
+        prologue = _ADD_RMS_NORM
+        d, norm_w, eps = add_norm
+        delta = x if d is None else d
+        residual = torch.empty_like(x)
+    elif silu_mul:
+        prologue = _SILU_MUL
+    block_n, block_k, warps, split_k = config or _gemv_config(n, k, _num_sms(x.device))
+    k_per_split = triton.cdiv(k, split_k * block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    grid_n = triton.cdiv(n, block_n)
+    part = y
+    if split_k > 1:
+        assert counters is not None and counters.numel() >= grid_n, "split-K needs split_counters()"
+        part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(grid_n, split_k)](
+        x, delta, norm_w, x if residual is None else residual, weight, weight if bias is None else bias, y,
+        part, y if counters is None else counters, n, k, k_per_split, weight.stride(0), eps,
+        PROLOGUE=prologue, HAS_DELTA=add_norm is not None and add_norm[0] is not None, HAS_BIAS=bias is not None,
+        NORM_BLOCK=triton.next_power_of_2(k) if add_norm is not None else 16,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl,
+    )
+    return y, residual
+
+
+@triton.jit
+def _rotate(x_ptr, sw_ptr, mask, cos, sin, sign, dtype):
+    """RoPE of rows loaded from x_ptr (their halves swapped at sw_ptr), in float32 with one
+    rounding, as the fused RoPE kernel does it."""
+    x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    x_sw = tl.load(sw_ptr, mask=mask, other=0.0).to(tl.float32)
+    return (x * cos + sign * x_sw * sin).to(dtype)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_block_ptr, slot_offset_ptr,
+    k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_tb, stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program per (sequence, KV head, split): the query heads of the KV head's group
+    # against one contiguous range of the context, with an online softmax. With ROPE the
+    # queries arrive unrotated and the step's new key/value are not yet in the cache: each
+    # program rotates its queries, and the program whose range holds the new token rotates
+    # its key and writes key and value into the cache before reading its range. With
+    # SPLITS > 1 the last split of a (sequence, KV head) to finish merges the splits.
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    num_kv = tl.num_programs(1)
+    if USE_PDL:
+        # Let the next kernel's programs be placed (they wait for us before reading anything).
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    seq_len = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = s * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    g_mask = g < GROUP
+    heads = kh * GROUP + g
+    dtype = k_ptr.dtype.element_ty
+    q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
+    if ROPE:
+        half: tl.constexpr = HEAD_DIM // 2
+        swapped = (d + half) % HEAD_DIM
+        sign = tl.where(d < half, -1.0, 1.0)
+        pos = tl.load(pos_ptr + b)
+        cos = tl.load(cos_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
+        q = _rotate(q_rows + d[None, :], q_rows + swapped[None, :], g_mask[:, None], cos, sin, sign, dtype)
+        if (start <= seq_len - 1) & (seq_len - 1 < end):
+            k_row = k_new_ptr + b * stride_knt + kh * stride_knh
+            k_rot = _rotate(k_row + d, k_row + swapped, d < HEAD_DIM, cos, sin, sign, dtype)
+            v_new = tl.load(v_new_ptr + b * stride_vnt + kh * stride_vnh + d)
+            blk = tl.load(slot_block_ptr + b)
+            off = tl.load(slot_offset_ptr + b)
+            tl.store(k_ptr + blk * stride_kb + off * stride_ko + kh * stride_kh + d, k_rot)
+            tl.store(v_ptr + blk * stride_vb + off * stride_vo + kh * stride_vh + d, v_new)
+            tl.debug_barrier()  # the loop below reads them back through the block table
+    else:
+        q = tl.load(q_rows + d[None, :], mask=g_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        blk = tl.load(table_ptr + b * stride_tb + t // PAGE, mask=valid, other=0).to(tl.int64)
+        off = t % PAGE
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ko + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kh * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        rows = (b * GROUP * num_kv + heads) * SPLITS  # partials laid out [B, Hq, SPLITS, D]
+        tl.store(part_o_ptr + (rows + s)[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + rows + s, lse, mask=g_mask)
+        # Release our partial, acquire the others': the split that counts last merges.
+        last = tl.atomic_add(count_ptr + b * num_kv + kh, 1, sem="acq_rel") == SPLITS - 1
+        mask = g_mask & last
+        top = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        for i in range(SPLITS):
+            top = tl.maximum(top, tl.load(part_lse_ptr + rows + i, mask=mask, other=float("-inf"), cache_modifier=".cg"))
+        top = tl.where(top > float("-inf"), top, 0.0)
+        total = tl.zeros([BLOCK_G], dtype=tl.float32)
+        merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        for i in range(SPLITS):
+            w = tl.exp(tl.load(part_lse_ptr + rows + i, mask=mask, other=float("-inf"), cache_modifier=".cg") - top)
+            o = tl.load(part_o_ptr + (rows + i)[:, None] * HEAD_DIM + d[None, :], mask=mask[:, None], other=0.0, cache_modifier=".cg")
+            total += w
+            merged += w[:, None] * o
+        merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask[:, None])
+        tl.store(count_ptr + b * num_kv + kh, 0, mask=last)  # ready for the next launch
+
+
+def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
+    """Splits of the context per (sequence, KV head): about one program per SM in all."""
+    per = max(1, num_sms // max(1, batch * kv_heads))
+    splits = 1
+    while splits * 2 <= min(per, 32):
+        splits *= 2
+    return splits
+
+
+# Where in the shared counters the attention's arrival counts live (the matmuls use the start).
+_ATTENTION_COUNTERS = 1 << 13
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    splits: int,
+    counters: torch.Tensor,
+    pdl: bool = False,
+    rope: RopeInputs | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged context.
+
+    q [B, Hq, D]; caches [blocks, page, Hk, D] (last dim contiguous, any other strides);
+    block_tables [B, max_pages] int32; seq_lens [B] int32 (keys per sequence, this step's
+    included). Without `rope` the step's keys and values are already in the cache and q is
+    rotated; with it, q is unrotated and the kernel rotates q and the new key and writes the
+    new key and value into the cache first. `splits` must be a power of two; it is fixed per
+    CUDA graph while the lengths change from replay to replay. `counters` come from
+    `split_counters`. Returns [B, Hq, D]."""
+    b, hq, d = q.shape
+    hk = k_cache.shape[2]
+    page = k_cache.shape[1]
+    assert hq % hk == 0 and splits & (splits - 1) == 0 and d & (d - 1) == 0 and d >= 16
+    assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1 and block_tables.stride(1) == 1
+    assert b * hk <= counters.numel() - _ATTENTION_COUNTERS
+    group = hq // hk
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    part_o = part_lse = out
+    if splits > 1:
+        part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    r = rope
+    k_new, v_new = (r.k, r.v) if r is not None else (q, q)
+    _decode_attention_kernel[(b, hk, splits)](
+        q, k_new, v_new,
+        r.cos if r else q, r.sin if r else q, r.positions if r else seq_lens,
+        r.slot_block if r else seq_lens, r.slot_offset if r else seq_lens,
+        k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, counters[_ATTENTION_COUNTERS:], out,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        r.cos.stride(0) if r else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        scale,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
+        BLOCK_N=64, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, launch_pdl=pdl,
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class RopeInputs:
+    """What `decode_attention` needs to rotate q and the new key and store the new key and
+    value itself: k and v [B, Hk, D] (unrotated), the cos/sin tables [positions, D]
+    (float32), and per sequence its position and the cache slot of its new token."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    slot_block: torch.Tensor
+    slot_offset: torch.Tensor
+
+
+class SplitKVAttention:
+    """An attention backend for decode steps only (one query per sequence): `decode_attention`
+    with a fixed number of splits, as a CUDA graph of one batch size needs."""
+
+    name = "split-kv"
+
+    def __init__(self, splits: int, counters: torch.Tensor, pdl: bool = False) -> None:
+        self.splits = splits
+        self.counters = counters
+        self.pdl = pdl
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.counters, self.pdl)
+
+    def rope_and_attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs
+    ) -> torch.Tensor:
+        """`attend` for unrotated q, with the step's key and value stored by the kernel."""
+        assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.counters, self.pdl, rope)
+
+    @classmethod
+    def for_batch(cls, batch: int, kv_heads: int, device: torch.device, counters: torch.Tensor, pdl: bool = False) -> SplitKVAttention:
+        return cls(attention_splits(batch, kv_heads, _num_sms(device)), counters, pdl)
+
+
+@dataclass(frozen=True)
+class Batch1Kernels:
+    """The matmuls of a batch-1 decode step with the layer's elementwise chains folded in,
+    launched as programmatic dependents where the GPU has them (see the module's docstring).
+    The model runs them with `attention`, which shares that launch mode."""
+
+    attention: SplitKVAttention
+    pdl: bool
+    counters: torch.Tensor  # from split_counters(), for split-K launches
+
+    def gemv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        add_norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+        silu_mul: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return gemv(x, weight, bias, add_norm=add_norm, silu_mul=silu_mul, pdl=self.pdl, counters=self.counters)
+
+    def rope_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE of q and k, the cache write of k and v, and attention, in one kernel."""
+        rope = RopeInputs(k, v, cos, sin, positions, meta.slot_block, meta.slot_offset)
+        return self.attention.rope_and_attend(q, k_cache, v_cache, meta, scale, rope)
+
+    @classmethod
+    def create(cls, kv_heads: int, device: torch.device, counters: torch.Tensor) -> Batch1Kernels:
+        pdl = pdl_supported(device)
+        return cls(SplitKVAttention.for_batch(1, kv_heads, device, counters, pdl), pdl, counters)
