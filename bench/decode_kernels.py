@@ -149,8 +149,8 @@ def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
         splits = dk.attention_splits(batch, hk, sms)
         counters = dk.split_counters(torch.device("cuda"))
         row = {"batch": batch, "context": ctx, "splits": splits, "kv_bytes": per_copy}
-        row["ours_s"] = graph_time(lambda i: dk.decode_attention(q, k_cache, v_cache, tables[i % copies], lens, d**-0.5, splits, counters))
-        row["ours_pdl_s"] = graph_time(lambda i: dk.decode_attention(q, k_cache, v_cache, tables[i % copies], lens, d**-0.5, splits, counters, pdl=True))
+        row["ours_s"] = graph_time(lambda i: dk.decode_attention(q, k_cache, v_cache, tables[i % copies], lens, d**-0.5, splits))
+        row["ours_pdl_s"] = graph_time(lambda i: dk.decode_attention(q, k_cache, v_cache, tables[i % copies], lens, d**-0.5, splits, pdl=True))
         if fa4 is not None:
             row["fa4_s"] = graph_time(
                 lambda i: fa4(q, k_cache, v_cache, cu_seqlens_q=cu_q, seqused_k=lens, page_table=tables[i % copies],

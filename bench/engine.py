@@ -344,7 +344,7 @@ def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
     rows: list[Row] = []
     info: dict[str, Any] = {"card": torch.cuda.get_device_name(0)}
     info["elementwise"] = "eager" if args.eager else "compiled (torch.compile)"
-    info["triton_decode_kernels"] = not args.no_triton_decode
+    info["triton_decode_kernels"] = args.triton_decode
     bar.set_description("copy bandwidth")
     bw = copy_bandwidth()
     bar.update(1)
@@ -379,7 +379,7 @@ def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
                 enable_prefix_caching=False,
                 compile_elementwise=not args.eager,
                 overlap_decode=not args.no_overlap,
-                triton_decode_kernels=False if args.no_triton_decode else None,
+                triton_decode_kernels=args.triton_decode,
             )
             backend = llm.engine.runner.backend.name
             info[f"{shape}_attention_backend"] = backend
@@ -545,9 +545,9 @@ def main() -> None:
         help="GPU: read each decode step's tokens back before launching the next (what overlap buys)",
     )
     ap.add_argument(
-        "--no-triton-decode",
+        "--triton-decode",
         action="store_true",
-        help="GPU: decode graphs through cuBLAS + flash-attn only, without pdserve's Triton decode kernels",
+        help="GPU: decode graphs through pdserve's Triton decode kernels (opt-in engine option triton_decode_kernels)",
     )
     ap.add_argument("--decode-warmup", type=int, default=5)
     ap.add_argument("--decode-reps", type=int, default=30)

@@ -74,11 +74,17 @@ def _load_input(x_ptr, delta_ptr, norm_w_ptr, rk, K, rstd, PROLOGUE: tl.constexp
 
 
 @triton.jit
+def _fence_gpu():
+    """A device-scope memory fence in every thread (CUDA's __threadfence)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, delta_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
     N, K, K_PER_SPLIT, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, FENCE: tl.constexpr,
 ):
     # Program (n, s) owns BLOCK_N outputs and K_PER_SPLIT of the reduction. Weight tiles are
     # loaded two steps ahead of the multiply (three in flight per program), products
@@ -97,28 +103,28 @@ def _gemv_kernel(
         # weights, then wait for this grid to complete before reading anything it writes.
         tl.extra.cuda.gdc_launch_dependents()
     # The first two tiles are loaded before the grid dependency: no kernel writes weights.
-    rk = k_begin + rk0
-    w0 = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < k_end), other=0.0)
-    rk = k_begin + BLOCK_K + rk0
-    w1 = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < k_end), other=0.0)
+    rk_first = k_begin + rk0
+    w0 = tl.load(w_rows + rk_first[None, :], mask=n_mask[:, None] & (rk_first[None, :] < k_end), other=0.0)
+    rk_second = k_begin + BLOCK_K + rk0
+    w1 = tl.load(w_rows + rk_second[None, :], mask=n_mask[:, None] & (rk_second[None, :] < k_end), other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     rstd = 0.0
     if PROLOGUE == 1:
         # Every program computes the norm (K values, from L2) in one pass; program (0, 0)
         # also writes the new residual stream.
-        rk = tl.arange(0, NORM_BLOCK)
-        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+        rk_all = tl.arange(0, NORM_BLOCK)
+        res = tl.load(x_ptr + rk_all, mask=rk_all < K, other=0.0)
         if HAS_DELTA:
-            x = x + tl.load(delta_ptr + rk, mask=rk < K, other=0.0)
+            res = res + tl.load(delta_ptr + rk_all, mask=rk_all < K, other=0.0)
         if pid == 0 and pid_k == 0:
-            tl.store(res_out_ptr + rk, x, mask=rk < K)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+            tl.store(res_out_ptr + rk_all, res, mask=rk_all < K)
+        res_f = res.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(res_f * res_f, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        rk = k0 + 2 * BLOCK_K + rk0
-        w2 = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < k_end), other=0.0)
+        rk_ahead = k0 + 2 * BLOCK_K + rk0
+        w2 = tl.load(w_rows + rk_ahead[None, :], mask=n_mask[:, None] & (rk_ahead[None, :] < k_end), other=0.0)
         x = _load_input(x_ptr, delta_ptr, norm_w_ptr, k0 + rk0, K, rstd, PROLOGUE, HAS_DELTA)
         acc += w0.to(tl.float32) * x[None, :]
         w0 = w1
@@ -127,8 +133,13 @@ def _gemv_kernel(
     out_mask = n_mask
     if SPLIT_K > 1:
         tl.store(part_ptr + pid_k * N + rn, y, mask=n_mask)
-        # Release our partial, acquire everyone's: the program that counts last reduces.
+        # Every thread's partial visible device-wide before the count (the atomic is one
+        # thread's); the program that counts last reduces.
+        if FENCE:
+            _fence_gpu()
         last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        if FENCE:
+            _fence_gpu()
         out_mask = n_mask & last
         y = tl.zeros([BLOCK_N], dtype=tl.float32)
         for s in range(SPLIT_K):
@@ -140,15 +151,12 @@ def _gemv_kernel(
 
 
 def _gemv_config(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, split_k): at least three programs per SM where the
-    shape allows, from narrower tiles first and then from splitting K (the best tiles of
-    bench/decode_kernels.py's sweep on H200 for the 1B and 8B shapes are of this kind)."""
-    block_n, block_k = 16, 256
-    if triton.cdiv(n, block_n) < 2 * num_sms:
-        block_n, block_k = 8, 512
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    """(BLOCK_N, BLOCK_K, num_warps, split_k): at least two programs per SM, splitting K where
+    N alone gives fewer (on H200 the best tiles of bench/decode_kernels.py's sweep for the 1B
+    and 8B shapes are within about 10 % of this rule's)."""
+    block_n, block_k = 16, min(256, max(16, triton.next_power_of_2(k)))
     split_k = 1
-    while triton.cdiv(n, block_n) * split_k < 3 * num_sms and k // (split_k * 2) >= 4 * block_k and split_k < 8:
+    while triton.cdiv(n, block_n) * split_k < 2 * num_sms and k // (split_k * 2) >= 2 * block_k and split_k < 8:
         split_k *= 2
     return block_n, block_k, 4, split_k
 
@@ -203,7 +211,7 @@ def gemv(
         part, y if counters is None else counters, n, k, k_per_split, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_DELTA=add_norm is not None and add_norm[0] is not None, HAS_BIAS=bias is not None,
         NORM_BLOCK=triton.next_power_of_2(k) if add_norm is not None else 16,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, FENCE=x.is_cuda, num_warps=warps, launch_pdl=pdl,
     )
     return y, residual
 
@@ -220,7 +228,7 @@ def _rotate(x_ptr, sw_ptr, mask, cos, sin, sign, dtype):
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_block_ptr, slot_offset_ptr,
-    k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
+    k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_tb, stride_ot, stride_oh,
     scale,
@@ -232,7 +240,7 @@ def _decode_attention_kernel(
     # queries arrive unrotated and the step's new key/value are not yet in the cache: each
     # program rotates its queries, and the program whose range holds the new token rotates
     # its key and writes key and value into the cache before reading its range. With
-    # SPLITS > 1 the last split of a (sequence, KV head) to finish merges the splits.
+    # SPLITS > 1 each program writes a partial output and its log-sum-exp for the merge.
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -263,10 +271,10 @@ def _decode_attention_kernel(
             k_row = k_new_ptr + b * stride_knt + kh * stride_knh
             k_rot = _rotate(k_row + d, k_row + swapped, d < HEAD_DIM, cos, sin, sign, dtype)
             v_new = tl.load(v_new_ptr + b * stride_vnt + kh * stride_vnh + d)
-            blk = tl.load(slot_block_ptr + b)
-            off = tl.load(slot_offset_ptr + b)
-            tl.store(k_ptr + blk * stride_kb + off * stride_ko + kh * stride_kh + d, k_rot)
-            tl.store(v_ptr + blk * stride_vb + off * stride_vo + kh * stride_vh + d, v_new)
+            new_blk = tl.load(slot_block_ptr + b)
+            new_off = tl.load(slot_offset_ptr + b)
+            tl.store(k_ptr + new_blk * stride_kb + new_off * stride_ko + kh * stride_kh + d, k_rot)
+            tl.store(v_ptr + new_blk * stride_vb + new_off * stride_vo + kh * stride_vh + d, v_new)
             tl.debug_barrier()  # the loop below reads them back through the block table
     else:
         q = tl.load(q_rows + d[None, :], mask=g_mask[:, None], other=0.0)
@@ -295,26 +303,33 @@ def _decode_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        rows = (b * GROUP * num_kv + heads) * SPLITS  # partials laid out [B, Hq, SPLITS, D]
-        tl.store(part_o_ptr + (rows + s)[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + rows + s, lse, mask=g_mask)
-        # Release our partial, acquire the others': the split that counts last merges.
-        last = tl.atomic_add(count_ptr + b * num_kv + kh, 1, sem="acq_rel") == SPLITS - 1
-        mask = g_mask & last
-        top = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        for i in range(SPLITS):
-            top = tl.maximum(top, tl.load(part_lse_ptr + rows + i, mask=mask, other=float("-inf"), cache_modifier=".cg"))
-        top = tl.where(top > float("-inf"), top, 0.0)
-        total = tl.zeros([BLOCK_G], dtype=tl.float32)
-        merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-        for i in range(SPLITS):
-            w = tl.exp(tl.load(part_lse_ptr + rows + i, mask=mask, other=float("-inf"), cache_modifier=".cg") - top)
-            o = tl.load(part_o_ptr + (rows + i)[:, None] * HEAD_DIM + d[None, :], mask=mask[:, None], other=0.0, cache_modifier=".cg")
-            total += w
-            merged += w[:, None] * o
-        merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask[:, None])
-        tl.store(count_ptr + b * num_kv + kh, 0, mask=last)  # ready for the next launch
+        rows = (b * GROUP * num_kv + heads) * SPLITS + s  # partials laid out [B, Hq, SPLITS, D]
+        tl.store(part_o_ptr + rows[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + rows, lse, mask=g_mask)
+
+
+@triton.jit
+def _attention_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One program per (sequence, query head): the splits' partial outputs weighted by their
+    # share of the softmax mass.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    rows = (b * num_heads + h) * SPLITS + s
+    lse = tl.load(part_lse_ptr + rows)
+    top = tl.max(lse, axis=0)
+    weight = tl.exp(lse - tl.where(top > float("-inf"), top, 0.0))  # empty splits: exp(-inf) = 0
+    o = tl.load(part_o_ptr + rows[:, None] * HEAD_DIM + d[None, :])
+    total = tl.sum(weight, axis=0)
+    merged = tl.sum(o * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
 
 
 def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
@@ -326,10 +341,6 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     return splits
 
 
-# Where in the shared counters the attention's arrival counts live (the matmuls use the start).
-_ATTENTION_COUNTERS = 1 << 13
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -338,7 +349,6 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     splits: int,
-    counters: torch.Tensor,
     pdl: bool = False,
     rope: RopeInputs | None = None,
 ) -> torch.Tensor:
@@ -349,14 +359,13 @@ def decode_attention(
     included). Without `rope` the step's keys and values are already in the cache and q is
     rotated; with it, q is unrotated and the kernel rotates q and the new key and writes the
     new key and value into the cache first. `splits` must be a power of two; it is fixed per
-    CUDA graph while the lengths change from replay to replay. `counters` come from
-    `split_counters`. Returns [B, Hq, D]."""
+    CUDA graph while the lengths change from replay to replay; with splits > 1 a second
+    kernel merges the splits. Returns [B, Hq, D]."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     page = k_cache.shape[1]
     assert hq % hk == 0 and splits & (splits - 1) == 0 and d & (d - 1) == 0 and d >= 16
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1 and block_tables.stride(1) == 1
-    assert b * hk <= counters.numel() - _ATTENTION_COUNTERS
     group = hq // hk
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     part_o = part_lse = out
@@ -369,7 +378,7 @@ def decode_attention(
         q, k_new, v_new,
         r.cos if r else q, r.sin if r else q, r.positions if r else seq_lens,
         r.slot_block if r else seq_lens, r.slot_offset if r else seq_lens,
-        k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, counters[_ATTENTION_COUNTERS:], out,
+        k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         r.cos.stride(0) if r else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -379,6 +388,11 @@ def decode_attention(
         BLOCK_N=64, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, launch_pdl=pdl,
     )
+    if splits > 1:
+        _attention_merge_kernel[(b, hq)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), hq,
+            HEAD_DIM=d, SPLITS=splits, USE_PDL=pdl, num_warps=1, launch_pdl=pdl,
+        )
     return out
 
 
@@ -403,25 +417,24 @@ class SplitKVAttention:
 
     name = "split-kv"
 
-    def __init__(self, splits: int, counters: torch.Tensor, pdl: bool = False) -> None:
+    def __init__(self, splits: int, pdl: bool = False) -> None:
         self.splits = splits
-        self.counters = counters
         self.pdl = pdl
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.counters, self.pdl)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl)
 
     def rope_and_attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs
     ) -> torch.Tensor:
         """`attend` for unrotated q, with the step's key and value stored by the kernel."""
         assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.counters, self.pdl, rope)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope)
 
     @classmethod
-    def for_batch(cls, batch: int, kv_heads: int, device: torch.device, counters: torch.Tensor, pdl: bool = False) -> SplitKVAttention:
-        return cls(attention_splits(batch, kv_heads, _num_sms(device)), counters, pdl)
+    def for_batch(cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False) -> SplitKVAttention:
+        return cls(attention_splits(batch, kv_heads, _num_sms(device)), pdl)
 
 
 @dataclass(frozen=True)
@@ -465,4 +478,4 @@ class Batch1Kernels:
     @classmethod
     def create(cls, kv_heads: int, device: torch.device, counters: torch.Tensor) -> Batch1Kernels:
         pdl = pdl_supported(device)
-        return cls(SplitKVAttention.for_batch(1, kv_heads, device, counters, pdl), pdl, counters)
+        return cls(SplitKVAttention.for_batch(1, kv_heads, device, pdl), pdl, counters)

@@ -312,7 +312,7 @@ class ModelRunner:
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         kv_heads = self.model.cfg.num_kv_heads
-        # Arrival counters of the split kernels: shared, since a graph's kernels run in order.
+        # Arrival counters of the split-K matmuls: shared, since a graph's kernels run in order.
         counters = kernels.split_counters(dev) if kernels is not None else None
         for b in reversed(sizes):
             meta = self._graph_meta(b)
@@ -322,7 +322,7 @@ class ModelRunner:
                 backend = batch1.attention
                 self.decode_kernel_graphs[b] = "batch-1 fused"
             elif kernels is not None and b <= kernels.ATTENTION_MAX_BATCH:
-                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev, counters)
+                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev)
                 self.decode_kernel_graphs[b] = "split-kv attention"
             ctx = ForwardContext(meta, self.kv_pool, backend, batch1)
             with torch.cuda.stream(stream):
@@ -339,18 +339,18 @@ class ModelRunner:
         log.info("captured CUDA graphs for decode batch sizes %s; Triton decode kernels: %s", sizes, self.decode_kernel_graphs or "off")
 
     def _decode_kernels(self) -> ModuleType | None:
-        """The Triton decode kernels' module, or None where they are off, Triton does not
-        import, or head_dim is not a power of two >= 16 (the attention kernel's tile)."""
+        """The Triton decode kernels' module where they are on, or None (off, or head_dim is
+        not a power of two >= 16: the attention kernel's tile)."""
         d = self.model.cfg.head_dim
-        if self.cfg.triton_decode_kernels is False or d < 16 or d & (d - 1):
+        if not self.cfg.triton_decode_kernels:
+            return None
+        if d < 16 or d & (d - 1):
+            log.warning("Triton decode kernels off: head_dim %d is not a power of two >= 16", d)
             return None
         try:
             from pdserve.engine import decode_kernels
         except ImportError as exc:
-            if self.cfg.triton_decode_kernels:
-                raise ValueError(f"triton_decode_kernels: Triton does not import ({exc})") from exc
-            log.info("Triton decode kernels off: %s", exc)
-            return None
+            raise ValueError(f"triton_decode_kernels: Triton does not import ({exc})") from exc
         return decode_kernels
 
     def _graph_meta(self, b: int) -> AttentionMetadata:

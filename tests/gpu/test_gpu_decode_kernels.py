@@ -107,10 +107,9 @@ def test_decode_attention_matches_reference(dtype, hq, hk, d, page, splits):
     lens = [1, 17, 64, 300, 1000]
     q, k_cache, v_cache, tables, seq_lens = _paged_case(lens, hq, hk, d, page, dtype, gen)
     counters = dk.split_counters(torch.device("cuda"))
-    out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits, counters)
+    out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits)
     want = _attention_reference(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
     torch.testing.assert_close(out.float(), want, **_tol(dtype))
-    assert int(counters.count_nonzero()) == 0, "the merge left its arrival counters dirty"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -136,12 +135,14 @@ def test_decode_attention_with_rope_matches_unfused_ops(dtype, hq, hk, d, splits
     counters = dk.split_counters(torch.device("cuda"))
     k2, v2 = k_cache.clone(), v_cache.clone()
     q_rot = rope_and_store_kv(q, k, v, cos, sin, positions, k2, v2, slot_block, slot_offset)
-    want = dk.decode_attention(q_rot, k2, v2, tables, seq_lens, d**-0.5, splits, counters)
+    want = dk.decode_attention(q_rot, k2, v2, tables, seq_lens, d**-0.5, splits)
     rope = dk.RopeInputs(k, v, cos, sin, positions, slot_block, slot_offset)
-    out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits, counters, rope=rope)
-    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2), "the new key/value were not written as the RoPE kernel writes them"
-    torch.testing.assert_close(out.float(), want.float(), rtol=1e-5, atol=1e-5)
-    assert int(counters.count_nonzero()) == 0
+    out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits, rope=rope)
+    # The same formula; the compilers may contract it into FMAs differently (1 ulp).
+    ulp = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(k_cache, k2, **ulp)
+    assert torch.equal(v_cache, v2)
+    torch.testing.assert_close(out.float(), want.float(), **_tol(dtype))
 
 
 def test_chain_under_cuda_graph_with_pdl():
@@ -161,7 +162,7 @@ def test_chain_under_cuda_graph_with_pdl():
 
     def layer(pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
         q, res = dk.gemv(residual, w_qkv, add_norm=(delta, norm_w, 1e-5), pdl=pdl, config=(16, 64, 4, 4), counters=counters)
-        o = dk.decode_attention(q.view(1, hq, d), k_cache, v_cache, tables, seq_lens, d**-0.5, 4, counters, pdl=pdl)
+        o = dk.decode_attention(q.view(1, hq, d), k_cache, v_cache, tables, seq_lens, d**-0.5, 4, pdl=pdl)
         out, _ = dk.gemv(o.view(1, hq * d), w_o, pdl=pdl, config=(16, 64, 4, 2), counters=counters)
         return res, out
 
@@ -192,7 +193,7 @@ def test_model_decodes_through_the_kernels_like_transformers(arch, tiny_model_fa
     from pdserve import LLM, SamplingParams
 
     model_dir, hf_cpu = tiny_model_factory(arch)
-    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256, triton_decode_kernels=True)
     check_blocks_freed(llm.engine)
     graphs = llm.engine.runner.decode_kernel_graphs
     assert graphs[1] == "batch-1 fused" and graphs[4] == "split-kv attention", graphs
@@ -207,3 +208,29 @@ def test_model_decodes_through_the_kernels_like_transformers(arch, tiny_model_fa
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert o.token_ids == ref[0, len(p) :].tolist(), f"{arch}: prompt of {len(p)} tokens"
     hf.to("cpu")
+
+
+def test_split_k_matmuls_in_a_model_match_the_plain_path(tmp_path):
+    """A model wide enough that its batch-1 matmuls split K (down_proj: K 4096 into 8, o_proj:
+    1024 into 2): float32 tokens through the Triton decode kernels equal those of the plain
+    path (cuBLAS, torch attention, no graphs)."""
+    _dk()
+    import transformers
+
+    from pdserve import LLM, SamplingParams
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    prompts = [[5, 77, 300, 12], list(range(100, 260))]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for on in (True, False):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=128, triton_decode_kernels=on)
+        assert (llm.engine.runner.decode_kernel_graphs.get(1) == "batch-1 fused") == on
+        tokens[on] = [llm.generate([p], params)[0].token_ids for p in prompts]  # batch 1 each
+        del llm
+    assert tokens[True] == tokens[False]

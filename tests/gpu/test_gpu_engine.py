@@ -276,11 +276,32 @@ def test_bf16_greedy_matches_transformers(arch, tiny_model_factory, check_blocks
     assert identical >= len(prompts) // 2
 
 
+def test_bf16_batch1_decode_matches_transformers(tiny_model_factory, check_blocks_freed):
+    """One prompt at a time: every decode step is the batch-1 graph, through the Triton
+    decode kernels (fused matmuls, RoPE and cache write inside the attention kernel)."""
+    from pdserve import LLM, SamplingParams
+
+    model_dir, hf_cpu = tiny_model_factory("llama")
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512, triton_decode_kernels=True)
+    check_blocks_freed(llm.engine)
+    assert llm.engine.runner.decode_kernel_graphs.get(1) == "batch-1 fused"
+    hf = _hf_bf16(model_dir)
+    prompts = _prompts(hf_cpu.config.vocab_size, seed=11, lengths=(1, 9, 40, 130, 300))
+    identical = 0
+    for i, p in enumerate(prompts):
+        out = llm.generate([p], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0]
+        ref, ref_logits = _hf_greedy_with_logits(hf, p, MAX_NEW)
+        identical += _compare_greedy(f"batch-1 prompt {i} len {len(p)}", out.token_ids, ref, ref_logits)["first_divergence"] is None
+    assert llm.engine.num_overlapped_steps > 0
+    assert identical >= len(prompts) // 2
+
+
 # ----- (c) CUDA graphs on vs off ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("batch", [8, 5])  # 8 is a captured size; 5 replays the size-8 graph padded
-def test_cuda_graphs_do_not_change_tokens(batch, tiny_model_factory, check_blocks_freed):
+@pytest.mark.parametrize("kernels", [False, True])  # graphs through flash-attn, or the split-KV kernel
+def test_cuda_graphs_do_not_change_tokens(batch, kernels, tiny_model_factory, check_blocks_freed):
     from pdserve import LLM, SamplingParams
 
     model_dir, hf_cpu = tiny_model_factory("llama")
@@ -288,9 +309,13 @@ def test_cuda_graphs_do_not_change_tokens(batch, tiny_model_factory, check_block
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     results = {}
     for graphs in (True, False):
-        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512, use_cuda_graphs=graphs)
+        llm = LLM(
+            str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512, use_cuda_graphs=graphs,
+            triton_decode_kernels=kernels and graphs,
+        )
         check_blocks_freed(llm.engine)
         assert bool(llm.engine.runner._graphs) == graphs
+        assert (llm.engine.runner.decode_kernel_graphs.get(8) == "split-kv attention") == (kernels and graphs)
         results[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         # With graphs, decode steps overlap by default (step n+1 launched before n is read).
         assert (llm.engine.num_overlapped_steps > 0) == graphs
