@@ -68,6 +68,7 @@ class ModelRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_io: dict[str, torch.Tensor] = {}
         self._graph_pool = None
+        self._graph_owned: list[torch.Tensor | None] = []  # buffers the graphs use but did not allocate
         self._max_graph_batch = 0
         self.decode_kernel_graphs: dict[int, str] = {}  # graph batch size -> Triton kernels it runs
         pin = self.device.type == "cuda"
@@ -307,13 +308,17 @@ class ModelRunner:
             logits_out[:b] = self.model.compute_logits(hidden)
             argmax_out[:b] = logits_out[:b].argmax(dim=-1)
 
+        # Arrival counters of the split-K matmuls: shared, since a graph's kernels run in order.
+        # The graphs hold only their address, so the runner must own them for as long as the
+        # graphs live (a freed buffer would be handed to other tensors and the counts
+        # corrupted), and they are zeroed before the side stream below starts.
+        kv_heads = self.model.cfg.num_kv_heads
+        counters = kernels.split_counters(dev) if kernels is not None else None
+        self._graph_owned = [counters]
         # Warm up and record on one side stream: kernels compiled, libraries' per-stream state
         # (cuBLAS workspaces) created and the allocator primed before anything is recorded.
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        kv_heads = self.model.cfg.num_kv_heads
-        # Arrival counters of the split-K matmuls: shared, since a graph's kernels run in order.
-        counters = kernels.split_counters(dev) if kernels is not None else None
         for b in reversed(sizes):
             meta = self._graph_meta(b)
             backend, batch1 = self.backend, None
