@@ -40,6 +40,9 @@ class PlacementConfig:
     # at most this many is prefilled there instead of on a prefill worker (0: never, while a
     # prefill pool exists). See `prefill_locally`.
     max_local_prefill_tokens: int = 0
+    # A prompt for which every prefill worker is at its in-flight cap is prefilled on its decode
+    # worker instead of being refused with RESOURCE_EXHAUSTED (False: refuse).
+    prefill_locally_when_pool_full: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -351,8 +351,9 @@ class Router:
                 self._let_go(r, w)
 
     def _place(self, rid: str, ids: list[int], params: SamplingParams, ctx: Any) -> _Request:
-        """Choose the decode worker, then whether the prompt is prefilled there (`prefill_locally`)
-        or on a prefill worker, and which. RESOURCE_EXHAUSTED when a pool it needs is full."""
+        """Choose the decode worker, then whether the prompt is prefilled there (`prefill_locally`,
+        or every prefill worker at its cap) or on a prefill worker, and which. RESOURCE_EXHAUSTED
+        when the decode pool is full, or the prefill pool is and local prefill is off for that."""
         cfg = self.config
         route = self.tracer.start_span("pdserve.route", context=ctx)
         hashes = block_hashes(ids, cfg.block_size)
@@ -362,10 +363,15 @@ class Router:
             cfg.placement.max_local_prefill_tokens,
         )
         p_at = None
+        overflow = False
         if d_at is not None and not local:
             p_at = self.prefill_policy.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill)
+            # Every prefill worker at its cap: the decode worker prefills rather than refuse.
+            overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
+        if overflow:
+            self.metrics.prefill_overflows.inc()
         if route.is_recording():
-            route.set_attributes(_placement_attributes(p_at, d_at, local))
+            route.set_attributes({**_placement_attributes(p_at, d_at, local), "pdserve.prefill.overflow": overflow})
         route.end()
         if d_at is None or (p_at is None and not local):
             if d_at is not None:

@@ -35,6 +35,12 @@ class RouterMetrics:
         )
         for location in ("local", "remote"):
             self.prefill_location.labels(location)
+        self.prefill_overflows = Counter(
+            "pdserve_prefill_overflows",
+            "Requests prefilled on their decode worker because every prefill worker was at its in-flight cap "
+            "(also counted as local in pdserve_prefills).",
+            registry=r,
+        )
         self.failovers = Counter(
             "pdserve_failovers",
             "Requests moved off a worker that failed them (dead, unreachable or past its deadline), by "

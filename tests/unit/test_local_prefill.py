@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from pdserve.engine.block_manager import BlockManager, KvEventBatch
@@ -15,6 +16,7 @@ from pdserve_proto import kv_pb2
 from router.handles import DecodeStart, DecodeSubmit
 from router.membership import MembershipConfig
 from router.policy import PlacementConfig, prefill_locally
+from router.handles import RouterError
 from router.router import Router, RouterConfig
 
 FAST = MembershipConfig(wait_s=0.02, min_interval_s=0.0, timeout_s=1.0, max_failures=2, retry_s=0.01)
@@ -122,8 +124,13 @@ class FakePrefill:
     def __init__(self, worker_id: str = "prefill-0") -> None:
         self.worker_id = worker_id
         self.prefilled: list[str] = []
+        self.waiting: list[str] = []  # prefills held at `gate`
+        self.gate: asyncio.Event | None = None
 
     async def prefill(self, ids, params, rid, timeout_s, trace_context=None) -> kv_pb2.KvHandle:
+        if self.gate is not None:
+            self.waiting.append(rid)
+            await self.gate.wait()
         self.prefilled.append(rid)
         return kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id, first_token=7)
 
@@ -134,10 +141,11 @@ class FakePrefill:
         return pb.WorkerStats(worker_id=self.worker_id, role="prefill")
 
 
-def make_router(prefills, decodes, max_local: int = 0, tracer=None) -> Router:
+def make_router(prefills, decodes, max_local: int = 0, tracer=None, overflow: bool = True, **overrides) -> Router:
     cfg = RouterConfig(
         model_id="m", max_model_len=4096, vocab_size=50000, membership=FAST,
-        placement=PlacementConfig(max_local_prefill_tokens=max_local),
+        placement=PlacementConfig(max_local_prefill_tokens=max_local, prefill_locally_when_pool_full=overflow),
+        **overrides,
     )
     return Router(cfg, None, prefills, decodes, tracer=tracer)
 
@@ -309,5 +317,43 @@ def test_a_local_request_is_traced_through_the_submit_call():
         assert decode.trace_contexts[0]["traceparent"].split("-")[2] == format(submit.context.span_id, "016x")
         assert spans["pdserve.stream"].attributes["pdserve.completion_tokens"] == 3
         provider.shutdown()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("overflow", [True, False])
+def test_a_full_prefill_pool_overflows_to_the_decode_worker(overflow):
+    """Every prefill worker at its in-flight cap: the decode worker prefills the prompt itself
+    (counted as an overflow), or, with that turned off, the request is refused and leaves
+    nothing placed."""
+
+    async def go() -> None:
+        prefill, decode = FakePrefill(), FakeDecode()
+        prefill.gate = asyncio.Event()
+        router = make_router([prefill], [decode], overflow=overflow, max_inflight_per_prefill=1)
+        await router.start()
+        value = router.metrics.registry.get_sample_value
+        try:
+            first = asyncio.create_task(ask(router, "first", list(range(40))))
+            await wait_until(lambda: prefill.waiting == ["first"])  # the pool's one slot is taken
+            if overflow:
+                chunks = await ask(router, "second", list(range(500, 540)), max_tokens=3)
+                assert [t for c in chunks for t in c.token_ids] == [7] * 3
+                assert ("submit", "second") in decode.calls and prefill.waiting == ["first"]
+                assert value("pdserve_prefill_overflows_total") == 1
+            else:
+                with pytest.raises(RouterError) as err:
+                    await ask(router, "second", list(range(500, 540)))
+                assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert value("pdserve_prefill_overflows_total") == 0
+                assert router.decode_policy.inflight == {"decode-0": 1}  # only the first holds a slot
+            prefill.gate.set()
+            await first
+            assert prefill.prefilled == ["first"]
+            assert served(router) == ({"local": 1, "remote": 1} if overflow else {"local": 0, "remote": 1})
+            await router.drain_cleanups()
+            assert router.decode_policy.inflight == {"decode-0": 0} and router.prefill_policy.inflight == {"prefill-0": 0}
+        finally:
+            await router.stop()
 
     asyncio.run(go())
