@@ -23,6 +23,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=2048, help="token budget per step; longer prompts are chunked (default: 2048)"
     )
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "torch"])
+    p.add_argument(
+        "--triton-decode", action="store_true",
+        help="GPU: decode through pdserve's Triton kernels (split-KV attention; batch-1 matmuls with the "
+        "norms fused). Experimental, off by default: see docs/benchmarks.md",
+    )
 
 
 def _add_telemetry_args(p: argparse.ArgumentParser) -> None:
@@ -187,6 +192,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        triton_decode_kernels=args.triton_decode,
     )
     use_chat = args.chat
     if use_chat is None:

@@ -29,6 +29,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
+        triton_decode_kernels=args.triton_decode,
         lease_s=args.lease_s,
         cpu_threads_per_worker=args.cpu_threads,
         placement=PlacementConfig(
