@@ -63,3 +63,11 @@ def test_the_serve_command_maps_placement_flags():
     assert (default.policy, default.load_factor) == ("index", 1.25)
     with pytest.raises(ValueError, match="^load_factor:"):
         config_from_args(_build_parser().parse_args(["serve", "--load-factor", "0.5"]))
+
+
+def test_the_serve_command_maps_the_triton_decode_flag():
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.main import config_from_args
+
+    assert config_from_args(_build_parser().parse_args(["serve", "--triton-decode"])).triton_decode_kernels is True
+    assert config_from_args(_build_parser().parse_args(["serve"])).triton_decode_kernels is False
