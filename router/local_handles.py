@@ -15,14 +15,15 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, kv_pb2
 from prefill_worker.worker import PrefillWorker
+from router.deadline import within
 from router.errors import to_router_error
 from router.handles import DecodeStart, DecodeSubmit, RouterError, Update
 
 
 async def _call(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
     try:
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
-    except asyncio.TimeoutError:
+        return await within(asyncio.to_thread(fn, *args), timeout_s)
+    except TimeoutError:
         raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True) from None
     except Exception as exc:
         raise to_router_error(exc, what) from exc

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.engine.block_manager import KvEventBatch
+from router.deadline import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,7 @@ class PoolMembership:
     async def unwatch(self, worker: str) -> None:
         task = self._tasks.pop(worker, None)
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await stop_tasks([task])
         self.down.discard(worker)
 
     def report_failure(self, worker: str, reason: str) -> None:
@@ -70,8 +70,10 @@ class PoolMembership:
         self.down.add(worker)
 
     async def stop(self) -> None:
-        for w in list(self._tasks):
-            await self.unwatch(w)
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        self.down.clear()
+        await stop_tasks(tasks)
 
     async def _follow(self, worker: str, fetch: FetchEvents) -> None:
         cfg = self.cfg

@@ -31,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import carrier_of, context_of
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2, kv_pb2
+from router.deadline import stop_tasks, within
 from router.errors import to_router_error
 from router.handles import DecodeHandle, DecodeStart, DecodeSubmit, PrefillHandle, RouterError
 from router.membership import MembershipConfig, PoolMembership
@@ -147,9 +148,7 @@ class Router:
     async def stop(self) -> None:
         await self._prefill_members.stop()
         await self._decode_members.stop()
-        for t in self._relays.values():
-            t.cancel()
-        await asyncio.gather(*self._relays.values(), return_exceptions=True)
+        await stop_tasks(self._relays.values())
 
     # ----- membership ----------------------------------------------------------------------
 
@@ -621,8 +620,8 @@ class Router:
         stream_span: trace.Span | None = None
         while True:
             try:
-                item = await asyncio.wait_for(r.stream.queue.get(), self.config.token_timeout_s)
-            except asyncio.TimeoutError:
+                item = await within(r.stream.queue.get(), self.config.token_timeout_s)
+            except TimeoutError:
                 item = WorkerLost(r.d_at.worker, f"decode worker {r.d_at.worker} sent nothing for {self.config.token_timeout_s}s")
             if isinstance(item, WorkerLost):
                 if item.worker == r.d_at.worker:  # else: about a worker this request already left

@@ -12,14 +12,15 @@ from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, kv_pb2
 from pdserve.telemetry.context import TraceCarrier
+from router.deadline import within
 from router.errors import to_router_error
 from router.handles import DecodeStart, DecodeSubmit, RouterError, Update
 
 
 async def _call(ref: Any, timeout_s: float, what: str) -> Any:
     try:
-        return await asyncio.wait_for(ref, timeout_s)
-    except asyncio.TimeoutError:
+        return await within(ref, timeout_s)
+    except TimeoutError:
         raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True) from None
     except asyncio.CancelledError:
         raise
