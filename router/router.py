@@ -183,8 +183,7 @@ class Router:
         drained = self._busy.get(worker_id, 0) == 0
         relay = self._relays.pop(worker_id, None)
         if relay is not None:
-            relay.cancel()
-            await asyncio.gather(relay, return_exceptions=True)
+            await stop_tasks([relay])
         self.prefills.pop(worker_id, None)
         self.decodes.pop(worker_id, None)
         return drained
