@@ -1,25 +1,35 @@
-"""Triton kernels for small-batch decode steps (CUDA only).
+"""Triton kernels for decode steps in CUDA graphs (CUDA only; `EngineConfig.triton_decode_kernels`).
 
-At batch 1 a decode step reads every weight once and does almost no arithmetic, so its time
-is the weight bytes over memory bandwidth plus whatever the step spends between and around
-its kernels. Through cuBLAS, flash-attn and compiled elementwise chains a layer is about ten
-kernels, and each launch, ramp-up and tail costs a few microseconds at which the memory bus
-sits idle; for a 1B model that is as much time again as the weights take. These kernels cut a
-layer to six and let each one start while the previous one drains:
+At batch 1 a decode step reads every weight once and does almost no arithmetic. Its time is
+the weight bytes over memory bandwidth, plus whatever the step spends between and around its
+kernels. Through cuBLAS, flash-attn and the compiled elementwise chains a layer is about ten
+kernels. Each launch, ramp-up and tail costs a few microseconds in which the memory bus sits
+idle, and for a 1B model that adds up to as much time again as the weights take. These
+kernels cut a layer to five (six when attention splits), and each one starts while the
+previous one drains:
 
-- `linear` is a matrix-vector product for up to `MAX_ROWS` rows that can fold the layer's
-  elementwise chains into its prologue: the residual add and RMSNorm before the q/k/v and the
-  gate/up projections, SiLU(gate) * up before the down projection. Many programs, each owning
-  a few output features and the whole reduction, so no split-K pass follows.
-- `decode_attention` is paged decode attention split over the context (flash-attn-4 has no
-  split-KV on Hopper and runs one program per sequence and KV head: 8 programs for a 1B model
-  at batch 1), followed by a small kernel that merges the splits.
-- Programmatic dependent launch: each kernel is launched so that it may start before the
-  previous kernel has finished. It first loads only what no earlier kernel writes (weights),
-  then waits on the grid dependency (`gdc_wait`) before it reads activations or writes
-  anything, so it never reads a stale input nor overwrites a buffer an earlier kernel still
-  reads. Every kernel waits unconditionally, which makes the ordering transitive down the
-  chain. CUDA graphs record the dependency as a programmatic edge.
+- `gemv` multiplies one row by a weight matrix and can fold the layer's elementwise chains
+  into its prologue:
+  - the residual add and RMSNorm before the q/k/v and the gate/up projections;
+  - SiLU(gate) * up before the down projection.
+
+  Each program owns a few output features. Where N gives too few programs, K is split: the
+  last program of an output tile to arrive adds up the float32 partials. The arrival counters
+  it counts on must outlive every graph that uses them (`split_counters`).
+- `decode_attention` is paged decode attention split over the context, followed by a small
+  kernel that merges the splits. flash-attn-4 has no split-KV on Hopper: it runs one program
+  per sequence and KV head, which is 8 programs for a 1B model at batch 1. At batch 1 the
+  attention kernel also applies RoPE to q and the new key and writes the key and value into
+  the cache (`RopeInputs`).
+- Programmatic dependent launch (batch 1). Each kernel is launched so that it may start
+  before the previous kernel has finished:
+  - it first loads only what no earlier kernel writes (weights);
+  - it then waits on the grid dependency (`gdc_wait`) before it reads activations or writes
+    anything, so it never reads a stale input nor overwrites a buffer an earlier kernel
+    still reads;
+  - every kernel waits unconditionally, which makes the ordering transitive down the chain.
+
+  CUDA graphs record the dependency as a programmatic edge.
 
 Arithmetic follows the reference order: the residual add rounds to the activation dtype,
 RMSNorm runs in float32 and rounds before its weight multiply, SiLU rounds before the
