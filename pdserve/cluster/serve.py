@@ -22,6 +22,7 @@ from pdserve.cluster.ray_handles import RayDecode, RayPrefill
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.engine.resolve import resolve_device, resolve_model
+from router.deadline import within
 from router.grpc_server import start_grpc_server
 from router.http_server import start_http_server
 from router.router import Router, RouterConfig
@@ -85,17 +86,17 @@ class Cluster:
         actors = [*prefills, *decodes]
         telemetry = RouterTelemetry.create(cfg)
         try:
-            infos = await asyncio.wait_for(
+            infos = await within(
                 asyncio.gather(*(a.agent_info.remote() for a in actors)), cfg.startup_timeout_s
             )
             p_infos, d_infos = infos[: len(prefills)], infos[len(prefills):]
             # Colocated (no prefill pool): no KV moves between workers, so nothing to link or test.
             links = [d.connect.remote(pi) for d in decodes for pi in p_infos]
             links += [p.connect.remote(di) for p in prefills for di in d_infos]
-            await asyncio.wait_for(asyncio.gather(*links), 60)
+            await within(asyncio.gather(*links), 60)
             for d, di in zip(decodes, d_infos):
                 for pi in p_infos:
-                    gbps = await asyncio.wait_for(d.link_test.remote(pi.agent_name), 60)
+                    gbps = await within(d.link_test.remote(pi.agent_name), 60)
                     log.info("KV link %s <- %s: %.2f GB/s", di.worker_id, pi.worker_id, gbps)
                     telemetry.metrics.link_test.labels(di.worker_id, pi.worker_id).set(gbps * 1e9)
             mc = ModelConfig.from_dir(model_dir)
@@ -145,10 +146,10 @@ class Cluster:
         cls = prefill_cls if role == "prefill" else decode_cls
         actor = cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE).remote(worker_id, worker_cfg)
         try:
-            info = await asyncio.wait_for(actor.agent_info.remote(), self.cfg.startup_timeout_s)
+            info = await within(actor.agent_info.remote(), self.cfg.startup_timeout_s)
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
             links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
-            await asyncio.wait_for(asyncio.gather(*links), 60)
+            await within(asyncio.gather(*links), 60)
             if role == "prefill":
                 await self.router.add_prefill(RayPrefill(worker_id, actor))
             else:
@@ -199,7 +200,7 @@ class Cluster:
             return
         self.telemetry.tracing.flush(timeout_s)
         results = await asyncio.gather(
-            *(asyncio.wait_for(a.flush_traces.remote(timeout_s), timeout_s + 5) for a in self.actors),
+            *(within(a.flush_traces.remote(timeout_s), timeout_s + 5) for a in self.actors),
             return_exceptions=True,
         )
         for r in results:
