@@ -83,7 +83,7 @@ def bench_matmuls(sweep: bool) -> list[dict]:
         for name, (n, k, prologue) in ops.items():
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(_copies(n * k * 2))]
             norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-            for m in (1,):
+            for m in (1,):  # the fused matmuls serve batch 1 only
                 x = torch.randn(m, 2 * k if prologue == "silu" else k, dtype=torch.bfloat16, device="cuda")
                 delta = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                 kw = {"add_norm": (delta, norm_w, 1e-5)} if prologue == "norm" else {"silu_mul": prologue == "silu"}
@@ -180,10 +180,10 @@ def main() -> None:
     def tbs(nbytes: int, s: float | None) -> str:
         return "-" if not s else f"{nbytes / s / 1e12:.2f}"
 
-    print(f"\n{card}: matmuls, µs per call (TB/s of weights)\n")
+    print(f"\n{card}: batch-1 matmuls, µs per call (TB/s of weights)\n")
     print(markdown_table(
-        ["shape", "op", "rows", "cuBLAS", "ours", "ours, PDL", "best tile", "tile (N, K, warps, split-K)"],
-        [[r["shape"], r["op"], str(r["rows"]), f"{us(r['cublas_s'])} ({tbs(r['bytes'], r['cublas_s'])})",
+        ["shape", "op (N x K)", "cuBLAS", "ours", "ours, PDL", "best tile", "tile (N, K, warps, split-K)"],
+        [[r["shape"], f"{r['op']} ({r['n']} x {r['k']})", f"{us(r['cublas_s'])} ({tbs(r['bytes'], r['cublas_s'])})",
           f"{us(r['ours_s'])} ({tbs(r['bytes'], r['ours_s'])})", f"{us(r['ours_pdl_s'])} ({tbs(r['bytes'], r['ours_pdl_s'])})",
           f"{us(r.get('best_s'))} ({tbs(r['bytes'], r.get('best_s'))})", str(r.get("best_config", r["default_config"]))] for r in mm],
     ))
