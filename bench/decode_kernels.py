@@ -31,7 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_json  # noqa: E402
 
-from pdserve.engine import decode_kernels as dk  # noqa: E402
+try:
+    from pdserve.engine import decode_kernels as dk  # noqa: E402
+except ImportError as exc:  # no Triton here: --help still works, a run says what is missing
+    dk = None
+    _IMPORT_ERROR = exc
 
 CALLS = 32
 L2_BYTES = 256 << 20  # copies of an operand rotate through at least this much memory
@@ -170,6 +174,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/decode_kernels.py needs a CUDA GPU")
+    if dk is None:
+        sys.exit(f"bench/decode_kernels.py needs Triton: {_IMPORT_ERROR}")
     card = torch.cuda.get_device_name(0)
     mm = bench_matmuls(not args.no_sweep)
     at = bench_attention([(1, 512), (1, 4096), (4, 512), (32, 512)])
