@@ -1,0 +1,24 @@
+"""Which attention backend `attention_backend="auto"` picks (no GPU needed: the choice only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import attention
+from pdserve.engine.attention import TorchAttention, make_backend
+
+
+def test_auto_is_torch_on_cpu():
+    assert isinstance(make_backend("auto", torch.device("cpu"), torch.bfloat16), TorchAttention)
+
+
+def test_auto_is_torch_for_float32_on_cuda_even_with_flash_attn(monkeypatch):
+    # flash-attn has no float32 kernels: a float32 engine on a GPU must not get it.
+    monkeypatch.setattr(attention, "flash_available", lambda: True)
+    assert isinstance(make_backend("auto", torch.device("cuda"), torch.float32), TorchAttention)
+
+
+def test_flash_is_refused_off_cuda_naming_the_field():
+    with pytest.raises(ValueError, match="^attention_backend:"):
+        make_backend("flash", torch.device("cpu"))
