@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_json  # noqa: E402
 
+from pdserve.engine.decode_tiles import attention_splits, gemv_tile  # noqa: E402
+
 try:
     from pdserve.engine import decode_kernels as dk  # noqa: E402
 except ImportError as exc:  # no Triton here: --help still works, a run says what is missing
@@ -101,7 +103,7 @@ def bench_matmuls(sweep: bool) -> list[dict]:
 
                 row = {"shape": shape, "op": name, "rows": m, "n": n, "k": k, "bytes": n * k * 2,
                        "cublas_s": graph_time(cublas), "ours_s": graph_time(ours()), "ours_pdl_s": graph_time(ours(pdl=True)),
-                       "default_config": list(dk._gemv_config(n, k, sms))}
+                       "default_config": list(gemv_tile(n, k, sms))}
                 if sweep and m == 1:
                     best = None
                     for cfg in SWEEP:
@@ -150,7 +152,7 @@ def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
         lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        splits = dk.attention_splits(batch, hk, sms)
+        splits = attention_splits(batch, hk, sms)
         counters = dk.split_counters(torch.device("cuda"))
         row = {"batch": batch, "context": ctx, "splits": splits, "kv_bytes": per_copy}
         row["ours_s"] = graph_time(lambda i: dk.decode_attention(q, k_cache, v_cache, tables[i % copies], lens, d**-0.5, splits))

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.decode_tiles import attention_splits, gemv_tile
 
 # Decode graphs up to this batch attend with the split-KV kernel: measured faster than
 # flash-attn-4 at 1, 4 and 32 sequences (bench/decode_kernels.py); larger ones keep flash-attn.
@@ -160,17 +161,6 @@ def _gemv_kernel(
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _gemv_config(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, split_k): at least two programs per SM, splitting K where
-    N alone gives fewer (on H200 the best tiles of bench/decode_kernels.py's sweep for the 1B
-    and 8B shapes are within about 10 % of this rule's)."""
-    block_n, block_k = 16, min(256, max(16, triton.next_power_of_2(k)))
-    split_k = 1
-    while triton.cdiv(n, block_n) * split_k < 2 * num_sms and k // (split_k * 2) >= 2 * block_k and split_k < 8:
-        split_k *= 2
-    return block_n, block_k, 4, split_k
-
-
 def split_counters(device: torch.device) -> torch.Tensor:
     """The zeroed arrival counters split-K launches need (one per output tile; every launch
     leaves them zeroed again)."""
@@ -208,7 +198,7 @@ def gemv(
         residual = torch.empty_like(x)
     elif silu_mul:
         prologue = _SILU_MUL
-    block_n, block_k, warps, split_k = config or _gemv_config(n, k, _num_sms(x.device))
+    block_n, block_k, warps, split_k = config or gemv_tile(n, k, _num_sms(x.device))
     k_per_split = triton.cdiv(k, split_k * block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     grid_n = triton.cdiv(n, block_n)
@@ -340,15 +330,6 @@ def _attention_merge_kernel(
     total = tl.sum(weight, axis=0)
     merged = tl.sum(o * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
-
-
-def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
-    """Splits of the context per (sequence, KV head): about one program per SM in all."""
-    per = max(1, num_sms // max(1, batch * kv_heads))
-    splits = 1
-    while splits * 2 <= min(per, 32):
-        splits *= 2
-    return splits
 
 
 def decode_attention(
