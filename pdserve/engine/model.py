@@ -87,14 +87,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] from the fused projection, q/k normalised where the
+        model does (Qwen3)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self._heads(self.qkv_proj(x))
         k_cache = ctx.kv_pool[:, self.layer_idx, 0]
         v_cache = ctx.kv_pool[:, self.layer_idx, 1]
         fused = rotary.ops.rope_and_store_kv
@@ -116,12 +123,7 @@ class Attention(nn.Module):
         kernels = ctx.batch1
         t = residual.shape[0]
         qkv, residual = kernels.gemv(residual, self.qkv_proj.weight, self.qkv_proj.bias, add_norm=(delta, norm.weight, norm.eps))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._heads(qkv)
         k_cache = ctx.kv_pool[:, self.layer_idx, 0]
         v_cache = ctx.kv_pool[:, self.layer_idx, 1]
         # RoPE and the cache write happen inside the attention kernel.

@@ -68,7 +68,7 @@ class ModelRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_io: dict[str, torch.Tensor] = {}
         self._graph_pool = None
-        self._graph_owned: list[torch.Tensor | None] = []  # buffers the graphs use but did not allocate
+        self._split_counters: torch.Tensor | None = None  # used by the graphs, allocated outside them
         self._max_graph_batch = 0
         self.decode_kernel_graphs: dict[int, str] = {}  # graph batch size -> Triton kernels it runs
         pin = self.device.type == "cuda"
@@ -314,7 +314,7 @@ class ModelRunner:
         # corrupted), and they are zeroed before the side stream below starts.
         kv_heads = self.model.cfg.num_kv_heads
         counters = kernels.split_counters(dev) if kernels is not None else None
-        self._graph_owned = [counters]
+        self._split_counters = counters
         # Warm up and record on one side stream: kernels compiled, libraries' per-stream state
         # (cuBLAS workspaces) created and the allocator primed before anything is recorded.
         stream = torch.cuda.Stream(device=dev)
