@@ -412,14 +412,16 @@ class SplitKVAttention:
         self.splits = splits
         self.pdl = pdl
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl)
-
-    def rope_and_attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rope: RopeInputs
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:
-        """`attend` for unrotated q, with the step's key and value stored by the kernel."""
+        """With `rope`, q is unrotated and the kernel stores the step's key and value itself."""
         assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope)
 
@@ -464,7 +466,7 @@ class Batch1Kernels:
     ) -> torch.Tensor:
         """RoPE of q and k, the cache write of k and v, and attention, in one kernel."""
         rope = RopeInputs(k, v, cos, sin, positions, meta.slot_block, meta.slot_offset)
-        return self.attention.rope_and_attend(q, k_cache, v_cache, meta, scale, rope)
+        return self.attention.attend(q, k_cache, v_cache, meta, scale, rope)
 
     @classmethod
     def create(cls, kv_heads: int, device: torch.device, counters: torch.Tensor) -> Batch1Kernels:
