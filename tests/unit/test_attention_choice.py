@@ -22,3 +22,20 @@ def test_auto_is_torch_for_float32_on_cuda_even_with_flash_attn(monkeypatch):
 def test_flash_is_refused_off_cuda_naming_the_field():
     with pytest.raises(ValueError, match="^attention_backend:"):
         make_backend("flash", torch.device("cpu"))
+
+
+def test_triton_decode_kernels_without_triton_is_refused_naming_the_field(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from pdserve.engine.runner import ModelRunner
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # as on a machine without Triton
+    monkeypatch.delitem(sys.modules, "pdserve.engine.decode_kernels", raising=False)
+    runner = SimpleNamespace(
+        cfg=SimpleNamespace(triton_decode_kernels=True), model=SimpleNamespace(cfg=SimpleNamespace(head_dim=64))
+    )
+    with pytest.raises(ValueError, match="^triton_decode_kernels: Triton does not import"):
+        ModelRunner._decode_kernels(runner)
+    runner.cfg.triton_decode_kernels = False
+    assert ModelRunner._decode_kernels(runner) is None
