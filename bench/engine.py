@@ -344,7 +344,7 @@ def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
     rows: list[Row] = []
     info: dict[str, Any] = {"card": torch.cuda.get_device_name(0)}
     info["elementwise"] = "eager" if args.eager else "compiled (torch.compile)"
-    info["triton_decode_kernels"] = args.triton_decode
+    info["triton_decode_kernels"] = args.triton_decode  # as asked; None: the engine's default
     bar.set_description("copy bandwidth")
     bw = copy_bandwidth()
     bar.update(1)
@@ -384,6 +384,7 @@ def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
             backend = llm.engine.runner.backend.name
             info[f"{shape}_attention_backend"] = backend
             info[f"{shape}_cuda_graphs"] = sorted(llm.engine.runner._graphs)
+            info[f"{shape}_decode_kernel_graphs"] = llm.engine.runner.decode_kernel_graphs
             bar.update(1)
             wbytes = weight_bytes_per_decode_step(cfg)
             for b in DECODE_BATCHES:
@@ -546,8 +547,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--triton-decode",
-        action="store_true",
-        help="GPU: decode graphs through pdserve's Triton decode kernels (opt-in engine option triton_decode_kernels)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GPU: decode graphs through pdserve's Triton decode kernels (engine option triton_decode_kernels; "
+        "default: the engine's, on wherever Triton imports). --no-triton-decode: cuBLAS and flash-attn",
     )
     ap.add_argument("--decode-warmup", type=int, default=5)
     ap.add_argument("--decode-reps", type=int, default=30)

@@ -24,9 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "torch"])
     p.add_argument(
-        "--triton-decode", action="store_true",
+        "--triton-decode", action=argparse.BooleanOptionalAction, default=None,
         help="GPU: decode through pdserve's Triton kernels (split-KV attention; batch-1 matmuls with the "
-        "norms fused). Experimental, off by default: see docs/benchmarks.md",
+        "norms and the greedy pick fused). Default: on wherever Triton imports; see docs/benchmarks.md",
     )
 
 

@@ -27,7 +27,7 @@ grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -20
 shapes=1b,8b
 [ "$quick" = quick ] && shapes=1b
 for mode in off on; do
-  flag=""
+  flag="--no-triton-decode"
   [ "$mode" = on ] && flag="--triton-decode"
   timeout 240 python bench/engine.py --device cuda --shapes "$shapes" $flag --json "$out/engine_$mode.json" \
     >"$out/engine_$mode.log" 2>"$out/engine_$mode.err"

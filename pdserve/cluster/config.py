@@ -25,7 +25,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     attention_backend: str = "auto"
-    triton_decode_kernels: bool = False  # GPU: the engine's experimental Triton decode kernels
+    triton_decode_kernels: bool | None = None  # GPU: the engine's Triton decode kernels (None: where Triton imports)
     # CPU workers: torch threads each. None: this host's cores shared out among the workers,
     # because two engines running OpenMP on the same cores stall each other at every barrier
     # (small matmuls measured 60x slower with 2 threads each on 2 busy cores).

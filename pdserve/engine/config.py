@@ -200,10 +200,9 @@ class EngineConfig:
     overlap_decode: bool | None = None
     cuda_graph_max_batch: int = 128
     # Triton decode kernels in the CUDA graphs (pdserve/engine/decode_kernels.py): split-KV
-    # attention up to batch 32, and at batch 1 matmuls with the norms and SiLU folded in.
-    # Opt-in until the GPU tests have passed with the split-K counters owned by the runner
-    # (docs/benchmarks.md, "Triton decode kernels").
-    triton_decode_kernels: bool = False
+    # attention up to batch 32, and at batch 1 matmuls with the norms, SiLU and the greedy
+    # pick folded in. None: on wherever Triton imports; True: required (an error without it).
+    triton_decode_kernels: bool | None = None
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)

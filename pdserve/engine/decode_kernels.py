@@ -93,9 +93,10 @@ def _fence_gpu():
 @triton.jit
 def _gemv_kernel(
     x_ptr, delta_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-    N, K, K_PER_SPLIT, stride_wn, eps,
+    best_val_ptr, best_idx_ptr, N, K, K_PER_SPLIT, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, FENCE: tl.constexpr,
+    ROUND_OUT: tl.constexpr, ARGMAX: tl.constexpr,
 ):
     # Program (n, s) owns BLOCK_N outputs and K_PER_SPLIT of the reduction. Weight tiles are
     # loaded two steps ahead of the multiply (three in flight per program), products
@@ -158,7 +159,36 @@ def _gemv_kernel(
         tl.store(count_ptr + pid, 0, mask=last)  # ready for the next launch (and graph replay)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    if ROUND_OUT:
+        # A float32 output holding what a matmul in the activation dtype would give.
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+    if ARGMAX:
+        # This tile's largest output and its first index (SPLIT_K is 1 here).
+        y_best = tl.where(n_mask, y, float("-inf"))
+        top = tl.max(y_best, axis=0)
+        tl.store(best_val_ptr + pid, top)
+        tl.store(best_idx_ptr + pid, tl.min(tl.where(y_best == top, rn, N), axis=0))
+
+
+@triton.jit
+def _argmax_tiles_kernel(best_val_ptr, best_idx_ptr, out_ptr, TILES, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # One program: the tiles' maxima scanned in index order; ties keep the first index, as
+    # torch.argmax does.
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int32)
+    for t0 in range(0, TILES, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        val = tl.load(best_val_ptr + t, mask=t < TILES, other=float("-inf"))
+        top = tl.max(val, axis=0)
+        idx = tl.min(tl.where(val == top, tl.load(best_idx_ptr + t, mask=t < TILES, other=0), 2147483647), axis=0)
+        better = top > best
+        best_idx = tl.where(better, idx, best_idx)
+        best = tl.where(better, top, best)
+    tl.store(out_ptr, best_idx.to(out_ptr.dtype.element_ty))
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
@@ -177,6 +207,8 @@ def gemv(
     pdl: bool = False,
     counters: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
+    argmax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y = f(x) @ weight.T (+ bias) for one row x [1, ...], weight [N, K] row-major.
 
@@ -184,11 +216,17 @@ def gemv(
     may be None) whose residual x + delta is returned as the second value, or with `silu_mul`
     SiLU(x[:, :K]) * x[:, K:]. Returns (y [1, N], the new residual or None). Split-K launches
     need `counters` (from `split_counters`); `config` overrides the (BLOCK_N, BLOCK_K,
-    num_warps, split_k) heuristic (for tuning)."""
+    num_warps, split_k) heuristic (for tuning).
+
+    `out` [1, N] receives y; a float32 `out` for activations of another dtype holds y rounded
+    to that dtype, as a matmul in it gives (the LM head's logits). `argmax_out` [1] (int64)
+    also receives y's first largest index: each program reports its tile's best and one more
+    small kernel picks among them (K is not split then)."""
     n, k = weight.shape
     assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     assert x.shape[1] == (2 * k if silu_mul else k)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (1, n) and y.stride(-1) == 1
     residual = None
     prologue, delta, norm_w, eps = _PLAIN, x, x, 0.0
     if add_norm is not None:
@@ -199,6 +237,8 @@ def gemv(
     elif silu_mul:
         prologue = _SILU_MUL
     block_n, block_k, warps, split_k = config or gemv_tile(n, k, _num_sms(x.device))
+    if argmax_out is not None:
+        split_k = 1
     k_per_split = triton.cdiv(k, split_k * block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     grid_n = triton.cdiv(n, block_n)
@@ -206,13 +246,20 @@ def gemv(
     if split_k > 1:
         assert counters is not None and counters.numel() >= grid_n, "split-K needs split_counters()"
         part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
+    best_val = best_idx = y
+    if argmax_out is not None:
+        best_val = torch.empty(grid_n, dtype=torch.float32, device=x.device)
+        best_idx = torch.empty(grid_n, dtype=torch.int32, device=x.device)
     _gemv_kernel[(grid_n, split_k)](
         x, delta, norm_w, x if residual is None else residual, weight, weight if bias is None else bias, y,
-        part, y if counters is None else counters, n, k, k_per_split, weight.stride(0), eps,
+        part, y if counters is None else counters, best_val, best_idx, n, k, k_per_split, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_DELTA=add_norm is not None and add_norm[0] is not None, HAS_BIAS=bias is not None,
         NORM_BLOCK=triton.next_power_of_2(k) if add_norm is not None else 16,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, FENCE=x.is_cuda, num_warps=warps, launch_pdl=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, FENCE=x.is_cuda,
+        ROUND_OUT=y.dtype != x.dtype, ARGMAX=argmax_out is not None, num_warps=warps, launch_pdl=pdl,
     )
+    if argmax_out is not None:
+        _argmax_tiles_kernel[(1,)](best_val, best_idx, argmax_out, grid_n, BLOCK=1024, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y, residual
 
 
@@ -228,19 +275,27 @@ def _rotate(x_ptr, sw_ptr, mask, cos, sin, sign, dtype):
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_block_ptr, slot_offset_ptr,
-    k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr, count_ptr,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_tb, stride_ot, stride_oh,
     scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
+    MERGE: tl.constexpr, FENCE: tl.constexpr,
 ):
     # One program per (sequence, KV head, split): the query heads of the KV head's group
-    # against one contiguous range of the context, with an online softmax. With ROPE the
-    # queries arrive unrotated and the step's new key/value are not yet in the cache: each
-    # program rotates its queries, and the program whose range holds the new token rotates
-    # its key and writes key and value into the cache before reading its range. With
-    # SPLITS > 1 each program writes a partial output and its log-sum-exp for the merge.
+    # against one contiguous range of the context, with an online softmax.
+    #
+    # With ROPE the queries arrive unrotated and the step's new key/value are not yet in the
+    # cache: each program rotates its queries and the new key, uses the new key and value from
+    # registers where its range holds the new token, and the program whose range holds it
+    # writes them into the cache. Every other key and value in the cache was written by an
+    # earlier step, so with ROPE the first tile is loaded before the grid dependency (the
+    # block table and lengths are copied in before the step's first kernel). Without ROPE an
+    # earlier kernel of this step wrote the new token: nothing is read before the wait.
+    #
+    # With SPLITS > 1 each program writes a partial output and its log-sum-exp; with MERGE
+    # the last split of a (sequence, KV head) to arrive merges them, else a second kernel does.
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -248,7 +303,8 @@ def _decode_attention_kernel(
     if USE_PDL:
         # Let the next kernel's programs be placed (they wait for us before reading anything).
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if not ROPE:
+            tl.extra.cuda.gdc_wait()
     seq_len = tl.load(lens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     start = s * per_split
@@ -258,7 +314,18 @@ def _decode_attention_kernel(
     g_mask = g < GROUP
     heads = kh * GROUP + g
     dtype = k_ptr.dtype.element_ty
+    t = start + tl.arange(0, BLOCK_N)
+    valid = t < end
+    blk = tl.load(table_ptr + b * stride_tb + t // PAGE, mask=valid, other=0).to(tl.int64)
+    off = t % PAGE
+    k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ko + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kh * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+    if USE_PDL:
+        if ROPE:
+            tl.extra.cuda.gdc_wait()
     q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
+    k_last = tl.zeros([HEAD_DIM], dtype=dtype)
+    v_last = tl.zeros([HEAD_DIM], dtype=dtype)
     if ROPE:
         half: tl.constexpr = HEAD_DIM // 2
         swapped = (d + half) % HEAD_DIM
@@ -267,27 +334,31 @@ def _decode_attention_kernel(
         cos = tl.load(cos_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
         sin = tl.load(sin_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
         q = _rotate(q_rows + d[None, :], q_rows + swapped[None, :], g_mask[:, None], cos, sin, sign, dtype)
+        k_row = k_new_ptr + b * stride_knt + kh * stride_knh
+        k_last = _rotate(k_row + d, k_row + swapped, d < HEAD_DIM, cos, sin, sign, dtype)
+        v_last = tl.load(v_new_ptr + b * stride_vnt + kh * stride_vnh + d)
         if (start <= seq_len - 1) & (seq_len - 1 < end):
-            k_row = k_new_ptr + b * stride_knt + kh * stride_knh
-            k_rot = _rotate(k_row + d, k_row + swapped, d < HEAD_DIM, cos, sin, sign, dtype)
-            v_new = tl.load(v_new_ptr + b * stride_vnt + kh * stride_vnh + d)
             new_blk = tl.load(slot_block_ptr + b)
             new_off = tl.load(slot_offset_ptr + b)
-            tl.store(k_ptr + new_blk * stride_kb + new_off * stride_ko + kh * stride_kh + d, k_rot)
-            tl.store(v_ptr + new_blk * stride_vb + new_off * stride_vo + kh * stride_vh + d, v_new)
-            tl.debug_barrier()  # the loop below reads them back through the block table
+            tl.store(k_ptr + new_blk * stride_kb + new_off * stride_ko + kh * stride_kh + d, k_last)
+            tl.store(v_ptr + new_blk * stride_vb + new_off * stride_vo + kh * stride_vh + d, v_last)
     else:
         q = tl.load(q_rows + d[None, :], mask=g_mask[:, None], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        valid = t < end
-        blk = tl.load(table_ptr + b * stride_tb + t // PAGE, mask=valid, other=0).to(tl.int64)
-        off = t % PAGE
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ko + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kh * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+        # The next tile is loaded before this one is used.
+        t_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+        valid_next = t_next < end
+        blk_next = tl.load(table_ptr + b * stride_tb + t_next // PAGE, mask=valid_next, other=0).to(tl.int64)
+        off_next = t_next % PAGE
+        k_next = tl.load(k_ptr + blk_next[:, None] * stride_kb + off_next[:, None] * stride_ko + kh * stride_kh + d[None, :], mask=valid_next[:, None], other=0.0)
+        v_next = tl.load(v_ptr + blk_next[:, None] * stride_vb + off_next[:, None] * stride_vo + kh * stride_vh + d[None, :], mask=valid_next[:, None], other=0.0)
+        if ROPE:
+            is_new = (t == seq_len - 1)[:, None]
+            k = tl.where(is_new, k_last[None, :], k)
+            v = tl.where(is_new, v_last[None, :], v)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -296,6 +367,7 @@ def _decode_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+        t, valid, k, v = t_next, valid_next, k_next, v_next
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :]
@@ -303,9 +375,31 @@ def _decode_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        rows = (b * GROUP * num_kv + heads) * SPLITS + s  # partials laid out [B, Hq, SPLITS, D]
-        tl.store(part_o_ptr + rows[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + rows, lse, mask=g_mask)
+        rows = (b * GROUP * num_kv + heads) * SPLITS  # partials laid out [B, Hq, SPLITS, D]
+        tl.store(part_o_ptr + (rows + s)[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + rows + s, lse, mask=g_mask)
+        if MERGE:
+            # Every thread's partial visible device-wide before the count (the atomic is one
+            # thread's); the split that counts last merges.
+            if FENCE:
+                _fence_gpu()
+            last = tl.atomic_add(count_ptr + b * num_kv + kh, 1, sem="acq_rel") == SPLITS - 1
+            if FENCE:
+                _fence_gpu()
+            mask = g_mask & last
+            sp = tl.arange(0, SPLITS)
+            lse_all = tl.load(part_lse_ptr + rows[:, None] + sp[None, :], mask=mask[:, None], other=float("-inf"), cache_modifier=".cg")
+            top = tl.max(lse_all, axis=1)
+            top = tl.where(top > float("-inf"), top, 0.0)  # empty splits: exp(-inf) = 0
+            total = tl.sum(tl.exp(lse_all - top[:, None]), axis=1)
+            merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            for i in range(SPLITS):
+                w = tl.exp(tl.load(part_lse_ptr + rows + i, mask=mask, other=float("-inf"), cache_modifier=".cg") - top)
+                o = tl.load(part_o_ptr + (rows + i)[:, None] * HEAD_DIM + d[None, :], mask=mask[:, None], other=0.0, cache_modifier=".cg")
+                merged += w[:, None] * o
+            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask[:, None])
+            tl.store(count_ptr + b * num_kv + kh, 0, mask=last)  # ready for the next launch
 
 
 @triton.jit
@@ -342,6 +436,7 @@ def decode_attention(
     splits: int,
     pdl: bool = False,
     rope: RopeInputs | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -350,14 +445,17 @@ def decode_attention(
     included). Without `rope` the step's keys and values are already in the cache and q is
     rotated; with it, q is unrotated and the kernel rotates q and the new key and writes the
     new key and value into the cache first. `splits` must be a power of two; it is fixed per
-    CUDA graph while the lengths change from replay to replay; with splits > 1 a second
-    kernel merges the splits. Returns [B, Hq, D]."""
+    CUDA graph while the lengths change from replay to replay. With splits > 1 the last
+    split to finish merges them where `counters` (from `split_counters`) are given, else a
+    second kernel does. Returns [B, Hq, D]."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     page = k_cache.shape[1]
     assert hq % hk == 0 and splits & (splits - 1) == 0 and d & (d - 1) == 0 and d >= 16
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1 and block_tables.stride(1) == 1
     group = hq // hk
+    merge_in_kernel = splits > 1 and counters is not None
+    assert not merge_in_kernel or counters.numel() >= b * hk, "too few split counters"
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     part_o = part_lse = out
     if splits > 1:
@@ -369,7 +467,7 @@ def decode_attention(
         q, k_new, v_new,
         r.cos if r else q, r.sin if r else q, r.positions if r else seq_lens,
         r.slot_block if r else seq_lens, r.slot_offset if r else seq_lens,
-        k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
+        k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out, seq_lens if counters is None else counters,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         r.cos.stride(0) if r else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -377,9 +475,10 @@ def decode_attention(
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
         BLOCK_N=64, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, launch_pdl=pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge_in_kernel, FENCE=q.is_cuda,
+        num_warps=4, launch_pdl=pdl,
     )
-    if splits > 1:
+    if splits > 1 and not merge_in_kernel:
         _attention_merge_kernel[(b, hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), hq,
             HEAD_DIM=d, SPLITS=splits, USE_PDL=pdl, num_warps=1, launch_pdl=pdl,
@@ -404,13 +503,16 @@ class RopeInputs:
 
 class SplitKVAttention:
     """An attention backend for decode steps only (one query per sequence): `decode_attention`
-    with a fixed number of splits, as a CUDA graph of one batch size needs."""
+    with a fixed number of splits, as a CUDA graph of one batch size needs. With `counters`
+    (from `split_counters`, owned by the caller for as long as the graphs live) the splits are
+    merged inside the attention kernel."""
 
     name = "split-kv"
 
-    def __init__(self, splits: int, pdl: bool = False) -> None:
+    def __init__(self, splits: int, pdl: bool = False, counters: torch.Tensor | None = None) -> None:
         self.splits = splits
         self.pdl = pdl
+        self.counters = counters
 
     def attend(
         self,
@@ -423,11 +525,15 @@ class SplitKVAttention:
     ) -> torch.Tensor:
         """With `rope`, q is unrotated and the kernel stores the step's key and value itself."""
         assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope)
+        return decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope, self.counters
+        )
 
     @classmethod
-    def for_batch(cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False) -> SplitKVAttention:
-        return cls(attention_splits(batch, kv_heads, _num_sms(device)), pdl)
+    def for_batch(
+        cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False, counters: torch.Tensor | None = None
+    ) -> SplitKVAttention:
+        return cls(attention_splits(batch, kv_heads, _num_sms(device)), pdl, counters)
 
 
 @dataclass(frozen=True)
@@ -438,7 +544,7 @@ class Batch1Kernels:
 
     attention: SplitKVAttention
     pdl: bool
-    counters: torch.Tensor  # from split_counters(), for split-K launches
+    counters: torch.Tensor  # from split_counters(), for split-K launches and the attention merge
 
     def gemv(
         self,
@@ -468,7 +574,25 @@ class Batch1Kernels:
         rope = RopeInputs(k, v, cos, sin, positions, meta.slot_block, meta.slot_offset)
         return self.attention.attend(q, k_cache, v_cache, meta, scale, rope)
 
+    def logits_and_argmax(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        head: torch.Tensor,
+        logits_out: torch.Tensor,
+        argmax_out: torch.Tensor,
+    ) -> None:
+        """The final norm (of x + delta), the LM head into float32 `logits_out` [1, vocab] and the
+        greedy token into `argmax_out` [1]: two kernels instead of a norm, a matmul, a cast and a
+        single-row reduction over the vocabulary."""
+        gemv(
+            x, head, add_norm=(delta, norm_weight, eps), pdl=self.pdl, counters=self.counters,
+            out=logits_out, argmax_out=argmax_out,
+        )
+
     @classmethod
     def create(cls, kv_heads: int, device: torch.device, counters: torch.Tensor) -> Batch1Kernels:
         pdl = pdl_supported(device)
-        return cls(SplitKVAttention.for_batch(1, kv_heads, device, pdl), pdl, counters)
+        return cls(SplitKVAttention.for_batch(1, kv_heads, device, pdl, counters), pdl, counters)

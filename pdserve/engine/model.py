@@ -193,16 +193,23 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
-        if ctx.batch1 is not None:
-            delta = None
-            for layer in self.layers:
-                residual, delta = layer.forward_batch1(residual, delta, positions, self.rotary, ctx)
-            return self.ops.add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)[1]
         h = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             residual, h = layer(residual, h, nxt, positions, self.rotary, ctx)
         return h
+
+    def decode_batch1(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, logits_out: torch.Tensor, argmax_out: torch.Tensor
+    ) -> None:
+        """A decode step of one sequence through `ctx.batch1`'s kernels, the final norm, the LM
+        head and the greedy token included: float32 logits into `logits_out` [1, vocab], the
+        argmax into `argmax_out` [1]."""
+        residual, delta = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            residual, delta = layer.forward_batch1(residual, delta, positions, self.rotary, ctx)
+        head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        ctx.batch1.logits_and_argmax(residual, delta, self.norm.weight, self.norm.eps, head, logits_out, argmax_out)
 
     @classmethod
     def empty(cls, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:

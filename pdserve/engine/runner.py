@@ -304,11 +304,15 @@ class ModelRunner:
         io["logits"], io["argmax"] = logits_out, argmax_out
 
         def forward(b: int, ctx: ForwardContext) -> None:
+            if ctx.batch1 is not None:
+                self.model.decode_batch1(io["input_ids"][:1], io["positions"][:1], ctx, logits_out[:1], argmax_out[:1])
+                return
             hidden = self.model(io["input_ids"][:b], io["positions"][:b], ctx)
             logits_out[:b] = self.model.compute_logits(hidden)
             argmax_out[:b] = logits_out[:b].argmax(dim=-1)
 
-        # Arrival counters of the split-K matmuls: shared, since a graph's kernels run in order.
+        # Arrival counters of the split-K matmuls and the split-KV merges: shared, since a
+        # graph's kernels run in order (each waits for the one before it to finish before it counts).
         # The graphs hold only their address, so the runner must own them for as long as the
         # graphs live (a freed buffer would be handed to other tensors and the counts
         # corrupted), and they are zeroed before the side stream below starts.
@@ -327,7 +331,7 @@ class ModelRunner:
                 backend = batch1.attention
                 self.decode_kernel_graphs[b] = "batch-1 fused"
             elif kernels is not None and b <= kernels.ATTENTION_MAX_BATCH:
-                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev)
+                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev, counters=counters)
                 self.decode_kernel_graphs[b] = "split-kv attention"
             ctx = ForwardContext(meta, self.kv_pool, backend, batch1)
             with torch.cuda.stream(stream):
@@ -344,18 +348,27 @@ class ModelRunner:
         log.info("captured CUDA graphs for decode batch sizes %s; Triton decode kernels: %s", sizes, self.decode_kernel_graphs or "off")
 
     def _decode_kernels(self) -> ModuleType | None:
-        """The Triton decode kernels' module where they are on, or None (off, or head_dim is
-        not a power of two >= 16: the attention kernel's tile)."""
+        """The Triton decode kernels' module where they are on, or None: off, head_dim not a
+        power of two >= 16 (the attention kernel's tile), or, unless asked for explicitly, no
+        Triton or a ROCm build (the kernels use NVIDIA PTX)."""
         d = self.model.cfg.head_dim
-        if not self.cfg.triton_decode_kernels:
+        wanted = self.cfg.triton_decode_kernels
+        if wanted is False:
             return None
+        say = log.warning if wanted else log.info
         if d < 16 or d & (d - 1):
-            log.warning("Triton decode kernels off: head_dim %d is not a power of two >= 16", d)
+            say("Triton decode kernels off: head_dim %d is not a power of two >= 16", d)
+            return None
+        if torch.version.hip is not None and not wanted:
+            log.info("Triton decode kernels off: they target NVIDIA GPUs")
             return None
         try:
             from pdserve.engine import decode_kernels
         except ImportError as exc:
-            raise ValueError(f"triton_decode_kernels: Triton does not import ({exc})") from exc
+            if wanted:
+                raise ValueError(f"triton_decode_kernels: Triton does not import ({exc})") from exc
+            log.info("Triton decode kernels off: Triton does not import (%s)", exc)
+            return None
         return decode_kernels
 
     def _graph_meta(self, b: int) -> AttentionMetadata:

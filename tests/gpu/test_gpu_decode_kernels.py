@@ -98,18 +98,51 @@ def _attention_reference(q, k_cache, v_cache, tables, lens, scale) -> torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, config", [(1000, 64, None), (128256, 256, None), (50000, 512, (8, 512, 4, 1))])
+def test_lm_head_logits_and_argmax(dtype, n, k, config):
+    """The LM head's GEMV with the final norm folded in writes float32 logits that equal a
+    matmul in the activation dtype, and its argmax picks the first of tied maxima across
+    tiles (more tiles than the picking kernel reads at once), as torch.argmax does."""
+    from pdserve.engine.ops import add_rms_norm
+
+    dk = _dk()
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen, device="cuda").to(dtype)
+    delta = torch.randn(1, k, generator=gen, device="cuda").to(dtype)
+    norm_w = torch.randn(k, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).to(dtype)
+    _, h = add_rms_norm(x, delta, norm_w, 1e-5)
+    counters = dk.split_counters(torch.device("cuda"))
+    for tied in ([], [n - 1, 7], [n // 2 + 1, n // 2]):
+        for r in tied:  # equal rows that dominate every other logit
+            w[r] = (torch.sign(h[0].float()) * 0.5).to(dtype)
+        logits = torch.full((1, n), float("nan"), device="cuda")
+        best = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+        dk.gemv(x, w, add_norm=(delta, norm_w, 1e-5), out=logits, argmax_out=best, counters=counters, config=config)
+        want = (h.float() @ w.float().T).to(dtype).float()
+        torch.testing.assert_close(logits, want, **_tol(dtype))
+        assert int(best) == int(logits.argmax()), "argmax differs from torch.argmax of the same logits"
+        if tied:
+            assert int(best) == min(tied)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq, hk, d", [(32, 8, 64), (4, 2, 16), (8, 8, 128)])
 @pytest.mark.parametrize("page", [16, 128])
 @pytest.mark.parametrize("splits", [1, 16])
-def test_decode_attention_matches_reference(dtype, hq, hk, d, page, splits):
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
+def test_decode_attention_matches_reference(dtype, hq, hk, d, page, splits, merge_in_kernel):
     dk = _dk()
     gen = torch.Generator(device="cuda").manual_seed(hq * d + page + splits)
     lens = [1, 17, 64, 300, 1000]
     q, k_cache, v_cache, tables, seq_lens = _paged_case(lens, hq, hk, d, page, dtype, gen)
-    counters = dk.split_counters(torch.device("cuda"))
-    out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits)
-    want = _attention_reference(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
-    torch.testing.assert_close(out.float(), want, **_tol(dtype))
+    counters = dk.split_counters(torch.device("cuda")) if merge_in_kernel else None
+    for _ in range(2):  # the second launch finds the counters the first left
+        out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits, counters=counters)
+        want = _attention_reference(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
+        torch.testing.assert_close(out.float(), want, **_tol(dtype))
+    if counters is not None:
+        assert int(counters.count_nonzero()) == 0, "the merge left its arrival counters dirty"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -137,12 +170,18 @@ def test_decode_attention_with_rope_matches_unfused_ops(dtype, hq, hk, d, splits
     q_rot = rope_and_store_kv(q, k, v, cos, sin, positions, k2, v2, slot_block, slot_offset)
     want = dk.decode_attention(q_rot, k2, v2, tables, seq_lens, d**-0.5, splits)
     rope = dk.RopeInputs(k, v, cos, sin, positions, slot_block, slot_offset)
-    out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits, rope=rope)
+    # What the new tokens' slots held before must not leak in: the kernel may load the cache
+    # before it writes them, and takes the new key and value from registers.
+    k_cache[slot_block, slot_offset] = 1e3
+    v_cache[slot_block, slot_offset] = -1e3
     # The same formula; the compilers may contract it into FMAs differently (1 ulp).
     ulp = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
-    torch.testing.assert_close(k_cache, k2, **ulp)
-    assert torch.equal(v_cache, v2)
-    torch.testing.assert_close(out.float(), want.float(), **_tol(dtype))
+    for merge_counters in (None, counters):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = dk.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, splits, rope=rope, counters=merge_counters)
+        torch.testing.assert_close(kc, k2, **ulp)
+        assert torch.equal(vc, v2)
+        torch.testing.assert_close(out.float(), want.float(), **_tol(dtype))
 
 
 def test_chain_under_cuda_graph_with_pdl():
@@ -162,7 +201,7 @@ def test_chain_under_cuda_graph_with_pdl():
 
     def layer(pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
         q, res = dk.gemv(residual, w_qkv, add_norm=(delta, norm_w, 1e-5), pdl=pdl, config=(16, 64, 4, 4), counters=counters)
-        o = dk.decode_attention(q.view(1, hq, d), k_cache, v_cache, tables, seq_lens, d**-0.5, 4, pdl=pdl)
+        o = dk.decode_attention(q.view(1, hq, d), k_cache, v_cache, tables, seq_lens, d**-0.5, 4, pdl=pdl, counters=counters)
         out, _ = dk.gemv(o.view(1, hq * d), w_o, pdl=pdl, config=(16, 64, 4, 2), counters=counters)
         return res, out
 

@@ -24,7 +24,7 @@ def test_flash_is_refused_off_cuda_naming_the_field():
         make_backend("flash", torch.device("cpu"))
 
 
-def test_triton_decode_kernels_without_triton_is_refused_naming_the_field(monkeypatch):
+def test_triton_decode_kernels_without_triton_is_refused_naming_the_field_only_when_asked_for(monkeypatch):
     import sys
     from types import SimpleNamespace
 
@@ -37,5 +37,7 @@ def test_triton_decode_kernels_without_triton_is_refused_naming_the_field(monkey
     )
     with pytest.raises(ValueError, match="^triton_decode_kernels: Triton does not import"):
         ModelRunner._decode_kernels(runner)
+    runner.cfg.triton_decode_kernels = None  # the default: on where Triton imports, else quietly off
+    assert ModelRunner._decode_kernels(runner) is None
     runner.cfg.triton_decode_kernels = False
     assert ModelRunner._decode_kernels(runner) is None
