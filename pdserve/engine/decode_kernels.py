@@ -275,13 +275,12 @@ def _rotate(x_ptr, sw_ptr, mask, cos, sin, sign, dtype):
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, pos_ptr, slot_block_ptr, slot_offset_ptr,
-    k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr, count_ptr,
+    k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_tb, stride_ot, stride_oh,
     scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE: tl.constexpr, FENCE: tl.constexpr,
 ):
     # One program per (sequence, KV head, split): the query heads of the KV head's group
     # against one contiguous range of the context, with an online softmax.
@@ -294,8 +293,9 @@ def _decode_attention_kernel(
     # block table and lengths are copied in before the step's first kernel). Without ROPE an
     # earlier kernel of this step wrote the new token: nothing is read before the wait.
     #
-    # With SPLITS > 1 each program writes a partial output and its log-sum-exp; with MERGE
-    # the last split of a (sequence, KV head) to arrive merges them, else a second kernel does.
+    # With SPLITS > 1 each program writes a partial output and its log-sum-exp for the merge
+    # kernel. (Merging in the last split to arrive, counted with atomics, measured 5 us per
+    # layer slower on H100: one program then reads every split's partial in turn.)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -378,28 +378,6 @@ def _decode_attention_kernel(
         rows = (b * GROUP * num_kv + heads) * SPLITS  # partials laid out [B, Hq, SPLITS, D]
         tl.store(part_o_ptr + (rows + s)[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + rows + s, lse, mask=g_mask)
-        if MERGE:
-            # Every thread's partial visible device-wide before the count (the atomic is one
-            # thread's); the split that counts last merges.
-            if FENCE:
-                _fence_gpu()
-            last = tl.atomic_add(count_ptr + b * num_kv + kh, 1, sem="acq_rel") == SPLITS - 1
-            if FENCE:
-                _fence_gpu()
-            mask = g_mask & last
-            sp = tl.arange(0, SPLITS)
-            lse_all = tl.load(part_lse_ptr + rows[:, None] + sp[None, :], mask=mask[:, None], other=float("-inf"), cache_modifier=".cg")
-            top = tl.max(lse_all, axis=1)
-            top = tl.where(top > float("-inf"), top, 0.0)  # empty splits: exp(-inf) = 0
-            total = tl.sum(tl.exp(lse_all - top[:, None]), axis=1)
-            merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-            for i in range(SPLITS):
-                w = tl.exp(tl.load(part_lse_ptr + rows + i, mask=mask, other=float("-inf"), cache_modifier=".cg") - top)
-                o = tl.load(part_o_ptr + (rows + i)[:, None] * HEAD_DIM + d[None, :], mask=mask[:, None], other=0.0, cache_modifier=".cg")
-                merged += w[:, None] * o
-            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask[:, None])
-            tl.store(count_ptr + b * num_kv + kh, 0, mask=last)  # ready for the next launch
 
 
 @triton.jit
@@ -436,7 +414,6 @@ def decode_attention(
     splits: int,
     pdl: bool = False,
     rope: RopeInputs | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -445,17 +422,14 @@ def decode_attention(
     included). Without `rope` the step's keys and values are already in the cache and q is
     rotated; with it, q is unrotated and the kernel rotates q and the new key and writes the
     new key and value into the cache first. `splits` must be a power of two; it is fixed per
-    CUDA graph while the lengths change from replay to replay. With splits > 1 the last
-    split to finish merges them where `counters` (from `split_counters`) are given, else a
-    second kernel does. Returns [B, Hq, D]."""
+    CUDA graph while the lengths change from replay to replay; with splits > 1 a second
+    kernel merges the splits. Returns [B, Hq, D]."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     page = k_cache.shape[1]
     assert hq % hk == 0 and splits & (splits - 1) == 0 and d & (d - 1) == 0 and d >= 16
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1 and block_tables.stride(1) == 1
     group = hq // hk
-    merge_in_kernel = splits > 1 and counters is not None
-    assert not merge_in_kernel or counters.numel() >= b * hk, "too few split counters"
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     part_o = part_lse = out
     if splits > 1:
@@ -467,7 +441,7 @@ def decode_attention(
         q, k_new, v_new,
         r.cos if r else q, r.sin if r else q, r.positions if r else seq_lens,
         r.slot_block if r else seq_lens, r.slot_offset if r else seq_lens,
-        k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out, seq_lens if counters is None else counters,
+        k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         r.cos.stride(0) if r else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -475,10 +449,9 @@ def decode_attention(
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
         BLOCK_N=64, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge_in_kernel, FENCE=q.is_cuda,
-        num_warps=4, launch_pdl=pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, launch_pdl=pdl,
     )
-    if splits > 1 and not merge_in_kernel:
+    if splits > 1:
         _attention_merge_kernel[(b, hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), hq,
             HEAD_DIM=d, SPLITS=splits, USE_PDL=pdl, num_warps=1, launch_pdl=pdl,
@@ -503,16 +476,13 @@ class RopeInputs:
 
 class SplitKVAttention:
     """An attention backend for decode steps only (one query per sequence): `decode_attention`
-    with a fixed number of splits, as a CUDA graph of one batch size needs. With `counters`
-    (from `split_counters`, owned by the caller for as long as the graphs live) the splits are
-    merged inside the attention kernel."""
+    with a fixed number of splits, as a CUDA graph of one batch size needs."""
 
     name = "split-kv"
 
-    def __init__(self, splits: int, pdl: bool = False, counters: torch.Tensor | None = None) -> None:
+    def __init__(self, splits: int, pdl: bool = False) -> None:
         self.splits = splits
         self.pdl = pdl
-        self.counters = counters
 
     def attend(
         self,
@@ -525,15 +495,11 @@ class SplitKVAttention:
     ) -> torch.Tensor:
         """With `rope`, q is unrotated and the kernel stores the step's key and value itself."""
         assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
-        return decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope, self.counters
-        )
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope)
 
     @classmethod
-    def for_batch(
-        cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False, counters: torch.Tensor | None = None
-    ) -> SplitKVAttention:
-        return cls(attention_splits(batch, kv_heads, _num_sms(device)), pdl, counters)
+    def for_batch(cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False) -> SplitKVAttention:
+        return cls(attention_splits(batch, kv_heads, _num_sms(device)), pdl)
 
 
 @dataclass(frozen=True)
@@ -544,7 +510,7 @@ class Batch1Kernels:
 
     attention: SplitKVAttention
     pdl: bool
-    counters: torch.Tensor  # from split_counters(), for split-K launches and the attention merge
+    counters: torch.Tensor  # from split_counters(), for split-K launches
 
     def gemv(
         self,
@@ -595,4 +561,4 @@ class Batch1Kernels:
     @classmethod
     def create(cls, kv_heads: int, device: torch.device, counters: torch.Tensor) -> Batch1Kernels:
         pdl = pdl_supported(device)
-        return cls(SplitKVAttention.for_batch(1, kv_heads, device, pdl, counters), pdl, counters)
+        return cls(SplitKVAttention.for_batch(1, kv_heads, device, pdl), pdl, counters)

@@ -311,8 +311,7 @@ class ModelRunner:
             logits_out[:b] = self.model.compute_logits(hidden)
             argmax_out[:b] = logits_out[:b].argmax(dim=-1)
 
-        # Arrival counters of the split-K matmuls and the split-KV merges: shared, since a
-        # graph's kernels run in order (each waits for the one before it to finish before it counts).
+        # Arrival counters of the split-K matmuls: shared, since a graph's kernels run in order.
         # The graphs hold only their address, so the runner must own them for as long as the
         # graphs live (a freed buffer would be handed to other tensors and the counts
         # corrupted), and they are zeroed before the side stream below starts.
@@ -331,7 +330,7 @@ class ModelRunner:
                 backend = batch1.attention
                 self.decode_kernel_graphs[b] = "batch-1 fused"
             elif kernels is not None and b <= kernels.ATTENTION_MAX_BATCH:
-                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev, counters=counters)
+                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev)
                 self.decode_kernel_graphs[b] = "split-kv attention"
             ctx = ForwardContext(meta, self.kv_pool, backend, batch1)
             with torch.cuda.stream(stream):
