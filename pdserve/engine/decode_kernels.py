@@ -15,15 +15,19 @@ previous one drains:
 
   Each program owns a few output features. Where N gives too few programs, K is split: the
   last program of an output tile to arrive adds up the float32 partials. The arrival counters
-  it counts on must outlive every graph that uses them (`split_counters`).
+  it counts on must outlive every graph that uses them (`split_counters`). As the LM head it
+  also writes each program's best logit and index, and `_argmax_tiles_kernel` picks the
+  greedy token among them.
 - `decode_attention` is paged decode attention split over the context, followed by a small
   kernel that merges the splits. flash-attn-4 has no split-KV on Hopper: it runs one program
   per sequence and KV head, which is 8 programs for a 1B model at batch 1. At batch 1 the
   attention kernel also applies RoPE to q and the new key and writes the key and value into
-  the cache (`RopeInputs`).
+  the cache (`RopeInputs`); it then loads its first cached keys and values before the grid
+  dependency (an earlier step wrote them) and takes the new token's from registers.
 - Programmatic dependent launch (batch 1). Each kernel is launched so that it may start
   before the previous kernel has finished:
-  - it first loads only what no earlier kernel writes (weights);
+  - it first loads only what no earlier kernel of the step writes (weights; for attention,
+    the keys and values earlier steps cached);
   - it then waits on the grid dependency (`gdc_wait`) before it reads activations or writes
     anything, so it never reads a stale input nor overwrites a buffer an earlier kernel
     still reads;
