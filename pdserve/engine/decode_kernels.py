@@ -324,6 +324,18 @@ def _decode_attention_kernel(
     off = t % PAGE
     k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ko + kh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kh * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+    half: tl.constexpr = HEAD_DIM // 2
+    swapped = (d + half) % HEAD_DIM
+    sign = tl.where(d < half, -1.0, 1.0)
+    cos = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    sin = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    if ROPE:
+        # Positions and slots are step inputs and the tables constants: also read before the wait.
+        pos = tl.load(pos_ptr + b)
+        cos = tl.load(cos_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
+        new_blk = tl.load(slot_block_ptr + b)
+        new_off = tl.load(slot_offset_ptr + b)
     if USE_PDL:
         if ROPE:
             tl.extra.cuda.gdc_wait()
@@ -331,19 +343,11 @@ def _decode_attention_kernel(
     k_last = tl.zeros([HEAD_DIM], dtype=dtype)
     v_last = tl.zeros([HEAD_DIM], dtype=dtype)
     if ROPE:
-        half: tl.constexpr = HEAD_DIM // 2
-        swapped = (d + half) % HEAD_DIM
-        sign = tl.where(d < half, -1.0, 1.0)
-        pos = tl.load(pos_ptr + b)
-        cos = tl.load(cos_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_cos + d).to(dtype).to(tl.float32)
         q = _rotate(q_rows + d[None, :], q_rows + swapped[None, :], g_mask[:, None], cos, sin, sign, dtype)
         k_row = k_new_ptr + b * stride_knt + kh * stride_knh
         k_last = _rotate(k_row + d, k_row + swapped, d < HEAD_DIM, cos, sin, sign, dtype)
         v_last = tl.load(v_new_ptr + b * stride_vnt + kh * stride_vnh + d)
         if (start <= seq_len - 1) & (seq_len - 1 < end):
-            new_blk = tl.load(slot_block_ptr + b)
-            new_off = tl.load(slot_offset_ptr + b)
             tl.store(k_ptr + new_blk * stride_kb + new_off * stride_ko + kh * stride_kh + d, k_last)
             tl.store(v_ptr + new_blk * stride_vb + new_off * stride_vo + kh * stride_vh + d, v_last)
     else:
