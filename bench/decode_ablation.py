@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What each choice of the batch-1 decode kernels buys, measured in the engine.
 
-Builds the Llama-3.2-1B-shaped model of `bench/engine.py` (random bf16 weights) once per
-variant, with one CUDA graph (batch 1), and times a decode step at a context of ~512 tokens
+Builds the Llama-3.2-1B-shaped model of `bench/engine.py` (or, with `--shape 8b`, the
+Llama-3-8B one; random bf16 weights) once per variant, with one CUDA graph (batch 1), and times a decode step at a context of ~512 tokens
 the way `bench/engine.py` does (30 steps back to back over one synchronization; median of 3
 rounds), next to the graph's replay alone. Each variant changes one choice of
 `pdserve/engine/decode_kernels.py` from the outside, the engine's code otherwise as shipped:
@@ -62,6 +62,16 @@ def _tiles(block_n: int, block_k: int, split_below: float) -> Callable[[int, int
     return rule
 
 
+def _long_k_tiles(block_n: int, block_k: int, split_below: float, default: Callable) -> Callable[[int, int, int], tuple[int, int, int, int]]:
+    """Another rule for matmuls whose K exceeds N (the down projections), the default for the rest."""
+    other = _tiles(block_n, block_k, split_below)
+
+    def rule(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
+        return other(n, k, num_sms) if k > n else default(n, k, num_sms)
+
+    return rule
+
+
 def _lm_head_tiles(block_n: int, block_k: int, default: Callable) -> Callable[[int, int, int], tuple[int, int, int, int]]:
     def rule(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
         return (block_n, block_k, 4, 1) if n > 100_000 else default(n, k, num_sms)
@@ -77,6 +87,18 @@ def variants(dk: Any) -> dict[str, tuple[str, dict[str, Any]]]:
         "tiles-16x256-split2": ("gemv tiles: 16x256, K split below 2 programs/SM", {"gemv_tile": _tiles(16, 256, 2)}),
         "tiles-16x256": ("gemv tiles: 16x256, K never split", {"gemv_tile": _tiles(16, 256, 0)}),
         "lm-8x512": ("lm head tiles: 8x512", {"gemv_tile": _lm_head_tiles(8, 512, dk.gemv_tile)}),
+        "down-16x256-split2": (
+            "down (K > N): 16x256, K split below 2 programs/SM",
+            {"gemv_tile": _long_k_tiles(16, 256, 2, dk.gemv_tile)},
+        ),
+        "down-8x512-split1": (
+            "down (K > N): 8x512, K split below 1 program/SM",
+            {"gemv_tile": _long_k_tiles(8, 512, 1, dk.gemv_tile)},
+        ),
+        "down-8x512-split2": (
+            "down (K > N): 8x512, K split below 2 programs/SM",
+            {"gemv_tile": _long_k_tiles(8, 512, 2, dk.gemv_tile)},
+        ),
         "splits-8": ("attention splits 8", {"attention_splits": lambda b, h, s: 8}),
         "splits-32": ("attention splits 32", {"attention_splits": lambda b, h, s: 32}),
     }
@@ -118,6 +140,7 @@ def measure(model_dir: str, rounds: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(engine_bench.SHAPES), default="1b", help="model shape (default: 1b)")
     ap.add_argument("--variants", default="all", help="comma-separated names (default: all, the default first and last)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of 30 timed steps per variant (median)")
     ap.add_argument("--json", help="write the results here as JSON ('-' for stdout)")
@@ -135,7 +158,7 @@ def main() -> None:
     if names[0] != "default":
         names.insert(0, "default")
     names.append("default")
-    cfg = engine_bench.SHAPES["1b"]
+    cfg = engine_bench.SHAPES[args.shape]
     bw = engine_bench.copy_bandwidth()
     floor = (engine_bench.weight_bytes_per_decode_step(cfg) + (CONTEXT + 20) * engine_bench.kv_bytes_per_token(cfg)) / bw
     rows: list[dict[str, Any]] = []
@@ -148,14 +171,14 @@ def main() -> None:
             rows.append({"variant": name, "what": table[name][0], "step_ms": step * 1e3, "graph_ms": graph * 1e3})
     base = statistics.median([r["step_ms"] for r in rows if r["variant"] == "default"])
     card = torch.cuda.get_device_name(0)
-    print(f"\n{card}: 1B decode step at batch 1, ctx ~{CONTEXT + 20}; copy {bw / 1e9:,.0f} GB/s, floor {floor * 1e3:.3f} ms\n")
+    print(f"\n{card}: {args.shape.upper()} decode step at batch 1, ctx ~{CONTEXT + 20}; copy {bw / 1e9:,.0f} GB/s, floor {floor * 1e3:.3f} ms\n")
     body = [
         [r["what"], f"{r['step_ms']:.3f}", f"{r['step_ms'] / (floor * 1e3):.2f}x", f"{r['graph_ms']:.3f}", f"{r['step_ms'] - base:+.3f}"]
         for r in rows
     ]
     print(markdown_table(["variant", "step ms", "vs floor", "graph ms", "vs default"], body))
     if args.json:
-        write_json(args.json, json.dumps({"card": card, "floor_ms": floor * 1e3, "copy_GBps": bw / 1e9, "rows": rows}, indent=2))
+        write_json(args.json, json.dumps({"card": card, "shape": args.shape, "floor_ms": floor * 1e3, "copy_GBps": bw / 1e9, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

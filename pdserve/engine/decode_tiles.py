@@ -17,16 +17,19 @@ def gemv_tile(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
     Programs of 8 output features, 512 of K per step. An output as wide as an LM head (more
     than 32 such programs per SM) takes 16 x 256 instead: each program runs the prologue (the
     norm over all of K) once, and half as many programs run it half as often. K is split (in
-    powers of two, at most MAX_SPLIT_K) only while the programs are fewer than the SMs and each
-    split keeps at least two steps of K: splitting costs the partials' round trip and the
-    arrival count. On H100 the 1B decode step at batch 1 took 1.188 ms with this rule against
-    1.229 ms for 16 x 256 split to two programs per SM, 1.368 ms for 16 x 256 unsplit, and
-    1.240 ms with 8 x 512 for its LM head too (2026-11-26, docs/benchmarks.md)."""
+    powers of two, at most MAX_SPLIT_K, each split keeping at least two steps of K) while the
+    programs are fewer than the SMs, or fewer than two per SM where K exceeds N (the down
+    projections: long reductions). Splitting costs the partials' round trip and the arrival
+    count, which only a long reduction earns back. Measured in the 1B decode step at batch 1
+    on H100 (2026-11-26, docs/benchmarks.md): splitting 8 x 512 down to two programs per SM
+    saved 33-42 us; splitting the o projection too cost about 20; 16 x 256 tiles
+    unsplit cost 160 us; the 8B step did not change."""
     block_n = 8 if -(-n // 8) <= 32 * num_sms else 16
     block_k = min(512 if block_n == 8 else 256, max(16, next_power_of_2(k)))
     tiles = -(-n // block_n)
+    target = num_sms * (2 if k > n else 1)
     split_k = 1
-    while tiles * split_k < num_sms and k // (split_k * 2) >= 2 * block_k and split_k < MAX_SPLIT_K:
+    while tiles * split_k < target and k // (split_k * 2) >= 2 * block_k and split_k < MAX_SPLIT_K:
         split_k *= 2
     return block_n, block_k, 4, split_k
 

@@ -243,9 +243,9 @@ def test_model_decodes_through_the_kernels_like_transformers(arch, tiny_model_fa
 
 
 def test_split_k_matmuls_in_a_model_match_the_plain_path(tmp_path):
-    """A model whose batch-1 down_proj splits K (1024 outputs are 128 programs, fewer than the
-    SMs of an H100 or H200: K 4096 splits in two): float32 tokens through the Triton decode
-    kernels equal those of the plain path (cuBLAS, torch attention, no graphs)."""
+    """A model whose batch-1 down_proj splits K (1024 outputs are 128 programs and K 4096 > N:
+    on the 132 SMs of an H100 or H200, K splits four ways): float32 tokens through the Triton
+    decode kernels equal those of the plain path (cuBLAS, torch attention, no graphs)."""
     _dk()
     import transformers
 

@@ -14,11 +14,13 @@ H100_OR_H200_SMS = 132
     [
         (3072, 2048, (8, 512, 4, 1)),  # 1B q/k/v: 384 programs
         (2048, 2048, (8, 512, 4, 1)),  # 1B o: 256 programs, at least one per SM: no split
-        (2048, 8192, (8, 512, 4, 1)),  # 1B down
+        (2048, 8192, (8, 512, 4, 2)),  # 1B down: K > N, split to two programs per SM
         (16384, 2048, (8, 512, 4, 1)),  # 1B gate/up
         (28672, 4096, (8, 512, 4, 1)),  # 8B gate/up: 3584 programs, within 32 per SM
         (128256, 2048, (16, 256, 4, 1)),  # LM head: wider tiles, half the norm prologues
-        (1024, 4096, (8, 512, 4, 2)),  # 128 programs on 132 SMs: K split in two
+        (1024, 4096, (8, 512, 4, 4)),  # 128 programs on 132 SMs, K > N: split to two per SM
+        (1024, 1024, (8, 512, 4, 1)),  # 128 programs, but K too short for two steps per split
+        (4096, 14336, (8, 512, 4, 1)),  # 8B down: 512 programs, already two per SM
         (576, 1536, (8, 512, 4, 1)),  # too little K to split into two steps each
     ],
 )
@@ -35,7 +37,8 @@ def test_gemv_split_rules_hold_for_any_shape(n, k, sms):
     assert block_k >= 16 and block_k & (block_k - 1) == 0
     if split_k > 1:
         assert k // split_k >= 2 * block_k  # each split keeps two steps of K
-        assert -(-n // block_n) * split_k // 2 < sms  # it split only while programs were fewer than SMs
+        target = 2 * sms if k > n else sms
+        assert -(-n // block_n) * split_k // 2 < target  # it split only while programs were short
 
 
 @pytest.mark.parametrize(
