@@ -11,6 +11,7 @@ CUDA-graph batches; the block manager never hands it out.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -21,6 +22,10 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model import CausalLM, ForwardContext
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
+
+# The decode kernels launch as programmatic dependents (`launch_pdl`, `gdc_wait`), which Triton
+# has had since 3.4.
+MIN_TRITON_FOR_DECODE_KERNELS = (3, 4)
 
 log = logging.getLogger(__name__)
 
@@ -349,25 +354,32 @@ class ModelRunner:
     def _decode_kernels(self) -> ModuleType | None:
         """The Triton decode kernels' module where they are on, or None: off, head_dim not a
         power of two >= 16 (the attention kernel's tile), or, unless asked for explicitly, no
-        Triton or a ROCm build (the kernels use NVIDIA PTX)."""
+        Triton (>= 3.4) or a ROCm build (the kernels use NVIDIA PTX)."""
         d = self.model.cfg.head_dim
         wanted = self.cfg.triton_decode_kernels
         if wanted is False:
             return None
-        say = log.warning if wanted else log.info
+
+        def off(reason: str) -> None:
+            if wanted:
+                raise ValueError(f"triton_decode_kernels: {reason}")
+            log.info("Triton decode kernels off: %s", reason)
+
         if d < 16 or d & (d - 1):
-            say("Triton decode kernels off: head_dim %d is not a power of two >= 16", d)
-            return None
+            return off(f"head_dim {d} is not a power of two >= 16")
         if torch.version.hip is not None and not wanted:
-            log.info("Triton decode kernels off: they target NVIDIA GPUs")
-            return None
+            return off("they target NVIDIA GPUs")
+        try:
+            import triton
+        except ImportError as exc:
+            return off(f"Triton does not import ({exc})")
+        if _version_tuple(triton.__version__) < MIN_TRITON_FOR_DECODE_KERNELS:
+            need = ".".join(map(str, MIN_TRITON_FOR_DECODE_KERNELS))
+            return off(f"needs Triton >= {need}, this is {triton.__version__}")
         try:
             from pdserve.engine import decode_kernels
         except ImportError as exc:
-            if wanted:
-                raise ValueError(f"triton_decode_kernels: Triton does not import ({exc})") from exc
-            log.info("Triton decode kernels off: Triton does not import (%s)", exc)
-            return None
+            return off(f"Triton does not import ({exc})")
         return decode_kernels
 
     def _graph_meta(self, b: int) -> AttentionMetadata:
@@ -419,6 +431,19 @@ class ModelRunner:
         dev_longs.copy_(host_longs, non_blocking=True)
         used = 2 * seg + b * w  # block-table rows past b are never read by this graph
         dev_ints[:used].copy_(host_ints[:used], non_blocking=True)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(3, 6, 0) from "3.6.0" or "3.6.0+git1234"; (3, 4) from "3.4rc1": the leading numbers."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.end() < len(piece):
+            break
+    return tuple(parts)
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -41,3 +41,37 @@ def test_triton_decode_kernels_without_triton_is_refused_naming_the_field_only_w
     assert ModelRunner._decode_kernels(runner) is None
     runner.cfg.triton_decode_kernels = False
     assert ModelRunner._decode_kernels(runner) is None
+
+
+def test_triton_decode_kernels_need_triton_3_4(monkeypatch):
+    """Older Triton has no programmatic dependent launch: by default the kernels stay off,
+    and asking for them is refused naming the field and both versions."""
+    import sys
+    from types import SimpleNamespace
+
+    from pdserve.engine.runner import ModelRunner, _version_tuple
+
+    assert _version_tuple("3.6.0") == (3, 6, 0) and _version_tuple("3.4.0+git1a2b") == (3, 4, 0)
+    assert _version_tuple("3.4rc1") == (3, 4) and _version_tuple("3.3.1") < (3, 4)
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="3.3.1"))
+    runner = SimpleNamespace(
+        cfg=SimpleNamespace(triton_decode_kernels=True), model=SimpleNamespace(cfg=SimpleNamespace(head_dim=64))
+    )
+    with pytest.raises(ValueError, match=r"^triton_decode_kernels: needs Triton >= 3\.4, this is 3\.3\.1"):
+        ModelRunner._decode_kernels(runner)
+    runner.cfg.triton_decode_kernels = None
+    assert ModelRunner._decode_kernels(runner) is None
+
+
+def test_triton_decode_kernels_need_a_power_of_two_head_dim():
+    from types import SimpleNamespace
+
+    from pdserve.engine.runner import ModelRunner
+
+    runner = SimpleNamespace(
+        cfg=SimpleNamespace(triton_decode_kernels=True), model=SimpleNamespace(cfg=SimpleNamespace(head_dim=48))
+    )
+    with pytest.raises(ValueError, match="^triton_decode_kernels: head_dim 48 is not a power of two"):
+        ModelRunner._decode_kernels(runner)
+    runner.cfg.triton_decode_kernels = None
+    assert ModelRunner._decode_kernels(runner) is None
