@@ -201,7 +201,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 128
     # Triton decode kernels in the CUDA graphs (pdserve/engine/decode_kernels.py): split-KV
     # attention up to batch 32, and at batch 1 matmuls with the norms, SiLU and the greedy
-    # pick folded in. None: on wherever Triton imports; True: required (an error without it).
+    # pick folded in. None: on wherever Triton >= 3.4 imports (NVIDIA GPUs, head_dim a power of
+    # two >= 16); True: required (an error naming what is missing); False: off.
     triton_decode_kernels: bool | None = None
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)
