@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""What each choice of the batch-1 decode kernels buys, measured in the engine.
+"""What each choice of the decode kernels buys, measured in the engine.
 
 Builds the Llama-3.2-1B-shaped model of `bench/engine.py` (or, with `--shape 8b`, the
-Llama-3-8B one; random bf16 weights) once per variant, with one CUDA graph (batch 1), and times a decode step at a context of ~512 tokens
+Llama-3-8B one; random bf16 weights) once per variant, with CUDA graphs up to `--batch`
+sequences (default 1), and times a decode step of that many at a context of ~512 tokens
 the way `bench/engine.py` does (30 steps back to back over one synchronization; median of 3
 rounds), next to the graph's replay alone. Each variant changes one choice of
 `pdserve/engine/decode_kernels.py` from the outside, the engine's code otherwise as shipped:
@@ -10,11 +11,12 @@ rounds), next to the graph's replay alone. Each variant changes one choice of
 - `lm head: cuBLAS + argmax`: the final norm, `F.linear`, the float cast and `torch.argmax`
   in place of the fused LM-head GEMV with its argmax;
 - `gemv tiles: ...`: another tiling rule for every matmul (`decode_tiles.gemv_tile`);
-- `attention splits N`: the context split N ways instead of one program per SM.
+- `attention splits N`: the context split N ways instead of one program per SM (at any
+  batch; the other variants change only batch-1 steps).
 
 The default runs first and last: the spread between those two rows is the noise.
 
-    python bench/decode_ablation.py [--variants default,lm-cublas,...] [--json out.json]
+    python bench/decode_ablation.py [--shape 1b|8b] [--batch N] [--variants default,lm-cublas,...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ def variants(dk: Any) -> dict[str, tuple[str, dict[str, Any]]]:
             "down (K > N): 8x512, K split below 2 programs/SM",
             {"gemv_tile": _long_k_tiles(8, 512, 2, dk.gemv_tile)},
         ),
+        "splits-2": ("attention splits 2", {"attention_splits": lambda b, h, s: 2}),
+        "splits-4": ("attention splits 4", {"attention_splits": lambda b, h, s: 4}),
         "splits-8": ("attention splits 8", {"attention_splits": lambda b, h, s: 8}),
         "splits-32": ("attention splits 32", {"attention_splits": lambda b, h, s: 32}),
     }
@@ -119,20 +123,21 @@ def _patched(dk: Any, changes: dict[str, Any]) -> Iterator[None]:
             setattr(owner, attr, value)
 
 
-def measure(model_dir: str, rounds: int) -> tuple[float, float]:
-    """(decode step seconds, graph replay seconds) at batch 1."""
+def measure(model_dir: str, rounds: int, batch: int) -> tuple[float, float]:
+    """(decode step seconds, graph replay seconds) of `batch` sequences."""
     llm = LLM(
-        model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=1,
-        num_kv_blocks=160, block_size=16, cuda_graph_max_batch=1, enable_prefix_caching=False,
+        model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=batch,
+        num_kv_blocks=160 * batch, block_size=16, cuda_graph_max_batch=batch, enable_prefix_caching=False,
         triton_decode_kernels=True,
     )
     try:
         assert llm.engine.runner.decode_kernel_graphs.get(1) == "batch-1 fused"
+        assert batch == 1 or batch > 32 or llm.engine.runner.decode_kernel_graphs.get(batch) == "split-kv attention"
         import random
 
         rng = random.Random(0)
-        steps = [engine_bench.decode_steps(llm, 1, CONTEXT, 5, 30, rng, "cuda")[1] for _ in range(rounds)]
-        graph = engine_bench.graph_replay_time(llm, 1, reps=30)
+        steps = [engine_bench.decode_steps(llm, batch, CONTEXT, 5, 30, rng, "cuda")[1] for _ in range(rounds)]
+        graph = engine_bench.graph_replay_time(llm, batch, reps=30)
         return statistics.median(steps), graph or float("nan")
     finally:
         engine_bench._free(llm)
@@ -141,6 +146,7 @@ def measure(model_dir: str, rounds: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(engine_bench.SHAPES), default="1b", help="model shape (default: 1b)")
+    ap.add_argument("--batch", type=int, default=1, help="decode batch (default 1)")
     ap.add_argument("--variants", default="all", help="comma-separated names (default: all, the default first and last)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of 30 timed steps per variant (median)")
     ap.add_argument("--json", help="write the results here as JSON ('-' for stdout)")
@@ -160,25 +166,26 @@ def main() -> None:
     names.append("default")
     cfg = engine_bench.SHAPES[args.shape]
     bw = engine_bench.copy_bandwidth()
-    floor = (engine_bench.weight_bytes_per_decode_step(cfg) + (CONTEXT + 20) * engine_bench.kv_bytes_per_token(cfg)) / bw
+    kv_bytes = args.batch * (CONTEXT + 20) * engine_bench.kv_bytes_per_token(cfg)
+    floor = (engine_bench.weight_bytes_per_decode_step(cfg) + kv_bytes) / bw
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         for name in (bar := tqdm(names, desc="variants", file=sys.stderr)):
             bar.set_description(name)
             with _patched(dk, table[name][1]):
-                step, graph = measure(tmp, args.rounds)
+                step, graph = measure(tmp, args.rounds, args.batch)
             rows.append({"variant": name, "what": table[name][0], "step_ms": step * 1e3, "graph_ms": graph * 1e3})
     base = statistics.median([r["step_ms"] for r in rows if r["variant"] == "default"])
     card = torch.cuda.get_device_name(0)
-    print(f"\n{card}: {args.shape.upper()} decode step at batch 1, ctx ~{CONTEXT + 20}; copy {bw / 1e9:,.0f} GB/s, floor {floor * 1e3:.3f} ms\n")
+    print(f"\n{card}: {args.shape.upper()} decode step at batch {args.batch}, ctx ~{CONTEXT + 20}; copy {bw / 1e9:,.0f} GB/s, floor {floor * 1e3:.3f} ms\n")
     body = [
         [r["what"], f"{r['step_ms']:.3f}", f"{r['step_ms'] / (floor * 1e3):.2f}x", f"{r['graph_ms']:.3f}", f"{r['step_ms'] - base:+.3f}"]
         for r in rows
     ]
     print(markdown_table(["variant", "step ms", "vs floor", "graph ms", "vs default"], body))
     if args.json:
-        write_json(args.json, json.dumps({"card": card, "shape": args.shape, "floor_ms": floor * 1e3, "copy_GBps": bw / 1e9, "rows": rows}, indent=2))
+        write_json(args.json, json.dumps({"card": card, "shape": args.shape, "batch": args.batch, "floor_ms": floor * 1e3, "copy_GBps": bw / 1e9, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
