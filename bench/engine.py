@@ -321,15 +321,18 @@ def profile_steps(llm: LLM, batch: int, rng: random.Random, top: int = 10, prefi
         wall = time.perf_counter() - t0
     for rid in ids:
         engine.abort(rid)
+    while engine.has_unfinished():  # a decode step launched ahead is still on the device: let it land
+        engine.step()
     out = [_kernel_breakdown(prof, steps, f"decode batch {batch}", wall, top)]
     if not prefill:
         return "\n".join(out)
     rid = engine.add_request(_random_prompt(rng, PREFILL_TOKENS, vocab), SamplingParams(max_tokens=1, temperature=0.0))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        engine.step()
+        outs = engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    assert [o.request_id for o in outs] == [rid], "the profiled step was not the prefill"
     engine.release(rid)
     out.append(_kernel_breakdown(prof, 1, f"prefill {PREFILL_TOKENS} (under the profiler)", wall, top))
     return "\n".join(out)
