@@ -57,8 +57,8 @@ class Rotary(nn.Module):
 
 class ForwardContext:
     """What the layers need besides activations for one forward pass. `batch1` (a
-    `decode_kernels.Batch1Kernels`, CUDA only) switches a batch-1 decode step to the fused
-    Triton kernels."""
+    `decode_kernels.Batch1Kernels`, CUDA only) holds the fused Triton kernels that
+    `CausalLM.decode_batch1` runs a batch-1 decode step through."""
 
     def __init__(
         self, meta: AttentionMetadata, kv_pool: torch.Tensor, backend: AttentionBackend, batch1: Any = None

@@ -353,8 +353,9 @@ class ModelRunner:
 
     def _decode_kernels(self) -> ModuleType | None:
         """The Triton decode kernels' module where they are on, or None: off, head_dim not a
-        power of two >= 16 (the attention kernel's tile), or, unless asked for explicitly, no
-        Triton (>= 3.4) or a ROCm build (the kernels use NVIDIA PTX)."""
+        power of two >= 16 (the attention kernel's tile), no Triton >= 3.4, or a ROCm build
+        (the kernels use NVIDIA PTX). Asked for explicitly (True), each of these but ROCm is
+        a ValueError naming the field instead."""
         d = self.model.cfg.head_dim
         wanted = self.cfg.triton_decode_kernels
         if wanted is False:
