@@ -21,7 +21,7 @@ from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.ray_handles import RayDecode, RayPrefill
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
-from pdserve.engine.resolve import resolve_device, resolve_model
+from pdserve.models.resolve import resolve_device, resolve_model
 from router.deadline import within
 from router.grpc_server import start_grpc_server
 from router.http_server import start_http_server

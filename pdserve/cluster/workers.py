@@ -14,7 +14,7 @@ from kv_transfer.compat import layout_for
 from pdserve.cluster.config import ServeConfig
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.resolve import resolve_device, resolve_dtype, resolve_model
+from pdserve.models.resolve import resolve_device, resolve_dtype, resolve_model
 from prefill_worker.worker import PrefillConfig, PrefillWorker
 
 log = logging.getLogger(__name__)

@@ -124,7 +124,7 @@ class InProcessCluster:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Any:
-    from pdserve.engine.default_model import default_model_dir
+    from pdserve.models.default_model import default_model_dir
 
     return default_model_dir()
 
