@@ -27,7 +27,8 @@ from opentelemetry import trace
 
 from kv_transfer.agent import KvTransferAgent, KvTransferError
 from pdserve.engine.block_manager import KvEventBatch
-from pdserve.engine.engine import ImportPlan, LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.handover import ImportPlan
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of

@@ -20,7 +20,8 @@ from opentelemetry import trace
 from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import PROTOCOL_VERSION
 from pdserve.engine.block_manager import KvEventBatch
-from pdserve.engine.engine import LLMEngine, PinnedKv, RequestOutput
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.handover import PinnedKv
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of

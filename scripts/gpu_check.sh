@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One GPU-machine call that checks and times the engine: the GPU tests, then the engine benchmark
-# with the Triton decode kernels off and on (same card, back to back), then the kernels alone.
+# Checks and times the engine on a CUDA GPU: the GPU tests, then the engine benchmark with the
+# Triton decode kernels off and on (same card, back to back), then the kernels alone.
 # Everything goes to $OUT (or ./gpu-check-out): logs, JSON, and a summary of pass/fail counts.
 #
-# Run on the GPU machine after staging flash-attn-4 (see ../shared/gpu/README.md):
-#   . /tmp/gpu-stage/activate && bash scripts/gpu_check.sh [quick]
+# Needs a CUDA build of torch and the gpu extra (flash-attn-4):
+#   pip install torch && pip install -e ".[gpu,test]"
+#   bash scripts/gpu_check.sh [quick]
 # "quick" runs only the decode-kernel tests and the 1B engine benchmark (about 4 minutes on an
-# H200, within one 600 s call); the full run takes about 10 minutes.
+# H200); the full run takes about 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-check-out}"
