@@ -210,7 +210,7 @@ class DecodeWorker:
             self.engine.abort(request_id)
             self.engine.add_request(
                 list(prompt_token_ids) + [first_token],
-                replace(params, max_tokens=params.max_tokens - 1, output_offset=params.output_offset + 1),
+                params.after(1),
                 request_id
             )
         self.loop.wake()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,16 @@ class SamplingParams:
             raise ValueError("stop_token_ids: token ids must be >= 0")
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise ValueError(f"output_offset: must be an integer >= 0, got {self.output_offset!r}")
+
+    def after(self, generated: int) -> SamplingParams:
+        """The params that go on with this request after `generated` of its tokens were made
+        elsewhere and are now part of its prompt: the budget shrinks by that many, and a seeded
+        request keeps drawing as it would have. ValueError if nothing of the budget would be left."""
+        if not isinstance(generated, int) or generated < 0:
+            raise ValueError(f"generated: must be an integer >= 0, got {generated!r}")
+        if generated >= self.max_tokens:
+            raise ValueError(f"generated: {generated} tokens leave nothing of max_tokens={self.max_tokens}")
+        return replace(self, max_tokens=self.max_tokens - generated, output_offset=self.output_offset + generated)
 
     @property
     def greedy(self) -> bool:

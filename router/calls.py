@@ -1,0 +1,109 @@
+"""The router's calls that put a request on a worker (prefill, KV hand-over, submit), each in
+its own client span, with what it measured recorded in the router's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import carrier_of
+from pdserve.telemetry.metrics import RouterMetrics
+from pdserve_proto import kv_pb2
+from router.config import RouterConfig
+from router.handles import DecodeStart, DecodeSubmit, RouterError
+from router.inflight import InFlight
+from router.policy import PrefillPolicy
+
+_T = TypeVar("_T")
+
+
+class WorkerCalls:
+    def __init__(self, config: RouterConfig, tracer: trace.Tracer, metrics: RouterMetrics, prefill_policy: PrefillPolicy) -> None:
+        self.config = config
+        self.tracer = tracer
+        self.metrics = metrics
+        self.prefill_policy = prefill_policy
+
+    async def prefill(self, r: InFlight) -> kv_pb2.KvHandle:
+        """The prefill call; the prefill pool learns what the worker really computed."""
+        assert r.prefill is not None and r.p_at is not None
+        span = self.tracer.start_span("pdserve.prefill", context=r.ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": r.p_at.worker})
+        sent = time.monotonic()
+        handle = None
+        try:
+            handle = await r.prefill.prefill(r.ids, r.params, r.rid, self.config.prefill_timeout_s, **traced(span))
+        except RouterError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            cached_tokens = handle.cached_prompt_tokens if handle is not None else None
+            self.prefill_policy.finish(r.p_at, time.monotonic(), cached_tokens)
+            self.metrics.prefill_wait.observe(time.monotonic() - sent)
+            if cached_tokens is not None:
+                span.set_attribute("pdserve.cached_tokens", cached_tokens)
+            span.end()
+        self.metrics.prefill_queue.observe(handle.queue_seconds)
+        return handle
+
+    async def start(self, r: InFlight, handle: kv_pb2.KvHandle) -> DecodeStart:
+        """Hand the KV over to the decode worker (it READs the missing blocks) and record the transfer."""
+        span = self.tracer.start_span("pdserve.decode.start", context=r.ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": r.d_at.worker})
+        try:
+            start = await hand_over(
+                r, r.decode.start(r.ids, r.params, r.rid, handle, self.config.decode_start_timeout_s, **traced(span))
+            )
+        except RouterError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            span.end()
+        m = self.metrics
+        if start.transfer_seconds > 0:
+            m.transfer_seconds.observe(start.transfer_seconds)
+            m.transfer_rate.set(start.transfer_bytes / start.transfer_seconds)
+        m.transfer_bytes.inc(start.transfer_bytes)
+        m.transfer_blocks.inc(start.pulled_blocks)
+        m.transfer_retries.inc(start.transfer_retries)
+        if start.recomputed:
+            m.recomputes.inc()
+        return start
+
+    async def submit(self, r: InFlight, ids: list[int], params: SamplingParams) -> DecodeSubmit:
+        """Put the whole request on its decode worker, to prefill `ids` there and decode."""
+        span = self.tracer.start_span("pdserve.decode.submit", context=r.ctx, kind=trace.SpanKind.CLIENT,
+                                      attributes={"pdserve.worker_id": r.d_at.worker})
+        try:
+            return await hand_over(
+                r, r.decode.submit(ids, params, r.rid, self.config.decode_start_timeout_s, **traced(span))
+            )
+        except RouterError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            span.end()
+
+
+async def hand_over(r: InFlight, call: Awaitable[_T]) -> _T:
+    """Await a call that puts the request on its decode worker (start, submit). If the caller
+    is cancelled meanwhile, the call still runs to its end, and cleanup waits for it before
+    aborting: an abort that overtook it would find nothing to free, and the request would
+    then run on the worker with nobody listening."""
+    task = asyncio.ensure_future(call)
+    r.hand_over = task
+    result = await asyncio.shield(task)
+    r.hand_over = None
+    return result
+
+
+def traced(span: trace.Span) -> dict[str, Any]:
+    """The keyword that carries `span` to a worker; none when tracing is off, so handles written
+    without tracing (test doubles, older workers) are called exactly as before."""
+    carrier = carrier_of(span)
+    return {"trace_context": carrier} if carrier else {}

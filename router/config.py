@@ -1,0 +1,30 @@
+"""The router's configuration: deadlines, caps, failover limits, placement and membership."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.membership import MembershipConfig
+from router.policy import PlacementConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    prefill_timeout_s: float = 60.0
+    decode_start_timeout_s: float = 30.0
+    token_timeout_s: float = 60.0  # longest silence tolerated from a decode worker mid-stream
+    control_timeout_s: float = 5.0  # release, abort, stats
+    poll_wait_s: float = 0.05
+    max_inflight_per_prefill: int = 256
+    max_inflight_per_decode: int = 256
+    block_size: int = 16  # the workers' KV block size: prompts are hashed exactly as they hash them
+    placement: PlacementConfig = PlacementConfig()
+    membership: MembershipConfig = MembershipConfig()
+    # Failover: a worker that fails a call (dead, unreachable, past its deadline) leaves
+    # placement and the request moves on, to at most this many workers of each pool in all.
+    max_prefill_attempts: int = 3
+    max_decode_attempts: int = 3
+    relay_failures_to_fail: int = 3  # failed polls in a row before a decode worker's streams move

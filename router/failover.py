@@ -1,0 +1,118 @@
+"""Failover: a worker that fails a call (dead, unreachable, past its deadline) leaves placement
+and the request moves to another worker of its pool, at most `max_*_attempts` in all.
+
+Three cases: a prefill is retried on another prefill worker; a KV hand-over (or a submit) that
+failed before the decode worker took the request is repeated on another decode worker, with
+the same handle (the prefill worker still holds the blocks under its lease); and a stream whose
+decode worker died mid-way resumes on another one, which prefills the prompt and every token
+already sent and goes on from there (`SamplingParams.after`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from pdserve.engine.hashing import block_hashes
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.metrics import RouterMetrics
+from router.background import Background
+from router.config import RouterConfig
+from router.handles import RouterError
+from router.inflight import InFlight
+from router.pools import WorkerPools
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class Failover:
+    def __init__(self, config: RouterConfig, pools: WorkerPools, metrics: RouterMetrics, background: Background) -> None:
+        self.config = config
+        self.pools = pools
+        self.metrics = metrics
+        self.background = background
+
+    async def prefill(self, r: InFlight, call: Callable[[], Awaitable[_T]]) -> _T:
+        """`call` (the prefill on `r.prefill`); if the worker fails it, again on another prefill
+        worker, up to `max_prefill_attempts` workers, then UNAVAILABLE."""
+        cfg, pools = self.config, self.pools
+        while True:
+            try:
+                return await call()
+            except RouterError as exc:
+                if not exc.worker_failed:
+                    raise
+                assert r.p_at is not None and r.prefill is not None
+                failed, failed_handle = r.p_at.worker, r.prefill
+                tried = pools.worker_failed(r, failed, exc)
+                self.background.best_effort(failed_handle.release(r.rid, cfg.control_timeout_s), f"release of {r.rid} on {failed}")
+                if tried >= cfg.max_prefill_attempts:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill: {tried} prefill workers failed; last: {exc.message}") from exc
+                p_at = pools.prefill_policy.place(
+                    block_hashes(r.ids, cfg.block_size), len(r.ids), time.monotonic(), cfg.max_inflight_per_prefill
+                )
+                if p_at is None:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill: no other prefill worker after {failed} failed: {exc.message}") from exc
+                pools.let_go(r, failed)
+                r.p_at, r.prefill = p_at, pools.prefills[p_at.worker]
+                pools.hold(r, p_at.worker)
+                self.metrics.failovers.labels("prefill").inc()
+                log.warning("request %s: prefill worker %s failed (%s); retrying on %s", r.rid, failed, exc.message, p_at.worker)
+
+    async def hand_over(self, r: InFlight, call: Callable[[], Awaitable[_T]]) -> _T:
+        """`call` (a start or submit on `r.decode`); if the decode worker fails it before taking
+        the request, the same call on another decode worker."""
+        while True:
+            try:
+                return await call()
+            except RouterError as exc:
+                if not exc.worker_failed:
+                    raise
+                self.move_decode(r, exc, "handover")
+
+    async def resume(
+        self, r: InFlight, lost: RouterError, submit: Callable[[list[int], SamplingParams], Awaitable[object]]
+    ) -> None:
+        """The decode worker died mid-stream: `submit` the prompt and every token already sent
+        to another decode worker, which goes on from there. The client sees each token once:
+        the ones it has are part of the new prompt, and a token the lost worker made but never
+        delivered is made again."""
+        self.move_decode(r, lost, "stream")
+        params = r.params.after(len(r.generated))
+        while True:
+            try:
+                await submit(r.ids + r.generated, params)
+                return
+            except RouterError as exc:
+                if not exc.worker_failed:
+                    raise
+                self.move_decode(r, exc, "stream")
+
+    def move_decode(self, r: InFlight, exc: RouterError, stage: str) -> None:
+        """Place `r` on another decode worker after its own failed it (the caller then repeats
+        its call there); UNAVAILABLE after `max_decode_attempts` workers or when none is left."""
+        cfg, pools = self.config, self.pools
+        failed, failed_handle = r.d_at.worker, r.decode
+        tried = pools.worker_failed(r, failed, exc)
+        # A worker that only missed a deadline may still hold the request: free it there.
+        self.background.best_effort(failed_handle.abort(r.rid, cfg.control_timeout_s), f"abort of {r.rid} on {failed}")
+        r.stream.worker = None  # nothing more from the failed worker reaches this stream
+        if tried >= cfg.max_decode_attempts:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode: {tried} decode workers failed; last: {exc.message}") from exc
+        ids = r.ids + r.generated
+        d_at = pools.decode_policy.place(block_hashes(ids, cfg.block_size), len(ids), cfg.max_inflight_per_decode)
+        if d_at is None:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode: no other decode worker after {failed} failed: {exc.message}") from exc
+        pools.decode_policy.finish(r.d_at)
+        pools.let_go(r, failed)
+        r.d_at, r.decode = d_at, pools.decodes[d_at.worker]
+        r.stream.worker = d_at.worker
+        pools.hold(r, d_at.worker)
+        self.metrics.failovers.labels(stage).inc()
+        log.warning("request %s: decode worker %s failed (%s); moved to %s", r.rid, failed, exc.message, d_at.worker)

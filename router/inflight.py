@@ -1,0 +1,62 @@
+"""The state of one request in flight, shared by its serving path, the token relay, failover
+and cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.sampling_params import SamplingParams
+from router.handles import DecodeHandle, PrefillHandle, RouterError
+from router.policy import Placement
+
+
+class Stream:
+    """Where the relay puts one request's tokens: (tokens, finish reason) or an error."""
+
+    def __init__(self, worker: str) -> None:
+        self.queue: asyncio.Queue[tuple[list[int], str] | RouterError] = asyncio.Queue()
+        # The decode worker whose tokens it takes; any other's are stale. None: between workers.
+        self.worker: str | None = worker
+
+
+class WorkerLost(RouterError):
+    """The decode worker serving a stream stopped answering: the stream moves elsewhere."""
+
+    def __init__(self, worker: str, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.worker = worker
+
+
+@dataclass
+class InFlight:
+    """One request in flight: what its prefill path, the token relay and cleanup share."""
+
+    rid: str
+    ids: list[int]
+    params: SamplingParams
+    ctx: Any  # the root span's context: the router's spans of this request hang under it
+    d_at: Placement
+    decode: DecodeHandle
+    p_at: Placement | None  # None: prefilled on the decode worker
+    prefill: PrefillHandle | None
+    detok: IncrementalDetokenizer
+    stream: Stream
+    completion: int = 0  # tokens generated so far
+    generated: list[int] = field(default_factory=list)  # the tokens sent to the client so far
+    busy: list[str] = field(default_factory=list)  # workers counting this request as theirs
+    tried: set[str] = field(default_factory=set)  # workers that failed it
+    cached: int = 0  # prompt tokens served from a prefix cache
+    pinned_on_prefill: bool = False  # the prefill worker holds its KV until released or pulled
+    on_decode: bool = False  # the decode worker may hold it: cleanup aborts it there
+    hand_over: asyncio.Task | None = None  # a start/submit call still running
+    open_spans: list[trace.Span] = field(default_factory=list)
+
+    @property
+    def local(self) -> bool:
+        return self.p_at is None

@@ -1,0 +1,86 @@
+"""A GenerateRequest validated and turned into token ids and `SamplingParams`: INVALID_ARGUMENT
+naming the offending field otherwise. Pure apart from the tokenizer it is given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve_proto import inference_pb2
+from router.config import RouterConfig
+from router.handles import RouterError
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def parse_request(
+    request: inference_pb2.GenerateRequest, config: RouterConfig, tokenizer: Any
+) -> tuple[list[int], SamplingParams]:
+    """The request's prompt as token ids, and its sampling params."""
+    if request.model and request.model != config.model_id:
+        raise RouterError(_INVALID, f"model: unknown model {request.model!r}; this server serves {config.model_id!r}")
+    given = [name for name, present in (
+        ("prompt", bool(request.prompt)),
+        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+        ("messages", len(request.messages) > 0),
+    ) if present]
+    if not given:
+        raise RouterError(_INVALID, "prompt: empty; set one of prompt, prompt_token_ids or messages")
+    if len(given) > 1:
+        raise RouterError(_INVALID, f"prompt: set only one of prompt, prompt_token_ids or messages (got {', '.join(given)})")
+    if request.messages:
+        ids = _render_chat(tokenizer, request.messages)
+    elif request.prompt:
+        ids = _encode(tokenizer, request.prompt)
+    else:
+        ids = list(request.prompt_token_ids)
+        bad = next((i for i, t in enumerate(ids) if t >= config.vocab_size), None)
+        if bad is not None:
+            raise RouterError(
+                _INVALID, f"prompt_token_ids: token {ids[bad]} at index {bad} is outside the vocabulary [0, {config.vocab_size})"
+            )
+    if not ids:
+        raise RouterError(_INVALID, "prompt: tokenizes to no tokens")
+    if len(ids) >= config.max_model_len:
+        raise RouterError(
+            _INVALID, f"prompt: {len(ids)} tokens leave no room to generate in the context of {config.max_model_len}"
+        )
+    return ids, sampling_params_of(request.sampling_params)
+
+
+def sampling_params_of(sp: inference_pb2.SamplingParams) -> SamplingParams:
+    """The proto's sampling params, unset fields at their defaults."""
+    try:
+        return SamplingParams(
+            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else 16,
+            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            top_k=sp.top_k if sp.HasField("top_k") else -1,
+            seed=sp.seed if sp.HasField("seed") else None,
+            stop=tuple(sp.stop),
+            stop_token_ids=tuple(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+        )
+    except ValueError as exc:
+        raise RouterError(_INVALID, f"sampling_params.{exc}") from None
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    if tokenizer is None:
+        raise RouterError(_INVALID, "prompt: this model has no tokenizer; send prompt_token_ids")
+    return list(tokenizer.encode(text))
+
+
+def _render_chat(tokenizer: Any, messages: Any) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise RouterError(_INVALID, "messages: this model has no chat template; send prompt or prompt_token_ids")
+    for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise RouterError(_INVALID, f"messages[{i}].role: unknown role {m.role!r}")
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
+    )
+    return _encode(tokenizer, text)

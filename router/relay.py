@@ -1,0 +1,65 @@
+"""The token relay: one long-poll per decode worker, carrying every request's tokens of one or
+more engine steps, fanned out to per-request streams. A worker whose polls keep failing loses
+its streams: each gets a `WorkerLost`, and its request resumes elsewhere (`router.failover`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from router.config import RouterConfig
+from router.deadline import stop_tasks
+from router.handles import DecodeHandle
+from router.inflight import Stream, WorkerLost
+
+log = logging.getLogger(__name__)
+
+
+class TokenRelay:
+    def __init__(self, config: RouterConfig, report_failure: Callable[[str, str], None]) -> None:
+        self.config = config
+        self._report_failure = report_failure  # (worker, why): takes it out of placement
+        self.streams: dict[str, Stream] = {}  # by request id
+        self._polls: dict[str, asyncio.Task] = {}  # by decode worker
+
+    def follow(self, decode: DecodeHandle) -> None:
+        self._polls[decode.worker_id] = asyncio.create_task(self._poll(decode))
+
+    async def unfollow(self, worker_id: str) -> None:
+        poll = self._polls.pop(worker_id, None)
+        if poll is not None:
+            await stop_tasks([poll])
+
+    async def stop(self) -> None:
+        await stop_tasks(self._polls.values())
+
+    async def _poll(self, decode: DecodeHandle) -> None:
+        """Move one decode worker's token updates to the streams waiting for them."""
+        cfg = self.config
+        failures = 0
+        while True:
+            try:
+                updates = await decode.poll(cfg.poll_wait_s, cfg.control_timeout_s + cfg.poll_wait_s)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                log.warning("polling decode worker %s failed (%d): %s", decode.worker_id, failures, exc)
+                if failures == cfg.relay_failures_to_fail:
+                    self.lose_streams(decode.worker_id, f"decode worker {decode.worker_id} stopped answering ({exc})")
+                await asyncio.sleep(min(0.05 * failures, 1.0))
+                continue
+            for rid, tokens, reason in updates:
+                stream = self.streams.get(rid)
+                if stream is not None and stream.worker == decode.worker_id:
+                    stream.queue.put_nowait((tokens, reason))
+
+    def lose_streams(self, worker: str, message: str) -> None:
+        """Every stream served by `worker` moves to another decode worker."""
+        self._report_failure(worker, message)
+        for stream in self.streams.values():
+            if stream.worker == worker:
+                stream.worker = None
+                stream.queue.put_nowait(WorkerLost(worker, message))
