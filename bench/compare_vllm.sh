@@ -77,7 +77,7 @@ bench() {  # label, url
     pdserve bench serve --url "$2" --label "$1" $WORKLOAD "${sweep[@]}" --out "$OUT/$1.json" "${@:3}" >/dev/null
 }
 
-MODEL_DIR=$(python -c "from pdserve.engine.resolve import resolve_model; print(resolve_model(None))")
+MODEL_DIR=$(python -c "from pdserve.models.resolve import resolve_model; print(resolve_model(None))")
 MODEL=$(basename "$MODEL_DIR")
 echo "compare: model $MODEL_DIR, dtype $DTYPE, workload: $WORKLOAD" >&2
 

@@ -6,7 +6,7 @@ Llama-3-8B one; random bf16 weights) once per variant, with CUDA graphs up to `-
 sequences (default 1), and times a decode step of that many at a context of ~512 tokens
 the way `bench/engine.py` does (30 steps back to back over one synchronization; median of 3
 rounds), next to the graph's replay alone. Each variant changes one choice of
-`pdserve/engine/decode_kernels.py` from the outside, the engine's code otherwise as shipped:
+`pdserve/engine/kernels/decode_kernels.py` from the outside, the engine's code otherwise as shipped:
 
 - `lm head: cuBLAS + argmax`: the final norm, `F.linear`, the float cast and `torch.argmax`
   in place of the fused LM-head GEMV with its argmax;
@@ -39,8 +39,8 @@ import bench.engine as engine_bench  # noqa: E402
 from bench.report import markdown_table, write_json  # noqa: E402
 
 from pdserve import LLM  # noqa: E402
-from pdserve.engine.decode_tiles import next_power_of_2  # noqa: E402
-from pdserve.engine.ops import add_rms_norm  # noqa: E402
+from pdserve.engine.kernels.decode_tiles import next_power_of_2  # noqa: E402
+from pdserve.engine.model.ops import add_rms_norm  # noqa: E402
 
 CONTEXT = 512
 
@@ -153,7 +153,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/decode_ablation.py needs a CUDA GPU")
-    from pdserve.engine import decode_kernels as dk
+    from pdserve.engine.kernels import decode_kernels as dk
     from tqdm import tqdm
 
     table = variants(dk)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The small-batch decode kernels (pdserve/engine/decode_kernels.py) beside what they replace.
+"""The small-batch decode kernels (pdserve/engine/kernels/decode_kernels.py) beside what they replace.
 
 For the matmuls of a Llama-3.2-1B- and a Llama-3-8B-shaped layer (and the 1B LM head) at
 batch 1: cuBLAS (`F.linear`), our GEMV with its default tile, and the best tile of a small
@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_json  # noqa: E402
 
-from pdserve.engine.decode_tiles import attention_splits, gemv_tile  # noqa: E402
+from pdserve.engine.kernels.decode_tiles import attention_splits, gemv_tile  # noqa: E402
 
 try:
-    from pdserve.engine import decode_kernels as dk  # noqa: E402
+    from pdserve.engine.kernels import decode_kernels as dk  # noqa: E402
 except ImportError as exc:  # no Triton here: --help still works, a run says what is missing
     dk = None
     _IMPORT_ERROR = exc

@@ -230,11 +230,10 @@ def decode_steps(
 def graph_replay_time(llm: LLM, batch: int, reps: int = 20) -> float | None:
     """GPU time of the captured decode forward alone (diagnostic: no host work, no sampling).
     Replays the graph holding the last step's inputs; it rewrites the same KV slots."""
-    runner = llm.engine.runner
-    if not runner._graphs:
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
         return None
-    b = min(s for s in runner._graphs if s >= batch)
-    return statistics.median(_time_cuda(runner._graphs[b].replay, reps))
+    return statistics.median(_time_cuda(graphs.graphs[graphs.size_for(batch)].replay, reps))
 
 
 def prefill_time(llm: LLM, tokens: int, warmup: int, reps: int, rng: random.Random, device: str) -> list[float]:
@@ -391,7 +390,7 @@ def bench_gpu(args: argparse.Namespace, bar) -> tuple[list[Row], dict[str, Any]]
             )
             backend = llm.engine.runner.backend.name
             info[f"{shape}_attention_backend"] = backend
-            info[f"{shape}_cuda_graphs"] = sorted(llm.engine.runner._graphs)
+            info[f"{shape}_cuda_graphs"] = sorted(llm.engine.runner.graphs.graphs) if llm.engine.runner.graphs else []
             info[f"{shape}_decode_kernel_graphs"] = llm.engine.runner.decode_kernel_graphs
             bar.update(1)
             wbytes = weight_bytes_per_decode_step(cfg)

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.resolve import resolve_device, resolve_dtype, resolve_model
+from pdserve.models.resolve import resolve_device, resolve_dtype, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

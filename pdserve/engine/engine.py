@@ -1,4 +1,9 @@
-"""The step loop: admit requests, schedule, run the model, turn tokens into outputs."""
+"""The engine: admit requests, schedule, run the model, turn tokens into outputs.
+
+`LLMEngine.step` runs one step (decode steps overlapped with the host's bookkeeping where CUDA
+graphs are on); the KV hand-over hooks that prefill and decode workers call are thin methods
+over `handover`.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +16,18 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.cpu_linear import onednn_available
+from pdserve.engine.model.cpu_linear import onednn_available
 from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
-from pdserve.engine.hashing import block_hashes
-from pdserve.engine.model import CausalLM
+from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
+from pdserve.engine.model.model import CausalLM
 from pdserve.engine.runner import DecodeLaunch, ModelRunner, kv_block_bytes
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, admissible_prefix
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import Sequence, SeqStatus
-from pdserve.engine.weights import init_dummy_weights, load_weights
+from pdserve.engine.model.weights import init_dummy_weights, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +47,11 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
-class PinnedKv:
-    block_ids: list[int]
-    block_hashes: list[int]  # of the prompt's full blocks
-    num_tokens: int  # prompt tokens whose KV the blocks hold
-    first_token: int
-    num_cached_tokens: int
-    finish_reason: str | None
-
-
-@dataclass(frozen=True)
 class _InFlight:
     """A greedy decode step running on the device, its outputs not yet taken."""
 
     scheduled: list[ScheduledSeq]
     launch: DecodeLaunch
-
-
-@dataclass(frozen=True)
-class ImportPlan:
-    block_ids: list[int]  # the request's blocks in this engine, in prompt order
-    pull_indices: list[int]  # which of them must be filled from the producer
-    num_reused_tokens: int  # prompt tokens found in this engine's own prefix cache
 
 
 class LLMEngine:
@@ -155,17 +144,7 @@ class LLMEngine:
 
     def pinned_kv(self, request_id: str) -> PinnedKv:
         """Prefill role: where a finished request's KV sits, for building a transfer handle."""
-        seq = self.scheduler.pinned.get(request_id)
-        if seq is None:
-            raise KeyError(f"request {request_id!r} has no pinned KV")
-        return PinnedKv(
-            block_ids=list(seq.block_ids),
-            block_hashes=seq.full_block_hashes(self.cfg.block_size)[: seq.num_prompt_tokens // self.cfg.block_size],
-            num_tokens=seq.num_prompt_tokens,
-            first_token=seq.token_ids[seq.num_prompt_tokens],
-            num_cached_tokens=seq.num_cached_tokens,
-            finish_reason=seq.finish_reason,
-        )
+        return handover.pinned_kv(self.scheduler, request_id, self.cfg.block_size)
 
     def begin_import(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, block_hashes: list[int]
@@ -176,21 +155,15 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
-        own = seq.full_block_hashes(self.cfg.block_size)
-        if list(block_hashes) != own[: len(block_hashes)] or len(block_hashes) != len(own):
-            raise ValueError("block_hashes: do not match the prompt (different block size or hash function?)")
+        check_block_hashes(seq, block_hashes, self.cfg.block_size)
         if self._inflight is not None:
             # The READ that fills these blocks is not ordered with the device's stream: a block
             # just freed by a finished request may still be written by the step in flight.
             self.runner.wait_device()
-        pull = self.scheduler.begin_import(seq)  # raises NoFreeBlocksError when full
+        plan = handover.begin_import(self.scheduler, seq)  # raises NoFreeBlocksError when full
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer if self.cfg.detokenize else None, params.stop)
-        return ImportPlan(
-            block_ids=list(seq.block_ids),
-            pull_indices=pull,
-            num_reused_tokens=seq.num_cached_tokens,
-        )
+        return plan
 
     def commit_import(self, request_id: str, first_token: int) -> None:
         seq = self._seqs[request_id]
@@ -214,9 +187,7 @@ class LLMEngine:
 
     def cached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
         """Prompt tokens that admission would serve from this engine's prefix cache now."""
-        bs = self.cfg.block_size
-        hashes = admissible_prefix(block_hashes(prompt_token_ids, bs), len(prompt_token_ids), bs)
-        return len(self.blocks.match_prefix(hashes)) * bs
+        return handover.cached_prompt_tokens(self.blocks, prompt_token_ids, self.cfg.block_size)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.gguf_convert import CONVERTER_VERSION, convert_gguf
+from pdserve.models.gguf_convert import CONVERTER_VERSION, convert_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: s
 def resolve_model(model: str | None) -> Path:
     """A model directory, a .gguf file (converted and cached), the default model, or a hub id."""
     if model is None or model == "default":
-        from pdserve.engine.default_model import default_model_dir
+        from pdserve.models.default_model import default_model_dir
 
         return default_model_dir()
     path = Path(model).expanduser()
@@ -40,7 +40,7 @@ def resolve_model(model: str | None) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"model: GGUF file {path} does not exist")
-        from pdserve.engine.default_model import converted_gguf_dir
+        from pdserve.models.default_model import converted_gguf_dir
 
         return converted_gguf_dir(path)
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.default_model import default_model_dir
+from pdserve.models.default_model import default_model_dir
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb

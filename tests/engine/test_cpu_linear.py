@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.cpu_linear import PackedLinear, onednn_available
+from pdserve.engine.model.cpu_linear import PackedLinear, onednn_available
 from tests.engine.test_equivalence import assert_same, mixed_prompts
 
 pytestmark = pytest.mark.skipif(

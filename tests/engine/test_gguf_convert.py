@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pdserve.engine import default_model, gguf_convert
-from pdserve.engine.gguf_convert import convert_gguf
+from pdserve.models import default_model, gguf_weights
+from pdserve.models.gguf_convert import convert_gguf
 
 N_LAYER, HIDDEN, FFN, N_HEAD, N_KV_HEAD = 2, 32, 48, 4, 2
 HEAD_DIM = HIDDEN // N_HEAD
@@ -355,8 +355,8 @@ def test_failure_mid_write_keeps_previous_output(
             raise OSError("disk full")
         return original(p)
 
-    original = gguf_convert._materialize
-    monkeypatch.setattr(gguf_convert, "_materialize", flaky)
+    original = gguf_weights.materialize
+    monkeypatch.setattr(gguf_weights, "materialize", flaky)
     with pytest.raises(OSError, match="disk full"):
         convert_gguf(tiny_gguf, dst, progress=False)
     _assert_nothing_written(tmp_path, before)

@@ -1,4 +1,4 @@
-"""GPU checks of the small-batch decode kernels (pdserve/engine/decode_kernels.py) against
+"""GPU checks of the small-batch decode kernels (pdserve/engine/kernels/decode_kernels.py) against
 plain torch: each matmul prologue, the split-KV attention at several splits and page sizes,
 the kernels chained as programmatic dependents inside a CUDA graph whose inputs change between
 replays, and whole models decoding through them against transformers.
@@ -19,7 +19,7 @@ pytestmark = [
 
 def _dk():
     try:
-        from pdserve.engine import decode_kernels
+        from pdserve.engine.kernels import decode_kernels
     except ImportError as exc:
         pytest.skip(f"triton not importable: {exc}")
     return decode_kernels
@@ -34,7 +34,7 @@ def _tol(dtype: torch.dtype) -> dict:
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("config", [None, (16, 32, 4, 3), (8, 512, 4, 8)])  # the heuristic; split-K 3 and 8
 def test_gemv_prologues_match_torch(dtype, n, k, pdl, config):
-    from pdserve.engine.ops import add_rms_norm, rms_norm, silu_and_mul
+    from pdserve.engine.model.ops import add_rms_norm, rms_norm, silu_and_mul
 
     dk = _dk()
     gen = torch.Generator(device="cuda").manual_seed(n + k)
@@ -103,7 +103,7 @@ def test_lm_head_logits_and_argmax(dtype, n, k, config):
     """The LM head's GEMV with the final norm folded in writes float32 logits that equal a
     matmul in the activation dtype, and its argmax picks the first of tied maxima across
     tiles (more tiles than the picking kernel reads at once), as torch.argmax does."""
-    from pdserve.engine.ops import add_rms_norm
+    from pdserve.engine.model.ops import add_rms_norm
 
     dk = _dk()
     gen = torch.Generator(device="cuda").manual_seed(n + k)
@@ -147,7 +147,7 @@ def test_decode_attention_matches_reference(dtype, hq, hk, d, page, splits):
 def test_decode_attention_with_rope_matches_unfused_ops(dtype, hq, hk, d, splits):
     """RoPE of q and the new key and the cache write inside the kernel give what the fused
     RoPE kernel followed by attention over the cache gives, and leave the same cache."""
-    from pdserve.engine.triton_ops import rope_and_store_kv
+    from pdserve.engine.kernels.triton_ops import rope_and_store_kv
 
     dk = _dk()
     gen = torch.Generator(device="cuda").manual_seed(hq + d + splits)

@@ -37,7 +37,7 @@ TIE_ABS = 0.05
 
 def _flash():
     try:
-        from pdserve.engine.flash_attention import API, FlashAttention
+        from pdserve.engine.kernels.flash_attention import API, FlashAttention
     except ImportError as exc:
         pytest.skip(f"flash-attn not importable: {exc}")
     return FlashAttention, API
@@ -58,7 +58,7 @@ def _random_case(
 ):
     """A block-major pool with random contents, random block tables and the metadata for
     sequences given as (cached prefix length, new query tokens)."""
-    from pdserve.engine.attention import AttentionMetadata
+    from pdserve.engine.kernels.attention import AttentionMetadata
 
     dev = "cuda"
     need = sum(-(-(c + n) // block_size) for c, n in seqs)
@@ -140,7 +140,7 @@ ATTN_SHAPES = [
 @pytest.mark.parametrize("case", ["prefill", "decode"])
 def test_flash_matches_sdpa(case, hq, hkv, d, block_size):
     FlashAttention, api = _flash()
-    from pdserve.engine.flash_attention import _aligned_view
+    from pdserve.engine.kernels.flash_attention import _aligned_view
 
     if api == "fa2" and block_size % 256:
         pytest.skip("classic flash-attn's paged path needs block_size % 256 == 0")
@@ -314,7 +314,7 @@ def test_cuda_graphs_do_not_change_tokens(batch, kernels, tiny_model_factory, ch
             triton_decode_kernels=kernels and graphs,
         )
         check_blocks_freed(llm.engine)
-        assert bool(llm.engine.runner._graphs) == graphs
+        assert llm.engine.runner.has_decode_graphs == graphs
         assert (llm.engine.runner.decode_kernel_graphs.get(8) == "split-kv attention") == (kernels and graphs)
         results[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         # With graphs, decode steps overlap by default (step n+1 launched before n is read).
@@ -367,7 +367,7 @@ def test_default_model_bf16_matches_transformers(check_blocks_freed):
     from pdserve import LLM, SamplingParams
 
     try:
-        from pdserve.engine.default_model import default_model_dir
+        from pdserve.models.default_model import default_model_dir
 
         model_dir = default_model_dir()
     except (ImportError, FileNotFoundError) as exc:
@@ -400,9 +400,9 @@ def test_default_model_bf16_matches_transformers(check_blocks_freed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hk,d", [(32, 8, 64), (8, 8, 128), (4, 2, 16)])
 def test_fused_rope_and_kv_write_match_the_unfused_ops(dtype, hq, hk, d):
-    from pdserve.engine.attention import AttentionMetadata, write_kv
-    from pdserve.engine.ops import apply_rope
-    from pdserve.engine.triton_ops import rope_and_store_kv
+    from pdserve.engine.kernels.attention import AttentionMetadata, write_kv
+    from pdserve.engine.model.ops import apply_rope
+    from pdserve.engine.kernels.triton_ops import rope_and_store_kv
 
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(hq * 1000 + d)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import attention
-from pdserve.engine.attention import TorchAttention, make_backend
+from pdserve.engine.kernels import backends
+from pdserve.engine.kernels.attention import TorchAttention
+from pdserve.engine.kernels.backends import make_backend
 
 
 def test_auto_is_torch_on_cpu():
@@ -15,7 +16,7 @@ def test_auto_is_torch_on_cpu():
 
 def test_auto_is_torch_for_float32_on_cuda_even_with_flash_attn(monkeypatch):
     # flash-attn has no float32 kernels: a float32 engine on a GPU must not get it.
-    monkeypatch.setattr(attention, "flash_available", lambda: True)
+    monkeypatch.setattr(backends, "flash_available", lambda: True)
     assert isinstance(make_backend("auto", torch.device("cuda"), torch.float32), TorchAttention)
 
 
@@ -26,21 +27,15 @@ def test_flash_is_refused_off_cuda_naming_the_field():
 
 def test_triton_decode_kernels_without_triton_is_refused_naming_the_field_only_when_asked_for(monkeypatch):
     import sys
-    from types import SimpleNamespace
 
-    from pdserve.engine.runner import ModelRunner
+    from pdserve.engine.cuda_graphs import decode_kernels_for
 
     monkeypatch.setitem(sys.modules, "triton", None)  # as on a machine without Triton
-    monkeypatch.delitem(sys.modules, "pdserve.engine.decode_kernels", raising=False)
-    runner = SimpleNamespace(
-        cfg=SimpleNamespace(triton_decode_kernels=True), model=SimpleNamespace(cfg=SimpleNamespace(head_dim=64))
-    )
+    monkeypatch.delitem(sys.modules, "pdserve.engine.kernels.decode_kernels", raising=False)
     with pytest.raises(ValueError, match="^triton_decode_kernels: Triton does not import"):
-        ModelRunner._decode_kernels(runner)
-    runner.cfg.triton_decode_kernels = None  # the default: on where Triton imports, else quietly off
-    assert ModelRunner._decode_kernels(runner) is None
-    runner.cfg.triton_decode_kernels = False
-    assert ModelRunner._decode_kernels(runner) is None
+        decode_kernels_for(64, True)
+    assert decode_kernels_for(64, None) is None  # the default: on where Triton imports, else quietly off
+    assert decode_kernels_for(64, False) is None
 
 
 def test_triton_decode_kernels_need_triton_3_4(monkeypatch):
@@ -49,29 +44,19 @@ def test_triton_decode_kernels_need_triton_3_4(monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    from pdserve.engine.runner import ModelRunner, _version_tuple
+    from pdserve.engine.cuda_graphs import _version_tuple, decode_kernels_for
 
     assert _version_tuple("3.6.0") == (3, 6, 0) and _version_tuple("3.4.0+git1a2b") == (3, 4, 0)
     assert _version_tuple("3.4rc1") == (3, 4) and _version_tuple("3.3.1") < (3, 4)
     monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="3.3.1"))
-    runner = SimpleNamespace(
-        cfg=SimpleNamespace(triton_decode_kernels=True), model=SimpleNamespace(cfg=SimpleNamespace(head_dim=64))
-    )
     with pytest.raises(ValueError, match=r"^triton_decode_kernels: needs Triton >= 3\.4, this is 3\.3\.1"):
-        ModelRunner._decode_kernels(runner)
-    runner.cfg.triton_decode_kernels = None
-    assert ModelRunner._decode_kernels(runner) is None
+        decode_kernels_for(64, True)
+    assert decode_kernels_for(64, None) is None
 
 
 def test_triton_decode_kernels_need_a_power_of_two_head_dim():
-    from types import SimpleNamespace
+    from pdserve.engine.cuda_graphs import decode_kernels_for
 
-    from pdserve.engine.runner import ModelRunner
-
-    runner = SimpleNamespace(
-        cfg=SimpleNamespace(triton_decode_kernels=True), model=SimpleNamespace(cfg=SimpleNamespace(head_dim=48))
-    )
     with pytest.raises(ValueError, match="^triton_decode_kernels: head_dim 48 is not a power of two"):
-        ModelRunner._decode_kernels(runner)
-    runner.cfg.triton_decode_kernels = None
-    assert ModelRunner._decode_kernels(runner) is None
+        decode_kernels_for(48, True)
+    assert decode_kernels_for(48, None) is None

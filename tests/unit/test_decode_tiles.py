@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.decode_tiles import MAX_ATTENTION_SPLITS, MAX_SPLIT_K, attention_splits, gemv_tile
+from pdserve.engine.kernels.decode_tiles import MAX_ATTENTION_SPLITS, MAX_SPLIT_K, attention_splits, gemv_tile
 
 H100_OR_H200_SMS = 132
 

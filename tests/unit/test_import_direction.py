@@ -16,6 +16,8 @@ FIRST_PARTY = ("pdserve", "pdserve_proto", "prefill_worker", "decode_worker", "k
 # part -> first-party prefixes it may import (its own prefix is always allowed)
 ALLOWED: dict[str, tuple[str, ...]] = {
     "pdserve.engine": (),
+    # Model acquisition (names, the default model, GGUF conversion): reads model configs only.
+    "pdserve.models": ("pdserve.engine.config",),
     # Tracing and metrics: a leaf every part may import (it imports no first-party code).
     "pdserve.telemetry": (),
     "pdserve_proto": (),
@@ -24,9 +26,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "decode_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
     "router": ("pdserve.engine", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
     "pdserve.cluster": (
-        "pdserve.engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry",
+        "pdserve.engine", "pdserve.models", "router", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry",
     ),
-    "pdserve.llm": ("pdserve.engine",),
+    "pdserve.llm": ("pdserve.engine", "pdserve.models"),
     "pdserve": ("pdserve",),  # the CLI and package root may use everything under pdserve
 }
 

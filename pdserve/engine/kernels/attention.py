@@ -1,4 +1,4 @@
-"""Attention over the paged KV pool: per-step metadata and the backends that use it.
+"""Attention over the paged KV pool: per-step metadata, the backend protocol, the torch backend.
 
 Every backend sees the same inputs: the step's queries/keys/values flattened over all
 sequences ([tokens, heads, head_dim]), this layer's K and V cache views
@@ -104,30 +104,3 @@ class TorchAttention:
             enable_gqa=True,
         )
         return o.transpose(1, 2).reshape(q.shape)
-
-
-def flash_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from pdserve.engine.flash_attention import FlashAttention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def make_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
-    """"auto" picks flash-attn on CUDA for 16-bit activations when it imports, else torch SDPA
-    (flash-attn has no float32 kernels)."""
-    if name == "auto":
-        half = dtype in (torch.bfloat16, torch.float16)
-        name = "flash" if device.type == "cuda" and half and flash_available() else "torch"
-    if name == "torch":
-        return TorchAttention()
-    if name == "flash":
-        if device.type != "cuda":
-            raise ValueError("attention_backend: 'flash' needs a CUDA device")
-        from pdserve.engine.flash_attention import FlashAttention
-
-        return FlashAttention()
-    raise ValueError(f"attention_backend: unknown backend {name!r}")

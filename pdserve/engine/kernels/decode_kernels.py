@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.decode_tiles import attention_splits, gemv_tile
+from pdserve.engine.kernels.attention import AttentionMetadata
+from pdserve.engine.kernels.decode_tiles import attention_splits, gemv_tile
 
 # Decode graphs up to this batch attend with the split-KV kernel: measured faster than
 # flash-attn-4 at 1, 4 and 32 sequences (bench/decode_kernels.py); larger ones keep flash-attn.

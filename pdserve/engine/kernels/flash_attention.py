@@ -3,7 +3,7 @@
 Prefers flash-attn-4 (`flash_attn.cute.flash_attn_varlen_func`, the CuTe-DSL kernels that run on
 Hopper and Blackwell); falls back to the classic `flash_attn` package (FA2) when only that is
 installed. Importing this module raises ImportError when neither imports, which is what
-`attention.flash_available()` checks.
+`backends.flash_available()` checks.
 
 One call per layer and step covers prefill, chunked prefill over a cached prefix and decode:
 queries are packed varlen (`cu_seqlens_q`), keys/values are read from the paged cache through
@@ -40,7 +40,7 @@ import logging
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.kernels.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

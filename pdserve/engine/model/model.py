@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.cpu_linear import PackedLinear, pack_linears
-from pdserve.engine.ops import ElementwiseOps
+from pdserve.engine.model.cpu_linear import PackedLinear, pack_linears
+from pdserve.engine.model.ops import ElementwiseOps
 
 
 class RMSNorm(nn.Module):

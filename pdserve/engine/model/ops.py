@@ -67,7 +67,7 @@ class ElementwiseOps:
         self.compiled = True
         if torch.cuda.is_available():
             try:
-                from pdserve.engine.triton_ops import rope_and_store_kv
+                from pdserve.engine.kernels.triton_ops import rope_and_store_kv
             except ImportError:
                 return
             self.rope_and_store_kv = rope_and_store_kv

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.model import CausalLM
+from pdserve.engine.model.model import CausalLM
 
 # checkpoint suffix -> (parameter suffix, index of the slice in the fused parameter)
 _FUSED = {

@@ -1,0 +1,294 @@
+"""CUDA graphs of the decode forward: capture for a ladder of batch sizes, then replay.
+
+Decode steps are short and launch-bound, so replaying a recorded graph removes most of their
+CPU cost. A step pads up to the next captured batch size; padded rows write their (garbage)
+K/V to the pool's scratch block. Where the Triton decode kernels are on, batch 1 records the
+fused batch-1 path and small batches the split-KV attention kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import ModuleType
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.model.model import CausalLM, ForwardContext
+from pdserve.engine.scheduler import ScheduledSeq
+
+# The decode kernels launch as programmatic dependents (`launch_pdl`, `gdc_wait`), which Triton
+# has had since 3.4.
+MIN_TRITON_FOR_DECODE_KERNELS = (3, 4)
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one runner, with the device buffers they read and write."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: torch.Tensor,
+        backend: AttentionBackend,
+        cfg: EngineConfig,
+        max_model_len: int,
+        scratch_block: int,
+        max_batch: int,
+        kernels: ModuleType | None,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.backend = backend
+        self.device = kv_pool.device
+        self.block_size = cfg.block_size
+        self.max_model_len = max_model_len
+        self.scratch_block = scratch_block
+        self.max_batch = max_batch
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.kernel_graphs: dict[int, str] = {}  # graph batch size -> Triton kernels it runs
+        self._pool = None
+        self._split_counters: torch.Tensor | None = None  # used by the graphs, allocated outside them
+        self._allocate_io(-(-max_model_len // cfg.block_size))
+        self._capture(kernels)
+
+    # ----- capture -------------------------------------------------------------------------
+
+    def _allocate_io(self, max_blocks_per_seq: int) -> None:
+        # The graph's integer inputs are views of two flat device buffers, filled each step from
+        # pinned host mirrors by one copy apiece: a decode step's host work is then writing a
+        # few numbers into numpy views, not launching a copy kernel per input. Every view starts
+        # 128-byte aligned and the block table's rows are a multiple of 16 bytes: flash-attn-4
+        # requires 16-byte aligned pointers and strides.
+        max_b, dev = self.max_batch, self.device
+        ls = _round_up(max_b, 16)  # int64 segment length
+        ints_seg = _round_up(max_b + 1, 32)  # int32 segment length
+        w = _round_up(max_blocks_per_seq, 4)  # block-table row width
+        self._io_layout = (ls, ints_seg, w)
+        longs = torch.zeros(4 * ls, dtype=torch.int64, device=dev)
+        ints = torch.zeros(2 * ints_seg + max_b * w, dtype=torch.int32, device=dev)
+        self._staging = [
+            (torch.zeros_like(longs, device="cpu").pin_memory(), torch.zeros_like(ints, device="cpu").pin_memory())
+            for _ in range(2)
+        ]
+        for host_longs, host_ints in self._staging:
+            host_ints[: max_b + 1] = torch.arange(max_b + 1, dtype=torch.int32)  # cu_seqlens_q: constant
+        self._staging_turn = 0
+        self._flat = (longs, ints)
+        io = {
+            "input_ids": longs[:max_b],
+            "positions": longs[ls : ls + max_b],
+            "slot_block": longs[2 * ls : 2 * ls + max_b],
+            "slot_offset": longs[3 * ls : 3 * ls + max_b],
+            "cu_seqlens_q": ints[: max_b + 1],
+            "seq_lens": ints[ints_seg : ints_seg + max_b],
+            "block_tables": ints[2 * ints_seg :].view(max_b, w),
+        }
+        for name, t in io.items():
+            strides = [st * t.element_size() for st in t.stride()[:-1]]
+            assert t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in strides), f"graph input {name} is misaligned"
+        io["cu_seqlens_q"].copy_(torch.arange(max_b + 1, dtype=torch.int32))
+        io["slot_block"].fill_(self.scratch_block)
+        io["seq_lens"].fill_(1)
+        io["block_tables"].fill_(self.scratch_block)
+        # The LM head and the greedy argmax are recorded too: outside the graph they are a
+        # dozen more launches per step.
+        io["logits"] = torch.zeros(max_b, self.model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        io["argmax"] = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.io = io
+
+    def _capture(self, kernels: ModuleType | None) -> None:
+        max_b, dev, io, model = self.max_batch, self.device, self.io, self.model
+        sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_b + 1, 16)) if b <= max_b} | {max_b})
+        logits_out, argmax_out = io["logits"], io["argmax"]
+
+        def forward(b: int, ctx: ForwardContext) -> None:
+            if ctx.batch1 is not None:
+                model.decode_batch1(io["input_ids"][:1], io["positions"][:1], ctx, logits_out[:1], argmax_out[:1])
+                return
+            hidden = model(io["input_ids"][:b], io["positions"][:b], ctx)
+            logits_out[:b] = model.compute_logits(hidden)
+            argmax_out[:b] = logits_out[:b].argmax(dim=-1)
+
+        # Arrival counters of the split-K matmuls: shared, since a graph's kernels run in order.
+        # The graphs hold only their address, so this object must own them for as long as the
+        # graphs live (a freed buffer would be handed to other tensors and the counts
+        # corrupted), and they are zeroed before the side stream below starts.
+        kv_heads = model.cfg.num_kv_heads
+        counters = kernels.split_counters(dev) if kernels is not None else None
+        self._split_counters = counters
+        # Warm up and record on one side stream: kernels compiled, libraries' per-stream state
+        # (cuBLAS workspaces) created and the allocator primed before anything is recorded.
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        for b in reversed(sizes):
+            meta = self._meta(b)
+            backend, batch1 = self.backend, None
+            if kernels is not None and b == 1:
+                batch1 = kernels.Batch1Kernels.create(kv_heads, dev, counters)
+                backend = batch1.attention
+                self.kernel_graphs[b] = "batch-1 fused"
+            elif kernels is not None and b <= kernels.ATTENTION_MAX_BATCH:
+                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev)
+                self.kernel_graphs[b] = "split-kv attention"
+            ctx = ForwardContext(meta, self.kv_pool, backend, batch1)
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    forward(b, ctx)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                forward(b, ctx)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs for decode batch sizes %s; Triton decode kernels: %s", sizes, self.kernel_graphs or "off")
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        io = self.io
+        return AttentionMetadata(
+            slot_block=io["slot_block"][:b],
+            slot_offset=io["slot_offset"][:b],
+            cu_seqlens_q=io["cu_seqlens_q"][: b + 1],
+            seq_lens=io["seq_lens"][:b],
+            block_tables=io["block_tables"][:b],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens=[1] * b,
+            seq_lens_host=[self.max_model_len] * b,
+        )
+
+    # ----- replay --------------------------------------------------------------------------
+
+    def fits(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A step of one sampled token per sequence, within the largest captured batch."""
+        return len(scheduled) <= self.max_batch and all(item.num_new_tokens == 1 and item.sample for item in scheduled)
+
+    def size_for(self, n: int) -> int:
+        """The captured batch size a step of `n` sequences pads up to."""
+        return min(s for s in self.graphs if s >= n)
+
+    def replay(
+        self, scheduled: list[ScheduledSeq], ahead: int, previous_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a decode step through its graph: (logits, greedy tokens), one row per sequence.
+        With `previous_tokens` (on the device) they are the step's input tokens."""
+        n = len(scheduled)
+        self._fill_inputs(scheduled, ahead)
+        io = self.io
+        if previous_tokens is not None:
+            io["input_ids"][:n].copy_(previous_tokens)
+        self.graphs[self.size_for(n)].replay()
+        return io["logits"][:n], io["argmax"][:n]
+
+    def _fill_inputs(self, scheduled: list[ScheduledSeq], ahead: int) -> None:
+        """Write the step's inputs into a pinned mirror and copy it to the graph's buffers.
+        Rows n..b-1 of the padded batch write their (garbage) K/V to the scratch block.
+        `ahead=1`: positions one past the computed tokens; input tokens left for the caller."""
+        n = len(scheduled)
+        b = self.size_for(n)
+        bs = self.block_size
+        ls, seg, w = self._io_layout
+        host_longs, host_ints = self._staging[self._staging_turn]
+        self._staging_turn ^= 1  # the other mirror may still be feeding the previous copy
+        longs, ints = host_longs.numpy(), host_ints.numpy()
+        seq_lens = ints[seg : seg + b]
+        tables = ints[2 * seg :].reshape(-1, w)
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            pos = seq.num_computed_tokens + ahead
+            blocks = seq.block_ids
+            longs[i] = 0 if ahead else seq.token_ids[pos]
+            longs[ls + i] = pos
+            longs[2 * ls + i] = blocks[pos // bs]
+            longs[3 * ls + i] = pos % bs
+            seq_lens[i] = pos + 1
+            tables[i, : len(blocks)] = blocks
+            tables[i, len(blocks) :] = self.scratch_block
+        for k, pad in enumerate((0, 0, self.scratch_block, 0)):
+            longs[k * ls + n : k * ls + b] = pad
+        seq_lens[n:b] = 1
+        tables[n:b] = self.scratch_block
+        dev_longs, dev_ints = self._flat
+        dev_longs.copy_(host_longs, non_blocking=True)
+        used = 2 * seg + b * w  # block-table rows past b are never read by this graph
+        dev_ints[:used].copy_(host_ints[:used], non_blocking=True)
+
+
+@torch.inference_mode()
+def capture_decode_graphs(
+    model: CausalLM,
+    kv_pool: torch.Tensor,
+    backend: AttentionBackend,
+    cfg: EngineConfig,
+    max_model_len: int,
+    scratch_block: int,
+) -> DecodeGraphs | None:
+    """Record the decode forward for a ladder of batch sizes, or None where graphs are off:
+    not on CUDA, turned off, or a backend that cannot be recorded."""
+    if kv_pool.device.type != "cuda" or not cfg.use_cuda_graphs:
+        return None
+    kernels = decode_kernels_for(model.cfg.head_dim, cfg.triton_decode_kernels)
+    max_b = min(cfg.cuda_graph_max_batch, cfg.max_num_seqs)
+    if backend.name != "flash":
+        # The torch backend sizes its decode gather on the host, so it cannot be recorded;
+        # only steps that attend through the split-KV kernel can.
+        if kernels is None:
+            return None
+        max_b = min(max_b, kernels.ATTENTION_MAX_BATCH)
+    if kv_pool.device.index is not None:
+        torch.cuda.set_device(kv_pool.device)
+    return DecodeGraphs(model, kv_pool, backend, cfg, max_model_len, scratch_block, max_b, kernels)
+
+
+def decode_kernels_for(head_dim: int, wanted: bool | None) -> ModuleType | None:
+    """The Triton decode kernels' module where they are on, or None: off, head_dim not a
+    power of two >= 16 (the attention kernel's tile), no Triton >= 3.4, or a ROCm build
+    (the kernels use NVIDIA PTX). Asked for explicitly (`wanted` True), each of these but
+    ROCm is a ValueError naming the field instead; None means on where they can be."""
+    if wanted is False:
+        return None
+
+    def off(reason: str) -> None:
+        if wanted:
+            raise ValueError(f"triton_decode_kernels: {reason}")
+        log.info("Triton decode kernels off: %s", reason)
+
+    d = head_dim
+    if d < 16 or d & (d - 1):
+        return off(f"head_dim {d} is not a power of two >= 16")
+    if torch.version.hip is not None and not wanted:
+        return off("they target NVIDIA GPUs")
+    try:
+        import triton
+    except ImportError as exc:
+        return off(f"Triton does not import ({exc})")
+    if _version_tuple(triton.__version__) < MIN_TRITON_FOR_DECODE_KERNELS:
+        need = ".".join(map(str, MIN_TRITON_FOR_DECODE_KERNELS))
+        return off(f"needs Triton >= {need}, this is {triton.__version__}")
+    try:
+        from pdserve.engine.kernels import decode_kernels
+    except ImportError as exc:
+        return off(f"Triton does not import ({exc})")
+    return decode_kernels
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(3, 6, 0) from "3.6.0" or "3.6.0+git1234"; (3, 4) from "3.4rc1": the leading numbers."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.end() < len(piece):
+            break
+    return tuple(parts)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple

@@ -1,0 +1,68 @@
+"""KV hand-over between a prefill and a decode engine: the hooks' records and their logic.
+
+Prefill side: a finished request's KV stays pinned (`pinned_kv` says where) until its transfer
+is done and `release` frees it. Decode side: `begin_import` allocates blocks for a prompt whose
+KV was computed elsewhere (reusing this engine's prefix cache where it can), the transfer fills
+them, `commit_import` starts decoding. `LLMEngine` exposes these as methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.hashing import block_hashes
+from pdserve.engine.scheduler import Scheduler, admissible_prefix
+from pdserve.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PinnedKv:
+    block_ids: list[int]
+    block_hashes: list[int]  # of the prompt's full blocks
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    first_token: int
+    num_cached_tokens: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    block_ids: list[int]  # the request's blocks in this engine, in prompt order
+    pull_indices: list[int]  # which of them must be filled from the producer
+    num_reused_tokens: int  # prompt tokens found in this engine's own prefix cache
+
+
+def pinned_kv(scheduler: Scheduler, request_id: str, block_size: int) -> PinnedKv:
+    """Prefill role: where a finished request's KV sits, for building a transfer handle."""
+    seq = scheduler.pinned.get(request_id)
+    if seq is None:
+        raise KeyError(f"request {request_id!r} has no pinned KV")
+    return PinnedKv(
+        block_ids=list(seq.block_ids),
+        block_hashes=seq.full_block_hashes(block_size)[: seq.num_prompt_tokens // block_size],
+        num_tokens=seq.num_prompt_tokens,
+        first_token=seq.token_ids[seq.num_prompt_tokens],
+        num_cached_tokens=seq.num_cached_tokens,
+        finish_reason=seq.finish_reason,
+    )
+
+
+def check_block_hashes(seq: Sequence, hashes: list[int], block_size: int) -> None:
+    """Raise ValueError unless the producer's hashes are exactly the prompt's full blocks'."""
+    own = seq.full_block_hashes(block_size)
+    if list(hashes) != own[: len(hashes)] or len(hashes) != len(own):
+        raise ValueError("block_hashes: do not match the prompt (different block size or hash function?)")
+
+
+def begin_import(scheduler: Scheduler, seq: Sequence) -> ImportPlan:
+    """Decode role: allocate the blocks of an imported prompt (raises NoFreeBlocksError when
+    full); blocks already in the prefix cache are reused, the plan lists the rest."""
+    pull = scheduler.begin_import(seq)
+    return ImportPlan(block_ids=list(seq.block_ids), pull_indices=pull, num_reused_tokens=seq.num_cached_tokens)
+
+
+def cached_prompt_tokens(blocks: BlockManager, prompt_token_ids: list[int], block_size: int) -> int:
+    """Prompt tokens that admission would serve from this engine's prefix cache now."""
+    hashes = admissible_prefix(block_hashes(prompt_token_ids, block_size), len(prompt_token_ids), block_size)
+    return len(blocks.match_prefix(hashes)) * block_size

@@ -1,0 +1,1 @@
+"""The model on the device: the decoder, its weights, its elementwise ops, CPU-packed matmuls."""
