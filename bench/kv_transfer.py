@@ -38,7 +38,7 @@ Baselines, in the same two processes, measured before the NIXL agents exist:
 
 ``--variants`` repeats the main-size cases with diagnostic NIXL agent settings, each in a fresh
 pair of processes (an agent's busy progress thread must not share the machine with another's):
-``prog-thread`` (NIXL's own progress thread on, as kv_transfer shipped before 2026-11-26),
+``prog-thread`` (NIXL's own progress thread on, kv_transfer's earlier default),
 ``no-prog-thread`` (``enable_prog_thread=False``: the application drives UCX progress -- the
 consumer while it polls its READ, the producer in its 1 ms notification poll; now the default),
 ``prog-thread-delay`` (the progress thread kept, but with NIXL's ``pthrDelay`` at 100 us instead

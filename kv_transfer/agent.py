@@ -77,10 +77,9 @@ class KvTransferAgent:
         self.memory_type = "VRAM" if pool.is_cuda else "DRAM"
         self.device_id = (pool.device.index or 0) if pool.is_cuda else 0
         # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, and
-        # slower READs (bench/kv_transfer.py, 2026-11-26: on 2x H200 a 512 MiB READ ran at 59 %
-        # of the peer copy with it and 90 % without; on a 2-core CPU at ~50 % of a socket with
-        # it, above the socket without). So by default the callers drive progress: `read()`
-        # polls while it waits, and workers call `notifications()` from their loops.
+        # slower READs on GPU and CPU alike (bench/kv_transfer.py; docs/benchmarks.md). So by
+        # default the callers drive progress: `read()` polls while it waits, and workers call
+        # `notifications()` from their loops.
         self.progress_thread = bool(progress_thread)
         self._agent = api.nixl_agent(
             self.name, api.nixl_agent_config(enable_prog_thread=self.progress_thread, backends=["UCX"])

@@ -27,8 +27,7 @@ class ServeConfig:
     attention_backend: str = "auto"
     triton_decode_kernels: bool | None = None  # GPU: the engine's Triton decode kernels (None: where Triton imports)
     # CPU workers: torch threads each. None: this host's cores shared out among the workers,
-    # because two engines running OpenMP on the same cores stall each other at every barrier
-    # (small matmuls measured 60x slower with 2 threads each on 2 busy cores).
+    # because two engines running OpenMP on the same cores stall each other at every barrier.
     cpu_threads_per_worker: int | None = None
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0

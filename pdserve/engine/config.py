@@ -192,8 +192,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "flash" or "torch"
     use_cuda_graphs: bool = True
     compile_elementwise: bool | None = None  # fuse norm/RoPE/SiLU chains with torch.compile; None: on CUDA only
-    # CPU: matmul weights reordered once for oneDNN (3-5x faster small-batch matmuls than
-    # torch's default sgemm here); None: on wherever this torch build supports it.
+    # CPU: matmul weights reordered once for oneDNN (small-batch matmuls several times faster
+    # than torch's default sgemm); None: on wherever this torch build supports it.
     cpu_packed_weights: bool | None = None
     # Launch decode step n+1 before reading step n's tokens back (greedy decode batches only);
     # None: on where decode steps are CUDA graphs, the only place the host's time shows.

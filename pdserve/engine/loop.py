@@ -6,7 +6,7 @@ runs once per iteration (notifications, lease expiry), both under the lock.
 
 The lock is handed to waiting callers between steps before the loop takes it again. A plain
 lock is not fair: the loop thread releases it and re-acquires it at once, and a caller
-waiting to add or import a request could wait many steps (seconds, measured, with 20 ms steps).
+waiting to add or import a request could wait many steps (seconds, with 20 ms steps).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ plain torch: each matmul prologue, the split-KV attention at several splits and 
 the kernels chained as programmatic dependents inside a CUDA graph whose inputs change between
 replays, and whole models decoding through them against transformers.
 
-Run on the GPU machine: ``python -m pytest tests/gpu -m gpu -q``. Skipped without CUDA.
+Run on a CUDA GPU: ``python -m pytest tests/gpu -m gpu -q``. Skipped without CUDA.
 """
 
 from __future__ import annotations

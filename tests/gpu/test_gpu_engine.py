@@ -1,7 +1,7 @@
 """GPU checks of the engine: the flash-attn backend against torch SDPA, bf16 greedy decoding
 against transformers on the same card, CUDA graphs on vs off, and the default model.
 
-Run on the GPU machine: ``python -m pytest tests/gpu -m gpu -q -s``. Skipped without CUDA.
+Run on a CUDA GPU: ``python -m pytest tests/gpu -m gpu -q -s``. Skipped without CUDA.
 
 bf16 and greedy decoding: two correct bf16 implementations round differently (other kernels,
 other summation orders), so their logits differ by a few bf16 ulps and greedy decoding may pick a
@@ -262,7 +262,7 @@ def test_bf16_greedy_matches_transformers(arch, tiny_model_factory, check_blocks
     model_dir, hf_cpu = tiny_model_factory(arch)
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512)
     check_blocks_freed(llm.engine)
-    assert llm.engine.runner.backend.name == "flash", "flash backend expected on the GPU machine"
+    assert llm.engine.runner.backend.name == "flash", "flash backend expected on CUDA with flash-attn-4 installed"
     hf = _hf_bf16(model_dir)
     prompts = _prompts(hf_cpu.config.vocab_size, seed=len(arch))
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))

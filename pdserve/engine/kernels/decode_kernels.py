@@ -298,8 +298,8 @@ def _decode_attention_kernel(
     # earlier kernel of this step wrote the new token: nothing is read before the wait.
     #
     # With SPLITS > 1 each program writes a partial output and its log-sum-exp for the merge
-    # kernel. (Merging in the last split to arrive, counted with atomics, measured 5 us per
-    # layer slower on H100: one program then reads every split's partial in turn.)
+    # kernel. (Merging in the last split to arrive, counted with atomics, was slower: one
+    # program then reads every split's partial in turn.)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)

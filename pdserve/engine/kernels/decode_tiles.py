@@ -20,10 +20,9 @@ def gemv_tile(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
     powers of two, at most MAX_SPLIT_K, each split keeping at least two steps of K) while the
     programs are fewer than the SMs, or fewer than two per SM where K exceeds N (the down
     projections: long reductions). Splitting costs the partials' round trip and the arrival
-    count, which only a long reduction earns back. Measured in the 1B decode step at batch 1
-    on H100 (2026-11-26, docs/benchmarks.md): splitting 8 x 512 down to two programs per SM
-    saved 33-42 us; splitting the o projection too cost about 20; 16 x 256 tiles
-    unsplit cost 160 us; the 8B step did not change."""
+    count, which only a long reduction earns back: in the 1B decode step at batch 1, splitting
+    the down projections pays and splitting the o projection too costs
+    (bench/decode_ablation.py; docs/benchmarks.md)."""
     block_n = 8 if -(-n // 8) <= 32 * num_sms else 16
     block_k = min(512 if block_n == 8 else 256, max(16, next_power_of_2(k)))
     tiles = -(-n // block_n)

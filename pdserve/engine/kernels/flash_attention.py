@@ -21,7 +21,7 @@ dynamic strides, so no copy is made. A view that broke that rule would be copied
 (`.contiguous()`) by flash-attn-4 on every call, which is correct but slow; we check the rule
 here once per cache view and warn loudly instead of letting that happen silently.
 
-Page size. Any block size works (tested 16 and 128 on H200). With block_size equal to the
+Page size. Any block size works (the GPU tests use 16 and 128). With block_size equal to the
 kernel's key tile (128 for head_dim <= 128 on Hopper) pages are loaded by TMA, whole: rows past
 a sequence's length in its last page are read and masked, so they must hold finite values (a
 NaN there would leak through P = 0 times NaN). The pool starts zeroed and only ever receives

@@ -1,10 +1,10 @@
 """Linear layers for CPU engines with their weights prepacked for oneDNN.
 
-`torch.nn.functional.linear` on CPU goes to an sgemm whose small-batch path is slow: on a
-2-core AVX-512 host a decode step's matmuls (1-8 rows) ran at 6-10 GB/s of weights, against
-20-32 GB/s for oneDNN's matmul on weights reordered once into its blocked layout (measured
-with `bench/engine.py --device cpu`; the LM head of the default model at 4 rows: 18.7 ms
-against 3.5 ms). Decode is a stream of weight reads, so that ratio is the step time.
+`torch.nn.functional.linear` on CPU goes to an sgemm whose small-batch path is slow: a decode
+step's matmuls (1-8 rows) read their weights at a fraction of the memory bandwidth, which
+oneDNN's matmul on weights reordered once into its blocked layout reaches
+(`bench/engine.py --device cpu`; docs/benchmarks.md). Decode is a stream of weight reads, so
+that ratio is the step time.
 
 `pack_linears` swaps every `nn.Linear` of a loaded model (and the LM head, tied or not) for a
 `PackedLinear` holding the reordered weight. The arithmetic is the same matmul in float32
