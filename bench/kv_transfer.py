@@ -87,6 +87,7 @@ from bench.report import cpu_name, markdown_table, write_json  # noqa: E402
 
 from kv_transfer.compat import KvLayout
 from kv_transfer.descriptors import coalesce, split_large
+from pdserve.engine.hashing import HASH_VERSION
 
 # Llama-3-8B KV shape, bf16, block_size 16 -> 2 MiB per block.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -110,6 +111,7 @@ def bench_layout() -> KvLayout:
         num_kv_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         block_size=BLOCK_SIZE,
+        hash_version=HASH_VERSION,
     )
 
 

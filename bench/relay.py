@@ -2,7 +2,7 @@
 
 A synthetic decode actor emits one token per stream per "engine step" at a fixed step rate,
 through the same outbox and `poll` method as `DecodeWorker`, while the router side drains it
-through `RayDecode.poll`, exactly as `Router._relay` does. Reported: tokens/s reaching the
+through `WorkerClient.poll` over a Ray actor, exactly as `Router._relay` does. Reported: tokens/s reaching the
 router, and the latency added between a token's creation in the actor and its arrival in the
 router (same host, same clock). The baseline is one Ray call per token, the naive design.
 
@@ -24,14 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from pdserve.cluster.ray_handles import RayDecode  # noqa: E402
+from pdserve.cluster.actors import ray_invoker  # noqa: E402
+from pdserve.cluster.worker_client import WorkerClient  # noqa: E402
+from pdserve_proto import worker_pb2  # noqa: E402
 
 
 class SyntheticDecode:
     """Produces updates like DecodeWorker._on_step; the token value is the step's index."""
 
     def __init__(self) -> None:
-        self._outbox: list[tuple[str, list[int], str]] = []
+        self._outbox: list[worker_pb2.TokenUpdate] = []
         self._cond = threading.Condition()
         self.step_times: list[float] = []
 
@@ -43,19 +45,19 @@ class SyntheticDecode:
                 now = time.time()
                 self.step_times.append(now)
                 with self._cond:
-                    self._outbox.extend((f"s{i}", [step], "") for i in range(streams))
+                    self._outbox.extend(worker_pb2.TokenUpdate(request_id=f"s{i}", token_ids=[step]) for i in range(streams))
                     self._cond.notify_all()
                 next_t += period
                 delay = next_t - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
             with self._cond:
-                self._outbox.append(("__end__", [], "length"))
+                self._outbox.append(worker_pb2.TokenUpdate(request_id="__end__", finish_reason="length"))
                 self._cond.notify_all()
 
         threading.Thread(target=loop, daemon=True).start()
 
-    def poll(self, wait_s: float, limit: int = 0) -> list[tuple[str, list[int], str]]:
+    def poll(self, wait_s: float, limit: int = 0) -> worker_pb2.TokenUpdates:
         with self._cond:
             if not self._outbox:
                 self._cond.wait(wait_s)
@@ -63,14 +65,14 @@ class SyntheticDecode:
                 out, self._outbox = self._outbox[:limit], self._outbox[limit:]
             else:
                 out, self._outbox = self._outbox, []
-        return out
+        return worker_pb2.TokenUpdates(updates=out)
 
     def times(self) -> list[float]:
         return self.step_times
 
 
 async def drain(actor, per_token: bool) -> tuple[int, list[float], float]:
-    handle = RayDecode("synthetic", actor)
+    handle = WorkerClient("synthetic", ray_invoker(actor))
     received, lat_steps = 0, []
     t0 = time.perf_counter()
     while True:
@@ -79,11 +81,11 @@ async def drain(actor, per_token: bool) -> tuple[int, list[float], float]:
         else:
             updates = await handle.poll(0.05, 5.0)
         now = time.time()
-        for rid, tokens, reason in updates:
-            if rid == "__end__":
+        for u in updates.updates:
+            if u.request_id == "__end__":
                 return received, lat_steps, time.perf_counter() - t0
-            received += len(tokens)
-            lat_steps.append((tokens[0], now))
+            received += len(u.token_ids)
+            lat_steps.append((u.token_ids[0], now))
 
 
 def measure(streams: int, step_rate: float, seconds: float, per_token: bool) -> dict:

@@ -2,7 +2,9 @@
 the prompt itself (`submit`: a colocated cluster, or a prompt short enough not to be worth a
 transfer).
 
-`start` matches the prompt's block hashes against this worker's own prefix cache, allocates
+`start` first checks the handle (protocol version and KV layout hash, `kv_transfer.compat`):
+a handle this worker cannot read is refused before any block is allocated or read. It then
+matches the prompt's block hashes against this worker's own prefix cache, allocates
 the rest, READs only the missing blocks from the producer (which then frees its copy), and puts
 the request into the running batch. Generated tokens are collected per engine step into an
 outbox that the router drains with `poll` — one call carries every request's tokens of one or
@@ -21,25 +23,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
-from kv_transfer.agent import KvTransferAgent, KvTransferError
-from pdserve.engine.block_manager import KvEventBatch
+from kv_transfer.compat import check_handle
+from kv_transfer.notice import pulled_notice
+from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import ImportPlan
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
-from pdserve_proto import inference_pb2, kv_pb2
+from pdserve_proto import inference_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
-
-PULLED = b"pulled:"
-
-# (request id, new token ids, finish reason or "")
-Update = tuple[str, list[int], str]
 
 
 @dataclass(frozen=True)
@@ -48,29 +46,12 @@ class DecodeConfig:
     transfer_attempts: int = 2  # then recompute the prompt locally
 
 
-@dataclass(frozen=True)
-class StartResult:
-    reused_tokens: int  # prompt tokens found in this worker's prefix cache
-    pulled_blocks: int
-    recomputed: bool  # the transfer failed and the prompt is prefilled here instead
-    transfer_bytes: int = 0
-    transfer_seconds: float = 0.0
-    transfer_retries: int = 0  # failed READs before the one that worked (or before recomputing)
-
-
-@dataclass(frozen=True)
-class SubmitResult:
-    # Prompt tokens this worker's prefix cache held when the request was added: what admission
-    # reuses unless the cache changes before the request's first step.
-    cached_prompt_tokens: int
-
-
 class DecodeWorker:
     def __init__(
         self,
         worker_id: str,
         engine: LLMEngine,
-        agent: KvTransferAgent,
+        agent: KvTransport,
         config: DecodeConfig = DecodeConfig(),
         tracer: trace.Tracer | None = None,
     ) -> None:
@@ -79,7 +60,7 @@ class DecodeWorker:
         self.agent = agent
         self.config = config
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
-        self._outbox: list[Update] = []
+        self._outbox: list[worker_pb2.TokenUpdate] = []
         self._outbox_ready = threading.Condition(threading.Lock())
         self.blocks_pulled = 0
         self.blocks_reused = 0
@@ -97,16 +78,18 @@ class DecodeWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        handle: kv_pb2.KvHandle,
+        prefilled: worker_pb2.PrefillResult,
         trace_context: TraceCarrier | None = None,
-    ) -> StartResult:
+    ) -> worker_pb2.DecodeStart:
+        """Take over a request prefilled elsewhere: pull the KV its handle names (or recompute
+        the prompt if the pull keeps failing) and decode on after its first token."""
         span = self._tracer.start_span(
             "pdserve.decode.import", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
-                        "pdserve.prefill_worker_id": handle.worker_id},
+                        "pdserve.prefill_worker_id": prefilled.handle.worker_id},
         )
         with span:
-            result = self._start(prompt_token_ids, params, request_id, handle, span)
+            result = self._start(prompt_token_ids, params, request_id, prefilled, span)
             span.set_attribute("pdserve.reused_tokens", result.reused_tokens)
             span.set_attribute("pdserve.pulled_blocks", result.pulled_blocks)
             span.set_attribute("pdserve.recomputed", result.recomputed)
@@ -118,7 +101,7 @@ class DecodeWorker:
         params: SamplingParams,
         request_id: str,
         trace_context: TraceCarrier | None = None,
-    ) -> SubmitResult:
+    ) -> worker_pb2.DecodeSubmit:
         """Prefill and decode a request here. Returns once it is queued in the engine; its
         tokens, the first included, come out through `poll`."""
         with self._tracer.start_span(
@@ -132,11 +115,18 @@ class DecodeWorker:
                 self.local_prefills += 1
             self.loop.wake()
             span.set_attribute("pdserve.cached_tokens", cached)
-        return SubmitResult(cached)
+        return worker_pb2.DecodeSubmit(cached_prompt_tokens=cached)
 
     def _start(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, handle: kv_pb2.KvHandle, span: trace.Span
-    ) -> StartResult:
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prefilled: worker_pb2.PrefillResult,
+        span: trace.Span,
+    ) -> worker_pb2.DecodeStart:
+        handle = prefilled.handle
+        check_handle(handle, self.agent.compat_hash)  # before a block is allocated or a byte read
         margin = handle.lease_deadline - time.time()
         if margin < self.config.transfer_timeout_s:
             raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
@@ -144,7 +134,7 @@ class DecodeWorker:
             plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
             self._importing.add(request_id)
         try:
-            return self._pull_and_commit(prompt_token_ids, params, request_id, handle, plan, span)
+            return self._pull_and_commit(prompt_token_ids, params, request_id, prefilled, plan, span)
         finally:
             with self.loop.lock:
                 self._importing.discard(request_id)
@@ -157,10 +147,11 @@ class DecodeWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        handle: kv_pb2.KvHandle,
+        prefilled: worker_pb2.PrefillResult,
         plan: ImportPlan,
         span: trace.Span,
-    ) -> StartResult:
+    ) -> worker_pb2.DecodeStart:
+        handle = prefilled.handle
         remote = [handle.block_ids[i] for i in plan.pull_indices]
         local = [plan.block_ids[i] for i in plan.pull_indices]
         parent = trace.set_span_in_context(span)
@@ -172,7 +163,7 @@ class DecodeWorker:
             ) as xfer:
                 try:
                     stats = self.agent.read(
-                        handle.agent_name, remote, local, PULLED + request_id.encode(), self.config.transfer_timeout_s
+                        handle.agent_name, remote, local, pulled_notice(request_id), self.config.transfer_timeout_s
                     )
                 except KvTransferError as exc:
                     self.transfer_failures += 1
@@ -187,9 +178,15 @@ class DecodeWorker:
                 })
                 break
         else:
-            return replace(self._recompute(prompt_token_ids, params, request_id, handle.first_token), transfer_retries=retries)
-        done = StartResult(
-            plan.num_reused_tokens, stats.num_blocks, False, stats.num_bytes, stats.seconds, retries
+            self._recompute(prompt_token_ids, params, request_id, prefilled.first_token)
+            return worker_pb2.DecodeStart(recomputed=True, transfer_retries=retries)
+        done = worker_pb2.DecodeStart(
+            reused_tokens=plan.num_reused_tokens,
+            pulled_blocks=stats.num_blocks,
+            recomputed=False,
+            transfer_bytes=stats.num_bytes,
+            transfer_seconds=stats.seconds,
+            transfer_retries=retries,
         )
         with self.loop.lock:
             if request_id in self._cancelled:
@@ -198,13 +195,11 @@ class DecodeWorker:
             self.blocks_reused += len(plan.block_ids) - len(plan.pull_indices)
             self.bytes_pulled += stats.num_bytes
             self.transfers += 1
-            self.engine.commit_import(request_id, handle.first_token)
+            self.engine.commit_import(request_id, prefilled.first_token)
         self.loop.wake()
         return done
 
-    def _recompute(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, first_token: int
-    ) -> StartResult:
+    def _recompute(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, first_token: int) -> None:
         # The first token was already sent to the client: continue after it.
         with self.loop.lock:
             self.engine.abort(request_id)
@@ -214,7 +209,6 @@ class DecodeWorker:
                 request_id
             )
         self.loop.wake()
-        return StartResult(0, 0, True)
 
     def abort(self, request_id: str) -> bool:
         with self.loop.lock:
@@ -224,21 +218,22 @@ class DecodeWorker:
                 return True
             return self.engine.abort(request_id)
 
-    def poll(self, timeout_s: float) -> list[Update]:
+    def poll(self, timeout_s: float) -> worker_pb2.TokenUpdates:
         """Every update since the last poll; waits up to timeout_s for the first one."""
         with self._outbox_ready:
             if not self._outbox:
                 self._outbox_ready.wait(timeout_s)
             out, self._outbox = self._outbox, []
-        return out
+        return worker_pb2.TokenUpdates(updates=out)
 
-    def kv_events(self, wait_s: float, full: bool = False) -> KvEventBatch:
+    def kv_events(self, wait_s: float, full: bool = False) -> worker_pb2.KvEventBatch:
         """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
         `full` a snapshot of every cached block hash; the batch also carries the KV headroom."""
         if not full:
             self._kv_events.wait(wait_s)
         with self.loop.lock:
-            return self.engine.blocks.drain_events(full)
+            batch = self.engine.blocks.drain_events(full)
+        return worker_pb2.KvEventBatch(**asdict(batch))
 
     def stats(self) -> inference_pb2.WorkerStats:
         with self.loop.lock:
@@ -256,7 +251,12 @@ class DecodeWorker:
         self.loop.stop()
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:
-        updates = [(o.request_id, o.new_token_ids, (o.finish_reason or "") if o.finished else "") for o in outputs]
+        updates = [
+            worker_pb2.TokenUpdate(
+                request_id=o.request_id, token_ids=o.new_token_ids, finish_reason=(o.finish_reason or "") if o.finished else ""
+            )
+            for o in outputs
+        ]
         with self._outbox_ready:
             self._outbox.extend(updates)
             self._outbox_ready.notify_all()

@@ -1,4 +1,5 @@
-"""A worker's NIXL agent: its KV pool registered once, READs of block lists from other workers.
+"""A worker's NIXL agent, the `KvTransport` of every real worker: its KV pool registered once,
+READs of block lists from other workers.
 
 The pool is registered as one region at start-up. A read turns block ids into descriptors of
 contiguous runs (one per run of consecutive ids on both sides, split so several are in flight),
@@ -15,34 +16,18 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
 from kv_transfer.descriptors import coalesce, split_large
+from kv_transfer.transport import KvTransferError, TransferStats
 from pdserve_proto import kv_pb2
 
 log = logging.getLogger(__name__)
 
 # Runs longer than this are split so that UCX can work on several descriptors at once.
 MAX_BLOCKS_PER_DESCRIPTOR = 256
-
-
-class KvTransferError(RuntimeError):
-    """A READ failed or did not finish before its deadline."""
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    num_blocks: int
-    num_bytes: int
-    num_descriptors: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def _nixl_api():
@@ -62,6 +47,8 @@ def _nixl_api():
 
 
 class KvTransferAgent:
+    """The NIXL implementation of `kv_transfer.transport.KvTransport`."""
+
     def __init__(
         self, worker_id: str, pool: torch.Tensor, layout: KvLayout, progress_thread: bool = False
     ) -> None:

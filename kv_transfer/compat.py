@@ -1,19 +1,18 @@
-"""What two workers must agree on before one reads the other's KV blocks."""
+"""What two workers must agree on before one reads the other's KV blocks: checked when they
+connect, and again on every handle before a byte is read. Plain layout numbers only: the
+composition root fills them in from the engine's model config."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.hashing import HASH_VERSION
+from pdserve_proto import kv_pb2
 
 # Bumped whenever the handle, the pool layout or the block hash changes meaning.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 POOL_LAYOUT = "block-major[block,layer,kv,token,head,dim]"
 
 
@@ -31,7 +30,7 @@ class KvLayout:
     block_size: int
     layout: str = POOL_LAYOUT
     protocol_version: int = PROTOCOL_VERSION
-    hash_version: int = HASH_VERSION
+    hash_version: int = field(kw_only=True)  # of the block hash (pdserve.engine.hashing.HASH_VERSION)
 
     def compat_hash(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
@@ -58,12 +57,11 @@ def model_fingerprint(model_dir: str) -> str:
     return f"{path.name}:{hashlib.sha256(config).hexdigest()[:16]}"
 
 
-def layout_for(model_config: ModelConfig, model_dir: str, dtype: torch.dtype, block_size: int) -> KvLayout:
-    return KvLayout(
-        model=model_fingerprint(model_dir),
-        dtype=str(dtype).removeprefix("torch."),
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=block_size,
-    )
+def check_handle(handle: kv_pb2.KvHandle, local_compat_hash: str) -> None:
+    """Refuse a handle this worker cannot read: another protocol, or another KV layout."""
+    if handle.protocol_version != PROTOCOL_VERSION:
+        raise KvCompatError(
+            f"protocol_version: the KV handle of {handle.request_id} from {handle.worker_id!r} speaks "
+            f"{handle.protocol_version}, this worker {PROTOCOL_VERSION}"
+        )
+    check_compatible(local_compat_hash, handle.compat_hash, handle.worker_id)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve_proto/kv.proto\x12\npdserve.v1\"\xaa\x02\n\x08KvHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x08 \x01(\r\x12\x16\n\x0elease_deadline\x18\t \x01(\x01\x12\x13\n\x0b\x63ompat_hash\x18\n \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\r\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\x12\x15\n\rqueue_seconds\x18\r \x01(\x01\"\xe2\x01\n\x0bKvAgentInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x14\n\x0cpool_address\x18\x06 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x13\n\x0bmemory_type\x18\n \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve_proto/kv.proto\x12\npdserve.v1\"\xe1\x01\n\x08KvHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x16\n\x0elease_deadline\x18\t \x01(\x01\x12\x13\n\x0b\x63ompat_hash\x18\n \x01(\tJ\x04\x08\x08\x10\tJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"\xe2\x01\n\x0bKvAgentInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x14\n\x0cpool_address\x18\x06 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x13\n\x0bmemory_type\x18\n \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_proto.kv_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHANDLE']._serialized_start=39
-  _globals['_KVHANDLE']._serialized_end=337
-  _globals['_KVAGENTINFO']._serialized_start=340
-  _globals['_KVAGENTINFO']._serialized_end=566
+  _globals['_KVHANDLE']._serialized_end=264
+  _globals['_KVAGENTINFO']._serialized_start=267
+  _globals['_KVAGENTINFO']._serialized_end=493
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvHandle(_message.Message):
-    __slots__ = ("protocol_version", "request_id", "worker_id", "agent_name", "block_ids", "block_hashes", "num_tokens", "first_token", "lease_deadline", "compat_hash", "cached_prompt_tokens", "finish_reason", "queue_seconds")
+    __slots__ = ("protocol_version", "request_id", "worker_id", "agent_name", "block_ids", "block_hashes", "num_tokens", "lease_deadline", "compat_hash")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -15,12 +15,8 @@ class KvHandle(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
-    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     request_id: str
     worker_id: str
@@ -28,13 +24,9 @@ class KvHandle(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    first_token: int
     lease_deadline: float
     compat_hash: str
-    cached_prompt_tokens: int
-    finish_reason: str
-    queue_seconds: float
-    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., compat_hash: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
 class KvAgentInfo(_message.Message):
     __slots__ = ("protocol_version", "worker_id", "agent_name", "agent_metadata", "compat_hash", "pool_address", "block_bytes", "num_blocks", "device_id", "memory_type")

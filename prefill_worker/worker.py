@@ -1,7 +1,7 @@
 """The prefill worker: runs prompts to their first token and lends out their KV blocks.
 
 A finished prefill stays pinned in the engine under a lease. The decode worker that pulls the
-blocks sends a NIXL notification ``pulled:<request id>``; the lease ends and the blocks are freed
+blocks sends a ``pulled`` notice (`kv_transfer.notice`); the lease ends and the blocks are freed
 (they stay in the prefix cache). If nobody pulls before the deadline, the lease expires and the
 blocks are freed anyway, counted in ``lease_expiries``.
 """
@@ -13,24 +13,22 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
-from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import PROTOCOL_VERSION
-from pdserve.engine.block_manager import KvEventBatch
+from kv_transfer.notice import pulled_request
+from kv_transfer.transport import KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
-from pdserve_proto import inference_pb2, kv_pb2
+from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 from prefill_worker.leases import LeaseTable
 
 log = logging.getLogger(__name__)
-
-PULLED = b"pulled:"
 
 
 class PrefillCancelled(RuntimeError):
@@ -47,7 +45,7 @@ class PrefillWorker:
         self,
         worker_id: str,
         engine: LLMEngine,
-        agent: KvTransferAgent,
+        agent: KvTransport,
         config: PrefillConfig = PrefillConfig(),
         clock: Callable[[], float] = time.time,
         tracer: trace.Tracer | None = None,
@@ -76,7 +74,7 @@ class PrefillWorker:
         request_id: str,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
-    ) -> kv_pb2.KvHandle:
+    ) -> worker_pb2.PrefillResult:
         span = self._tracer.start_span(
             "pdserve.prefill.worker", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
@@ -86,7 +84,7 @@ class PrefillWorker:
             pinned, queue_s = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span)
             span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
-        return kv_pb2.KvHandle(
+        handle = kv_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,
             request_id=request_id,
             worker_id=self.worker_id,
@@ -94,11 +92,14 @@ class PrefillWorker:
             block_ids=pinned.block_ids,
             block_hashes=pinned.block_hashes,
             num_tokens=pinned.num_tokens,
-            first_token=pinned.first_token,
             lease_deadline=self._lease_deadline(request_id),
             compat_hash=self.agent.compat_hash,
-            cached_prompt_tokens=pinned.num_cached_tokens,
+        )
+        return worker_pb2.PrefillResult(
+            handle=handle,
+            first_token=pinned.first_token,
             finish_reason=pinned.finish_reason or "",
+            cached_prompt_tokens=pinned.num_cached_tokens,
             queue_seconds=queue_s,
         )
 
@@ -152,13 +153,14 @@ class PrefillWorker:
                 **self.engine.load_stats(),
             )
 
-    def kv_events(self, wait_s: float, full: bool = False) -> KvEventBatch:
+    def kv_events(self, wait_s: float, full: bool = False) -> worker_pb2.KvEventBatch:
         """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
         `full` a snapshot of every cached block hash."""
         if not full:
             self._kv_events.wait(wait_s)
         with self.loop.lock:
-            return self.engine.blocks.drain_events(full)
+            batch = self.engine.blocks.drain_events(full)
+        return worker_pb2.KvEventBatch(**asdict(batch))
 
     def load(self) -> int:
         s = self.engine.scheduler
@@ -189,10 +191,9 @@ class PrefillWorker:
                     self._started_at[rid] = max(queued, self._last_turn_ns)
         self._last_turn_ns = now
         for msg in self.agent.notifications():
-            if msg.startswith(PULLED):
-                rid = msg[len(PULLED):].decode()
-                if self._leases.end(rid):
-                    self.engine.release(rid)
+            rid = pulled_request(msg)
+            if rid is not None and self._leases.end(rid):
+                self.engine.release(rid)
         for rid in self._leases.expired(self._clock()):
             self.lease_expiries += 1
             log.warning("lease of %s expired before its KV was pulled; freeing its blocks", rid)

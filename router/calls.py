@@ -13,9 +13,9 @@ from opentelemetry import trace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import carrier_of
 from pdserve.telemetry.metrics import RouterMetrics
-from pdserve_proto import kv_pb2
+from pdserve_proto import worker_pb2
 from router.config import RouterConfig
-from router.handles import DecodeStart, DecodeSubmit, RouterError
+from router.handles import RouterError
 from router.inflight import InFlight
 from router.policy import PrefillPolicy
 
@@ -29,7 +29,7 @@ class WorkerCalls:
         self.metrics = metrics
         self.prefill_policy = prefill_policy
 
-    async def prefill(self, r: InFlight) -> kv_pb2.KvHandle:
+    async def prefill(self, r: InFlight) -> worker_pb2.PrefillResult:
         """The prefill call; the prefill pool learns what the worker really computed."""
         assert r.prefill is not None and r.p_at is not None
         span = self.tracer.start_span("pdserve.prefill", context=r.ctx, kind=trace.SpanKind.CLIENT,
@@ -51,7 +51,7 @@ class WorkerCalls:
         self.metrics.prefill_queue.observe(handle.queue_seconds)
         return handle
 
-    async def start(self, r: InFlight, handle: kv_pb2.KvHandle) -> DecodeStart:
+    async def start(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
         """Hand the KV over to the decode worker (it READs the missing blocks) and record the transfer."""
         span = self.tracer.start_span("pdserve.decode.start", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.d_at.worker})
@@ -75,7 +75,7 @@ class WorkerCalls:
             m.recomputes.inc()
         return start
 
-    async def submit(self, r: InFlight, ids: list[int], params: SamplingParams) -> DecodeSubmit:
+    async def submit(self, r: InFlight, ids: list[int], params: SamplingParams) -> worker_pb2.DecodeSubmit:
         """Put the whole request on its decode worker, to prefill `ids` there and decode."""
         span = self.tracer.start_span("pdserve.decode.submit", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.d_at.worker})

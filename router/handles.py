@@ -1,6 +1,7 @@
 """How the router talks to workers, whatever hosts them (Ray actors, or objects in this process).
 
-Every method is async and takes a deadline; implementations turn worker-side failures into
+The two Protocols speak worker.proto's messages only (`pdserve_proto.worker_pb2`); one adapter
+implements both for every host (`pdserve.cluster.worker_client.WorkerClient`). Every method is async and takes a deadline; implementations turn worker-side failures into
 `RouterError`s with the gRPC status the client should see. `prefill` and `start` also take the
 W3C trace context of the router's span (`trace_context`), passed only when tracing is on;
 so does `submit`, which hands a whole request to a decode worker to prefill itself.
@@ -8,15 +9,13 @@ so does `submit`, which hands a whole request to a decode worker to prefill itse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
-from pdserve.engine.block_manager import KvEventBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier
-from pdserve_proto import inference_pb2, kv_pb2
+from pdserve_proto import inference_pb2, worker_pb2
 
 
 class RouterError(Exception):
@@ -31,25 +30,6 @@ class RouterError(Exception):
         self.worker_failed = worker_failed
 
 
-@dataclass(frozen=True)
-class DecodeStart:
-    reused_tokens: int
-    pulled_blocks: int
-    recomputed: bool
-    transfer_bytes: int = 0
-    transfer_seconds: float = 0.0
-    transfer_retries: int = 0
-
-
-@dataclass(frozen=True)
-class DecodeSubmit:
-    cached_prompt_tokens: int  # prompt tokens the decode worker's prefix cache held when it took the request
-
-
-# (request id, new token ids, finish reason or "")
-Update = tuple[str, list[int], str]
-
-
 class PrefillHandle(Protocol):
     worker_id: str
 
@@ -60,7 +40,7 @@ class PrefillHandle(Protocol):
         request_id: str,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
-    ) -> kv_pb2.KvHandle: ...
+    ) -> worker_pb2.PrefillResult: ...
 
     async def release(self, request_id: str, timeout_s: float) -> None: ...
 
@@ -68,7 +48,7 @@ class PrefillHandle(Protocol):
 
     # The worker's prefix-cache changes (long-poll up to wait_s; `full`: a snapshot). Optional:
     # a handle without it is placed by the ring and load alone, and never health-checked.
-    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch: ...
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> worker_pb2.KvEventBatch: ...
 
 
 class DecodeHandle(Protocol):
@@ -79,10 +59,10 @@ class DecodeHandle(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-        handle: kv_pb2.KvHandle,
+        prefilled: worker_pb2.PrefillResult,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
-    ) -> DecodeStart: ...
+    ) -> worker_pb2.DecodeStart: ...
 
     # Prefill and decode the whole request on this worker (colocated serving, or a prompt short
     # enough for conditional disaggregation to keep it here). Returns once the worker has queued
@@ -94,12 +74,13 @@ class DecodeHandle(Protocol):
         request_id: str,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
-    ) -> DecodeSubmit: ...
+    ) -> worker_pb2.DecodeSubmit: ...
 
     async def abort(self, request_id: str, timeout_s: float) -> None: ...
 
-    async def poll(self, wait_s: float, timeout_s: float) -> list[Update]: ...
+    # Every token update since the last poll (long-poll up to wait_s).
+    async def poll(self, wait_s: float, timeout_s: float) -> worker_pb2.TokenUpdates: ...
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats: ...
 
-    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch: ...
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> worker_pb2.KvEventBatch: ...

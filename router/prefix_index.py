@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import KvEventBatch
+from pdserve_proto.worker_pb2 import KvEventBatch
 
 
 @dataclass

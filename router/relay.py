@@ -51,10 +51,10 @@ class TokenRelay:
                     self.lose_streams(decode.worker_id, f"decode worker {decode.worker_id} stopped answering ({exc})")
                 await asyncio.sleep(min(0.05 * failures, 1.0))
                 continue
-            for rid, tokens, reason in updates:
-                stream = self.streams.get(rid)
+            for u in updates.updates:
+                stream = self.streams.get(u.request_id)
                 if stream is not None and stream.worker == decode.worker_id:
-                    stream.queue.put_nowait((tokens, reason))
+                    stream.queue.put_nowait((list(u.token_ids), u.finish_reason))
 
     def lose_streams(self, worker: str, message: str) -> None:
         """Every stream served by `worker` moves to another decode worker."""

@@ -32,8 +32,6 @@ class ServeConfig:
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0
-    # Fault injection for tests: a decode worker's KV reads fail this many times first.
-    inject_read_failures: int = 0
     placement: PlacementConfig = PlacementConfig()  # how the router places requests
     tracing: TracingConfig = TracingConfig()  # off by default; every process of the cluster uses it
     metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)

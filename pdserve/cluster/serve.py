@@ -15,10 +15,10 @@ import grpc
 import ray
 from aiohttp import web
 
-from pdserve.cluster.actors import remote_classes
+from pdserve.cluster.actors import ray_invoker, remote_class
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.observability import RouterTelemetry
-from pdserve.cluster.ray_handles import RayDecode, RayPrefill
+from pdserve.cluster.worker_client import WorkerClient
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.models.resolve import resolve_device, resolve_model
@@ -72,15 +72,15 @@ class Cluster:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             _init_ray(cfg.ray_address)
-        prefill_cls, decode_cls = remote_classes(num_gpus=1 if device.startswith("cuda") else 0)
+        actor_cls = remote_class(num_gpus=1 if device.startswith("cuda") else 0)
         # Ray assigns each actor its own GPU; inside the actor it is cuda:0.
         worker_cfg = replace(cfg, device="cuda" if device.startswith("cuda") else device)
         prefills = [
-            prefill_cls.options(name=f"pdserve-prefill-{i}", namespace=NAMESPACE).remote(f"prefill-{i}", worker_cfg)
+            actor_cls.options(name=f"pdserve-prefill-{i}", namespace=NAMESPACE).remote("prefill", f"prefill-{i}", worker_cfg)
             for i in range(cfg.num_prefill)
         ]
         decodes = [
-            decode_cls.options(name=f"pdserve-decode-{i}", namespace=NAMESPACE).remote(f"decode-{i}", worker_cfg)
+            actor_cls.options(name=f"pdserve-decode-{i}", namespace=NAMESPACE).remote("decode", f"decode-{i}", worker_cfg)
             for i in range(cfg.num_decode)
         ]
         actors = [*prefills, *decodes]
@@ -110,8 +110,8 @@ class Cluster:
             router = Router(
                 router_cfg,
                 load_tokenizer(model_dir),
-                [RayPrefill(i.worker_id, a) for i, a in zip(p_infos, prefills)],
-                [RayDecode(i.worker_id, a) for i, a in zip(d_infos, decodes)],
+                [WorkerClient(i.worker_id, ray_invoker(a)) for i, a in zip(p_infos, prefills)],
+                [WorkerClient(i.worker_id, ray_invoker(a)) for i, a in zip(d_infos, decodes)],
                 tracer=telemetry.tracing.tracer,
                 metrics=telemetry.metrics,
             )
@@ -139,21 +139,20 @@ class Cluster:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: {role!r} is neither prefill nor decode")
         gpu = self.cfg.device.startswith("cuda")
-        prefill_cls, decode_cls = remote_classes(num_gpus=1 if gpu else 0)
+        actor_cls = remote_class(num_gpus=1 if gpu else 0)
         taken = {int(w.rsplit("-", 1)[1]) for w in (*self._workers, *self._retired) if w.startswith(role + "-")}
         worker_id = f"{role}-{max(taken, default=-1) + 1}"
         worker_cfg = replace(self.cfg, device="cuda" if gpu else self.cfg.device)
-        cls = prefill_cls if role == "prefill" else decode_cls
-        actor = cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE).remote(worker_id, worker_cfg)
+        actor = actor_cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE).remote(role, worker_id, worker_cfg)
         try:
             info = await within(actor.agent_info.remote(), self.cfg.startup_timeout_s)
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
             links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
             await within(asyncio.gather(*links), 60)
             if role == "prefill":
-                await self.router.add_prefill(RayPrefill(worker_id, actor))
+                await self.router.add_prefill(WorkerClient(worker_id, ray_invoker(actor)))
             else:
-                await self.router.add_decode(RayDecode(worker_id, actor))
+                await self.router.add_decode(WorkerClient(worker_id, ray_invoker(actor)))
         except BaseException:
             ray.kill(actor)
             raise

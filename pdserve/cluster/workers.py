@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from opentelemetry import trace
 
 from decode_worker.worker import DecodeConfig, DecodeWorker
-from kv_transfer.agent import KvTransferAgent, KvTransferError, TransferStats
-from kv_transfer.compat import layout_for
+from kv_transfer.agent import KvTransferAgent
+from kv_transfer.compat import KvLayout, model_fingerprint
+from kv_transfer.transport import KvTransport
 from pdserve.cluster.config import ServeConfig
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.hashing import HASH_VERSION
 from pdserve.models.resolve import resolve_device, resolve_dtype, resolve_model
 from prefill_worker.worker import PrefillConfig, PrefillWorker
 
 log = logging.getLogger(__name__)
+
+# Fault injection for tests: wraps a worker's transport (drop, delay or fail reads).
+WrapTransport = Callable[[KvTransport], KvTransport]
 
 
 def cpu_threads_per_worker(cfg: ServeConfig, cores: int) -> int:
@@ -51,41 +57,42 @@ def build_engine(cfg: ServeConfig, role: Role) -> LLMEngine:
     )
 
 
+def kv_layout(engine: LLMEngine) -> KvLayout:
+    """The engine's KV pool layout in the plain numbers two workers compare."""
+    c, mc = engine.cfg, engine.model_config
+    return KvLayout(
+        model=model_fingerprint(c.model),
+        dtype=str(c.dtype).removeprefix("torch."),
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=c.block_size,
+        hash_version=HASH_VERSION,
+    )
+
+
 def build_agent(worker_id: str, engine: LLMEngine) -> KvTransferAgent:
-    c = engine.cfg
-    layout = layout_for(engine.model_config, c.model, c.dtype, c.block_size)
-    return KvTransferAgent(worker_id, engine.runner.kv_pool, layout)
+    return KvTransferAgent(worker_id, engine.runner.kv_pool, kv_layout(engine))
 
 
-def build_prefill(worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None) -> PrefillWorker:
+def build_prefill(
+    worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None, wrap_transport: WrapTransport | None = None
+) -> PrefillWorker:
     engine = build_engine(cfg, "prefill")
-    agent = build_agent(worker_id, engine)
-    return PrefillWorker(worker_id, engine, agent, PrefillConfig(lease_s=cfg.lease_s), tracer=tracer)
+    transport: KvTransport = build_agent(worker_id, engine)
+    if wrap_transport is not None:
+        transport = wrap_transport(transport)
+    return PrefillWorker(worker_id, engine, transport, PrefillConfig(lease_s=cfg.lease_s), tracer=tracer)
 
 
-class _FailingReads:
-    """Fault injection: the first `n` reads fail as a broken link would."""
-
-    def __init__(self, agent: KvTransferAgent, n: int) -> None:
-        self._agent = agent
-        self._left = n
-
-    def read(self, *args, **kwargs) -> TransferStats:
-        if self._left > 0:
-            self._left -= 1
-            raise KvTransferError("injected transfer failure")
-        return self._agent.read(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._agent, name)
-
-
-def build_decode(worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None) -> DecodeWorker:
+def build_decode(
+    worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None, wrap_transport: WrapTransport | None = None
+) -> DecodeWorker:
     engine = build_engine(cfg, "decode")
-    agent = build_agent(worker_id, engine)
-    if cfg.inject_read_failures:
-        agent = _FailingReads(agent, cfg.inject_read_failures)  # type: ignore[assignment]
-    return DecodeWorker(worker_id, engine, agent, DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s), tracer)
+    transport: KvTransport = build_agent(worker_id, engine)
+    if wrap_transport is not None:
+        transport = wrap_transport(transport)
+    return DecodeWorker(worker_id, engine, transport, DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s), tracer)
 
 
 def link_self_test(decode: DecodeWorker, prefill_agent_name: str) -> float:

@@ -82,44 +82,153 @@ def cancel_after_three_chunks_frees_every_block(channel: grpc.Channel) -> None:
 
 
 class InProcessCluster:
-    """One prefill and one decode worker in this process (real engines, real NIXL), the router
-    on local handles and its gRPC server."""
+    """Prefill and decode workers in this process (real engines, real NIXL), the router on
+    `WorkerClient`s over local invokers, and (`serve`) its gRPC server on a free port.
 
-    def __init__(self, loop_thread: LoopThread, model_dir: Any, cfg: Any, router_overrides: dict | None = None) -> None:
+    Fault seams: `wrap_transport` wraps each decode worker's KV transport (tests/cluster/
+    transport_double.py); `wrap_client(client, role)` wraps the router's client of a worker;
+    `kill(worker_id)` stops a worker and makes every later call to it fail as a dead Ray actor's
+    does (the invoker raises `WorkerUnreachable`)."""
+
+    def __init__(
+        self,
+        loop_thread: LoopThread,
+        model_dir: Any,
+        cfg: Any,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        router_overrides: dict | None = None,
+        tracer: Any = None,
+        metrics: Any = None,
+        wrap_transport: Callable[[Any], Any] | None = None,
+        wrap_client: Callable[[Any, str], Any] | None = None,
+        serve: bool = True,
+    ) -> None:
+        from pdserve.cluster.worker_client import WorkerClient
         from pdserve.cluster.workers import build_decode, build_prefill
         from pdserve.engine.config import ModelConfig
         from pdserve.engine.detokenizer import load_tokenizer
         from router.grpc_server import start_grpc_server
-        from router.local_handles import LocalDecode, LocalPrefill
         from router.router import Router, RouterConfig
 
         self.loop_thread = loop_thread
-        self.prefill = build_prefill("prefill-0", cfg)
-        self.decode = build_decode("decode-0", cfg)
-        self.decode.agent.connect(self.prefill.agent.info())
-        self.prefill.agent.connect(self.decode.agent.info())
+        self.prefill_workers = [build_prefill(f"prefill-{i}", cfg, tracer) for i in range(num_prefill)]
+        self.decode_workers = [build_decode(f"decode-{i}", cfg, tracer, wrap_transport) for i in range(num_decode)]
+        for d in self.decode_workers:
+            for p in self.prefill_workers:
+                d.agent.connect(p.agent.info())
+                p.agent.connect(d.agent.info())
+        self.dead: set[str] = set()
+        wrap = wrap_client or (lambda client, role: client)
+        self.prefills = [wrap(WorkerClient(w.worker_id, self._invoker(w)), "prefill") for w in self.prefill_workers]
+        self.decodes = [wrap(WorkerClient(w.worker_id, self._invoker(w)), "decode") for w in self.decode_workers]
         mc = ModelConfig.from_dir(model_dir)
         rc = RouterConfig(model_id=model_dir.name, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size, **(router_overrides or {}))
-        self.router = Router(rc, load_tokenizer(model_dir), [LocalPrefill(self.prefill)], [LocalDecode(self.decode)])
+        self.router = Router(rc, load_tokenizer(model_dir), self.prefills, self.decodes, tracer, metrics)
+        self.server: Any = None
+        self.channel: Any = None
+        self._closed = False
 
-        async def start():
+        async def start() -> Any:
             await self.router.start()
-            return await start_grpc_server(self.router, "127.0.0.1", 0)
+            return await start_grpc_server(self.router, "127.0.0.1", 0) if serve else None
 
-        self.server, port = loop_thread.run(start())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        served = loop_thread.run(start())
+        if served is not None:
+            self.server, port = served
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+    @property
+    def prefill(self) -> Any:
+        return self.prefill_workers[0]
+
+    @property
+    def decode(self) -> Any:
+        return self.decode_workers[0]
+
+    def _invoker(self, worker: Any) -> Callable[..., Any]:
+        from pdserve.cluster.worker_client import WorkerUnreachable, local_invoker
+
+        invoke = local_invoker(worker)
+
+        def call(name: str, *args: Any) -> Any:
+            if worker.worker_id in self.dead:
+                raise WorkerUnreachable(f"ActorDiedError: {worker.worker_id} was killed by the test")
+            return invoke(name, *args)
+
+        return call
+
+    def kill(self, worker_id: str) -> None:
+        worker = next(w for w in (*self.prefill_workers, *self.decode_workers) if w.worker_id == worker_id)
+        self.dead.add(worker_id)
+        worker.close()
+
+    def generate(self, ids: list[int], params: inference_pb2.SamplingParams, on_chunk: Any = None) -> list[int]:
+        """The request's tokens through the router (no gRPC); `on_chunk(tokens so far)` after each chunk."""
+
+        async def run() -> list[int]:
+            tokens: list[int] = []
+            async for chunk in self.router.generate(inference_pb2.GenerateRequest(prompt_token_ids=ids, sampling_params=params)):
+                tokens += chunk.token_ids
+                if on_chunk is not None:
+                    on_chunk(len(tokens))
+            return tokens
+
+        return self.loop_thread.run(run(), timeout=300)
+
+    def blocks_in_use(self) -> int:
+        return sum(w.stats().kv_blocks_in_use for w in (*self.prefill_workers, *self.decode_workers))
 
     def close(self) -> None:
-        self.channel.close()
+        if self._closed:
+            return
+        self._closed = True
+        if self.channel is not None:
+            self.channel.close()
 
-        async def stop():
-            await self.server.stop(1)
+        async def stop() -> None:
+            if self.server is not None:
+                await self.server.stop(1)
             await self.router.drain_cleanups()
             await self.router.stop()
 
         self.loop_thread.run(stop())
-        self.prefill.close()
-        self.decode.close()
+        for w in (*self.prefill_workers, *self.decode_workers):
+            w.close()
+
+
+@pytest.fixture(scope="module")
+def start_in_process(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callable[..., InProcessCluster]]:
+    """Starts in-process clusters of the default model (CPU, float32, 128 KV blocks per worker
+    unless `cfg` says otherwise; keyword arguments as `InProcessCluster`'s). Each is closed
+    when the module ends, unless the test closed it first."""
+    from pdserve.cluster.config import ServeConfig
+
+    built: list[InProcessCluster] = []
+
+    def start(cfg: Any = None, **kw: Any) -> InProcessCluster:
+        cfg = cfg or ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128)
+        c = InProcessCluster(loop_thread, model_dir, cfg, **kw)
+        built.append(c)
+        return c
+
+    yield start
+    for c in built:
+        c.close()
+
+
+@pytest.fixture(scope="session")
+def wait_until() -> Callable[[Callable[[], bool], float, str], None]:
+    """`wait_until(condition, timeout, what)`: poll until true, else fail naming `what`."""
+    return wait_for
+
+
+@pytest.fixture(scope="session")
+def faulty_transport() -> Any:
+    """The transport test double's class, for `wrap_transport=lambda t: faulty_transport(t, ...)`."""
+    from tests.cluster.transport_double import FaultyTransport
+
+    return FaultyTransport
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from router.policy import PlacementConfig
-from tests.cluster.conftest import InProcessCluster, LoopThread, all_blocks_free, cancel_after_three_chunks_frees_every_block, greedy, wait_for
+from tests.cluster.conftest import LoopThread, all_blocks_free, cancel_after_three_chunks_frees_every_block, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -112,9 +112,8 @@ def test_a_colocated_cluster_grows_a_prefill_pool_and_shrinks_back(loop_thread, 
 
 
 @pytest.fixture(scope="module")
-def conditional(loop_thread: LoopThread, model_dir: Any) -> Iterator[InProcessCluster]:
-    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128)
-    c = InProcessCluster(loop_thread, model_dir, cfg, {"placement": PlacementConfig(max_local_prefill_tokens=32)})
+def conditional(start_in_process: Any) -> Iterator[Any]:
+    c = start_in_process(router_overrides={"placement": PlacementConfig(max_local_prefill_tokens=32)})
     yield c
     c.close()
 

@@ -1,68 +1,131 @@
 """Faults, with real workers in this process (real engines, real NIXL, real gRPC): transfer
-failures, lease expiry, a full cluster, incompatible KV layouts. Faults come in through seams
-the code owns: the decode worker's transfer agent wrapper and the prefill worker's clock."""
+failures, lease expiry, a full cluster, incompatible KV layouts and handles. Faults come in
+through seams the code owns: the decode worker's transport (a test double around the real one),
+the router's client of a worker, and the prefill worker's clock."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 import pytest
 
-from kv_transfer.compat import KvCompatError, KvLayout
+from kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from prefill_worker.worker import PrefillConfig, PrefillWorker
-from tests.cluster.conftest import InProcessCluster, all_blocks_free, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
 
+PROMPT = list(range(300, 340))
 
-def test_failed_transfers_fall_back_to_recompute_with_the_same_tokens(loop_thread, model_dir):
-    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128, inject_read_failures=2)
-    c = InProcessCluster(loop_thread, model_dir, cfg)
+
+def greedy(max_tokens: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Any) -> list[int]:
+    offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    return offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+
+
+def generate(channel: grpc.Channel, ids: list[int], max_tokens: int) -> list[int]:
+    request = pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(max_tokens))
+    return [t for chunk in pbg.InferenceStub(channel).Generate(request, timeout=120) for t in chunk.token_ids]
+
+
+@pytest.mark.parametrize(
+    "faults, transfers, failures",
+    [
+        ({"fail_reads": 1}, 1, 1),  # the retry reads the KV
+        ({"drop_reads": 1}, 1, 1),  # a READ that never ends: its deadline passes, the retry reads the KV
+        ({"fail_reads": 2}, 0, 2),  # every attempt fails: the decode worker recomputes the prompt
+    ],
+    ids=["retried", "dropped-then-retried", "recomputed"],
+)
+def test_failed_transfers_are_retried_then_recomputed_with_the_same_tokens(
+    start_in_process, faulty_transport, wait_until, expected, model_dir, faults, transfers, failures
+):
+    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128, transfer_timeout_s=2.0)
+    c = start_in_process(cfg, wrap_transport=lambda t: faulty_transport(t, **faults))
     try:
-        ids = list(range(300, 340))
-        chunks = list(pbg.InferenceStub(c.channel).Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(12, ignore_eos=True)), timeout=120))
-        tokens = [t for ch in chunks for t in ch.token_ids]
-        offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
-        assert tokens == offline.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
-        assert c.decode.transfer_failures == 2 and c.decode.transfers == 0
-        wait_for(all_blocks_free(c.channel), 15, "blocks freed after a failed transfer")
+        assert generate(c.channel, PROMPT, 12) == expected
+        assert (c.decode.transfers, c.decode.transfer_failures) == (transfers, failures)
+        assert c.decode.agent.reads == failures + transfers
+        wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed after the faulty transfers")
     finally:
         c.close()
 
 
-def test_full_cluster_answers_resource_exhausted(loop_thread, model_dir):
-    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128)
-    c = InProcessCluster(loop_thread, model_dir, cfg, {"max_inflight_per_decode": 1})
+class AlteredHandles:
+    """Fault injection: the router's client of a prefill worker, changing one field of every KV
+    handle it returns (as a worker of another version or layout would write it)."""
+
+    def __init__(self, client: Any, field: str, value: Any) -> None:
+        self.client, self.field, self.value = client, field, value
+        self.worker_id = client.worker_id
+
+    async def prefill(self, *args: Any, **kwargs: Any) -> Any:
+        result = await self.client.prefill(*args, **kwargs)
+        setattr(result.handle, self.field, self.value)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+@pytest.mark.parametrize("field, value", [("protocol_version", PROTOCOL_VERSION + 1), ("compat_hash", "0" * 32)])
+def test_decode_refuses_a_handle_of_another_protocol_or_layout_before_reading(
+    start_in_process, faulty_transport, wait_until, field, value
+):
+    c = start_in_process(
+        wrap_transport=lambda t: faulty_transport(t),
+        wrap_client=lambda client, role: AlteredHandles(client, field, value) if role == "prefill" else client,
+    )
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(c.channel, PROMPT, 8)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"decode start: {field}: " in err.value.details(), err.value.details()
+        assert c.decode.agent.reads == 0  # refused before a byte was read
+        wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed on both workers")
+        assert c.prefill.stats().pinned_requests == 0
+    finally:
+        c.close()
+
+
+def test_full_cluster_answers_resource_exhausted(start_in_process, wait_until):
+    c = start_in_process(router_overrides={"max_inflight_per_decode": 1})
     try:
         stub = pbg.InferenceStub(c.channel)
-        long_call = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=greedy(500, ignore_eos=True)))
+        long_call = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=greedy(500)))
         next(iter(long_call))  # the only decode slot is now taken
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[4, 5], sampling_params=greedy(4)), timeout=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "retry" in err.value.details()
         long_call.cancel()
-        wait_for(all_blocks_free(c.channel), 15, "blocks freed")
+        wait_until(lambda: c.blocks_in_use() == 0, 15, "blocks freed")
     finally:
         c.close()
 
 
-def test_unpulled_kv_is_freed_when_its_lease_expires(model_dir):
+def test_unpulled_kv_is_freed_when_its_lease_expires(model_dir, wait_until):
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
     now = [1000.0]
     base = build_prefill("prefill-lease", cfg)
     base.close()
     worker = PrefillWorker("prefill-lease", base.engine, base.agent, PrefillConfig(lease_s=5.0), clock=lambda: now[0])
     try:
-        handle = worker.prefill(list(range(10, 60)), SamplingParams(max_tokens=8, temperature=0.0), "r1", timeout_s=60)
-        assert handle.lease_deadline == 1005.0 and len(handle.block_ids) == 4
+        prefilled = worker.prefill(list(range(10, 60)), SamplingParams(max_tokens=8, temperature=0.0), "r1", timeout_s=60)
+        assert prefilled.handle.lease_deadline == 1005.0 and len(prefilled.handle.block_ids) == 4
         assert worker.stats().kv_blocks_in_use == 4
         now[0] = 1006.0
-        wait_for(lambda: worker.stats().kv_blocks_in_use == 0, 10, "the lease to expire")
+        wait_until(lambda: worker.stats().kv_blocks_in_use == 0, 10, "the lease to expire")
         assert worker.stats().lease_expiries == 1
     finally:
         worker.close()
@@ -78,6 +141,6 @@ def test_incompatible_kv_layouts_refuse_to_connect(model_dir):
     finally:
         p.close()
         d.close()
-    a = KvLayout("m", "float32", 2, 2, 8, 16)
-    assert a.compat_hash() != KvLayout("m", "bfloat16", 2, 2, 8, 16).compat_hash()
-    assert a.compat_hash() == KvLayout("m", "float32", 2, 2, 8, 16).compat_hash()
+    a = KvLayout("m", "float32", 2, 2, 8, 16, hash_version=1)
+    assert a.compat_hash() != KvLayout("m", "bfloat16", 2, 2, 8, 16, hash_version=1).compat_hash()
+    assert a.compat_hash() == KvLayout("m", "float32", 2, 2, 8, 16, hash_version=1).compat_hash()

@@ -11,41 +11,26 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.workers import build_decode, build_prefill
-from pdserve.engine.config import ModelConfig
-from pdserve.models.default_model import default_model_dir
-from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb
 from router.handles import RouterError
-from router.local_handles import LocalDecode, LocalPrefill
-from router.router import Router, RouterConfig
-from tests.cluster.conftest import greedy
+from router.router import Router
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def traced(loop_thread):
-    model_dir = default_model_dir()
+def traced(start_in_process, faulty_transport):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
-    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128, inject_read_failures=1)
-    prefill, decode = build_prefill("prefill-0", cfg, tracer), build_decode("decode-0", cfg, tracer)
-    decode.agent.connect(prefill.agent.info())
-    prefill.agent.connect(decode.agent.info())
-    mc = ModelConfig.from_dir(model_dir)
-    rc = RouterConfig(model_id=model_dir.name, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size)
     metrics = RouterMetrics()
-    router = Router(rc, load_tokenizer(model_dir), [LocalPrefill(prefill)], [LocalDecode(decode)], tracer, metrics)
-    loop_thread.run(router.start())
-    yield router, exporter, metrics
-    loop_thread.run(router.stop())
-    prefill.close()
-    decode.close()
+    c = start_in_process(
+        tracer=tracer, metrics=metrics, serve=False, wrap_transport=lambda t: faulty_transport(t, fail_reads=1)
+    )
+    yield c.router, exporter, metrics
+    c.close()
     provider.shutdown()
 
 
@@ -58,7 +43,7 @@ def run(loop_thread, router: Router, request: pb.GenerateRequest) -> list[pb.Gen
 
 def test_a_failed_read_is_an_error_span_then_the_retry(loop_thread, traced):
     router, exporter, metrics = traced
-    req = pb.GenerateRequest(request_id="retried", prompt_token_ids=list(range(300, 340)), sampling_params=greedy(4, ignore_eos=True))
+    req = pb.GenerateRequest(request_id="retried", prompt_token_ids=list(range(300, 340)), sampling_params=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     chunks = run(loop_thread, router, req)
     assert chunks[-1].finish_reason == "length"
     spans = exporter.get_finished_spans()
@@ -78,7 +63,7 @@ def test_a_failed_read_is_an_error_span_then_the_retry(loop_thread, traced):
 
 def test_failures_are_counted_by_status_and_the_root_span_says_why(loop_thread, traced):
     router, exporter, metrics = traced
-    bad = pb.GenerateRequest(request_id="bad", prompt_token_ids=[10**9], sampling_params=greedy(4))
+    bad = pb.GenerateRequest(request_id="bad", prompt_token_ids=[10**9], sampling_params=pb.SamplingParams(max_tokens=4, temperature=0.0))
     with pytest.raises(RouterError):
         run(loop_thread, router, bad)
     value = metrics.registry.get_sample_value

@@ -37,7 +37,7 @@ def _engine(model_dir, device, role):
 def test_disaggregated_tokens_equal_single_gpu(tmp_path):
     from decode_worker.worker import DecodeWorker
     from kv_transfer.agent import KvTransferAgent
-    from kv_transfer.compat import layout_for
+    from pdserve.cluster.workers import kv_layout
     from pdserve.engine.sampling_params import SamplingParams
     from prefill_worker.worker import PrefillWorker
 
@@ -58,8 +58,7 @@ def test_disaggregated_tokens_equal_single_gpu(tmp_path):
     torch.cuda.empty_cache()
 
     def agent(worker_id, engine):
-        c = engine.cfg
-        return KvTransferAgent(worker_id, engine.runner.kv_pool, layout_for(engine.model_config, c.model, c.dtype, c.block_size))
+        return KvTransferAgent(worker_id, engine.runner.kv_pool, kv_layout(engine))
 
     pe, de = _engine(tmp_path, "cuda:0", "prefill"), _engine(tmp_path, "cuda:1", "decode")
     prefill, decode = PrefillWorker("p0", pe, agent("p0", pe)), DecodeWorker("d0", de, agent("d0", de))
@@ -68,16 +67,16 @@ def test_disaggregated_tokens_equal_single_gpu(tmp_path):
     try:
         for i, p in enumerate(prompts):
             rid = f"r{i}"
-            handle = prefill.prefill(p, params, rid, timeout_s=120)
-            start = decode.start(p, params, rid, handle)
+            prefilled = prefill.prefill(p, params, rid, timeout_s=120)
+            start = decode.start(p, params, rid, prefilled)
             assert not start.recomputed
-            tokens, done = [handle.first_token], False
+            tokens, done = [prefilled.first_token], False
             deadline = time.monotonic() + 120
             while not done and time.monotonic() < deadline:
-                for r, toks, reason in decode.poll(0.5):
-                    assert r == rid
-                    tokens += toks
-                    done = done or bool(reason)
+                for u in decode.poll(0.5).updates:
+                    assert u.request_id == rid
+                    tokens += u.token_ids
+                    done = done or bool(u.finish_reason)
             assert done, f"request {i} did not finish"
             assert tokens == expected[i], f"request {i} (len {len(p)}) diverged at {next(j for j, (a, b) in enumerate(zip(tokens, expected[i])) if a != b)}"
             print(f"request {i}: {len(p)} prompt tokens, {start.pulled_blocks} blocks pulled, tokens equal")

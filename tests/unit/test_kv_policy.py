@@ -1,11 +1,13 @@
-"""Pure parts of the KV path: descriptor coalescing, leases, compat hashes."""
+"""Pure parts of the KV path: descriptor coalescing, leases, compat hashes, handle checks, notices."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_transfer.compat import KvCompatError, KvLayout, check_compatible
+from kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout, check_compatible, check_handle
+from kv_transfer.notice import pulled_notice, pulled_request
 from kv_transfer.descriptors import coalesce, split_large
+from pdserve_proto import kv_pb2
 from prefill_worker.leases import LeaseTable
 
 
@@ -31,18 +33,35 @@ def test_leases_expire_in_order_and_end_once():
 
 
 def test_compat_hash_covers_every_layout_field():
-    base = KvLayout("m", "bfloat16", 32, 8, 128, 16)
+    base = KvLayout("m", "bfloat16", 32, 8, 128, 16, hash_version=1)
     variants = [
-        KvLayout("other", "bfloat16", 32, 8, 128, 16),
-        KvLayout("m", "float16", 32, 8, 128, 16),
-        KvLayout("m", "bfloat16", 16, 8, 128, 16),
-        KvLayout("m", "bfloat16", 32, 4, 128, 16),
-        KvLayout("m", "bfloat16", 32, 8, 64, 16),
-        KvLayout("m", "bfloat16", 32, 8, 128, 32),
-        KvLayout("m", "bfloat16", 32, 8, 128, 16, layout="layer-major"),
-        KvLayout("m", "bfloat16", 32, 8, 128, 16, protocol_version=99),
+        KvLayout("other", "bfloat16", 32, 8, 128, 16, hash_version=1),
+        KvLayout("m", "float16", 32, 8, 128, 16, hash_version=1),
+        KvLayout("m", "bfloat16", 16, 8, 128, 16, hash_version=1),
+        KvLayout("m", "bfloat16", 32, 4, 128, 16, hash_version=1),
+        KvLayout("m", "bfloat16", 32, 8, 64, 16, hash_version=1),
+        KvLayout("m", "bfloat16", 32, 8, 128, 32, hash_version=1),
+        KvLayout("m", "bfloat16", 32, 8, 128, 16, hash_version=1, layout="layer-major"),
+        KvLayout("m", "bfloat16", 32, 8, 128, 16, hash_version=1, protocol_version=99),
+        KvLayout("m", "bfloat16", 32, 8, 128, 16, hash_version=2),
     ]
     assert len({v.compat_hash() for v in variants} | {base.compat_hash()}) == len(variants) + 1
     with pytest.raises(KvCompatError, match="compat_hash"):
         check_compatible(base.compat_hash(), variants[0].compat_hash(), "p0")
     assert base.block_bytes == 32 * 2 * 16 * 8 * 128 * 2
+
+
+def test_a_handle_of_another_protocol_or_layout_is_refused_naming_the_field():
+    ok = KvLayout("m", "float32", 2, 2, 8, 16, hash_version=1).compat_hash()
+    handle = kv_pb2.KvHandle(protocol_version=PROTOCOL_VERSION, request_id="r", worker_id="p0", compat_hash=ok)
+    check_handle(handle, ok)
+    with pytest.raises(KvCompatError, match="^protocol_version: the KV handle of r from 'p0'"):
+        check_handle(kv_pb2.KvHandle(protocol_version=PROTOCOL_VERSION + 1, request_id="r", worker_id="p0", compat_hash=ok), ok)
+    other = KvLayout("m", "float32", 2, 2, 8, 32, hash_version=1).compat_hash()
+    with pytest.raises(KvCompatError, match="^compat_hash: worker 'p0'"):
+        check_handle(kv_pb2.KvHandle(protocol_version=PROTOCOL_VERSION, request_id="r", worker_id="p0", compat_hash=other), ok)
+
+
+def test_the_pulled_notice_round_trips_and_other_notices_are_not_pulls():
+    assert pulled_request(pulled_notice("req-7")) == "req-7"
+    assert pulled_request(b"") is None and pulled_request(b"hello") is None

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 
 import grpc
 import pytest
 
-from pdserve.engine.block_manager import BlockManager, KvEventBatch
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
-from pdserve_proto import kv_pb2
-from router.handles import DecodeStart, DecodeSubmit
+from pdserve_proto import kv_pb2, worker_pb2
 from router.membership import MembershipConfig
 from router.policy import PlacementConfig, prefill_locally
 from router.handles import RouterError
@@ -79,7 +79,7 @@ class FakeDecode:
         self.emitting.set()
         self.trace_contexts: list[dict | None] = []
 
-    async def submit(self, ids, params, rid, timeout_s, trace_context=None) -> DecodeSubmit:
+    async def submit(self, ids, params, rid, timeout_s, trace_context=None) -> worker_pb2.DecodeSubmit:
         if self.submit_gate is not None:
             self.calls.append(("submit waiting", rid))
             await self.submit_gate.wait()
@@ -87,27 +87,27 @@ class FakeDecode:
         self.trace_contexts.append(trace_context)
         cached = _cache(self.blocks, ids)
         self.live[rid] = params.max_tokens
-        return DecodeSubmit(cached)
+        return worker_pb2.DecodeSubmit(cached_prompt_tokens=cached)
 
-    async def start(self, ids, params, rid, handle, timeout_s, trace_context=None) -> DecodeStart:
+    async def start(self, ids, params, rid, prefilled, timeout_s, trace_context=None) -> worker_pb2.DecodeStart:
         self.calls.append(("start", rid))
         _cache(self.blocks, ids)
         self.live[rid] = params.max_tokens - 1  # the prefill worker sampled the first
-        return DecodeStart(0, 0, False)
+        return worker_pb2.DecodeStart()
 
     async def abort(self, rid, timeout_s) -> None:
         self.calls.append(("abort", rid))
         self.live.pop(rid, None)
 
-    async def poll(self, wait_s, timeout_s):
+    async def poll(self, wait_s, timeout_s) -> worker_pb2.TokenUpdates:
         await asyncio.sleep(0.005)
+        out = worker_pb2.TokenUpdates()
         if not self.emitting.is_set():
-            return []
-        out = []
+            return out
         for rid in list(self.live):
             self.live[rid] -= 1
             done = self.live[rid] == 0
-            out.append((rid, [7], "length" if done else ""))
+            out.updates.add(request_id=rid, token_ids=[7], finish_reason="length" if done else "")
             if done:
                 del self.live[rid]
         return out
@@ -115,9 +115,9 @@ class FakeDecode:
     async def stats(self, timeout_s) -> pb.WorkerStats:
         return pb.WorkerStats(worker_id=self.worker_id, role="decode")
 
-    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> KvEventBatch:
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> worker_pb2.KvEventBatch:
         await asyncio.sleep(0 if full else wait_s)
-        return self.blocks.drain_events(full)
+        return worker_pb2.KvEventBatch(**asdict(self.blocks.drain_events(full)))
 
 
 class FakePrefill:
@@ -127,12 +127,12 @@ class FakePrefill:
         self.waiting: list[str] = []  # prefills held at `gate`
         self.gate: asyncio.Event | None = None
 
-    async def prefill(self, ids, params, rid, timeout_s, trace_context=None) -> kv_pb2.KvHandle:
+    async def prefill(self, ids, params, rid, timeout_s, trace_context=None) -> worker_pb2.PrefillResult:
         if self.gate is not None:
             self.waiting.append(rid)
             await self.gate.wait()
         self.prefilled.append(rid)
-        return kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id, first_token=7)
+        return worker_pb2.PrefillResult(handle=kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id), first_token=7)
 
     async def release(self, rid, timeout_s) -> None:
         pass

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 
-from pdserve.engine.block_manager import BlockManager, KvEventBatch
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
-from pdserve_proto import kv_pb2
-from router.handles import DecodeStart
+from pdserve_proto import kv_pb2, worker_pb2
+from pdserve_proto.worker_pb2 import KvEventBatch
 from router.membership import MembershipConfig, PoolMembership
 from router.policy import PlacementConfig, PrefillPolicy
 from router.router import Router, RouterConfig
@@ -30,7 +31,7 @@ class CacheOnlyPrefill:
         self.dead = False
         self.gate: asyncio.Event | None = None  # when set, prefills wait for it
 
-    async def prefill(self, ids, params, rid, timeout_s) -> kv_pb2.KvHandle:
+    async def prefill(self, ids, params, rid, timeout_s) -> worker_pb2.PrefillResult:
         if self.gate is not None:
             await self.gate.wait()
         hashes = block_hashes(ids, 16)
@@ -41,8 +42,10 @@ class CacheOnlyPrefill:
             self.blocks.register(got[i], hashes[i])
         self.blocks.release(got)
         self.served.append(len(hits) * 16)
-        return kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id, first_token=7, finish_reason="length",
-                               cached_prompt_tokens=len(hits) * 16)
+        return worker_pb2.PrefillResult(
+            handle=kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id),
+            first_token=7, finish_reason="length", cached_prompt_tokens=len(hits) * 16,
+        )
 
     async def release(self, rid, timeout_s) -> None:
         pass
@@ -54,21 +57,21 @@ class CacheOnlyPrefill:
         if self.dead:
             raise ConnectionError("worker is gone")
         await asyncio.sleep(0 if full else wait_s)
-        return self.blocks.drain_events(full)
+        return worker_pb2.KvEventBatch(**asdict(self.blocks.drain_events(full)))
 
 
 class IdleDecode:
     worker_id = "decode-0"
 
-    async def start(self, ids, params, rid, handle, timeout_s) -> DecodeStart:
-        return DecodeStart(0, 0, False)
+    async def start(self, ids, params, rid, prefilled, timeout_s) -> worker_pb2.DecodeStart:
+        return worker_pb2.DecodeStart()
 
     async def abort(self, rid, timeout_s) -> None:
         pass
 
-    async def poll(self, wait_s, timeout_s):
+    async def poll(self, wait_s, timeout_s) -> worker_pb2.TokenUpdates:
         await asyncio.sleep(wait_s)
-        return []
+        return worker_pb2.TokenUpdates()
 
     async def stats(self, timeout_s) -> pb.WorkerStats:
         return pb.WorkerStats(worker_id=self.worker_id, role="decode")
@@ -164,7 +167,9 @@ def test_a_gap_in_events_makes_the_next_poll_fetch_a_snapshot():
     async def go() -> None:
         policy = PrefillPolicy(PlacementConfig(), ["w"])
         calls: list[bool] = []
-        batches = iter([KvEventBatch(1, (1,), full=True), KvEventBatch(5, (2,)), KvEventBatch(6, (3,), full=True)])
+        batches = iter([
+            KvEventBatch(seq=1, stored=[1], full=True), KvEventBatch(seq=5, stored=[2]), KvEventBatch(seq=6, stored=[3], full=True)
+        ])
 
         async def fetch(wait_s: float, full: bool, timeout_s: float) -> KvEventBatch:
             calls.append(full)

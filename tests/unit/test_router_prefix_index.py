@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import random
 import zlib
+from dataclasses import asdict
+from typing import Any
 
-from pdserve.engine.block_manager import BlockManager, KvEventBatch, KvEventLog
+from pdserve.engine.block_manager import BlockManager, KvEventLog
 from pdserve.engine.hashing import block_hashes
+from pdserve_proto.worker_pb2 import KvEventBatch
 from router.prefix_index import PrefixIndex
 
 
 def batch(seq: int, stored=(), removed=(), full=False, num_blocks=0) -> KvEventBatch:
-    return KvEventBatch(seq, tuple(stored), tuple(removed), full, num_available=7, num_blocks=num_blocks)
+    return KvEventBatch(seq=seq, stored=stored, removed=removed, full=full, num_available=7, num_blocks=num_blocks)
+
+
+def as_message(b: Any) -> KvEventBatch:
+    """An engine batch as a worker sends it to the router."""
+    return KvEventBatch(**asdict(b))
 
 
 def test_match_counts_leading_blocks_per_worker():
@@ -93,7 +101,7 @@ def test_index_fed_by_block_manager_events_agrees_with_the_engine_cache(request)
     bm.enable_events()
     idx = PrefixIndex()
     idx.add_worker("w")
-    assert idx.apply("w", bm.drain_events(full=True))
+    assert idx.apply("w", as_message(bm.drain_events(full=True)))
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 24))] for _ in range(6)]
     for step in range(200):
         prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
@@ -106,7 +114,7 @@ def test_index_fed_by_block_manager_events_agrees_with_the_engine_cache(request)
         bm.release(ids)
         if rng.random() < 0.5:  # batches cover one or several prompts
             continue
-        assert idx.apply("w", bm.drain_events()), f"seed {seed}"
+        assert idx.apply("w", as_message(bm.drain_events())), f"seed {seed}"
         for p in prefixes:
             hs = block_hashes(p, 4)
             assert idx.match(hs).get("w", 0) == len(bm.match_prefix(hs)), f"seed {seed}, step {step}"

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.engine.block_manager import KvEventBatch
+from pdserve_proto.worker_pb2 import KvEventBatch
 from pdserve.engine.hashing import block_hashes
 from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy, ring_key
 from router.recent_load import RecentLoad
@@ -95,7 +95,7 @@ def test_prefill_policy_follows_the_index_and_learns_the_real_cost():
     assert first.worker == policy.ring.owner(ring_key(hs, 16)) and first.cost == 10
     policy.finish(first, now=0.1, cached_tokens=0)
     holder = "p1" if first.worker != "p1" else "p2"  # another worker reports holding the prompt
-    assert policy.apply_events(holder, KvEventBatch(1, tuple(hs)))
+    assert policy.apply_events(holder, KvEventBatch(seq=1, stored=hs))
     again = policy.place(hs, len(prompt), now=0.2)
     assert again.worker == holder and again.matched_blocks == 10 and again.cost == 1
     policy.finish(again, now=0.3, cached_tokens=144)
@@ -148,10 +148,10 @@ def test_decode_policy_uses_reported_headroom_and_prefix():
     policy = DecodePolicy(PlacementConfig(), ["d0", "d1"])
     prompt = list(range(500, 500 + 80))
     hs = block_hashes(prompt, 16)
-    policy.apply_events("d1", KvEventBatch(1, tuple(hs[:3]), num_available=100, num_blocks=100))
-    policy.apply_events("d0", KvEventBatch(1, (), num_available=100, num_blocks=100))
+    policy.apply_events("d1", KvEventBatch(seq=1, stored=hs[:3], num_available=100, num_blocks=100))
+    policy.apply_events("d0", KvEventBatch(seq=1, num_available=100, num_blocks=100))
     p = policy.place(hs, len(prompt))
     assert p.worker == "d1" and p.matched_blocks == 3
     policy.finish(p)
-    policy.apply_events("d1", KvEventBatch(2, (), num_available=0, num_blocks=100))  # d1 is full
+    policy.apply_events("d1", KvEventBatch(seq=2, num_available=0, num_blocks=100))  # d1 is full
     assert policy.place(hs, len(prompt)).worker == "d0"

@@ -8,7 +8,7 @@ import pytest
 
 from bench.router_sim import SimConfig, ideal_hit_rate, prompts_of, simulate
 from bench.traces import generate, preset
-from pdserve.engine.block_manager import KvEventBatch
+from pdserve_proto.worker_pb2 import KvEventBatch
 from router.policy import PlacementConfig, PrefillPolicy, ring_key
 
 N = 8
@@ -66,7 +66,7 @@ def test_removing_a_worker_loses_only_that_workers_prefixes(traces):
         if owner:
             held[owner].extend(p.hashes)
     for w in names:
-        assert policy.apply_events(w, KvEventBatch(1, tuple(dict.fromkeys(held[w])), full=True))
+        assert policy.apply_events(w, KvEventBatch(seq=1, stored=dict.fromkeys(held[w]), full=True))
     keys = [key for p in prompts if (key := ring_key(p.hashes, k)) is not None]
     homes = {key: policy.home(key) for key in keys}
     matches = [policy.index.match(p.hashes) for p in prompts[:500]]

@@ -1,0 +1,133 @@
+"""The router's client of one worker, whatever hosts it: one adapter for both `router.handles`
+Protocols, over an invoker that runs a named worker method with its arguments.
+
+Hosts differ only in the invoker: a Ray actor (`pdserve.cluster.actors.ray_invoker`) or an
+object in this process (`local_invoker`: tests and single-process serving). Every call runs
+under its deadline, and failures become `RouterError`s: `worker_failed` where the worker itself
+failed the call (died, unreachable, past the deadline), so the router moves the request on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from kv_transfer.compat import KvCompatError
+from pdserve.engine.block_manager import NoFreeBlocksError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import TraceCarrier
+from pdserve_proto import inference_pb2, worker_pb2
+from router.deadline import within
+from router.errors import to_router_error
+from router.handles import RouterError
+
+# (worker method name, its positional arguments) -> what the method returned
+Invoker = Callable[..., Awaitable[Any]]
+
+# A prefill call gets the worker's own deadline plus this, so the worker's clearer timeout
+# error arrives before the router gives up on it.
+PREFILL_MARGIN_S = 5.0
+
+
+class WorkerUnreachable(Exception):
+    """Raised by an invoker when the worker's host is gone (a dead actor), not the worker's call."""
+
+
+def local_invoker(worker: Any) -> Invoker:
+    """Calls on a worker object in this process, each on a thread so the event loop never blocks."""
+
+    def invoke(name: str, *args: Any) -> Awaitable[Any]:
+        return asyncio.to_thread(getattr(worker, name), *args)
+
+    return invoke
+
+
+class WorkerClient:
+    """Implements `router.handles.PrefillHandle` and `DecodeHandle` over one invoker."""
+
+    def __init__(self, worker_id: str, invoke: Invoker) -> None:
+        self.worker_id = worker_id
+        self._invoke = invoke
+
+    async def _call(self, what: str, timeout_s: float, name: str, *args: Any) -> Any:
+        try:
+            return await within(self._invoke(name, *args), timeout_s)
+        except TimeoutError:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True) from None
+        except asyncio.CancelledError:
+            raise
+        except WorkerUnreachable as exc:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {exc}", worker_failed=True) from exc
+        except Exception as exc:
+            # Ray re-raises a worker's exception as a subclass of the original type, so these
+            # checks hold for both hosts.
+            raise _worker_error(exc, what) from exc
+
+    # ----- prefill -------------------------------------------------------------------------
+
+    async def prefill(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
+    ) -> worker_pb2.PrefillResult:
+        return await self._call(
+            "prefill", timeout_s + PREFILL_MARGIN_S, "prefill", prompt_token_ids, params, request_id, timeout_s, trace_context
+        )
+
+    async def release(self, request_id: str, timeout_s: float) -> None:
+        await self._call("release", timeout_s, "release", request_id)
+
+    # ----- decode --------------------------------------------------------------------------
+
+    async def start(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prefilled: worker_pb2.PrefillResult,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
+    ) -> worker_pb2.DecodeStart:
+        return await self._call(
+            "decode start", timeout_s, "start", prompt_token_ids, params, request_id, prefilled, trace_context
+        )
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
+    ) -> worker_pb2.DecodeSubmit:
+        return await self._call("decode submit", timeout_s, "submit", prompt_token_ids, params, request_id, trace_context)
+
+    async def abort(self, request_id: str, timeout_s: float) -> None:
+        await self._call("abort", timeout_s, "abort", request_id)
+
+    async def poll(self, wait_s: float, timeout_s: float) -> worker_pb2.TokenUpdates:
+        return await self._call("poll", timeout_s, "poll", wait_s)
+
+    # ----- both ----------------------------------------------------------------------------
+
+    async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
+        return await self._call("stats", timeout_s, "stats")
+
+    async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> worker_pb2.KvEventBatch:
+        return await self._call("kv events", timeout_s, "kv_events", wait_s, full)
+
+
+def _worker_error(exc: BaseException, what: str) -> RouterError:
+    """What the client is told about an error the worker answered with."""
+    if isinstance(exc, KvCompatError):
+        # The two workers disagree on the KV layout or protocol: a deployment fault, not the client's.
+        return RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {exc}")
+    if isinstance(exc, NoFreeBlocksError):
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: no free KV blocks ({exc}); retry later")
+    return to_router_error(exc, what)

@@ -1,0 +1,76 @@
+from pdserve_proto import kv_pb2 as _kv_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillResult(_message.Message):
+    __slots__ = ("handle", "first_token", "finish_reason", "cached_prompt_tokens", "queue_seconds")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    handle: _kv_pb2.KvHandle
+    first_token: int
+    finish_reason: str
+    cached_prompt_tokens: int
+    queue_seconds: float
+    def __init__(self, handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+
+class DecodeStart(_message.Message):
+    __slots__ = ("reused_tokens", "pulled_blocks", "recomputed", "transfer_bytes", "transfer_seconds", "transfer_retries")
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    reused_tokens: int
+    pulled_blocks: int
+    recomputed: bool
+    transfer_bytes: int
+    transfer_seconds: float
+    transfer_retries: int
+    def __init__(self, reused_tokens: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., recomputed: _Optional[bool] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transfer_retries: _Optional[int] = ...) -> None: ...
+
+class DecodeSubmit(_message.Message):
+    __slots__ = ("cached_prompt_tokens",)
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_prompt_tokens: int
+    def __init__(self, cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenUpdate(_message.Message):
+    __slots__ = ("request_id", "token_ids", "finish_reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class TokenUpdates(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[TokenUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("seq", "stored", "removed", "full", "num_available", "num_blocks")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    NUM_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    full: bool
+    num_available: int
+    num_blocks: int
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., num_available: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
