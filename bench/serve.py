@@ -9,7 +9,10 @@ output tokens/s, requests/s and goodput under a TTFT and an ITL SLO, as JSON.
 
 Every request is token ids with `ignore_eos` and greedy sampling, so each server does the same
 work: exactly the prompt and output lengths the workload drew. With --sweep, one run per rate
-and a latency-throughput curve (needs matplotlib: `pip install -e ".[bench]"`) with its knee.
+and a latency-goodput curve (needs matplotlib: `pip install -e ".[bench]"`) with its knee.
+
+A failed request counts as sent and not as good; a run where more than --max-error-share of the
+requests failed makes the command exit 1 and say why (after writing the report).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import aiohttp
 from tqdm import tqdm
@@ -28,7 +33,8 @@ from tqdm import tqdm
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve_metrics import RequestResult, Slo, knee, summarize  # noqa: E402
+from bench.serve_metrics import RequestResult, Slo, summarize  # noqa: E402
+from bench.serve_report import error_share, error_verdict, rate_label, runs_table, sweep_knee  # noqa: E402
 from bench.serve_workload import SHAPES, Request, from_trace, poisson_arrivals, synthetic  # noqa: E402
 
 
@@ -125,27 +131,39 @@ def make_requests(args: argparse.Namespace) -> list[Request]:
     return synthetic(args.workload, args.requests, args.seed, args.max_input, args.max_output, args.scale)
 
 
-def plot_curve(runs: list[dict], knee_at: int | None, path: Path, title: str) -> None:
-    """Latency against achieved output throughput, one point per rate, the knee circled."""
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("plot: needs matplotlib (pip install -e \".[bench]\")") from exc
-    xs = [r["output_tok_s"] for r in runs]
+        raise ImportError("--plot: needs matplotlib, which the bench extra installs: pip install -e \".[bench]\"") from exc
+    return plt
+
+
+def plot_curve(runs: list[dict], knee_at: int | None, path: Path, title: str, max_error_share: float) -> None:
+    """Latency against goodput (output tokens/s of requests that met the SLOs), one point per rate,
+    the share of failed requests written next to each point that had any, the knee circled."""
+    plt = _pyplot()
+    xs = [r["goodput_tok_s"] for r in runs]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    def ms(v: float | None) -> float:
+        return math.nan if v is None else v  # a run where nothing finished has no latency
+
     for key, label in (("e2e_ms", "end-to-end p50"), ("ttft_ms", "TTFT p50")):
-        ax.plot(xs, [r[key]["p50"] for r in runs], marker="o", label=label)
-    ax.plot(xs, [r["ttft_ms"]["p99"] for r in runs], marker=".", linestyle="--", label="TTFT p99")
+        ax.plot(xs, [ms(r[key]["p50"]) for r in runs], marker="o", label=label)
+    ax.plot(xs, [ms(r["ttft_ms"]["p99"]) for r in runs], marker=".", linestyle="--", label="TTFT p99")
     for r, x in zip(runs, xs):
-        ax.annotate(f"{r['rate']:g}/s", (x, r["e2e_ms"]["p50"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        share = error_share(r)
+        note = f"{rate_label(r)}, {share:.0%} failed" if r["failed"] else rate_label(r)
+        color = "red" if share > max_error_share else "black"
+        ax.annotate(note, (x, r["e2e_ms"]["p50"] or 0.0), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
     if knee_at is not None:
         k = runs[knee_at]
         ax.scatter([xs[knee_at]], [k["e2e_ms"]["p50"]], s=220, facecolors="none", edgecolors="red", zorder=5,
                    label=f"knee ({k['rate']:g} req/s)")
-    ax.set_xlabel("output tokens/s (achieved)")
+    ax.set_xlabel("goodput: output tokens/s of requests within the SLOs")
     ax.set_ylabel("latency (ms)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -169,6 +187,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=512, help="output tokens at most (default: 512)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default: 2000)")
     p.add_argument("--slo-itl-ms", type=float, default=100.0, help="inter-token latency SLO for goodput (default: 100)")
+    p.add_argument(
+        "--max-error-share", type=float, default=0.05, metavar="S",
+        help="exit 1 when more than this share of a run's requests failed (default: 0.05)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and not counted (default: 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
@@ -179,6 +201,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _bench(args: argparse.Namespace) -> dict:
+    if args.plot:
+        _pyplot()  # a missing optional dependency stops the run before its first request
     model = args.model or await served_model(args.url)
     requests = make_requests(args)
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
@@ -200,26 +224,45 @@ async def _bench(args: argparse.Namespace) -> dict:
         runs.append({"rate": rate, "concurrency": args.concurrency} | summarize(results, duration, slo))
         if not args.quiet:
             r = runs[-1]
-            print(f"rate {rate}: {r['completed']}/{r['requests']} ok, {r['output_tok_s']:.1f} tok/s, "
-                  f"TTFT p50 {r['ttft_ms']['p50']} ms, ITL p50 {r['itl_ms']['p50']} ms", file=sys.stderr)
+            print(f"{rate_label(r)}: {r['completed']}/{r['requests']} ok, {r['failed']} failed, "
+                  f"goodput {r['goodput_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_ms']['p50']} ms, "
+                  f"ITL p50 {r['itl_ms']['p50']} ms", file=sys.stderr)
     report = {
         "label": args.label, "url": args.url, "model": model, "workload": args.workload, "requests": args.requests,
-        "scale": args.scale, "seed": args.seed, "runs": runs,
+        "scale": args.scale, "seed": args.seed, "max_error_share": args.max_error_share, "runs": runs,
     }
-    k = knee([r["output_tok_s"] for r in runs], [r["e2e_ms"]["p50"] or 0.0 for r in runs])
-    report["knee_rate"] = None if k is None else runs[k]["rate"]
-    if args.plot:
-        plot_curve(runs, k, args.plot, f"{args.label or model}: {args.workload}, {args.requests} requests a point")
+    report["knee_rate"] = _knee_rate(runs, args.max_error_share)
+    report["failure"] = error_verdict(runs, args.max_error_share)
     return report
+
+
+def _knee_rate(runs: list[dict], max_error_share: float) -> float | None:
+    k = sweep_knee(runs, max_error_share)
+    return None if k is None else runs[k]["rate"]
 
 
 def run(args: argparse.Namespace) -> int:
     report = asyncio.run(_bench(args))
     text = json.dumps(report, indent=2)
+    # The report is written before the plot is drawn: a plot that fails loses no measurements.
     if args.out:
         args.out.write_text(text + "\n")
     print(text)
-    return 0 if all(r["completed"] for r in report["runs"]) else 1
+    if not args.quiet:
+        print(runs_table(report["runs"]), file=sys.stderr)
+    status = 0
+    if args.plot:
+        runs = report["runs"]
+        title = f"{args.label or report['model']}: {args.workload}, {args.requests} requests a point"
+        try:
+            plot_curve(runs, sweep_knee(runs, args.max_error_share), args.plot, title, args.max_error_share)
+        except (OSError, ValueError) as exc:
+            print(f"pdserve bench serve: --plot: {exc} (the report above is complete)", file=sys.stderr)
+            status = 1
+    if report["failure"] is not None:
+        print(f"pdserve bench serve: {report['failure']}", file=sys.stderr)
+        status = 1
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ throughput, goodput under SLOs, and the knee of a latency-throughput curve. Pure
 Inter-token latency (ITL) is per request: the time from the first token to the last divided by
 the tokens after the first (vLLM's TPOT). Servers send several tokens in one event when they fall
 behind, so gaps between events would undercount tokens; this definition does not depend on how a
-server groups its events. Goodput counts requests that finished and met both SLOs (DistServe).
+server groups its events. Goodput counts requests that finished and met both SLOs (DistServe): a
+request that failed was sent and counts against it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
     ok = [r for r in results if r.ok]
     good = [r for r in ok if slo.met(r)]
     out_tokens = sum(r.output_tokens for r in ok)
+    good_tokens = sum(r.output_tokens for r in good)
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -82,6 +84,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
         "output_tok_s": round(out_tokens / duration_s, 3),
         "req_s": round(len(ok) / duration_s, 4),
         "goodput_req_s": round(len(good) / duration_s, 4),
+        "goodput_tok_s": round(good_tokens / duration_s, 3),
+        "error_share": round((len(results) - len(ok)) / len(results), 4) if results else None,
         "slo_attainment": round(len(good) / len(results), 4) if results else None,
         "slo": {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000},
         "errors": sorted({r.error for r in results if r.error})[:5],

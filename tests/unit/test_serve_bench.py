@@ -75,3 +75,59 @@ def test_poisson_arrivals_have_the_asked_rate():
     t = poisson_arrivals(4000, rate=20.0, seed=3)
     assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:]))
     assert 4000 / t[-1] == pytest.approx(20.0, rel=0.08)
+
+
+def run_of(rate, sent, failed, goodput_tok_s, e2e_p50, errors=()):
+    """A summarized run, as `summarize` makes it, reduced to what the verdict and knee read."""
+    ok = sent - failed
+    p = {"p50": e2e_p50, "p90": e2e_p50, "p99": e2e_p50, "mean": e2e_p50}
+    return {
+        "rate": rate, "requests": sent, "completed": ok, "failed": failed,
+        "goodput_req_s": goodput_tok_s / 10, "goodput_tok_s": goodput_tok_s, "output_tok_s": goodput_tok_s,
+        "ttft_ms": p, "itl_ms": p, "e2e_ms": p, "errors": list(errors),
+    }
+
+
+def test_failed_requests_count_against_goodput_tokens_and_show_their_share():
+    rs = [result(ttft=0.1, end=0.1 + 9 * 0.04, out=10)] * 3 + [result(ttft=None, end=0.2, out=0, error="HTTP 503")] * 7
+    s = summarize(rs, duration_s=2.0, slo=SLO)
+    assert s["goodput_tok_s"] == pytest.approx(15.0)  # 3 good requests x 10 tokens over 2 s
+    assert s["error_share"] == pytest.approx(0.7)
+
+
+def test_error_verdict_names_the_runs_over_the_limit():
+    from bench.serve_report import error_verdict
+
+    fine = run_of(1.0, 100, 4, 50.0, 900)
+    assert error_verdict([fine], max_error_share=0.05) is None
+    bad = run_of(2.0, 100, 70, 10.0, 800, errors=["HTTP 503: busy"])
+    why = error_verdict([fine, bad], max_error_share=0.05)
+    assert why is not None and "2/s: 70 of 100 requests failed (70%)" in why and "HTTP 503: busy" in why
+    assert "1/s" not in why
+    assert error_verdict([bad], max_error_share=0.8) is None
+    assert error_verdict([run_of(1.0, 10, 10, 0.0, None)], max_error_share=1.0) is not None  # nothing completed
+
+
+def test_knee_is_found_on_goodput_and_skips_runs_that_mostly_failed():
+    from bench.serve_report import sweep_knee
+
+    # Goodput saturates near 75 tok/s while latency takes off; at 16/s most requests fail, and
+    # the few that finish are fast: its latency describes only the survivors.
+    runs = [
+        run_of(1.0, 100, 0, 10.0, 100), run_of(2.0, 100, 0, 20.0, 102), run_of(4.0, 100, 0, 40.0, 105),
+        run_of(6.0, 100, 0, 60.0, 115), run_of(8.0, 100, 0, 75.0, 160), run_of(10.0, 100, 3, 79.0, 600),
+        run_of(12.0, 100, 4, 80.0, 2000), run_of(16.0, 100, 70, 85.0, 90),
+    ]
+    assert sweep_knee(runs, max_error_share=0.05) == 4
+    # Throughput of requests that missed their SLOs is no goodput: here the 8/s run has none.
+    runs[4] = run_of(8.0, 100, 0, 0.0, 160) | {"output_tok_s": 75.0}
+    assert sweep_knee(runs, max_error_share=0.05) != 4
+
+
+def test_table_shows_failed_requests():
+    from bench.serve_report import runs_table
+
+    table = runs_table([run_of(1.0, 100, 0, 10.0, 100), run_of(2.0, 100, 70, 3.0, 90)])
+    lines = table.splitlines()
+    assert "failed" in lines[0] and "goodput tok/s" in lines[0]
+    assert "| 70 (70%)" in lines[3] and "| 2/s" in lines[3]
