@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 
 from bench.router_sim import SimConfig, ideal_hit_rate, prompts_of, simulate  # noqa: E402
 from bench.traces import load  # noqa: E402
-from router.policy import POLICIES, PlacementConfig  # noqa: E402
+from bench.placement import BENCH_PLACEMENTS, BenchPlacementConfig  # noqa: E402
 
 COLUMNS = (
     ("policy", "{}"), ("hit_rate", "{:.3f}"), ("ideal_hit_rate", "{:.3f}"), ("hit_ratio_of_ideal", "{:.3f}"),
@@ -33,10 +33,10 @@ COLUMNS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d, pd = SimConfig(), PlacementConfig()
+    d, pd = SimConfig(), BenchPlacementConfig()
     p.add_argument("--trace", type=Path, required=True, help="JSONL trace: {t, input_ids, output_len[, session]} a line")
     p.add_argument("--workers", type=int, default=d.workers, help=f"simulated prefill workers (default: {d.workers})")
-    p.add_argument("--policy", default="index", choices=[*POLICIES, "all"], help="placement policy (default: index)")
+    p.add_argument("--policy", default="index", choices=[*BENCH_PLACEMENTS, "all"], help="placement policy (default: index)")
     p.add_argument("--add-worker-at", type=float, default=None, metavar="T", help="a cold worker joins at trace time T")
     p.add_argument("--json", action="store_true", help="one JSON object a line per policy")
     p.add_argument("--capacity-blocks", type=int, default=d.capacity_blocks, help=f"KV blocks per worker (default: {d.capacity_blocks})")
@@ -63,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     )
     prompts = prompts_of(trace, cfg.block_size)
     ideal = ideal_hit_rate(prompts, cfg)
-    policies = POLICIES if args.policy == "all" else (args.policy,)
+    policies = tuple(BENCH_PLACEMENTS) if args.policy == "all" else (args.policy,)
     rows = []
     for name in policies:
-        pcfg = PlacementConfig(
+        pcfg = BenchPlacementConfig(
             policy=name, prefix_blocks=args.prefix_blocks, vnodes=args.vnodes,
             load_factor=args.load_factor, load_weight=args.load_weight,
         )

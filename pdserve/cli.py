@@ -51,8 +51,9 @@ def _add_telemetry_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-# router.policy.POLICIES, spelled out: importing the router here would load torch for --help.
-PLACEMENT_POLICIES = ("index", "ring", "round_robin", "random", "modulo")
+# router.policy.POLICIES, spelled out so that --help imports nothing of the router. The
+# baselines (round_robin, random, modulo) are the trace benchmark's: `pdserve bench router`.
+PLACEMENT_POLICIES = ("index", "ring")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -118,8 +119,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--placement-policy", choices=PLACEMENT_POLICIES, default="index",
         help="how prompts are placed on prefill workers: index (consistent-hash ring with bounded loads "
-        "plus the workers' prefix caches, the default), ring (without the prefix index), or a baseline "
-        "(round_robin, random, modulo); see docs/router.md",
+        "plus the workers' prefix caches, the default) or ring (without the prefix index); see docs/router.md",
     )
     srv.add_argument(
         "--load-factor", type=float, default=1.25, metavar="C",

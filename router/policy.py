@@ -1,29 +1,33 @@
 """Placement state: the ring, the prefix index and the in-flight loads of one worker pool, and
-the decisions made from them. No I/O: the router feeds it KV event batches and request
-outcomes, and the trace benchmark (`bench/router.py`) drives the very same objects with
-simulated workers.
+the decisions made from them (prefill: by the policy `PlacementConfig.policy` names, see
+`router.placement`). No I/O: the router feeds it KV event batches and request outcomes, and the
+trace benchmark (`bench/router.py`) drives the very same objects with simulated workers.
 """
 
 from __future__ import annotations
 
-import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
-from pdserve.engine.block_manager import KvEventBatch
+from router.placement import PLACEMENTS, PlacementRegistry, PlacementRequest
 from router.prefix_index import PrefixIndex
 from router.recent_load import RecentLoad
 from router.ring import HashRing
-from router.scoring import pick_decode, pick_prefill, prefill_cost
+from router.scoring import pick_decode, prefill_cost
 
-POLICIES = ("index", "ring", "round_robin", "random", "modulo")
+if TYPE_CHECKING:
+    from router.prefix_index import KvEventBatch
+
+POLICIES = tuple(PLACEMENTS)  # the names a router serves with
 
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    # index: ring + prefix index (the default); ring: consistent hashing with bounded loads
-    # alone; round_robin, random, modulo (hash % N): baselines for the benchmark.
+    # The registry `policy` is looked up in; the benchmark's config type adds its baselines.
+    policies: ClassVar[PlacementRegistry] = PLACEMENTS
+    # index: ring + prefix index (the default); ring: consistent hashing with bounded loads alone.
     policy: str = "index"
     # The ring key is the chained hash of this many leading blocks (fewer if the prompt is
     # shorter); docs/router.md has the sweep behind the default.
@@ -35,7 +39,6 @@ class PlacementConfig:
     load_weight: float = 0.1  # score per block of prefill work already queued there
     max_index_entries_per_worker: int = 1 << 18
     recent_keys: int = 4096  # ring keys remembered to measure how many a membership change moves
-    seed: int = 0  # for the random baseline
     # Conditional disaggregation: a prompt whose tokens not yet cached on its decode worker are
     # at most this many is prefilled there instead of on a prefill worker (0: never, while a
     # prefill pool exists). See `prefill_locally`.
@@ -45,8 +48,8 @@ class PlacementConfig:
     prefill_locally_when_pool_full: bool = True
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.policy not in self.policies:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(self.policies)}")
         if self.prefix_blocks < 1:
             raise ValueError("prefix_blocks: must be >= 1")
         if self.vnodes < 1:
@@ -65,7 +68,7 @@ class PlacementConfig:
 class Placement:
     worker: str
     matched_blocks: int  # leading prompt blocks the index says the worker holds
-    home: str | None  # the ring owner of the prompt's key (None: no key, or a keyless policy)
+    home: str | None  # where the policy sends the prompt's key on an idle pool (None: no key, or a keyless policy)
     cost: float = 1.0  # the load it adds to the worker (prefill: blocks it expects to compute)
     num_tokens: int = 0
     at: float = 0.0  # when it was placed
@@ -251,8 +254,7 @@ class PrefillPolicy(_Pool):
         self.recent = RecentLoad(cfg.load_window_s)
         self.queued: dict[str, float] = {}
         super().__init__(cfg, workers, block_size)
-        self._rr = 0
-        self._rng = random.Random(cfg.seed)
+        self.placement = cfg.policies[cfg.policy](cfg, self)
 
     def _join(self, worker: str) -> None:
         super()._join(worker)
@@ -267,16 +269,13 @@ class PrefillPolicy(_Pool):
     def _loads(self, now: float) -> dict[str, float]:
         return self.recent.at(now)
 
+    def recent_loads(self, now: float) -> dict[str, float]:
+        """What the load bound compares: the prefill work recently placed on each worker."""
+        return self.recent.at(now)
+
     def home(self, key: int | None) -> str | None:
         """The worker a key goes to on an idle cluster (None where the policy ignores keys)."""
-        if key is None:
-            return None
-        if self.cfg.policy in ("index", "ring"):
-            return self.ring.owner(key)
-        if self.cfg.policy == "modulo":
-            ws = sorted(self.inflight)
-            return ws[key % len(ws)] if ws else None
-        return None
+        return self.placement.home(key)
 
     def place(
         self, block_hashes: Sequence[int], num_tokens: int, now: float, capacity: int = 1 << 30
@@ -291,24 +290,9 @@ class PrefillPolicy(_Pool):
         key = ring_key(block_hashes, cfg.prefix_blocks)
         self._remember(key)
         home = self.home(key)
-        matched = self.index.match(block_hashes) if cfg.policy == "index" else {}
+        matched = self.index.match(block_hashes) if self.placement.uses_index else {}
         cost = {w: float(prefill_cost(num_tokens, matched.get(w, 0), self.block_size)) for w in open_}
-        if cfg.policy == "round_robin":
-            ws = self.workers
-            i = next(i for i in range(len(ws)) if ws[(self._rr + i) % len(ws)] in cost)
-            w = ws[(self._rr + i) % len(ws)]
-            self._rr = (self._rr + i + 1) % len(ws)
-        elif cfg.policy == "random":
-            w = self._rng.choice(open_)
-        elif cfg.policy == "modulo":
-            w = home if home in cost else min(open_, key=lambda x: self.queued[x])
-        else:
-            # Without a key (not one full block) nothing is cacheable: least queued first.
-            order = [x for x in self.ring.walk(key) if x in cost] if key is not None else sorted(open_, key=self.queued.get)
-            w = pick_prefill(
-                order, self.recent.at(now), self.queued, cost, matched,
-                c=cfg.load_factor, miss_weight=cfg.miss_weight, load_weight=cfg.load_weight,
-            )
+        w = self.placement.place(PlacementRequest(num_tokens, key, tuple(open_), cost, matched, home, now))[0]
         self.recent.add(w, cost[w], now)
         self.queued[w] += cost[w]
         return self._placed(Placement(w, matched.get(w, 0), home, cost[w], num_tokens, now))

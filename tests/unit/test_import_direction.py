@@ -24,7 +24,12 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kv_transfer": ("pdserve_proto", "pdserve.engine.hashing", "pdserve.engine.config"),
     "prefill_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
     "decode_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
-    "router": ("pdserve.engine", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
+    # No worker package, and of the engine only what the edge needs: prompts are hashed as the
+    # workers hash them, text is made from tokens, and requests carry sampling params.
+    "router": (
+        "pdserve.engine.hashing", "pdserve.engine.detokenizer", "pdserve.engine.sampling_params",
+        "pdserve_proto", "pdserve.telemetry",
+    ),
     "pdserve.cluster": (
         "pdserve.engine", "pdserve.models", "router", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry",
     ),

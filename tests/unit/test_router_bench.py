@@ -6,8 +6,11 @@ import json
 
 import pytest
 
+from bench.placement import BENCH_PLACEMENTS, BenchPlacementConfig
 from bench.traces import TraceRequest, generate, load, preset, write
 from pdserve.cli import main
+from pdserve.engine.hashing import block_hashes
+from router.policy import POLICIES, PlacementConfig, PrefillPolicy
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +68,21 @@ def test_bench_router_compares_every_policy_and_a_join(trace_file, capsys):
 def test_bench_router_rejects_a_missing_trace(tmp_path, capsys):
     assert main(["bench", "router", "--trace", str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_baseline_policies_place_as_named():
+    hs = block_hashes(list(range(64)), 16)
+    rr = PrefillPolicy(BenchPlacementConfig(policy="round_robin"), ["a", "b", "c"])
+    assert [rr.place(hs, 64, now=0.0).worker for _ in range(4)] == ["a", "b", "c", "a"]
+    mod = PrefillPolicy(BenchPlacementConfig(policy="modulo"), ["a", "b", "c"])
+    assert len({mod.place(hs, 64, now=0.0).worker for _ in range(5)}) == 1  # no bound at all
+    rnd = PrefillPolicy(BenchPlacementConfig(policy="random", seed=3), ["a", "b", "c"])
+    assert {rnd.place(hs, 64, now=0.0).worker for _ in range(30)} == {"a", "b", "c"}
+
+
+def test_the_baselines_are_the_benchmarks_alone():
+    assert POLICIES == ("index", "ring")
+    assert tuple(BENCH_PLACEMENTS) == (*POLICIES, "round_robin", "random", "modulo")
+    for name in ("round_robin", "random", "modulo"):
+        with pytest.raises(ValueError, match="^policy:"):
+            PlacementConfig(policy=name)

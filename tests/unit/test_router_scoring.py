@@ -121,16 +121,6 @@ def test_a_prompt_without_a_full_block_goes_to_the_least_queued_worker():
     assert small.worker != big.worker and small.home is None
 
 
-def test_baseline_policies_place_as_named():
-    hs = block_hashes(list(range(64)), 16)
-    rr = PrefillPolicy(PlacementConfig(policy="round_robin"), ["a", "b", "c"])
-    assert [rr.place(hs, 64, now=0.0).worker for _ in range(4)] == ["a", "b", "c", "a"]
-    mod = PrefillPolicy(PlacementConfig(policy="modulo"), ["a", "b", "c"])
-    assert len({mod.place(hs, 64, now=0.0).worker for _ in range(5)}) == 1  # no bound at all
-    rnd = PrefillPolicy(PlacementConfig(policy="random", seed=3), ["a", "b", "c"])
-    assert {rnd.place(hs, 64, now=0.0).worker for _ in range(30)} == {"a", "b", "c"}
-
-
 def test_membership_changes_are_counted_with_the_share_of_keys_they_moved():
     policy = PrefillPolicy(PlacementConfig(), [f"p{i}" for i in range(8)])
     for i in range(2000):

@@ -9,6 +9,7 @@ import pytest
 from bench.router_sim import SimConfig, ideal_hit_rate, prompts_of, simulate
 from bench.traces import generate, preset
 from pdserve_proto.worker_pb2 import KvEventBatch
+from bench.placement import BenchPlacementConfig
 from router.policy import PlacementConfig, PrefillPolicy, ring_key
 
 N = 8
@@ -26,7 +27,7 @@ def traces() -> dict:
 
 def run(traces: dict, name: str, policy: str, sim: SimConfig = SIM):
     prompts, ideal = traces[name]
-    return simulate(prompts, PlacementConfig(policy=policy), sim, ideal=ideal)
+    return simulate(prompts, BenchPlacementConfig(policy=policy), sim, ideal=ideal)
 
 
 @pytest.mark.parametrize("trace", ["mixed", "private"])

@@ -1,0 +1,41 @@
+"""The router runs without torch: importing it, or any placement module, must not load it
+(the package root exports the engine's names lazily). Checked in a fresh interpreter, since
+this one may have loaded torch for other tests already."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ROUTER_MODULES = (
+    "router.router", "router.grpc_server", "router.http_server",
+    "router.policy", "router.placement", "router.scoring", "router.ring", "router.prefix_index",
+    "router.recent_load", "bench.placement",
+)
+
+
+def _modules_loaded_by(*modules: str) -> set[str]:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print('\\n'.join(sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_router_and_placement_modules_import_without_torch():
+    loaded = _modules_loaded_by(*ROUTER_MODULES)
+    assert set(ROUTER_MODULES) <= loaded  # the check saw the imports it is about
+    assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
+
+
+def test_the_package_root_loads_the_engine_only_when_asked():
+    assert "torch" not in _modules_loaded_by("pdserve")
+    code = "import pdserve; from pdserve import SamplingParams; print(SamplingParams(max_tokens=3).max_tokens)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr
