@@ -67,11 +67,50 @@ def test_several_waiting_callers_all_get_their_turn():
         loop.stop()
 
 
+def _within(deadline_s: float, work) -> list[str]:
+    """Run `work(reached)` in a thread; what it reached, failing if it is not done in time (a
+    lock that is not re-entrant would leave it waiting for itself)."""
+    reached: list[str] = []
+    th = threading.Thread(target=work, args=(reached,), daemon=True)
+    th.start()
+    th.join(deadline_s)
+    assert not th.is_alive(), f"still waiting after {deadline_s}s; reached {reached}"
+    return reached
+
+
 def test_step_lock_is_reentrant():
     lock = StepLock()
-    with lock:
+
+    def nested(reached: list[str]) -> None:
         with lock:
-            pass
-    with lock.hold():
-        with lock:  # the holder takes it again without waiting for itself
-            pass
+            with lock:
+                reached.append("caller twice")
+        with lock.hold():
+            with lock:  # the holder takes it again without waiting for itself
+                reached.append("loop, then caller")
+            reached.append("loop still holds it")
+
+    assert _within(5.0, nested) == ["caller twice", "loop, then caller", "loop still holds it"]
+
+    def other(reached: list[str]) -> None:
+        with lock:
+            reached.append("other thread")
+
+    # Every nested acquisition was released: another thread gets the lock.
+    assert _within(5.0, other) == ["other thread"]
+
+
+def test_step_lock_excludes_other_threads_while_held():
+    lock = StepLock()
+    entered = threading.Event()
+
+    def other() -> None:
+        with lock:
+            entered.set()
+
+    with lock:
+        th = threading.Thread(target=other, daemon=True)
+        th.start()
+        assert not entered.wait(0.2)  # held here: the other thread waits
+    assert entered.wait(5.0)  # released: it gets its turn
+    th.join(5.0)

@@ -34,6 +34,18 @@ def test_public_field_names():
     assert inference_pb2.GenerateRequest.FromString(req.SerializeToString()) == req
     resp = inference_pb2.GenerateResponse(request_id="r", token_ids=[5], text="a", finish_reason="stop")
     resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.cached_prompt_tokens = 2, 1, 0
+    back = inference_pb2.GenerateResponse.FromString(resp.SerializeToString())
+    assert back == resp and (back.usage.prompt_tokens, back.usage.completion_tokens) == (2, 1)
+    # The names clients write (and the HTTP API maps to): renaming one breaks them.
+    names = {m: set(getattr(inference_pb2, m).DESCRIPTOR.fields_by_name) for m in (
+        "GenerateRequest", "SamplingParams", "ChatMessage", "GenerateResponse", "Usage")}
+    assert names == {
+        "GenerateRequest": {"request_id", "prompt", "prompt_token_ids", "messages", "sampling_params", "model"},
+        "SamplingParams": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"},
+        "ChatMessage": {"role", "content"},
+        "GenerateResponse": {"request_id", "token_ids", "text", "finish_reason", "usage"},
+        "Usage": {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"},
+    }
     assert inference_pb2.DESCRIPTOR.package == "pdserve.v1"
     assert set(inference_pb2.DESCRIPTOR.services_by_name) == {"Inference", "Admin"}
 
