@@ -1,0 +1,392 @@
+"""The Helm chart (deploy/helm/pdserve) rendered with the real Helm SDK: strict lint, every object
+valid against the Kubernetes schemas, and what each value set must put into the objects."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+from helm_objects import CHART_DIR, NAMESPACE, REPO, by_kind, one, render, router_script, serve_command
+from kuberay_fields import raycluster_errors, service_monitor_errors
+
+pytestmark = pytest.mark.deploy
+
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
+KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version() + ".0")
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "multi_gpu": {
+        "prefill": {"replicas": 2, "gpus": 4, "cpu": "32", "memory": "256Gi",
+                    "nodeSelector": {"gpu": "h100"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                            "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "prefill"}}}}]}}},
+        "decode": {"replicas": 3, "gpus": 8, "cpu": "64", "memory": "512Gi"},
+        "model": {"source": "pvc", "claimName": "models", "path": "llama-3.1-8b-instruct", "maxModelLen": 8192,
+                  "dtype": "bfloat16"},
+        "shm": {"size": "64Gi"},
+    },
+    "rdma": {
+        "rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a", "count": 2},
+        "kv": {"ucxNetDevices": "mlx5_0:1", "extraEnv": [{"name": "UCX_IB_GID_INDEX", "value": "3"}]},
+        "model": {"source": "gguf", "claimName": "models", "path": "llama-3.2-1b.Q8_0.gguf",
+                  "cache": {"claimName": "pdserve-cache"}},
+    },
+    "tls": {
+        "tls": {"enabled": True, "secretName": "pdserve-tls", "clientCA": True},
+        "apiKeys": {"secretName": "pdserve-keys", "adminSecretName": "pdserve-admin"},
+        "otel": {"endpoint": "otel-collector.observability:4317", "sampleRatio": 0.1},
+        "router": {"service": {"type": "LoadBalancer"}},
+        "networkPolicy": {"routerFrom": [{"namespaceSelector": {"matchLabels": {"name": "clients"}}}]},
+    },
+    "controller": {
+        "controller": {"enabled": True, "sloTtftMs": 300, "sloItlMs": 40},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "grafanaDashboard": {"enabled": True},
+        "model": {"source": "hub", "hubId": "Qwen/Qwen2.5-1.5B-Instruct", "cache": {"claimName": "pdserve-cache"},
+                  "hubTokenSecret": {"name": "hf", "key": "token"}},
+    },
+    "colocated": {"prefill": {"replicas": 0}, "decode": {"replicas": 2, "gpus": 2},
+                  "podDisruptionBudget": {"enabled": False}, "networkPolicy": {"enabled": False}},
+}
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """component -> pod spec, for the router and each Ray group."""
+    rc = one(objects, "RayCluster")
+    specs = {"ray-head": rc["spec"]["headGroupSpec"]["template"]["spec"]}
+    for g in rc["spec"].get("workerGroupSpecs", []):
+        specs[g["groupName"]] = g["template"]["spec"]
+    specs["router"] = one(objects, "Deployment", "-router")["spec"]["template"]["spec"]
+    return specs
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+# ----- the chart as a whole ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_lint_strict(name: str) -> None:
+    report = helm.lint(CHART_DIR, VALUE_SETS[name], strict=True, namespace=NAMESPACE, kube_version="v1.27.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2: warning, 3: error
+    assert not report["errors"] and not problems, (report["errors"], problems)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_object_valid(chart: helm.Chart, name: str) -> None:
+    objects = render(chart, VALUE_SETS[name])
+    assert objects
+    for obj in objects:
+        kind = obj["kind"]
+        if kind == "RayCluster":
+            assert raycluster_errors(obj) == []
+            rc = obj["spec"]
+            templates = [rc["headGroupSpec"]["template"]] + [g["template"] for g in rc.get("workerGroupSpecs", [])]
+            for t in templates:  # the pods inside are core objects: validate them as such
+                for v in KUBE_VERSIONS:
+                    kubernetes_validate.validate(
+                        {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": t}, v, strict=True
+                    )
+        elif kind == "ServiceMonitor":
+            assert service_monitor_errors(obj) == []
+        else:
+            for v in KUBE_VERSIONS:
+                kubernetes_validate.validate(obj, v, strict=True)
+
+
+def test_kubernetes_validate_is_strict() -> None:
+    """The validation above would catch a misspelt field (strict mode rejects unknown ones)."""
+    bad = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": {"portz": []}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBE_VERSIONS[0], strict=True)
+
+
+def test_kuberay_field_check_catches_mistakes(chart: helm.Chart) -> None:
+    rc = one(render(chart), "RayCluster")
+    group = rc["spec"]["workerGroupSpecs"][0]
+    group["replica"] = group.pop("replicas")
+    group["rayStartParams"]["num-gpus"] = 1
+    errors = raycluster_errors(rc)
+    assert any("replica: not a field" in e for e in errors)
+    assert any("num-gpus: KubeRay takes string values" in e for e in errors)
+
+
+def test_default_objects(chart: helm.Chart) -> None:
+    kinds = sorted(o["kind"] for o in render(chart))
+    assert kinds == sorted(["RayCluster", "Deployment", "Service", "NetworkPolicy", "NetworkPolicy",
+                            "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget"])
+
+
+# ----- pools ---------------------------------------------------------------------------------
+
+
+def test_worker_groups_and_gpus(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["multi_gpu"])
+    rc = one(objects, "RayCluster")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for role, (replicas, gpus) in {"prefill": (2, 4), "decode": (3, 8)}.items():
+        g = groups[role]
+        assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == replicas
+        c = g["template"]["spec"]["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == str(gpus)
+        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {f"pdserve_{role}": gpus}
+        assert g["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == role
+    prefill = groups["prefill"]["template"]["spec"]
+    assert prefill["nodeSelector"] == {"gpu": "h100"}
+    assert prefill["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "podAntiAffinity" in prefill["affinity"]
+    assert "nodeSelector" not in groups["decode"]["template"]["spec"]
+    # Today each pdserve worker takes one GPU: replicas x gpus workers per pool.
+    cmd = shlex.split(serve_command(objects))
+    assert cmd[cmd.index("--prefill") + 1] == "8" and cmd[cmd.index("--decode") + 1] == "24"
+
+
+def test_head_takes_no_worker(chart: helm.Chart) -> None:
+    head = one(render(chart), "RayCluster")["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0" and head["rayStartParams"]["num-cpus"] == "0"
+    assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_colocated_has_no_prefill_group(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["colocated"])
+    groups = [g["groupName"] for g in one(objects, "RayCluster")["spec"]["workerGroupSpecs"]]
+    assert groups == ["decode"]
+    cmd = shlex.split(serve_command(objects))
+    assert cmd[cmd.index("--prefill") + 1] == "0" and cmd[cmd.index("--decode") + 1] == "4"
+    assert not by_kind(objects, "PodDisruptionBudget") and not by_kind(objects, "NetworkPolicy")
+
+
+def test_pool_pods_shm_ipc_lock(chart: helm.Chart) -> None:
+    specs = pod_specs(render(chart, VALUE_SETS["multi_gpu"]))
+    for role in ("prefill", "decode"):
+        spec = specs[role]
+        c = spec["containers"][0]
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+
+# ----- KV transfer: addresses, UCX, RDMA -----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_nothing_binds_all_interfaces(chart: helm.Chart, name: str) -> None:
+    manifests = chart.render(values=VALUE_SETS[name], name="demo", namespace=NAMESPACE)
+    assert not any("0.0.0.0" in text for text in manifests.values())
+
+
+def test_ray_and_router_on_the_pod_ip(chart: helm.Chart) -> None:
+    objects = render(chart)
+    rc = one(objects, "RayCluster")["spec"]
+    for params in [rc["headGroupSpec"]["rayStartParams"]] + [g["rayStartParams"] for g in rc["workerGroupSpecs"]]:
+        assert params["node-ip-address"] == "$POD_IP"
+    for spec in pod_specs(objects).values():
+        assert env_of(spec["containers"][0])["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    script = router_script(objects)
+    assert '--node-ip-address="$POD_IP"' in script
+    assert serve_command(objects).startswith('exec pdserve serve --host "$POD_IP"')
+
+
+def test_no_ucx_tls_pin_by_default(chart: helm.Chart) -> None:
+    for spec in pod_specs(render(chart)).values():
+        assert not any(k.startswith("UCX_") for k in env_of(spec["containers"][0]))
+    pinned = pod_specs(render(chart, {"kv": {"ucxTls": "rc,cuda_copy"}}))
+    for role in ("prefill", "decode"):
+        assert env_of(pinned[role]["containers"][0])["UCX_TLS"] == "rc,cuda_copy"
+
+
+def test_rdma(chart: helm.Chart) -> None:
+    specs = pod_specs(render(chart, VALUE_SETS["rdma"]))
+    for role in ("prefill", "decode"):
+        c = specs[role]["containers"][0]
+        assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == "2"
+        assert env_of(c)["UCX_NET_DEVICES"] == "mlx5_0:1" and env_of(c)["UCX_IB_GID_INDEX"] == "3"
+    assert "rdma/hca_shared_devices_a" not in specs["router"]["containers"][0]["resources"]["limits"]
+    default = pod_specs(render(chart))
+    assert not any(k.startswith("rdma/") for k in default["prefill"]["containers"][0]["resources"]["limits"])
+
+
+# ----- the router ----------------------------------------------------------------------------
+
+
+def test_router_service_ports(chart: helm.Chart) -> None:
+    objects = render(chart)
+    svc = one(objects, "Service", "-router")
+    ports = {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]}
+    assert ports == {"grpc": (50051, "grpc"), "http": (8000, "http"), "metrics": (9400, "metrics")}
+    dep = one(objects, "Deployment", "-router")
+    assert dep["spec"]["replicas"] == 1
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
+    cmd = shlex.split(serve_command(objects))
+    for flag, value in {"--port": "50051", "--http-port": "8000", "--metrics-port": "9400", "--address": "auto",
+                        "--device": "cuda"}.items():
+        assert cmd[cmd.index(flag) + 1] == value
+
+
+def test_router_probes_use_grpc_health(chart: helm.Chart) -> None:
+    container = one(render(chart), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50051, "service": "pdserve.v1.Inference"}
+
+
+def test_router_joins_ray_without_resources(chart: helm.Chart) -> None:
+    script = router_script(render(chart))
+    assert "ray start --address=demo-pdserve-head-svc:6379" in script
+    assert "--num-cpus=0 --num-gpus=0" in script
+
+
+def test_model_sources(chart: helm.Chart) -> None:
+    pvc = render(chart, VALUE_SETS["multi_gpu"])
+    cmd = shlex.split(serve_command(pvc))
+    assert cmd[cmd.index("--model") + 1] == "/models/llama-3.1-8b-instruct"
+    assert cmd[cmd.index("--max-model-len") + 1] == "8192" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    specs = pod_specs(pvc)
+    for comp in ("router", "prefill", "decode"):
+        vols = {v["name"]: v for v in specs[comp]["volumes"]}
+        assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        assert "model-cache" not in vols
+
+    gguf = render(chart, VALUE_SETS["rdma"])
+    cmd = shlex.split(serve_command(gguf))
+    assert cmd[cmd.index("--model") + 1] == "/models/llama-3.2-1b.Q8_0.gguf"
+    for comp in ("router", "prefill", "decode"):  # the converted model must be where every worker reads it
+        spec = pod_specs(gguf)[comp]
+        assert {"name": "model-cache", "mountPath": "/var/cache/pdserve"} in spec["containers"][0]["volumeMounts"]
+        assert env_of(spec["containers"][0])["PDSERVE_CACHE_DIR"] == "/var/cache/pdserve"
+
+    hub = render(chart, VALUE_SETS["controller"])
+    cmd = shlex.split(serve_command(hub))
+    assert cmd[cmd.index("--model") + 1] == "Qwen/Qwen2.5-1.5B-Instruct"
+    router_env = env_of(pod_specs(hub)["router"]["containers"][0])
+    assert router_env["HF_HOME"] == "/var/cache/pdserve/hf"
+    assert router_env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+
+    assert "--model" not in shlex.split(serve_command(render(chart)))  # the embedded default
+
+
+def test_tls_api_keys_otel(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["tls"])
+    cmd = shlex.split(serve_command(objects))
+    expected = {"--ssl-certfile": "/etc/pdserve/tls/tls.crt", "--ssl-keyfile": "/etc/pdserve/tls/tls.key",
+                "--ssl-ca-certs": "/etc/pdserve/tls/ca.crt", "--api-key-file": "/etc/pdserve/api-keys/api-keys",
+                "--admin-api-key": "$PDSERVE_ADMIN_API_KEY", "--trace-exporter": "otlp-grpc",
+                "--trace-endpoint": "otel-collector.observability:4317", "--trace-sample-ratio": "0.1"}
+    for flag, value in expected.items():
+        assert cmd[cmd.index(flag) + 1] == value, flag
+    spec = pod_specs(objects)["router"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["tls"] == {"name": "tls", "secret": {"secretName": "pdserve-tls"}}
+    assert vols["api-keys"] == {"name": "api-keys", "secret": {"secretName": "pdserve-keys"}}
+    c = spec["containers"][0]
+    assert env_of(c)["PDSERVE_ADMIN_API_KEY"] == {"secretKeyRef": {"name": "pdserve-admin", "key": "admin-api-key"}}
+    # The kubelet's gRPC probe has no TLS: the health check runs in the pod against the same service.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = c[probe]["exec"]["command"]
+        assert command[:2] == ["python", "-c"] and "pdserve.v1.Inference" in command[2]
+        compile(command[2], "probe", "exec")
+    assert "--ssl-certfile" not in serve_command(render(chart))
+
+
+def test_controller_flags(chart: helm.Chart) -> None:
+    cmd = shlex.split(serve_command(render(chart, VALUE_SETS["controller"])))
+    assert "--controller" in cmd
+    assert cmd[cmd.index("--slo-ttft-ms") + 1] == "300" and cmd[cmd.index("--slo-itl-ms") + 1] == "40"
+    assert "--controller" not in serve_command(render(chart))
+
+
+def test_extra_args_are_quoted(chart: helm.Chart) -> None:
+    cmd = shlex.split(serve_command(render(chart, {"router": {"extraArgs": ["--max-num-seqs", "128", "--lease-s", "60 s"]}})))
+    assert cmd[-4:] == ["--max-num-seqs", "128", "--lease-s", "60 s"]
+
+
+# ----- policies, monitoring ------------------------------------------------------------------
+
+
+def test_pod_disruption_budgets(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["multi_gpu"])
+    pdbs = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects, "PodDisruptionBudget")}
+    assert set(pdbs) == {"demo-pdserve-router", "demo-pdserve-prefill", "demo-pdserve-decode"}
+    rc = one(objects, "RayCluster")["spec"]
+    pod_labels = {g["groupName"]: g["template"]["metadata"]["labels"] for g in rc["workerGroupSpecs"]}
+    pod_labels["router"] = one(objects, "Deployment", "-router")["spec"]["template"]["metadata"]["labels"]
+    for comp, labels in pod_labels.items():
+        spec = pdbs[f"demo-pdserve-{comp}"]
+        assert spec["maxUnavailable"] == 1
+        assert spec["selector"]["matchLabels"].items() <= labels.items()  # selects that component's pods
+        others = [v for k, v in pod_labels.items() if k != comp]
+        assert not any(spec["selector"]["matchLabels"].items() <= o.items() for o in others)  # and no other
+
+
+def test_network_policy(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["tls"])
+    router = one(objects, "NetworkPolicy", "-router")["spec"]
+    open_rule, cluster_rule = router["ingress"]
+    assert sorted(p["port"] for p in open_rule["ports"]) == [8000, 9400, 50051]
+    assert open_rule["from"] == [{"namespaceSelector": {"matchLabels": {"name": "clients"}}}]
+    assert "ports" not in cluster_rule  # Ray's ports are dynamic
+    assert cluster_rule["from"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "demo"}
+    ray = one(objects, "NetworkPolicy", "-ray")["spec"]
+    comps = next(e for e in ray["podSelector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component")
+    assert sorted(comps["values"]) == ["decode", "prefill", "ray-head"]
+    assert ray["policyTypes"] == ["Ingress"]
+    (rule,) = ray["ingress"]
+    assert "ports" not in rule and rule["from"] == cluster_rule["from"]  # only the release's own pods, KV included
+    default = one(render(chart), "NetworkPolicy", "-router")["spec"]["ingress"][0]
+    assert "from" not in default  # the router's ports are open to all by default
+
+
+def test_service_monitor_and_dashboard(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["controller"])
+    sm = one(objects, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    svc = one(objects, "Service", "-router")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    cm = one(objects, "ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((REPO / "deploy" / "grafana" / "pdserve.json").read_text())
+    assert json.loads(cm["data"]["pdserve.json"]) == shipped
+    assert not by_kind(render(chart), "ServiceMonitor") and not by_kind(render(chart), "ConfigMap")
+
+
+def test_chart_notes(chart: helm.Chart) -> None:
+    notes = chart.render(values=VALUE_SETS["multi_gpu"], name="demo", namespace=NAMESPACE)["pdserve/templates/NOTES.txt"]
+    assert "8 prefill and 24 decode workers" in notes
+    assert re.search(r"50051\s+gRPC", notes) and re.search(r"8000\s+OpenAI HTTP", notes)
+
+
+# ----- the image -----------------------------------------------------------------------------
+
+
+def test_dockerfile_matches_chart_and_package() -> None:
+    dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
+    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.M)
+    assert ray_version is not None
+    values = helm.values_from_yaml((CHART_DIR / "values.yaml").read_text())
+    assert values["rayVersion"] == ray_version.group(1)
+    assert re.search(r'^FROM \$\{CUDA_IMAGE\}$', dockerfile, re.M) and "ARG CUDA_IMAGE=nvidia/cuda:" in dockerfile
+    assert '".[gpu]"' in dockerfile and '"ray[default]==${RAY_VERSION}"' in dockerfile
+    # Every package pyproject installs is copied into the build.
+    import tomllib
+
+    includes = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pattern in includes:
+        pkg = pattern.rstrip("*")
+        assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
+        assert f"!{pkg}/" in (REPO / "deploy" / "docker" / "Dockerfile.dockerignore").read_text(), pkg
