@@ -183,7 +183,7 @@ def test_pool_pods_shm_ipc_lock(chart: helm.Chart) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
-def test_nothing_binds_all_interfaces(chart: helm.Chart, name: str) -> None:
+def test_no_address_is_all_interfaces(chart: helm.Chart, name: str) -> None:
     manifests = chart.render(values=VALUE_SETS[name], name="demo", namespace=NAMESPACE)
     assert not any("0.0.0.0" in text for text in manifests.values())
 
