@@ -199,7 +199,9 @@ class DecodeWorker:
         self.loop.wake()
         return done
 
-    def _recompute(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, first_token: int) -> None:
+    def _recompute(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, first_token: int
+    ) -> None:
         # The first token was already sent to the client: continue after it.
         with self.loop.lock:
             self.engine.abort(request_id)
@@ -253,7 +255,9 @@ class DecodeWorker:
     def _on_step(self, outputs: list[RequestOutput]) -> None:
         updates = [
             worker_pb2.TokenUpdate(
-                request_id=o.request_id, token_ids=o.new_token_ids, finish_reason=(o.finish_reason or "") if o.finished else ""
+                request_id=o.request_id,
+                token_ids=o.new_token_ids,
+                finish_reason=(o.finish_reason or "") if o.finished else "",
             )
             for o in outputs
         ]

@@ -1,8 +1,9 @@
 """How the router talks to workers, whatever hosts them (Ray actors, or objects in this process).
 
 The two Protocols speak worker.proto's messages only (`pdserve_proto.worker_pb2`); one adapter
-implements both for every host (`pdserve.cluster.worker_client.WorkerClient`). Every method is async and takes a deadline; implementations turn worker-side failures into
-`RouterError`s with the gRPC status the client should see. `prefill` and `start` also take the
+implements both for every host (`pdserve.cluster.worker_client.WorkerClient`). Every method is
+async and takes a deadline; implementations turn worker-side failures into `RouterError`s with
+the gRPC status the client should see. `prefill` and `start` also take the
 W3C trace context of the router's span (`trace_context`), passed only when tracing is on;
 so does `submit`, which hands a whole request to a decode worker to prefill itself.
 """

@@ -58,7 +58,12 @@ class WorkerActor:
     # ----- prefill -------------------------------------------------------------------------
 
     def prefill(
-        self, ids: list[int], params: SamplingParams, rid: str, timeout_s: float, trace_context: TraceCarrier | None = None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        timeout_s: float,
+        trace_context: TraceCarrier | None = None,
     ) -> worker_pb2.PrefillResult:
         return self._prefill().prefill(ids, params, rid, timeout_s, trace_context)
 

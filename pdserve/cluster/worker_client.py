@@ -56,7 +56,9 @@ class WorkerClient:
         try:
             return await within(self._invoke(name, *args), timeout_s)
         except TimeoutError:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True) from None
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True
+            ) from None
         except asyncio.CancelledError:
             raise
         except WorkerUnreachable as exc:
@@ -77,7 +79,8 @@ class WorkerClient:
         trace_context: TraceCarrier | None = None,
     ) -> worker_pb2.PrefillResult:
         return await self._call(
-            "prefill", timeout_s + PREFILL_MARGIN_S, "prefill", prompt_token_ids, params, request_id, timeout_s, trace_context
+            "prefill", timeout_s + PREFILL_MARGIN_S, "prefill",
+            prompt_token_ids, params, request_id, timeout_s, trace_context,
         )
 
     async def release(self, request_id: str, timeout_s: float) -> None:
@@ -106,7 +109,9 @@ class WorkerClient:
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
     ) -> worker_pb2.DecodeSubmit:
-        return await self._call("decode submit", timeout_s, "submit", prompt_token_ids, params, request_id, trace_context)
+        return await self._call(
+            "decode submit", timeout_s, "submit", prompt_token_ids, params, request_id, trace_context
+        )
 
     async def abort(self, request_id: str, timeout_s: float) -> None:
         await self._call("abort", timeout_s, "abort", request_id)

@@ -123,7 +123,9 @@ class InProcessCluster:
         self.prefills = [wrap(WorkerClient(w.worker_id, self._invoker(w)), "prefill") for w in self.prefill_workers]
         self.decodes = [wrap(WorkerClient(w.worker_id, self._invoker(w)), "decode") for w in self.decode_workers]
         mc = ModelConfig.from_dir(model_dir)
-        rc = RouterConfig(model_id=model_dir.name, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size, **(router_overrides or {}))
+        rc = RouterConfig(
+            model_id=model_dir.name, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size, **(router_overrides or {})
+        )
         self.router = Router(rc, load_tokenizer(model_dir), self.prefills, self.decodes, tracer, metrics)
         self.server: Any = None
         self.channel: Any = None
@@ -168,7 +170,8 @@ class InProcessCluster:
 
         async def run() -> list[int]:
             tokens: list[int] = []
-            async for chunk in self.router.generate(inference_pb2.GenerateRequest(prompt_token_ids=ids, sampling_params=params)):
+            request = inference_pb2.GenerateRequest(prompt_token_ids=ids, sampling_params=params)
+            async for chunk in self.router.generate(request):
                 tokens += chunk.token_ids
                 if on_chunk is not None:
                     on_chunk(len(tokens))

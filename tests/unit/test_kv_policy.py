@@ -53,13 +53,16 @@ def test_compat_hash_covers_every_layout_field():
 
 def test_a_handle_of_another_protocol_or_layout_is_refused_naming_the_field():
     ok = KvLayout("m", "float32", 2, 2, 8, 16, hash_version=1).compat_hash()
-    handle = kv_pb2.KvHandle(protocol_version=PROTOCOL_VERSION, request_id="r", worker_id="p0", compat_hash=ok)
-    check_handle(handle, ok)
+
+    def handle(version: int, compat_hash: str) -> kv_pb2.KvHandle:
+        return kv_pb2.KvHandle(protocol_version=version, request_id="r", worker_id="p0", compat_hash=compat_hash)
+
+    check_handle(handle(PROTOCOL_VERSION, ok), ok)
     with pytest.raises(KvCompatError, match="^protocol_version: the KV handle of r from 'p0'"):
-        check_handle(kv_pb2.KvHandle(protocol_version=PROTOCOL_VERSION + 1, request_id="r", worker_id="p0", compat_hash=ok), ok)
+        check_handle(handle(PROTOCOL_VERSION + 1, ok), ok)
     other = KvLayout("m", "float32", 2, 2, 8, 32, hash_version=1).compat_hash()
     with pytest.raises(KvCompatError, match="^compat_hash: worker 'p0'"):
-        check_handle(kv_pb2.KvHandle(protocol_version=PROTOCOL_VERSION, request_id="r", worker_id="p0", compat_hash=other), ok)
+        check_handle(handle(PROTOCOL_VERSION, other), ok)
 
 
 def test_the_pulled_notice_round_trips_and_other_notices_are_not_pulls():
