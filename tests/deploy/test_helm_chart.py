@@ -26,8 +26,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                     "nodeSelector": {"gpu": "h100"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                        {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                            "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "prefill"}}}}]}}},
+                        {"weight": 100, "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "prefill"}}}}]}}},
         "decode": {"replicas": 3, "gpus": 8, "cpu": "64", "memory": "512Gi"},
         "model": {"source": "pvc", "claimName": "models", "path": "llama-3.1-8b-instruct", "maxModelLen": 8192,
                   "dtype": "bfloat16"},
@@ -94,9 +95,8 @@ def test_every_object_valid(chart: helm.Chart, name: str) -> None:
             templates = [rc["headGroupSpec"]["template"]] + [g["template"] for g in rc.get("workerGroupSpecs", [])]
             for t in templates:  # the pods inside are core objects: validate them as such
                 for v in KUBE_VERSIONS:
-                    kubernetes_validate.validate(
-                        {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": t}, v, strict=True
-                    )
+                    pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": t}
+                    kubernetes_validate.validate(pod_template, v, strict=True)
         elif kind == "ServiceMonitor":
             assert service_monitor_errors(obj) == []
         else:
@@ -310,8 +310,9 @@ def test_controller_flags(chart: helm.Chart) -> None:
 
 
 def test_extra_args_are_quoted(chart: helm.Chart) -> None:
-    cmd = shlex.split(serve_command(render(chart, {"router": {"extraArgs": ["--max-num-seqs", "128", "--lease-s", "60 s"]}})))
-    assert cmd[-4:] == ["--max-num-seqs", "128", "--lease-s", "60 s"]
+    extra = ["--max-num-seqs", "128", "--lease-s", "60 s"]
+    cmd = shlex.split(serve_command(render(chart, {"router": {"extraArgs": extra}})))
+    assert cmd[-4:] == extra
 
 
 # ----- policies, monitoring ------------------------------------------------------------------
@@ -366,7 +367,8 @@ def test_service_monitor_and_dashboard(chart: helm.Chart) -> None:
 
 
 def test_chart_notes(chart: helm.Chart) -> None:
-    notes = chart.render(values=VALUE_SETS["multi_gpu"], name="demo", namespace=NAMESPACE)["pdserve/templates/NOTES.txt"]
+    manifests = chart.render(values=VALUE_SETS["multi_gpu"], name="demo", namespace=NAMESPACE)
+    notes = manifests["pdserve/templates/NOTES.txt"]
     assert "8 prefill and 24 decode workers" in notes
     assert re.search(r"50051\s+gRPC", notes) and re.search(r"8000\s+OpenAI HTTP", notes)
 

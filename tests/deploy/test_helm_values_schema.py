@@ -62,7 +62,8 @@ REJECTED: dict[str, tuple[dict[str, Any], str]] = {
     "unknown pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     "ray version malformed": ({"rayVersion": "latest"}, "/rayVersion"),
     "pdb max unavailable 0": ({"podDisruptionBudget": {"maxUnavailable": 0}}, "/podDisruptionBudget/maxUnavailable"),
-    "scrape interval malformed": ({"serviceMonitor": {"enabled": True, "interval": "often"}}, "/serviceMonitor/interval"),
+    "scrape interval malformed": ({"serviceMonitor": {"enabled": True, "interval": "often"}},
+                                  "/serviceMonitor/interval"),
 }
 
 
