@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from pdserve.cluster.ports import PortInUseError
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -73,7 +75,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     _add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="0 is greedy (default: 0, here and with --address; a gRPC or HTTP request that sets no "
+        "temperature gets temperature 1.0, the OpenAI convention)",
+    )
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
@@ -94,7 +100,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="start a disaggregated cluster (prefill + decode pools on Ray), or a colocated one, and its gRPC API",
         description="Start (or join, with --address) a Ray cluster, the prefill and decode worker pools and the "
         "router's gRPC server; print the address once ready; stop cleanly on SIGINT/SIGTERM. With --prefill 0 the "
-        "cluster is colocated: each decode worker prefills its own requests and no KV moves between workers.",
+        "cluster is colocated: each decode worker prefills its own requests and no KV moves between workers. "
+        "A gRPC or HTTP request that sets no temperature samples at temperature 1.0 (the OpenAI convention), "
+        "while `pdserve generate` defaults to 0 (greedy): send temperature 0 for repeatable answers.",
     )
     _add_engine_args(srv)
     srv.add_argument(
@@ -226,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             module = _bench_module(args.bench)
             assert module is not None
             return module.run(args)
-    except (ValueError, ImportError, FileNotFoundError) as exc:
+    except (ValueError, ImportError, FileNotFoundError, PortInUseError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     return 1

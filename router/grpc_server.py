@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import AsyncIterator
 
@@ -55,15 +56,20 @@ class AdminServicer(inference_pb2_grpc.AdminServicer):
 
 async def start_grpc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one)."""
-    server = grpc.aio.server()
+    # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind too and
+    # take half of the new connections. Off, a taken port is an error.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
     inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpcio raises this when the bind fails
+        raise OSError(errno.EADDRINUSE, f"gRPC: cannot listen on {host}:{port} (in use?)") from exc
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(errno.EADDRINUSE, f"gRPC: cannot listen on {host}:{port} (in use?)")
     await server.start()
     for name in (*SERVICE_NAMES, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

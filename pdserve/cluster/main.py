@@ -42,8 +42,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     )
 
 
-async def _serve(cfg: ServeConfig) -> None:
-    cluster = await Cluster.start(cfg)
+def _say(line: str) -> None:
+    print(f"pdserve: {line}", flush=True)
+
+
+async def _serve(cfg: ServeConfig, verbose: bool) -> None:
+    cluster = await Cluster.start(cfg, progress=_say, worker_logs=verbose)
     shape = (
         f"{cfg.num_prefill} prefill, {cfg.num_decode} decode" if cfg.num_prefill
         else f"colocated: {cfg.num_decode} decode, prefilling locally"
@@ -65,5 +69,5 @@ async def _serve(cfg: ServeConfig) -> None:
 
 
 def serve_forever(args: argparse.Namespace) -> int:
-    asyncio.run(_serve(config_from_args(args)))
+    asyncio.run(_serve(config_from_args(args), args.verbose))
     return 0

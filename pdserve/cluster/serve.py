@@ -6,6 +6,7 @@ requests, and a prefill pool can still be added later with `Cluster.add_worker("
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 from dataclasses import replace
@@ -18,6 +19,9 @@ from aiohttp import web
 from pdserve.cluster.actors import ray_invoker, remote_class
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.observability import RouterTelemetry
+from pdserve.cluster.ports import PortInUseError, check_ports
+from pdserve.cluster.progress import Progress, quiet, worker_ready_line, workers_line
+from pdserve.telemetry.endpoint import unanswered_warning
 from pdserve.cluster.worker_client import WorkerClient
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
@@ -65,13 +69,22 @@ class Cluster:
         return None if self.http_port is None else f"{self.cfg.host}:{self.http_port}"
 
     @classmethod
-    async def start(cls, cfg: ServeConfig) -> Cluster:
+    async def start(cls, cfg: ServeConfig, progress: Progress = quiet, worker_logs: bool = True) -> Cluster:
+        """progress gets a line for each stage and for each worker once it is ready; worker_logs:
+        whether the workers' own log lines reach this process (Ray keeps them in its log folder)."""
+        # Before anything slow: a silent trace collector and a taken port each cost one line.
+        if (warning := unanswered_warning(cfg.tracing)) is not None:
+            progress(warning)
+        check_ports(cfg.host, {"--port": cfg.port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port})
+        progress("preparing the model" if cfg.model is None else f"preparing the model {cfg.model}")
         model_dir = resolve_model(cfg.model)  # convert once here, not in every actor
         device = resolve_device(cfg.device)
         cfg = replace(cfg, model=str(model_dir), device=device)
         owns_ray = not ray.is_initialized()
         if owns_ray:
-            _init_ray(cfg.ray_address)
+            progress(f"joining Ray at {cfg.ray_address}" if cfg.ray_address else "starting Ray")
+            _init_ray(cfg.ray_address, worker_logs)
+        progress(workers_line(cfg.num_prefill, cfg.num_decode, device) + f", model {model_dir.name}")
         actor_cls = remote_class(num_gpus=1 if device.startswith("cuda") else 0)
         # Ray assigns each actor its own GPU; inside the actor it is cuda:0.
         worker_cfg = replace(cfg, device="cuda" if device.startswith("cuda") else device)
@@ -90,15 +103,20 @@ class Cluster:
                 asyncio.gather(*(a.agent_info.remote() for a in actors)), cfg.startup_timeout_s
             )
             p_infos, d_infos = infos[: len(prefills)], infos[len(prefills):]
+            for pi in p_infos:
+                progress(worker_ready_line("prefill", pi, ()))
             # Colocated (no prefill pool): no KV moves between workers, so nothing to link or test.
             links = [d.connect.remote(pi) for d in decodes for pi in p_infos]
             links += [p.connect.remote(di) for p in prefills for di in d_infos]
             await within(asyncio.gather(*links), 60)
             for d, di in zip(decodes, d_infos):
+                measured = []
                 for pi in p_infos:
                     gbps = await within(d.link_test.remote(pi.agent_name), 60)
                     log.info("KV link %s <- %s: %.2f GB/s", di.worker_id, pi.worker_id, gbps)
                     telemetry.metrics.link_test.labels(di.worker_id, pi.worker_id).set(gbps * 1e9)
+                    measured.append((pi.worker_id, gbps))
+                progress(worker_ready_line("decode", di, measured))
             mc = ModelConfig.from_dir(model_dir)
             router_cfg = RouterConfig(
                 model_id=model_dir.name,
@@ -116,8 +134,14 @@ class Cluster:
                 metrics=telemetry.metrics,
             )
             await router.start()
-            server, port = await start_grpc_server(router, cfg.host, cfg.port)
-            http = None if cfg.http_port is None else await start_http_server(router, cfg.host, cfg.http_port)
+            try:
+                server, port = await start_grpc_server(router, cfg.host, cfg.port)
+                http = None if cfg.http_port is None else await start_http_server(router, cfg.host, cfg.http_port)
+            except OSError as exc:
+                # Taken since the check at the start (a race): still one clear line.
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                raise PortInUseError(f"a port was taken while the cluster started: {exc.strerror or exc}") from exc
             if cfg.metrics_port is not None:
                 telemetry.serve_metrics(cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop())
         except BaseException:
@@ -207,16 +231,20 @@ class Cluster:
                 log.warning("flushing a worker's traces failed: %s", r)
 
 
-def _init_ray(address: str | None) -> None:
+def _init_ray(address: str | None, worker_logs: bool) -> None:
     if address:
-        ray.init(address=address, namespace=NAMESPACE)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=worker_logs, logging_level=logging.WARNING)
         return
     # A local cluster stays on loopback even where the host's own address is not.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray turns token authentication on for a new local cluster and warns that it did unless the
+    # mode is set: set it to that same default, so the cluster stays authenticated and quiet.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray.init(
         namespace=NAMESPACE,
         include_dashboard=False,
         logging_level=logging.WARNING,
         configure_logging=True,
+        log_to_driver=worker_logs,
         _node_ip_address="127.0.0.1",
     )
