@@ -50,6 +50,7 @@ def build_engine(cfg: ServeConfig, role: Role) -> LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
+            workers_on_host=cfg.num_prefill + cfg.num_decode,  # they share the host's memory, as its cores
             attention_backend=cfg.attention_backend,
             triton_decode_kernels=cfg.triton_decode_kernels,
             detokenize=role != "decode",  # the router turns decode tokens into text

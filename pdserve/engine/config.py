@@ -184,7 +184,10 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from free memory
     memory_utilization: float = 0.85  # fraction of device memory the engine may use (GPU)
-    cpu_kv_cache_bytes: int = 2 << 30  # KV pool size on CPU when num_kv_blocks is None
+    # KV pool budget on CPU when num_kv_blocks is None; None: a share of the host's available
+    # memory (see kv_sizing).
+    cpu_kv_cache_bytes: int | None = None
+    workers_on_host: int = 1  # engines sharing this host's memory, for sizing the CPU KV pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -199,7 +202,7 @@ class EngineConfig:
     # None: on where decode steps are CUDA graphs, the only place the host's time shows.
     overlap_decode: bool | None = None
     cuda_graph_max_batch: int = 128
-    # Triton decode kernels in the CUDA graphs (pdserve/engine/decode_kernels.py): split-KV
+    # Triton decode kernels in the CUDA graphs (pdserve/engine/kernels/decode_kernels.py): split-KV
     # attention up to batch 32, and at batch 1 matmuls with the norms, SiLU and the greedy
     # pick folded in. None: on wherever Triton >= 3.4 imports (NVIDIA GPUs, head_dim a power of
     # two >= 16); True: required (an error naming what is missing); False: off.
@@ -217,6 +220,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks: must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
+        if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes < 1:
+            raise ValueError("cpu_kv_cache_bytes: must be >= 1")
+        if self.workers_on_host < 1:
+            raise ValueError("workers_on_host: must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
         if self.load_format not in ("auto", "dummy"):

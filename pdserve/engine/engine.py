@@ -22,6 +22,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model.cpu_linear import onednn_available
 from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
+from pdserve.engine.kv_sizing import cpu_kv_blocks, cuda_kv_blocks, step_activation_bytes
 from pdserve.engine.model.model import CausalLM
 from pdserve.engine.runner import DecodeLaunch, ModelRunner, kv_block_bytes
 from pdserve.engine.sampling_params import SamplingParams
@@ -76,6 +77,16 @@ class LLMEngine:
         if cfg.compile_elementwise or (cfg.compile_elementwise is None and device.type == "cuda"):
             model.ops.compile()
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(mc, device)
+        per_block = kv_block_bytes(mc, cfg.block_size, cfg.dtype)
+        log.info(
+            "KV pool: %d blocks of %d tokens, %.1f MiB (%s; %.1f sequences of %d tokens)",
+            num_blocks,
+            cfg.block_size,
+            num_blocks * per_block / 2**20,
+            "num_kv_blocks" if cfg.num_kv_blocks else f"sized from {device.type} memory",
+            num_blocks * cfg.block_size / self.max_model_len,
+            self.max_model_len,
+        )
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(model, cfg, num_blocks, self.max_model_len)
         self.runner.capture_cuda_graphs()
@@ -314,23 +325,41 @@ class LLMEngine:
     # ----- sizing --------------------------------------------------------------------------
 
     def _blocks_from_memory(self, mc: ModelConfig, device: torch.device) -> int:
-        per_block = kv_block_bytes(mc, self.cfg.block_size, self.cfg.dtype)
+        cfg = self.cfg
+        per_block = kv_block_bytes(mc, cfg.block_size, cfg.dtype)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            dtype_bytes = torch.finfo(self.cfg.dtype).bits // 8
-            t = self.cfg.max_num_batched_tokens
-            activations = t * (6 * mc.hidden_size + 3 * mc.intermediate_size) * dtype_bytes * 2
-            logits = self.cfg.max_num_seqs * mc.vocab_size * 4 * 3
-            budget = total * self.cfg.memory_utilization - (total - free) - activations - logits - (512 << 20)
-        else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(self.cfg.cpu_kv_cache_bytes, 0.3 * available)
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            raise ValueError("num_kv_blocks: no memory left for the KV cache; lower max_num_batched_tokens or set it")
-        # More blocks than every sequence at full length could use is wasted memory.
-        cap = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
-        return min(blocks, cap)
+            dtype_bytes = torch.finfo(cfg.dtype).bits // 8
+            activations = step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs, dtype_bytes)
+            return cuda_kv_blocks(
+                per_block, self.max_model_len, cfg.block_size, cfg.max_num_seqs,
+                free, total, cfg.memory_utilization, activations,
+            )
+        return cpu_kv_blocks(
+            per_block, self.max_model_len, cfg.block_size, cfg.max_num_seqs,
+            host_available_bytes(), cfg.workers_on_host, cfg.cpu_kv_cache_bytes,
+        )
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give without swapping: MemAvailable (free plus reclaimable cache),
+    bounded by this process's cgroup limit where one is set."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def _generation_config_eos(model_dir: Path) -> list[int]:

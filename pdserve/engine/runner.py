@@ -14,6 +14,8 @@ CUDA-graph batches; the block manager never hands it out.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,14 @@ class DecodeLaunch:
     done: torch.cuda.Event | None  # recorded after that copy (None on CPU: already done)
 
 
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled host tensor in anonymous mapped memory, which reads as zeros and takes
+    physical pages only where written: a KV pool sized for many long sequences then costs the
+    memory of the blocks in use, not of the whole pool (torch.zeros writes every page)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
@@ -61,24 +71,18 @@ class ModelRunner:
         mc = model.cfg
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
-        self.kv_pool = torch.zeros(
-            (num_blocks + 1, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=cfg.dtype,
-            device=self.device,
-        )
+        shape = (num_blocks + 1, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        if self.device.type == "cpu":
+            self.kv_pool = zeroed_host_tensor(shape, cfg.dtype)
+        else:
+            self.kv_pool = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self.backend = make_backend(cfg.attention_backend, self.device, cfg.dtype)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_turn = 0
-        log.info(
-            "KV pool: %d blocks x %d tokens (%.1f MiB), attention backend %s",
-            num_blocks,
-            cfg.block_size,
-            self.kv_pool.numel() * self.kv_pool.element_size() / 2**20,
-            self.backend.name,
-        )
+        log.info("attention backend %s", self.backend.name)
 
     # ----- inputs --------------------------------------------------------------------------
 
