@@ -19,16 +19,16 @@ import torch
 from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model.cpu_linear import onednn_available
 from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
 from pdserve.engine.kv_sizing import cpu_kv_blocks, cuda_kv_blocks, step_activation_bytes
+from pdserve.engine.model.cpu_linear import onednn_available
 from pdserve.engine.model.model import CausalLM
+from pdserve.engine.model.weights import init_dummy_weights, load_weights
 from pdserve.engine.runner import DecodeLaunch, ModelRunner, kv_block_bytes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import Sequence, SeqStatus
-from pdserve.engine.model.weights import init_dummy_weights, load_weights
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kernels.attention import AttentionMetadata
-from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from pdserve.engine.kernels.attention import AttentionMetadata
+from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.model.model import CausalLM, ForwardContext
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
