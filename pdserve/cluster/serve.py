@@ -237,14 +237,20 @@ def _init_ray(address: str | None, worker_logs: bool) -> None:
         return
     # A local cluster stays on loopback even where the host's own address is not.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    # Ray turns token authentication on for a new local cluster and warns that it did unless the
-    # mode is set: set it to that same default, so the cluster stays authenticated and quiet.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    ray.init(
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        configure_logging=True,
-        log_to_driver=worker_logs,
-        _node_ip_address="127.0.0.1",
-    )
+    # Ray turns token authentication on for a new local cluster and logs a warning that it did.
+    # The cluster stays authenticated; only the warning is kept off pdserve's start-up. (Setting
+    # RAY_AUTH_MODE here instead would come too late: Ray reads it when it is imported.)
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
+    try:
+        ray.init(
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            configure_logging=True,
+            log_to_driver=worker_logs,
+            _node_ip_address="127.0.0.1",
+        )
+    finally:
+        auth_log.setLevel(level)
