@@ -146,7 +146,11 @@ class DecodeGraphs:
                 self._pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for decode batch sizes %s; Triton decode kernels: %s", sizes, self.kernel_graphs or "off")
+        log.info(
+            "captured CUDA graphs for decode batch sizes %s; Triton decode kernels: %s",
+            sizes,
+            self.kernel_graphs or "off",
+        )
 
     def _meta(self, b: int) -> AttentionMetadata:
         io = self.io

@@ -31,7 +31,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "pdserve_proto", "pdserve.telemetry",
     ),
     "pdserve.cluster": (
-        "pdserve.engine", "pdserve.models", "router", "prefill_worker", "decode_worker", "kv_transfer", "pdserve_proto", "pdserve.telemetry",
+        "pdserve.engine", "pdserve.models", "router", "prefill_worker", "decode_worker", "kv_transfer",
+        "pdserve_proto", "pdserve.telemetry",
     ),
     "pdserve.llm": ("pdserve.engine", "pdserve.models"),
     "pdserve": ("pdserve",),  # the CLI and package root may use everything under pdserve
