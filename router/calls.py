@@ -23,7 +23,9 @@ _T = TypeVar("_T")
 
 
 class WorkerCalls:
-    def __init__(self, config: RouterConfig, tracer: trace.Tracer, metrics: RouterMetrics, prefill_policy: PrefillPolicy) -> None:
+    def __init__(
+        self, config: RouterConfig, tracer: trace.Tracer, metrics: RouterMetrics, prefill_policy: PrefillPolicy
+    ) -> None:
         self.config = config
         self.tracer = tracer
         self.metrics = metrics

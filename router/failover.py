@@ -32,7 +32,9 @@ _T = TypeVar("_T")
 
 
 class Failover:
-    def __init__(self, config: RouterConfig, pools: WorkerPools, metrics: RouterMetrics, background: Background) -> None:
+    def __init__(
+        self, config: RouterConfig, pools: WorkerPools, metrics: RouterMetrics, background: Background
+    ) -> None:
         self.config = config
         self.pools = pools
         self.metrics = metrics
@@ -51,19 +53,24 @@ class Failover:
                 assert r.p_at is not None and r.prefill is not None
                 failed, failed_handle = r.p_at.worker, r.prefill
                 tried = pools.worker_failed(r, failed, exc)
-                self.background.best_effort(failed_handle.release(r.rid, cfg.control_timeout_s), f"release of {r.rid} on {failed}")
+                self.background.best_effort(
+                    failed_handle.release(r.rid, cfg.control_timeout_s), f"release of {r.rid} on {failed}"
+                )
                 if tried >= cfg.max_prefill_attempts:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill: {tried} prefill workers failed; last: {exc.message}") from exc
+                    raise _unavailable(f"prefill: {tried} prefill workers failed; last: {exc.message}") from exc
                 p_at = pools.prefill_policy.place(
                     block_hashes(r.ids, cfg.block_size), len(r.ids), time.monotonic(), cfg.max_inflight_per_prefill
                 )
                 if p_at is None:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"prefill: no other prefill worker after {failed} failed: {exc.message}") from exc
+                    why = f"prefill: no other prefill worker after {failed} failed: {exc.message}"
+                    raise _unavailable(why) from exc
                 pools.let_go(r, failed)
                 r.p_at, r.prefill = p_at, pools.prefills[p_at.worker]
                 pools.hold(r, p_at.worker)
                 self.metrics.failovers.labels("prefill").inc()
-                log.warning("request %s: prefill worker %s failed (%s); retrying on %s", r.rid, failed, exc.message, p_at.worker)
+                log.warning(
+                    "request %s: prefill worker %s failed (%s); retrying on %s", r.rid, failed, exc.message, p_at.worker
+                )
 
     async def hand_over(self, r: InFlight, call: Callable[[], Awaitable[_T]]) -> _T:
         """`call` (a start or submit on `r.decode`); if the decode worker fails it before taking
@@ -104,11 +111,11 @@ class Failover:
         self.background.best_effort(failed_handle.abort(r.rid, cfg.control_timeout_s), f"abort of {r.rid} on {failed}")
         r.stream.worker = None  # nothing more from the failed worker reaches this stream
         if tried >= cfg.max_decode_attempts:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode: {tried} decode workers failed; last: {exc.message}") from exc
+            raise _unavailable(f"decode: {tried} decode workers failed; last: {exc.message}") from exc
         ids = r.ids + r.generated
         d_at = pools.decode_policy.place(block_hashes(ids, cfg.block_size), len(ids), cfg.max_inflight_per_decode)
         if d_at is None:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode: no other decode worker after {failed} failed: {exc.message}") from exc
+            raise _unavailable(f"decode: no other decode worker after {failed} failed: {exc.message}") from exc
         pools.decode_policy.finish(r.d_at)
         pools.let_go(r, failed)
         r.d_at, r.decode = d_at, pools.decodes[d_at.worker]
@@ -116,3 +123,7 @@ class Failover:
         pools.hold(r, d_at.worker)
         self.metrics.failovers.labels(stage).inc()
         log.warning("request %s: decode worker %s failed (%s); moved to %s", r.rid, failed, exc.message, d_at.worker)
+
+
+def _unavailable(message: str) -> RouterError:
+    return RouterError(grpc.StatusCode.UNAVAILABLE, message)

@@ -30,7 +30,9 @@ def parse_request(
     if not given:
         raise RouterError(_INVALID, "prompt: empty; set one of prompt, prompt_token_ids or messages")
     if len(given) > 1:
-        raise RouterError(_INVALID, f"prompt: set only one of prompt, prompt_token_ids or messages (got {', '.join(given)})")
+        raise RouterError(
+            _INVALID, f"prompt: set only one of prompt, prompt_token_ids or messages (got {', '.join(given)})"
+        )
     if request.messages:
         ids = _render_chat(tokenizer, request.messages)
     elif request.prompt:
@@ -40,7 +42,8 @@ def parse_request(
         bad = next((i for i, t in enumerate(ids) if t >= config.vocab_size), None)
         if bad is not None:
             raise RouterError(
-                _INVALID, f"prompt_token_ids: token {ids[bad]} at index {bad} is outside the vocabulary [0, {config.vocab_size})"
+                _INVALID,
+                f"prompt_token_ids: token {ids[bad]} at index {bad} is outside the vocabulary [0, {config.vocab_size})",
             )
     if not ids:
         raise RouterError(_INVALID, "prompt: tokenizes to no tokens")

@@ -283,7 +283,8 @@ class Router:
             try:
                 item = await within(r.stream.queue.get(), self.config.token_timeout_s)
             except TimeoutError:
-                item = WorkerLost(r.d_at.worker, f"decode worker {r.d_at.worker} sent nothing for {self.config.token_timeout_s}s")
+                silent = f"decode worker {r.d_at.worker} sent nothing for {self.config.token_timeout_s}s"
+                item = WorkerLost(r.d_at.worker, silent)
             if isinstance(item, WorkerLost):
                 if item.worker == r.d_at.worker:  # else: about a worker this request already left
                     await self.failover.resume(r, item, lambda ids, params: self.calls.submit(r, ids, params))

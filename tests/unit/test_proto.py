@@ -41,7 +41,9 @@ def test_public_field_names():
         "GenerateRequest", "SamplingParams", "ChatMessage", "GenerateResponse", "Usage")}
     assert names == {
         "GenerateRequest": {"request_id", "prompt", "prompt_token_ids", "messages", "sampling_params", "model"},
-        "SamplingParams": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"},
+        "SamplingParams": {
+            "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+        },
         "ChatMessage": {"role", "content"},
         "GenerateResponse": {"request_id", "token_ids", "text", "finish_reason", "usage"},
         "Usage": {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"},
