@@ -4,11 +4,14 @@ decaying load, and the policy object the router and the benchmark share."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
 from pdserve_proto.worker_pb2 import KvEventBatch
 from pdserve.engine.hashing import block_hashes
+from router.placement import IndexPlacement, PlacementRequest, PrefillPlacement, RingPlacement
 from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy, ring_key
 from router.recent_load import RecentLoad
 from router.scoring import pick_decode, pick_prefill, prefill_cost, under_bound
@@ -145,3 +148,35 @@ def test_decode_policy_uses_reported_headroom_and_prefix():
     policy.finish(p)
     policy.apply_events("d1", KvEventBatch(seq=2, num_available=0, num_blocks=100))  # d1 is full
     assert policy.place(hs, len(prompt)).worker == "d0"
+
+
+class _Last(PrefillPlacement):
+    """Ranks the open workers in reverse join order: a policy the router does not ship."""
+
+    def place(self, request: PlacementRequest) -> list[str]:
+        return list(reversed(request.open))
+
+
+@dataclass(frozen=True)
+class _LastConfig(PlacementConfig):
+    policies: ClassVar = {"last": _Last}
+
+
+def test_the_policy_is_the_class_the_config_names_in_its_registry():
+    assert type(PrefillPolicy(PlacementConfig(), ["a"]).placement) is IndexPlacement
+    assert type(PrefillPolicy(PlacementConfig(policy="ring"), ["a"]).placement) is RingPlacement
+    pool = PrefillPolicy(_LastConfig(policy="last"), ["a", "b", "c"])
+    hs = block_hashes(list(range(64)), 16)
+    assert [pool.place(hs, 64, now=0.0, capacity=1).worker for _ in range(3)] == ["c", "b", "a"]
+    with pytest.raises(ValueError, match="^policy: 'index' is not one of last"):
+        _LastConfig()
+
+
+def test_a_policy_ranks_every_open_worker_best_first():
+    pool = PrefillPolicy(PlacementConfig(), ["p0", "p1", "p2"])
+    hs = block_hashes(list(range(160)), 16)
+    key = ring_key(hs, 16)
+    request = PlacementRequest(160, key, ("p0", "p1", "p2"), {w: 10.0 for w in ("p0", "p1", "p2")}, {}, None, 0.0)
+    ranked = pool.placement.place(request)
+    assert sorted(ranked) == ["p0", "p1", "p2"] and ranked[0] == pool.ring.owner(key)
+    assert pool.place(hs, 160, now=0.0).worker == ranked[0]
