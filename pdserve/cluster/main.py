@@ -48,6 +48,12 @@ def _say(line: str) -> None:
 
 async def _serve(cfg: ServeConfig, verbose: bool) -> None:
     cluster = await Cluster.start(cfg, progress=_say, worker_logs=verbose)
+    # Handlers first: a client may stop the server as soon as it reads the address, and until
+    # then SIGTERM would go to Ray's own handler, which kills the process without a shutdown.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     shape = (
         f"{cfg.num_prefill} prefill, {cfg.num_decode} decode" if cfg.num_prefill
         else f"colocated: {cfg.num_decode} decode, prefilling locally"
@@ -57,10 +63,6 @@ async def _serve(cfg: ServeConfig, verbose: bool) -> None:
         print(f"pdserve: OpenAI-compatible HTTP API on http://{cluster.http_address}/v1", flush=True)
     if cluster.metrics_address is not None:
         print(f"pdserve: Prometheus metrics on http://{cluster.metrics_address}/metrics", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
         print("pdserve: shutting down", flush=True)

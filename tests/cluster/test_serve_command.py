@@ -108,7 +108,7 @@ def test_start_up_prints_progress_ready_workers_then_the_address():
                 raise AssertionError(f"pdserve serve exited ({proc.returncode}) early: {out}\n{_drain(errs)}")
             out.append(line)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+        proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -116,6 +116,7 @@ def test_start_up_prints_progress_ready_workers_then_the_address():
     while (line := lines.get(timeout=10)) is not None:
         out.append(line)
     err = _drain(errs).splitlines()
+    assert proc.returncode == 0, (out, err)
     assert all(line.startswith("pdserve: ") for line in out), out
     serving = next(i for i, line in enumerate(out) if " serving " in line)
     ready = [i for i, line in enumerate(out) if " worker " in line and " ready: " in line]
