@@ -69,10 +69,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return _error(ApiError(400, "body: not valid JSON"))
     try:
-        parsed = parse_request(body, chat, router.config.model_id, router.config.max_model_len)
+        parsed = parse_request(body, chat, router.config.model_id)
     except ApiError as exc:
         return _error(exc)
-    chunks = router.generate(parsed.request)
+    chunks = router.generate(parsed.request, fill_context=parsed.fill_context)
     try:
         # Wait for the first token before answering, so that validation and capacity errors
         # still get their own HTTP status instead of an error event inside a 200 stream.
@@ -131,8 +131,29 @@ async def _stream(
     return resp
 
 
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error answers in the OpenAI shape: unknown routes and methods as OpenAI's own
+    server words them, and an unexpected failure as a bare 500 (its details go to the log)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 404:
+            message = f"Invalid URL ({request.method} {request.path})"
+        elif exc.status == 405:
+            message = f"Method {request.method} not allowed for {request.path}"
+        else:
+            message = exc.reason
+        return _error(ApiError(exc.status, message, None, "invalid_request_error" if exc.status < 500 else "server_error"))
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(ApiError(500, "internal server error", None, "server_error"))
+
+
 def build_app(router: Router) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[_openai_errors])
     app[_ROUTER] = router
     app[_CREATED] = int(time.time())
     app.router.add_post("/v1/completions", _completions)

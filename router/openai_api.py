@@ -73,6 +73,7 @@ class ParsedRequest:
     chat: bool
     stream: bool
     include_usage: bool
+    fill_context: bool = False  # no max_tokens in a chat request: generate up to the end of the context
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -88,7 +89,7 @@ def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) 
     return value
 
 
-def _sampling(body: dict[str, Any], chat: bool, max_model_len: int) -> inference_pb2.SamplingParams:
+def _sampling(body: dict[str, Any], chat: bool) -> inference_pb2.SamplingParams:
     sp = inference_pb2.SamplingParams()
     for name in ("max_tokens", "max_completion_tokens", "seed", "top_k"):
         value = body.get(name)
@@ -100,10 +101,8 @@ def _sampling(body: dict[str, Any], chat: bool, max_model_len: int) -> inference
     max_tokens = _typed(body, "max_tokens", (int,), "an integer")
     if chat and max_tokens is None:
         max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
-    if max_tokens is not None:
+    if max_tokens is not None:  # chat without it runs to EOS or the end of the context (ParsedRequest.fill_context)
         sp.max_tokens = max_tokens
-    elif chat:  # chat has no default length: run to EOS or the end of the context, where the scheduler stops
-        sp.max_tokens = max_model_len
     for name in ("temperature", "top_p"):
         value = _typed(body, name, (int, float), "a number")
         if value is not None:
@@ -159,7 +158,7 @@ def _prompt(body: dict[str, Any], req: inference_pb2.GenerateRequest) -> None:
         raise _bad("prompt", "must be a string, a list of token ids, or a list of one of those (batches are not supported)")
 
 
-def parse_request(body: Any, chat: bool, served_model: str, max_model_len: int) -> ParsedRequest:
+def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
     """Validate an OpenAI completions (chat=False) or chat completions body (ApiError otherwise)."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object")
@@ -194,10 +193,11 @@ def parse_request(body: Any, chat: bool, served_model: str, max_model_len: int) 
             req.messages.add(role=m["role"], content=_message_text(i, m.get("content")))
     else:
         _prompt(body, req)
-    req.sampling_params.CopyFrom(_sampling(body, chat, max_model_len))
+    req.sampling_params.CopyFrom(_sampling(body, chat))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req.request_id = rid
-    return ParsedRequest(req, rid, served_model, chat, stream, include_usage)
+    fill_context = chat and not req.sampling_params.HasField("max_tokens")
+    return ParsedRequest(req, rid, served_model, chat, stream, include_usage, fill_context)
 
 
 # ----- responses ------------------------------------------------------------------------------

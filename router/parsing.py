@@ -17,9 +17,11 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 
 def parse_request(
-    request: inference_pb2.GenerateRequest, config: RouterConfig, tokenizer: Any
+    request: inference_pb2.GenerateRequest, config: RouterConfig, tokenizer: Any, fill_context: bool = False
 ) -> tuple[list[int], SamplingParams]:
-    """The request's prompt as token ids, and its sampling params."""
+    """The request's prompt as token ids, and its sampling params. `fill_context`: a request
+    without `max_tokens` may generate up to the end of the context (OpenAI's chat convention)
+    instead of the gRPC default of 16 tokens."""
     if request.model and request.model != config.model_id:
         raise RouterError(_INVALID, f"model: unknown model {request.model!r}; this server serves {config.model_id!r}")
     given = [name for name, present in (
@@ -51,7 +53,19 @@ def parse_request(
         raise RouterError(
             _INVALID, f"prompt: {len(ids)} tokens leave no room to generate in the context of {config.max_model_len}"
         )
-    return ids, sampling_params_of(request.sampling_params)
+    room = config.max_model_len - len(ids)
+    sp = request.sampling_params
+    if not sp.HasField("max_tokens") and fill_context:
+        sp = inference_pb2.SamplingParams()
+        sp.CopyFrom(request.sampling_params)
+        sp.max_tokens = room
+    elif sp.HasField("max_tokens") and sp.max_tokens > room:
+        raise RouterError(
+            _INVALID,
+            f"sampling_params.max_tokens: {sp.max_tokens} tokens after a prompt of {len(ids)} exceed the context of "
+            f"{config.max_model_len}; at most {room}",
+        )
+    return ids, sampling_params_of(sp)
 
 
 def sampling_params_of(sp: inference_pb2.SamplingParams) -> SamplingParams:

@@ -134,20 +134,26 @@ class Router:
 
     # ----- requests ------------------------------------------------------------------------
 
-    def parse(self, request: inference_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    def parse(
+        self, request: inference_pb2.GenerateRequest, fill_context: bool = False
+    ) -> tuple[list[int], SamplingParams]:
         """See `router.parsing.parse_request`."""
-        return parse_request(request, self.config, self.tokenizer)
+        return parse_request(request, self.config, self.tokenizer, fill_context)
 
     async def generate(
-        self, request: inference_pb2.GenerateRequest, trace_context: Mapping[str, str] | None = None
+        self,
+        request: inference_pb2.GenerateRequest,
+        trace_context: Mapping[str, str] | None = None,
+        fill_context: bool = False,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Serve one request as a stream of chunks. `trace_context`: the caller's W3C headers
-        (`traceparent`), so the request's trace continues the client's."""
+        (`traceparent`), so the request's trace continues the client's. `fill_context`: without
+        `max_tokens`, generate up to the end of the context (the OpenAI chat default)."""
         root = self.tracer.start_span("pdserve.generate", context=context_of(trace_context), kind=trace.SpanKind.SERVER)
         observed = StreamMetrics(self.metrics, root)
         try:
             # aclosing: a client that goes away closes the inner stream too, which frees the request.
-            async with contextlib.aclosing(self._generate(request, root)) as chunks:
+            async with contextlib.aclosing(self._generate(request, root, fill_context)) as chunks:
                 async for chunk in chunks:
                     observed.chunk(chunk)
                     yield chunk
@@ -159,9 +165,9 @@ class Router:
             observed.close()
 
     async def _generate(
-        self, request: inference_pb2.GenerateRequest, root: trace.Span
+        self, request: inference_pb2.GenerateRequest, root: trace.Span, fill_context: bool
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        ids, params = self.parse(request)
+        ids, params = self.parse(request, fill_context)
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self.relay.streams:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight")

@@ -10,6 +10,7 @@ failed the call (died, unreachable, past the deadline), so the router moves the 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,8 +22,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
 from router.deadline import within
-from router.errors import to_router_error
+from router.errors import short_reason, to_router_error
 from router.handles import RouterError
+
+log = logging.getLogger(__name__)
 
 # (worker method name, its positional arguments) -> what the method returned
 Invoker = Callable[..., Awaitable[Any]]
@@ -132,7 +135,8 @@ def _worker_error(exc: BaseException, what: str) -> RouterError:
     """What the client is told about an error the worker answered with."""
     if isinstance(exc, KvCompatError):
         # The two workers disagree on the KV layout or protocol: a deployment fault, not the client's.
-        return RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {exc}")
+        return RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {short_reason(exc)}")
     if isinstance(exc, NoFreeBlocksError):
-        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: no free KV blocks ({exc}); retry later")
+        log.info("%s: %s", what, exc)
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: no free KV blocks; retry later")
     return to_router_error(exc, what)

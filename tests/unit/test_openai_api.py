@@ -12,7 +12,7 @@ MODEL = "m"
 
 
 def parse(body, chat=False):
-    return parse_request(body, chat, MODEL, 2048)
+    return parse_request(body, chat, MODEL)
 
 
 def test_completion_fields_become_sampling_params():
@@ -29,7 +29,9 @@ def test_token_prompt_and_a_batch_of_one():
 
 def test_chat_without_max_tokens_runs_to_the_context_end():
     p = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, chat=True)
-    assert p.request.messages[0].content == "ab" and p.request.sampling_params.max_tokens == 2048
+    assert p.request.messages[0].content == "ab" and not p.request.sampling_params.HasField("max_tokens")
+    assert p.fill_context  # the router gives it the rest of the context (tests/unit/test_router_parsing.py)
+    assert not parse({"prompt": "a"}).fill_context  # completions keep the default of 16
     assert parse({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 7}, chat=True).request.sampling_params.max_tokens == 7
 
 
