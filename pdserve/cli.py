@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from pdserve.cluster.pools import PlacementError
 from pdserve.cluster.ports import PortInUseError
 
 
@@ -234,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             module = _bench_module(args.bench)
             assert module is not None
             return module.run(args)
-    except (ValueError, ImportError, FileNotFoundError, PortInUseError) as exc:
+    except (ValueError, ImportError, FileNotFoundError, PortInUseError, PlacementError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     return 1

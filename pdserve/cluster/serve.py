@@ -19,6 +19,7 @@ from aiohttp import web
 from pdserve.cluster.actors import ray_invoker, remote_class
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.observability import RouterTelemetry
+from pdserve.cluster.pools import PlacementError, actor_resources, cluster_nodes, unplaceable
 from pdserve.cluster.ports import PortInUseError, check_ports
 from pdserve.cluster.progress import Progress, quiet, worker_ready_line, workers_line
 from pdserve.telemetry.endpoint import unanswered_warning
@@ -85,23 +86,29 @@ class Cluster:
             progress(f"joining Ray at {cfg.ray_address}" if cfg.ray_address else "starting Ray")
             _init_ray(cfg.ray_address, worker_logs)
         progress(workers_line(cfg.num_prefill, cfg.num_decode, device) + f", model {model_dir.name}")
-        actor_cls = remote_class(num_gpus=1 if device.startswith("cuda") else 0)
+        num_gpus = 1 if device.startswith("cuda") else 0
+        # Refused in one line now rather than actors pending for a node that never comes.
+        nodes = cluster_nodes()
+        problem = unplaceable(nodes, {"prefill": cfg.num_prefill, "decode": cfg.num_decode}, num_gpus)
+        if problem is not None:
+            if owns_ray:
+                ray.shutdown()
+            raise PlacementError(problem)
+        actor_cls = remote_class(num_gpus=num_gpus)
         # Ray assigns each actor its own GPU; inside the actor it is cuda:0.
         worker_cfg = replace(cfg, device="cuda" if device.startswith("cuda") else device)
-        prefills = [
-            actor_cls.options(name=f"pdserve-prefill-{i}", namespace=NAMESPACE).remote("prefill", f"prefill-{i}", worker_cfg)
-            for i in range(cfg.num_prefill)
-        ]
-        decodes = [
-            actor_cls.options(name=f"pdserve-decode-{i}", namespace=NAMESPACE).remote("decode", f"decode-{i}", worker_cfg)
-            for i in range(cfg.num_decode)
-        ]
+
+        def start_actor(role: str, i: int) -> Any:
+            options = dict(name=f"pdserve-{role}-{i}", namespace=NAMESPACE, resources=actor_resources(role, nodes))
+            return actor_cls.options(**options).remote(role, f"{role}-{i}", worker_cfg)
+
+        prefills = [start_actor("prefill", i) for i in range(cfg.num_prefill)]
+        decodes = [start_actor("decode", i) for i in range(cfg.num_decode)]
         actors = [*prefills, *decodes]
         telemetry = RouterTelemetry.create(cfg)
         try:
-            infos = await within(
-                asyncio.gather(*(a.agent_info.remote() for a in actors)), cfg.startup_timeout_s
-            )
+            ids = [f"prefill-{i}" for i in range(cfg.num_prefill)] + [f"decode-{i}" for i in range(cfg.num_decode)]
+            infos = await _agent_infos(dict(zip(ids, actors)), cfg.startup_timeout_s)
             p_infos, d_infos = infos[: len(prefills)], infos[len(prefills):]
             for pi in p_infos:
                 progress(worker_ready_line("prefill", pi, ()))
@@ -167,9 +174,12 @@ class Cluster:
         taken = {int(w.rsplit("-", 1)[1]) for w in (*self._workers, *self._retired) if w.startswith(role + "-")}
         worker_id = f"{role}-{max(taken, default=-1) + 1}"
         worker_cfg = replace(self.cfg, device="cuda" if gpu else self.cfg.device)
-        actor = actor_cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE).remote(role, worker_id, worker_cfg)
+        resources = actor_resources(role, cluster_nodes())
+        actor = actor_cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE, resources=resources).remote(
+            role, worker_id, worker_cfg
+        )
         try:
-            info = await within(actor.agent_info.remote(), self.cfg.startup_timeout_s)
+            (info,) = await _agent_infos({worker_id: actor}, self.cfg.startup_timeout_s)
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
             links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
             await within(asyncio.gather(*links), 60)
@@ -229,6 +239,29 @@ class Cluster:
         for r in results:
             if isinstance(r, BaseException):
                 log.warning("flushing a worker's traces failed: %s", r)
+
+
+async def _agent_infos(actors: dict[str, Any], timeout_s: float) -> list[Any]:
+    """Each actor's KV agent info, once its worker has loaded the model; past `timeout_s`, a
+    `PlacementError` naming the workers still missing (not placed, or still loading)."""
+    calls = {wid: asyncio.ensure_future(_await(a.agent_info.remote())) for wid, a in actors.items()}
+    done, pending = await asyncio.wait(calls.values(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+    for call in pending:
+        call.cancel()
+    failed = [c for c in done if c.exception() is not None]
+    if failed:
+        raise failed[0].exception()  # type: ignore[misc]
+    if pending:
+        late = ", ".join(wid for wid, c in calls.items() if c in pending)
+        raise PlacementError(
+            f"workers not ready within {timeout_s:g} s: {late} (no node of their pool with a free GPU, "
+            "or the model still loading; `deploy/ray/launch.sh status` shows the nodes and pools)"
+        )
+    return [c.result() for c in calls.values()]
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
 
 
 def _init_ray(address: str | None, worker_logs: bool) -> None:

@@ -1,0 +1,96 @@
+"""Which Ray nodes may host which pool. A node joins a pool by offering Ray the custom resource
+`pdserve_prefill` or `pdserve_decode` (both for a node of either pool): the Helm chart's worker
+groups and `deploy/ray/launch.sh --pool` do the same. A cluster where no node offers either is
+unlabelled and every pool may run anywhere, as on a local cluster.
+
+Custom resources rather than Ray node labels: the chart's KubeRay worker groups already carry
+them, `ray.cluster_resources()` shows them to any driver, and a node of either pool is simply a
+node offering both. The policy here is pure; `cluster_nodes` is the only call into Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+POOLS = ("prefill", "decode")
+
+# What one worker asks of its pool's resource: the resource says where a pool may run, while GPUs
+# (or a CPU node's memory) say how many workers fit, so a node offering 1 takes up to 1000.
+POOL_SHARE = 0.001
+
+
+def pool_resource(pool: str) -> str:
+    if pool not in POOLS:
+        raise ValueError(f"pool: {pool!r} is neither prefill nor decode")
+    return f"pdserve_{pool}"
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    """One alive Ray node as the placement check sees it."""
+
+    address: str
+    gpus: float
+    pools: frozenset[str]  # the pools whose resource it offers
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host a pool's workers; the message names the pool and what is missing."""
+
+
+def nodes_from_ray(ray_nodes: Iterable[Mapping[str, Any]]) -> list[NodeOffer]:
+    """`ray.nodes()` entries to offers; dead nodes host nothing."""
+    offers = []
+    for n in ray_nodes:
+        if not n.get("Alive", False):
+            continue
+        res = n.get("Resources", {})
+        pools = frozenset(p for p in POOLS if res.get(pool_resource(p), 0) > 0)
+        offers.append(NodeOffer(str(n.get("NodeManagerAddress", "?")), float(res.get("GPU", 0)), pools))
+    return offers
+
+
+def labelled(nodes: Sequence[NodeOffer]) -> bool:
+    return any(n.pools for n in nodes)
+
+
+def actor_resources(pool: str, nodes: Sequence[NodeOffer]) -> dict[str, float]:
+    """The custom resources a worker of `pool` asks for: its pool's, once any node offers one."""
+    return {pool_resource(pool): POOL_SHARE} if labelled(nodes) else {}
+
+
+def unplaceable(nodes: Sequence[NodeOffer], workers: Mapping[str, int], gpus_per_worker: float) -> str | None:
+    """One line naming the first pool the cluster cannot host and what it lacks; None if all fit.
+    Counts the nodes' GPUs, not the free ones: workers that merely wait for a GPU in use are left
+    to the start-up deadline."""
+    lab = labelled(nodes)
+    for pool, count in workers.items():
+        if count == 0:
+            continue
+        hosts = [n for n in nodes if pool in n.pools] if lab else list(nodes)
+        if not hosts:
+            others = ", ".join(f"{n.address} ({'+'.join(sorted(n.pools)) or 'no pool'})" for n in nodes)
+            return (
+                f"no Ray node offers the {pool} pool (resource {pool_resource(pool)}): "
+                f"start one with `deploy/ray/launch.sh worker --pool {pool}`; nodes: {others or 'none'}"
+            )
+        have = sum(n.gpus for n in hosts)
+        if gpus_per_worker and have < count * gpus_per_worker:
+            where = f"the nodes offering the {pool} pool have" if lab else "the cluster has"
+            return f"{count} {pool} workers need {count * gpus_per_worker:g} GPUs; {where} {have:g}"
+    if gpus_per_worker:
+        # Nodes of both pools share their GPUs between the two.
+        hosts = [n for n in nodes if n.pools] if lab else list(nodes)
+        need = sum(workers.values()) * gpus_per_worker
+        have = sum(n.gpus for n in hosts)
+        if have < need:
+            return f"{sum(workers.values())} workers need {need:g} GPUs; the pools' nodes have {have:g} in all"
+    return None
+
+
+def cluster_nodes() -> list[NodeOffer]:
+    """The connected Ray cluster's alive nodes."""
+    import ray
+
+    return nodes_from_ray(ray.nodes())
