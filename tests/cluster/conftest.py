@@ -39,7 +39,7 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -48,7 +48,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def all_blocks_free(channel: grpc.Channel) -> Callable[[], bool]:
+def _all_blocks_free(channel: grpc.Channel) -> Callable[[], bool]:
     admin = inference_pb2_grpc.AdminStub(channel)
 
     def check() -> bool:
@@ -58,17 +58,17 @@ def all_blocks_free(channel: grpc.Channel) -> Callable[[], bool]:
     return check
 
 
-def greedy(max_tokens: int, **kw: Any) -> inference_pb2.SamplingParams:
+def _greedy(max_tokens: int, **kw: Any) -> inference_pb2.SamplingParams:
     return inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def cancel_after_three_chunks_frees_every_block(channel: grpc.Channel) -> None:
+def _cancel_after_three_chunks_frees_every_block(channel: grpc.Channel) -> None:
     """Start a long stream, cancel it after 3 chunks: the client sees CANCELLED and every KV
     block of the cluster is free again soon after."""
     from pdserve_proto import inference_pb2_grpc as pbg
 
     call = pbg.InferenceStub(channel).Generate(
-        inference_pb2.GenerateRequest(prompt_token_ids=list(range(100, 180)), sampling_params=greedy(400, ignore_eos=True))
+        inference_pb2.GenerateRequest(prompt_token_ids=list(range(100, 180)), sampling_params=_greedy(400, ignore_eos=True))
     )
     for got, _ in enumerate(call, start=1):
         if got == 3:
@@ -78,7 +78,7 @@ def cancel_after_three_chunks_frees_every_block(channel: grpc.Channel) -> None:
         for _ in call:
             pass
     assert err.value.code() == grpc.StatusCode.CANCELLED
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a cancel")
+    _wait_for(_all_blocks_free(channel), 15, "every KV block to be freed after a cancel")
 
 
 class InProcessCluster:
@@ -220,10 +220,31 @@ def start_in_process(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callab
         c.close()
 
 
+# Helpers reach the test modules as fixtures, so no test imports another test module.
+
+
 @pytest.fixture(scope="session")
 def wait_until() -> Callable[[Callable[[], bool], float, str], None]:
     """`wait_until(condition, timeout, what)`: poll until true, else fail naming `what`."""
-    return wait_for
+    return _wait_for
+
+
+@pytest.fixture(scope="session")
+def blocks_free() -> Callable[[grpc.Channel], Callable[[], bool]]:
+    """`blocks_free(channel)`: a condition, true once no worker of the cluster holds a KV block."""
+    return _all_blocks_free
+
+
+@pytest.fixture(scope="session")
+def greedy() -> Callable[..., inference_pb2.SamplingParams]:
+    """`greedy(max_tokens, **more)`: greedy sampling parameters of the public API."""
+    return _greedy
+
+
+@pytest.fixture(scope="session")
+def cancel_frees_every_block() -> Callable[[grpc.Channel], None]:
+    """`cancel_frees_every_block(channel)`: the cancel scenario of `_cancel_after_three_chunks_frees_every_block`."""
+    return _cancel_after_three_chunks_frees_every_block
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from router.policy import ring_key
-from tests.cluster.conftest import all_blocks_free, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -51,20 +50,21 @@ def holders(loop_thread, cluster, ids: list[int]) -> dict[str, int]:
 
 def generate(channel, ids: list[int], max_tokens: int = 2) -> pb.GenerateResponse:
     stub = pbg.InferenceStub(channel)
-    return list(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(max_tokens)), timeout=120))[-1]
+    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return list(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling_params=params), timeout=120))[-1]
 
 
 def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {w: n - before.get(w, 0) for w, n in after.items() if n - before.get(w, 0)}
 
 
-def test_repeated_prefix_lands_on_the_worker_holding_it(loop_thread, cluster, channel):
+def test_repeated_prefix_lands_on_the_worker_holding_it(loop_thread, cluster, channel, wait_until, blocks_free):
     base = list(range(2000, 2000 + 10 * BLOCK))
     before = placed(loop_thread, cluster)
     first = generate(channel, base + [1, 2, 3])
     assert first.usage.cached_prompt_tokens == 0
     (holder,) = delta(placed(loop_thread, cluster), before)
-    wait_for(lambda: holders(loop_thread, cluster, base).get(holder) == 10, 15, "the router's index to learn the prefix")
+    wait_until(lambda: holders(loop_thread, cluster, base).get(holder) == 10, 15, "the router's index to learn the prefix")
     before = placed(loop_thread, cluster)
     for k in range(4):
         last = generate(channel, base + [10 + k, 20 + k])
@@ -77,14 +77,14 @@ def test_repeated_prefix_lands_on_the_worker_holding_it(loop_thread, cluster, ch
     prefill_stats = next(p for p in admin.placement if p.pool == "prefill")
     assert prefill_stats.cached_tokens >= 4 * 10 * BLOCK and 0 < prefill_stats.hit_rate <= 1
     assert prefill_stats.placed[holder] >= 5 and set(prefill_stats.load) >= {holder}
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
+    wait_until(blocks_free(channel), 15, "every KV block to be freed")
 
 
-def test_requests_spread_when_the_holder_is_busy(loop_thread, cluster, channel):
+def test_requests_spread_when_the_holder_is_busy(loop_thread, cluster, channel, wait_until, blocks_free):
     base = list(range(5000, 5000 + 12 * BLOCK))
     generate(channel, base + [7])
     (holder,) = holders(loop_thread, cluster, base) or {None: 0}
-    wait_for(lambda: holders(loop_thread, cluster, base).get(holder) == 12, 15, "the router's index to learn the prefix")
+    wait_until(lambda: holders(loop_thread, cluster, base).get(holder) == 12, 15, "the router's index to learn the prefix")
     before = placed(loop_thread, cluster)
     # Each prompt: the shared prefix and its own 96 tokens, all at once.
     prompts = [base + list(range(9000 + 100 * i, 9000 + 100 * i + 96)) for i in range(8)]
@@ -95,10 +95,10 @@ def test_requests_spread_when_the_holder_is_busy(loop_thread, cluster, channel):
     assert spread[holder] > 8 - spread[holder], spread  # most still went where the prefix is
     assert all(r.finish_reason == "length" for r in results)
     assert sum(r.usage.cached_prompt_tokens == 12 * BLOCK for r in results) >= spread[holder]
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
+    wait_until(blocks_free(channel), 15, "every KV block to be freed")
 
 
-def test_a_prefill_worker_joins_and_drains_without_a_restart(loop_thread, cluster, channel):
+def test_a_prefill_worker_joins_and_drains_without_a_restart(loop_thread, cluster, channel, wait_until, blocks_free):
     new = loop_thread.run(cluster.add_worker("prefill"))
     assert new == "prefill-2" and new in cluster.router.prefill_policy.workers
     ring = cluster.router.prefill_policy.ring
@@ -117,4 +117,4 @@ def test_a_prefill_worker_joins_and_drains_without_a_restart(loop_thread, cluste
     assert generate(channel, ids).finish_reason == "length"  # its keys went back to the others
     assert new not in delta(placed(loop_thread, cluster), before)
     assert placement(loop_thread, cluster)["prefill"]["membership_changes"] == 2
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
+    wait_until(blocks_free(channel), 15, "every KV block to be freed")

@@ -24,7 +24,6 @@ from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from router.policy import PlacementConfig
-from tests.cluster.conftest import LoopThread, all_blocks_free, cancel_after_three_chunks_frees_every_block, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -33,7 +32,7 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What col
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: LoopThread) -> Iterator[Any]:
+def cluster(loop_thread: Any) -> Iterator[Any]:
     from pdserve.cluster.serve import Cluster
 
     cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, num_prefill=0, num_decode=1, num_kv_blocks=160)
@@ -51,7 +50,9 @@ def chat(question: str, system: bool) -> list[pb.ChatMessage]:
     return msgs + [pb.ChatMessage(role="user", content=question)]
 
 
-def test_concurrent_colocated_streams_equal_offline_generate(cluster, channel, offline):
+def test_concurrent_colocated_streams_equal_offline_generate(
+    cluster, channel, offline, wait_until, blocks_free, greedy
+):
     convs = [chat(q, system=True) for q in QUESTIONS] + [chat(q + " Explain.", system=False) for q in QUESTIONS]
     params = greedy(16, ignore_eos=True)
     before = cluster.router.placement_stats()["prefills"]
@@ -66,10 +67,10 @@ def test_concurrent_colocated_streams_equal_offline_generate(cluster, channel, o
         assert chunks[-1].usage.prompt_tokens == len(offline.tokenizer.encode(prompts[i]))
     after = cluster.router.placement_stats()["prefills"]
     assert after["local"] - before["local"] == len(convs) and after["remote"] == before["remote"] == 0
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
+    wait_until(blocks_free(channel), 15, "every KV block to be freed")
 
 
-def test_a_repeated_prefix_is_served_from_the_decode_workers_cache(channel):
+def test_a_repeated_prefix_is_served_from_the_decode_workers_cache(channel, greedy):
     base = list(range(2000, 2000 + 96))  # six full blocks
     first = stream(channel, pb.GenerateRequest(prompt_token_ids=base + [5, 6, 7], sampling_params=greedy(3)))
     second = stream(channel, pb.GenerateRequest(prompt_token_ids=base + [8, 9], sampling_params=greedy(3)))
@@ -77,8 +78,8 @@ def test_a_repeated_prefix_is_served_from_the_decode_workers_cache(channel):
     assert second[-1].usage.cached_prompt_tokens == 96
 
 
-def test_cancel_mid_stream_frees_every_block(channel):
-    cancel_after_three_chunks_frees_every_block(channel)
+def test_cancel_mid_stream_frees_every_block(channel, cancel_frees_every_block):
+    cancel_frees_every_block(channel)
 
 
 def test_openai_http_api_on_a_colocated_cluster(cluster, offline):
@@ -91,7 +92,9 @@ def test_openai_http_api_on_a_colocated_cluster(cluster, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
 
 
-def test_a_colocated_cluster_grows_a_prefill_pool_and_shrinks_back(loop_thread, cluster, channel, offline):
+def test_a_colocated_cluster_grows_a_prefill_pool_and_shrinks_back(
+    loop_thread, cluster, channel, offline, wait_until, blocks_free, greedy
+):
     """Runs last in this module: it adds and removes a worker."""
     new = loop_thread.run(cluster.add_worker("prefill"))
     assert new == "prefill-0" and new in cluster.router.prefill_policy.workers
@@ -105,7 +108,7 @@ def test_a_colocated_cluster_grows_a_prefill_pool_and_shrinks_back(loop_thread, 
     assert loop_thread.run(cluster.remove_worker(new)) is True
     stream(channel, pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(2)))
     assert cluster.router.placement_stats()["prefills"]["local"] == after["local"] + 1
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed")
+    wait_until(blocks_free(channel), 15, "every KV block to be freed")
 
 
 # ----- conditional disaggregation: one prefill and one decode worker in this process ---------------
@@ -118,7 +121,9 @@ def conditional(start_in_process: Any) -> Iterator[Any]:
     c.close()
 
 
-def test_short_prompts_stay_local_and_long_ones_disaggregate_with_the_same_tokens(conditional, offline):
+def test_short_prompts_stay_local_and_long_ones_disaggregate_with_the_same_tokens(
+    conditional, offline, wait_until, blocks_free, greedy
+):
     c = conditional
     short, long = list(range(40, 60)), list(range(3000, 3100))  # 20 and 100 prompt tokens; threshold 32
     follow_up = long + list(range(60, 80))  # the long prompt's next turn: 20 tokens the decode worker lacks
@@ -150,4 +155,4 @@ def test_short_prompts_stay_local_and_long_ones_disaggregate_with_the_same_token
     value = c.router.metrics.registry.get_sample_value
     assert value("pdserve_prefills_total", {"location": "local"}) == 2
     assert value("pdserve_prefills_total", {"location": "remote"}) == 1
-    wait_for(all_blocks_free(c.channel), 15, "every KV block to be freed")
+    wait_until(blocks_free(c.channel), 15, "every KV block to be freed")

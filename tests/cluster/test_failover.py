@@ -74,7 +74,9 @@ def test_a_decode_worker_dead_before_the_pull_hands_over_to_another(two_by_two: 
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_a_decode_worker_dying_mid_stream_is_resumed_elsewhere(two_by_two: Any, offline: LLM, sampling: str, wait_until: Any):
+def test_a_decode_worker_dying_mid_stream_is_resumed_elsewhere(
+    two_by_two: Any, offline: LLM, sampling: str, wait_until: Any
+):
     c = two_by_two
     ids = _prompts(1)[0]
     kw: dict[str, Any] = {"temperature": 0.0} if sampling == "greedy" else {"temperature": 0.9, "seed": 1234}

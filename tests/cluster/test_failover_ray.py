@@ -14,13 +14,12 @@ import ray
 from pdserve import SamplingParams
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from tests.cluster.conftest import LoopThread, greedy
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: LoopThread) -> Iterator[Any]:
+def cluster(loop_thread: Any) -> Iterator[Any]:
     from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.serve import Cluster
 
@@ -30,7 +29,7 @@ def cluster(loop_thread: LoopThread) -> Iterator[Any]:
     loop_thread.run(c.stop())
 
 
-def test_killing_the_decode_actor_mid_stream_loses_no_token(cluster: Any, channel: grpc.Channel, offline: Any):
+def test_killing_the_decode_actor_mid_stream_loses_no_token(cluster: Any, channel: grpc.Channel, offline: Any, greedy):
     stub = pbg.InferenceStub(channel)
     ids = list(range(500, 548))
     want = offline.generate([ids], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0].token_ids

@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from pdserve import SamplingParams
-from tests.cluster.conftest import all_blocks_free, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -109,7 +108,7 @@ def test_models_and_health(client, cluster):
     assert conn.getresponse().status == 200
 
 
-def test_client_disconnect_mid_stream_frees_blocks(cluster, channel):
+def test_client_disconnect_mid_stream_frees_blocks(cluster, channel, wait_until, blocks_free):
     body = {"prompt": list(range(100, 180)), "max_tokens": 400, "ignore_eos": True, "stream": True}
     conn = http.client.HTTPConnection(cluster.cfg.host, cluster.http_port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -121,7 +120,7 @@ def test_client_disconnect_mid_stream_frees_blocks(cluster, channel):
             events += 1
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after an HTTP client left")
+    wait_until(blocks_free(channel), 15, "every KV block to be freed after an HTTP client left")
 
 
 def test_bench_serve_reports_latency_and_goodput(cluster, capsys):

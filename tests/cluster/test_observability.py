@@ -16,7 +16,6 @@ from pdserve.cluster.serve import Cluster
 from pdserve.telemetry.tracing import TracingConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from tests.cluster.conftest import greedy, wait_for
 from tests.cluster.otlp import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.cluster
@@ -51,7 +50,8 @@ def cluster(loop_thread, receiver):
 
 
 def generate(channel, rid: str, prompt: str, max_tokens: int, metadata=()) -> list[pb.GenerateResponse]:
-    req = pb.GenerateRequest(request_id=rid, prompt=prompt, sampling_params=greedy(max_tokens, ignore_eos=True))
+    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    req = pb.GenerateRequest(request_id=rid, prompt=prompt, sampling_params=params)
     return list(pbg.InferenceStub(channel).Generate(req, timeout=120, metadata=metadata))
 
 
@@ -63,7 +63,7 @@ def trace_of(receiver: OtlpReceiver, rid: str) -> list[ReceivedSpan]:
     return [s for s in spans if s.trace_id == roots[0].trace_id]
 
 
-def test_one_trace_per_request_across_router_prefill_and_decode(loop_thread, cluster, channel, receiver):
+def test_one_trace_per_request_across_router_prefill_and_decode(loop_thread, cluster, channel, receiver, wait_until):
     traceparent = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
     generate(channel, "traced-0", PROMPTS[0], 6, metadata=(("traceparent", traceparent),))
     generate(channel, "traced-1", PROMPTS[1], 6)
@@ -72,7 +72,7 @@ def test_one_trace_per_request_across_router_prefill_and_decode(loop_thread, clu
                 "pdserve.prefill.queue", "pdserve.prefill.compute", "pdserve.decode.start", "pdserve.decode.import",
                 "pdserve.kv_transfer", "pdserve.decode.first_token", "pdserve.stream"}
     for rid in ("traced-0", "traced-1"):
-        wait_for(lambda: expected <= {s.name for s in trace_of(receiver, rid)}, 30, f"every span of {rid}")
+        wait_until(lambda: expected <= {s.name for s in trace_of(receiver, rid)}, 30, f"every span of {rid}")
 
     for rid in ("traced-0", "traced-1"):
         spans = trace_of(receiver, rid)

@@ -14,7 +14,6 @@ import pytest
 from pdserve import SamplingParams
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from tests.cluster.conftest import all_blocks_free, cancel_after_three_chunks_frees_every_block, greedy, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -43,7 +42,7 @@ def chat(question: str, system: bool) -> list[pb.ChatMessage]:
     return msgs + [pb.ChatMessage(role="user", content=question)]
 
 
-def test_16_concurrent_streams_equal_offline_generate(channel, offline):
+def test_16_concurrent_streams_equal_offline_generate(channel, offline, greedy):
     # Half share a system prompt (shared prefix), half do not.
     convs = [chat(q, system=True) for q in QUESTIONS] + [chat(q + " Explain.", system=False) for q in QUESTIONS]
     params = greedy(24, ignore_eos=True)
@@ -61,7 +60,7 @@ def test_16_concurrent_streams_equal_offline_generate(channel, offline):
         assert chunks[-1].usage.completion_tokens == 24
 
 
-def test_tokens_arrive_incrementally(channel):
+def test_tokens_arrive_incrementally(channel, greedy):
     admin = pbg.AdminStub(channel)
     req = pb.GenerateRequest(messages=chat("Count from one to twenty.", False), sampling_params=greedy(64, ignore_eos=True))
     sizes: list[int] = []
@@ -79,11 +78,11 @@ def test_tokens_arrive_incrementally(channel):
     assert running_at_third == 1, sizes
 
 
-def test_cancel_mid_stream_frees_blocks_on_both_workers(channel):
-    cancel_after_three_chunks_frees_every_block(channel)
+def test_cancel_mid_stream_frees_blocks_on_both_workers(channel, cancel_frees_every_block):
+    cancel_frees_every_block(channel)
 
 
-def test_repeated_prefix_pulls_only_missing_blocks(channel):
+def test_repeated_prefix_pulls_only_missing_blocks(channel, wait_until, blocks_free, greedy):
     admin = pbg.AdminStub(channel)
 
     def decode_stats():
@@ -98,7 +97,7 @@ def test_repeated_prefix_pulls_only_missing_blocks(channel):
     assert after.blocks_reused - before.blocks_reused == 6  # the decode worker had them too
     assert after.blocks_pulled - before.blocks_pulled == 1  # only the partial last block moved
     assert first[-1].usage.cached_prompt_tokens < 96
-    wait_for(all_blocks_free(channel), 15, "blocks to be freed")
+    wait_until(blocks_free(channel), 15, "blocks to be freed")
 
 
 @pytest.mark.parametrize(
@@ -148,9 +147,9 @@ def test_grpcurl_sees_health_and_reflection(cluster):
     assert '"finish_reason": "length"' in gen.stdout
 
 
-def test_client_deadline_propagates_and_frees_blocks(channel):
+def test_client_deadline_propagates_and_frees_blocks(channel, wait_until, blocks_free, greedy):
     stub = pbg.InferenceStub(channel)
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(50, 90)), sampling_params=greedy(2000, ignore_eos=True)), timeout=1.5))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(all_blocks_free(channel), 15, "every KV block to be freed after a deadline")
+    wait_until(blocks_free(channel), 15, "every KV block to be freed after a deadline")
