@@ -35,6 +35,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "pdserve_proto", "pdserve.telemetry",
     ),
     "pdserve.llm": ("pdserve.engine", "pdserve.models"),
+    # The P:D controller and its simulator: the router's placement policies (driven as the
+    # router drives them) and prompt hashing; nothing of the workers, Ray or gRPC.
+    "pdserve.control": ("router.placement", "router.policy", "pdserve.engine.hashing"),
     "pdserve": ("pdserve",),  # the CLI and package root may use everything under pdserve
 }
 

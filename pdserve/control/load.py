@@ -1,0 +1,51 @@
+"""Predicted load of a pool of n workers: 1.0 is the most it can carry and still meet its SLO.
+
+The same functions give a pool's load now and after a worker leaves or joins it, which is how
+the policy predicts what the survivors of a pool will carry (the N/(N-1) case) before it moves
+anyone.
+"""
+
+from __future__ import annotations
+
+from pdserve.control.perf_model import PerfModel
+from pdserve.control.signals import Signals, Slo
+
+
+def prefill_load(s: Signals, m: PerfModel, slo: Slo, n: int, headroom: float) -> float:
+    """Utilization of n prefill workers by the arriving uncached tokens plus the queue cleared
+    within one TTFT SLO, over the utilization at which queueing (M/D/1) still meets the SLO."""
+    tokens_s = s.arriving_prompt_tokens_s + s.queued_prefill_tokens / (slo.ttft_ms / 1000)
+    if tokens_s <= 0:
+        return 0.0
+    if n <= 0:
+        return float("inf")
+    per_req = s.arriving_prompt_tokens_s / s.arriving_requests_s if s.arriving_requests_s > 0 else 512.0
+    service = m.prefill_s(per_req)
+    per_worker = per_req / service  # tokens/s one busy worker prefills
+    target = slo.ttft_ms / 1000 * headroom
+    # M/D/1: service + rho * service / (2 (1 - rho)) <= target  <=>  rho <= (target - S) / (target - S / 2)
+    rho_max = max(0.05, (target - service) / (target - service / 2)) if target > service else 0.05
+    return tokens_s / (n * per_worker) / rho_max
+
+
+def decode_batch_limit(m: PerfModel, slo: Slo, mean_context: float, headroom: float) -> float:
+    """Sequences one decode worker can batch with its step within the ITL SLO and its KV pool."""
+    itl = slo.itl_ms / 1000 * headroom
+    by_itl = (itl - m.d0) / (m.d1 + m.d2 * mean_context) if itl > m.d0 else 1.0
+    by_kv = m.kv_tokens * headroom / max(1.0, mean_context)
+    return max(1.0, min(by_itl, by_kv, float(m.max_num_seqs)))
+
+
+def decode_load(s: Signals, m: PerfModel, slo: Slo, n: int, headroom: float, mean_output: float) -> float:
+    """The larger of: sequences in flight over n workers' batch limit, and the arriving output
+    tokens/s over what n workers decode at that limit (demand at arrival: a starved pool's
+    in-flight count alone would hide the queue in front of it)."""
+    if s.decode_seqs <= 0 and s.arriving_output_tokens_s <= 0:
+        return 0.0
+    if n <= 0:
+        return float("inf")
+    ctx = s.decode_context_tokens / s.decode_seqs if s.decode_seqs else 0.0
+    ctx = max(ctx, mean_output / 2)  # a request decodes about half its output on average
+    b = decode_batch_limit(m, slo, ctx, headroom)
+    tokens_s = b / m.step_s(b, b * ctx)
+    return max(s.decode_seqs / (n * b), s.arriving_output_tokens_s / (n * tokens_s))

@@ -1,0 +1,160 @@
+"""The P:D policy: from the signals, choose how many of the budget's workers prefill and how
+many decode, and whether to flip one worker now. Pure: no clock, no I/O; the caller passes the
+time in the signals and applies (or simulates) the flips.
+
+Stable by construction:
+- the split is the one that minimises the larger of the two pools' predicted loads, and a
+  flip is made only when it lowers that maximum by the hysteresis margin, predicted with the
+  donor pool one worker smaller (its survivors' load, the N/(N-1) case). A flip back would have
+  to lower the maximum again, which under the same load it cannot: no 2<->1 oscillation;
+- nothing moves while both pools are comfortably below their limits;
+- the same flip must be proposed by `confirm` consecutive intervals, then a dwell time passes
+  before the next (twice that before one in the opposite direction);
+- at most one change in flight, one worker per decision;
+- the decision interval follows the measured flip time (`interval_s`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.control.load import decode_load, prefill_load
+from pdserve.control.perf_model import PerfModel
+from pdserve.control.signals import Decision, Role, Signals, Slo
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    workers: int  # the budget: prefill + decode
+    slo: Slo = field(default_factory=Slo)
+    min_prefill: int = 1
+    min_decode: int = 1
+    headroom: float = 0.85  # plan to this share of each SLO, for the p90 and the noise
+    hysteresis: float = 0.15  # a flip must lower the larger pool load by this share
+    act_above: float = 0.6  # below this larger pool load, nothing moves
+    confirm: int = 2  # consecutive intervals proposing the same flip
+    min_interval_s: float = 2.0
+    interval_flips: float = 2.0  # decision interval = this x the measured flip time (at least min_interval_s)
+    dwell_intervals: float = 3.0  # after a flip, this many intervals before the next one
+
+    def __post_init__(self) -> None:
+        if self.min_prefill < 0 or self.min_decode < 1 or self.workers < self.min_prefill + self.min_decode:
+            raise ValueError("controller: workers >= min_prefill + min_decode, min_decode >= 1")
+        if not 0 < self.headroom <= 1 or not 0 <= self.hysteresis < 1 or self.confirm < 1:
+            raise ValueError("controller: 0 < headroom <= 1, 0 <= hysteresis < 1, confirm >= 1")
+
+
+@dataclass(frozen=True)
+class Loads:
+    prefill: float
+    decode: float
+
+    @property
+    def worst(self) -> float:
+        return max(self.prefill, self.decode)
+
+
+class Controller:
+    """Holds what stability needs to remember (last flip, the proposal streak, the flip time
+    measured) and decides once per interval: `decide(signals, model)`."""
+
+    def __init__(self, cfg: ControllerConfig, flip_s: float) -> None:
+        self.cfg = cfg
+        self.flip_s = flip_s
+        self._last_flip_t: float | None = None
+        self._last_flip_from: Role | None = None
+        self._streak: tuple[Role | None, int] = (None, 0)
+
+    @property
+    def interval_s(self) -> float:
+        return max(self.cfg.min_interval_s, self.cfg.interval_flips * self.flip_s)
+
+    @property
+    def dwell_s(self) -> float:
+        return self.cfg.dwell_intervals * self.interval_s
+
+    def observe_flip(self, seconds: float) -> None:
+        """A flip took `seconds` (drain, switch, probe): the interval follows it (EWMA)."""
+        self.flip_s = 0.5 * self.flip_s + 0.5 * seconds
+
+    def loads(self, s: Signals, m: PerfModel, prefill: int, decode: int) -> Loads:
+        c = self.cfg
+        mean_out = s.arriving_output_tokens_s / s.arriving_requests_s if s.arriving_requests_s > 0 else 0.0
+        return Loads(
+            prefill_load(s, m, c.slo, prefill, c.headroom) if prefill or c.min_prefill else 0.0,
+            decode_load(s, m, c.slo, decode, c.headroom, mean_out),
+        )
+
+    def measured(self, s: Signals, now: Loads) -> Loads:
+        """Where the SLO is measurably missed the prediction was low: read the pool at least as
+        loaded as the miss says (measured p90 / SLO), so a wrong model cannot hide a miss."""
+        slo = self.cfg.slo
+        p = max(now.prefill, s.ttft_p90_ms / slo.ttft_ms) if s.ttft_p90_ms and s.ttft_p90_ms > slo.ttft_ms else now.prefill
+        d = max(now.decode, s.itl_p90_ms / slo.itl_ms) if s.itl_p90_ms and s.itl_p90_ms > slo.itl_ms else now.decode
+        return Loads(p, d)
+
+    def target(self, s: Signals, m: PerfModel) -> tuple[int, int]:
+        """The split minimising the larger predicted load; ties go to the split nearest now."""
+        c = self.cfg
+        n = s.workers
+        best = None
+        for p in range(c.min_prefill, n - c.min_decode + 1):
+            key = (round(self.loads(s, m, p, n - p).worst, 9), abs(p - s.prefill_workers))
+            if best is None or key < best[0]:
+                best = (key, p)
+        assert best is not None
+        return best[1], n - best[1]
+
+    def decide(self, s: Signals, m: PerfModel) -> Decision:
+        c = self.cfg
+        p, d = s.prefill_workers, s.decode_workers
+        tp, td = self.target(s, m)
+        raw = self.loads(s, m, p, d)
+        now = self.measured(s, raw)
+        base = dict(t=s.now, prefill=p, decode=d, target_prefill=tp, target_decode=td,
+                    load_prefill=now.prefill, load_decode=now.decode)
+        if tp == p:
+            self._streak = (None, 0)
+            return Decision(action="hold", reason="at the target split", **base)
+        donor = Role.PREFILL if tp < p else Role.DECODE
+        ap, ad = (p - 1, d + 1) if donor is Role.PREFILL else (p + 1, d - 1)
+        after = self.loads(s, m, ap, ad)
+        # The receiver's measured excess carries over, scaled to its new size.
+        if donor is Role.PREFILL and raw.decode > 0:
+            after = Loads(after.prefill, after.decode * now.decode / raw.decode)
+        elif donor is Role.DECODE and raw.prefill > 0:
+            after = Loads(after.prefill * now.prefill / raw.prefill, after.decode)
+        base.update(after_prefill=after.prefill, after_decode=after.decode, flip_from=donor)
+
+        def hold(reason: str) -> Decision:
+            return Decision(action="hold", reason=reason, close=True, **base)
+
+        if s.change_in_flight:
+            return hold("a change is in flight")
+        if now.worst < c.act_above:
+            self._streak = (None, 0)
+            return hold(f"both pools below {c.act_above:.2f} of their limits")
+        if after.worst > now.worst * (1 - c.hysteresis):
+            self._streak = (None, 0)
+            return hold(
+                f"flip {donor.value}->{donor.other.value} would leave the larger load at {after.worst:.2f} "
+                f"(now {now.worst:.2f}): under the {c.hysteresis:.0%} hysteresis"
+            )
+        if self._last_flip_t is not None:
+            dwell = self.dwell_s * (2 if donor is not self._last_flip_from else 1)
+            if s.now - self._last_flip_t < dwell:
+                return hold(f"dwell: {dwell - (s.now - self._last_flip_t):.1f} s left since the last flip")
+        role, count = self._streak
+        count = count + 1 if role is donor else 1
+        self._streak = (donor, count)
+        if count < c.confirm:
+            return hold(f"flip {donor.value}->{donor.other.value} proposed {count}/{c.confirm} intervals")
+        self._streak = (None, 0)
+        self._last_flip_t = s.now
+        self._last_flip_from = donor
+        return Decision(
+            action="flip",
+            reason=f"larger pool load {now.worst:.2f} -> {after.worst:.2f} "
+            f"(prefill {now.prefill:.2f}->{after.prefill:.2f}, decode {now.decode:.2f}->{after.decode:.2f})",
+            **base,
+        )

@@ -1,0 +1,157 @@
+"""The P:D controller's policy, without processes: a closed loop of signals and decisions."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.control.capacity import CapacityConfig, CapacityModel
+from pdserve.control.perf_model import load_perf_model
+from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.signals import Role, Signals, Slo
+
+MODEL = load_perf_model("llama3-8b-h100")
+PROMPT = 2000  # uncached tokens per request
+OUTPUT = 500  # output tokens per request
+
+
+def signals(now: float, p: int, d: int, prompt_req_s: float, decode_req_s: float, in_flight: bool = False) -> Signals:
+    """A steady load: `prompt_req_s` requests/s of PROMPT tokens, `decode_req_s` of OUTPUT
+    tokens; sequences decoding by Little's law at a 30 ms step. Demand is the arrivals', so it
+    does not depend on the split (as the controller measures it)."""
+    seqs = int(decode_req_s * OUTPUT * 0.03)
+    return Signals(
+        now=now, prefill_workers=p, decode_workers=d,
+        arriving_prompt_tokens_s=prompt_req_s * PROMPT, arriving_requests_s=max(prompt_req_s, decode_req_s),
+        arriving_output_tokens_s=decode_req_s * OUTPUT, queued_prefill_tokens=0.0,
+        decode_seqs=seqs, decode_context_tokens=seqs * (PROMPT + OUTPUT / 2), decode_kv_use=0.5,
+        change_in_flight=in_flight,
+    )
+
+
+def run(ctrl: Controller, p: int, d: int, load, intervals: int, start: float = 0.0):
+    """Decide every interval, applying each flip at once (the flip time is in the interval)."""
+    flips, t = [], start
+    for i in range(intervals):
+        dec = ctrl.decide(signals(t, p, d, *load(i)), MODEL)
+        if dec.action == "flip":
+            flips.append((i, dec.flip_from))
+            p, d = (p - 1, d + 1) if dec.flip_from is Role.PREFILL else (p + 1, d - 1)
+        t += ctrl.interval_s
+    return p, d, flips
+
+
+def controller(workers: int) -> Controller:
+    return Controller(ControllerConfig(workers=workers, slo=Slo(2000, 100)), flip_s=MODEL.flip_s)
+
+
+def test_constant_load_settles_then_makes_no_change():
+    ctrl = controller(8)
+    # Decode-heavy load on a prompt-heavy start: it moves towards decode, then stops for good.
+    p, d, flips = run(ctrl, 6, 2, lambda i: (40.0, 40.0), 200)
+    assert flips, "a badly split cluster under load must move"
+    assert len({role for _, role in flips}) == 1, f"a reversal under constant load: {flips}"
+    assert flips[-1][0] < 60, f"still moving after 60 intervals: {flips}"
+    tp, td = ctrl.target(signals(0, p, d, 40.0, 40.0), MODEL)
+    assert abs(tp - p) <= 1  # settled at (or one hysteresis step from) the best split
+    loads = ctrl.loads(signals(0, p, d, 40.0, 40.0), MODEL, p, d)
+    assert loads.worst < 1.0
+
+
+def test_a_step_from_prompt_heavy_to_decode_heavy_moves_workers_within_bounded_intervals():
+    ctrl = controller(8)
+    step_at = 50
+    load = lambda i: (60.0, 10.0) if i < step_at else (10.0, 60.0)  # noqa: E731
+    p, d, flips = run(ctrl, 4, 4, load, 120)
+    before = [f for f in flips if f[0] < step_at]
+    after = [f for f in flips if f[0] >= step_at]
+    assert all(role is Role.DECODE for _, role in before)  # prompt-heavy: decode workers move to prefill
+    assert after and all(role is Role.PREFILL for _, role in after)
+    # The first move: the confirmation streak plus the reversal dwell (2 x dwell) at most.
+    bound = ctrl.cfg.confirm + int(2 * ctrl.cfg.dwell_intervals) + 1
+    assert after[0][0] - step_at <= bound, f"first move after the step at interval {after[0][0]}"
+    assert d > p
+
+
+def test_scale_down_predicts_the_survivors_load_and_2_to_1_does_not_oscillate():
+    ctrl = controller(3)
+    # Two decode workers at ~0.55 each: consolidating to one would leave it at ~1.1.
+    decode_req = 1.0
+    while ctrl.loads(signals(0, 1, 2, 10.0, decode_req), MODEL, 1, 2).decode < 0.55:
+        decode_req *= 1.02
+    prompt_req = 1.0
+    while ctrl.loads(signals(0, 1, 2, prompt_req, decode_req), MODEL, 1, 2).prefill < 0.9:
+        prompt_req *= 1.02
+    s = signals(0, 1, 2, prompt_req, decode_req)
+    assert ctrl.loads(s, MODEL, 2, 1).decode > 1.0  # the survivor would be over its limit
+    assert ctrl.target(s, MODEL) == (1, 2)
+    # Around this point the two splits are within a few per cent: noise must not flip them.
+    rng = random.Random(0)
+    p, d, flips = run(ctrl, 1, 2, lambda i: (prompt_req * rng.uniform(0.95, 1.05), decode_req * rng.uniform(0.95, 1.05)), 300)
+    assert flips == [] and (p, d) == (1, 2)
+
+
+def test_a_near_tie_is_recorded_as_a_close_hold_with_its_reason():
+    ctrl = controller(3)
+    decode_req = 1.0
+    while ctrl.loads(signals(0, 1, 2, 1.0, decode_req), MODEL, 1, 2).decode < 0.55:
+        decode_req *= 1.02
+    prompt_req = 1.0
+    while ctrl.loads(signals(0, 1, 2, prompt_req, decode_req), MODEL, 1, 2).prefill < 1.2:
+        prompt_req *= 1.02
+    s = signals(0, 1, 2, prompt_req, decode_req)
+    # (2, 1) is a little better than (1, 2): 1.1 against 1.2, under the hysteresis.
+    assert ctrl.target(s, MODEL) == (2, 1)
+    dec = ctrl.decide(s, MODEL)
+    assert dec.action == "hold" and dec.close and "hysteresis" in dec.reason
+    assert dec.flip_from is Role.DECODE and dec.after_decode > 1.0
+    assert dec.as_dict()["flip_from"] == "decode"
+
+
+def test_at_most_one_change_in_flight():
+    ctrl = controller(8)
+    decisions = [ctrl.decide(signals(i * 10.0, 6, 2, 5.0, 80.0, in_flight=True), MODEL) for i in range(20)]
+    assert all(dec.action == "hold" for dec in decisions)
+    assert decisions[-1].reason == "a change is in flight"
+
+
+def test_the_interval_follows_the_measured_flip_time():
+    ctrl = controller(8)
+    before = ctrl.interval_s
+    for _ in range(10):
+        ctrl.observe_flip(30.0)
+    assert ctrl.interval_s > before and abs(ctrl.interval_s - 2 * 30.0) < 1.0
+
+
+def test_cold_start_samples_do_not_drive_decisions():
+    cap = CapacityModel(MODEL, CapacityConfig(skip=8, min_samples=4))
+    ctrl = controller(8)
+    s = signals(0, 4, 4, 40.0, 40.0)
+    baseline = ctrl.target(s, MODEL)
+    # A worker just started (or flipped): its first steps run 5x slow.
+    for w in ("p0", "p1"):
+        cap.started(w)
+        for _ in range(8):
+            assert not cap.prefill_sample(w, PROMPT, 5 * MODEL.prefill_s(PROMPT))
+    assert cap.scales() == (None, None)
+    assert ctrl.target(s, cap.estimate()) == baseline
+    # Warm samples at the prior's speed keep the estimate there.
+    for w in ("p0", "p1"):
+        for _ in range(6):
+            assert cap.prefill_sample(w, PROMPT, MODEL.prefill_s(PROMPT))
+    assert abs(cap.scales()[0] - 1.0) < 1e-9
+    assert ctrl.target(s, cap.estimate()) == baseline
+    # A flip makes the worker cold again: what it measured in its old role is dropped too.
+    cap.started("p0")
+    assert not cap.decode_sample("p0", 32, 32 * 2000, 10.0)
+
+
+def test_warm_samples_do_move_the_estimate():
+    """The control for the test above: the same slow samples, once warm, change the target."""
+    cap = CapacityModel(MODEL, CapacityConfig(skip=0, min_samples=4))
+    ctrl = controller(8)
+    s = signals(0, 4, 4, 40.0, 40.0)
+    for w in ("p0", "p1"):
+        for _ in range(6):
+            cap.prefill_sample(w, PROMPT, 3 * MODEL.prefill_s(PROMPT))
+    assert cap.scales()[0] == 3.0
+    assert ctrl.target(s, cap.estimate())[0] > ctrl.target(s, MODEL)[0]
