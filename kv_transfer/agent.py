@@ -50,8 +50,19 @@ class KvTransferAgent:
     """The NIXL implementation of `kv_transfer.transport.KvTransport`."""
 
     def __init__(
-        self, worker_id: str, pool: torch.Tensor, layout: KvLayout, progress_thread: bool = False
+        self,
+        worker_id: str,
+        pool: torch.Tensor,
+        layout: KvLayout,
+        progress_thread: bool = False,
+        net_devices: str | None = None,
     ) -> None:
+        """net_devices: the network devices UCX may listen and connect on ("lo" keeps the KV
+        side channel on loopback); None leaves UCX's choice. UCX reads it from the environment
+        only (NIXL's `ucx_devices` parameter does not restrict its listeners), so it is set for
+        this process, which hosts one worker."""
+        if net_devices is not None:
+            os.environ["UCX_NET_DEVICES"] = net_devices
         api = _nixl_api()
         self.worker_id = worker_id
         self.name = f"{worker_id}-{uuid.uuid4().hex[:8]}"

@@ -54,6 +54,49 @@ def _add_telemetry_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    # vLLM's flag names; docs/security.md says what each listener needs.
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve gRPC and HTTP over TLS with this certificate (chain)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
+    p.add_argument(
+        "--ssl-ca-certs", default=None, metavar="PEM",
+        help="mutual TLS: clients must present a certificate signed by one of these CAs. "
+        "The three files are read again when they change (rotation without a restart)",
+    )
+    p.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="require 'authorization: Bearer KEY' on gRPC and HTTP calls, health checks excepted (repeatable; "
+        "also PDSERVE_API_KEY, comma-separated)",
+    )
+    p.add_argument("--api-key-file", default=None, metavar="FILE", help="more API keys, one a line")
+    p.add_argument(
+        "--admin-api-key", default=None, metavar="KEY",
+        help="the key of the Admin service (also PDSERVE_ADMIN_API_KEY); data keys are refused there, and with "
+        "--api-key set but no admin key the Admin service is closed",
+    )
+    p.add_argument(
+        "--kv-net-devices", default=None, metavar="DEVS",
+        help="network devices of the workers' KV transfers, as UCX_NET_DEVICES (default: lo for a local cluster, "
+        "UCX's choice with --address); this network is not authenticated: keep it isolated",
+    )
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, metavar="N", help="largest request body or gRPC message (default: 4 MiB)")
+    p.add_argument("--max-prompt-chars", type=int, default=1_000_000, metavar="N", help="longest prompt text (default: 1000000)")
+    p.add_argument("--max-stop-strings", type=int, default=16, metavar="N", help="stop strings per request (default: 16)")
+    p.add_argument("--max-stop-chars", type=int, default=256, metavar="N", help="longest stop string (default: 256)")
+
+
+def _add_client_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None, metavar="KEY", help="with --address: the server's API key (default: PDSERVE_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="with --address: connect over TLS, trusting the system's CAs")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="PEM", help="with --address: TLS, trusting these CAs")
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM", help="with --address: this client certificate (mutual TLS)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
+    p.add_argument(
+        "--server-name", default=None, metavar="NAME",
+        help="with --address over TLS: the name the server's certificate must carry (default: the address's host)",
+    )
+
+
 # router.policy.POLICIES, spelled out so that --help imports nothing of the router. The
 # baselines (round_robin, random, modulo) are the trace benchmark's: `pdserve bench router`.
 PLACEMENT_POLICIES = ("index", "ring")
@@ -95,6 +138,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="send the prompts to a running `pdserve serve` and stream the answers (default: run the engine here)",
     )
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline per request with --address, seconds")
+    _add_client_security_args(gen)
 
     srv = sub.add_parser(
         "serve",
@@ -139,6 +183,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="CPU workers: torch threads each (default: this host's cores shared out among the workers)",
     )
     _add_telemetry_args(srv)
+    _add_security_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks that need no GPU", description="Benchmarks that need no GPU.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")

@@ -11,8 +11,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve_proto import inference_pb2, inference_pb2_grpc
+from router.auth import ApiKeys
+from router.grpc_auth import ApiKeyInterceptor
 from router.handles import RouterError
+from router.limits import InputLimits, check_request
 from router.router import Router
+from router.tls import CertificateFiles, grpc_credentials
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +27,9 @@ SERVICE_NAMES = (
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, limits: InputLimits = InputLimits()) -> None:
         self.router = router
+        self.limits = limits
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -32,6 +37,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         # A client's W3C trace context (gRPC metadata keys are lower-case) parents the request's trace.
         carrier = {k: v for k, v in context.invocation_metadata() or () if k in ("traceparent", "tracestate")}
         try:
+            check_request(request, self.limits)
             async for chunk in self.router.generate(request, carrier or None):
                 yield chunk
         except RouterError as exc:
@@ -54,18 +60,32 @@ class AdminServicer(inference_pb2_grpc.AdminServicer):
         return await self.router.cluster_stats()
 
 
-async def start_grpc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
-    # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind too and
-    # take half of the new connections. Off, a taken port is an error.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
+async def start_grpc_server(
+    router: Router,
+    host: str,
+    port: int,
+    keys: ApiKeys = ApiKeys(),
+    tls: CertificateFiles | None = None,
+    limits: InputLimits = InputLimits(),
+) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one). With
+    `keys`, calls need an API key (health checks excepted); with `tls`, the port speaks only TLS."""
+    options = [
+        # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind too and
+        # take half of the new connections. Off, a taken port is an error.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", limits.max_request_bytes),
+    ]
+    interceptors = [ApiKeyInterceptor(keys)] if keys.enabled else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router, limits), server)
     inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, grpc_credentials(tls))
     except RuntimeError as exc:  # grpcio raises this when the bind fails
         raise OSError(errno.EADDRINUSE, f"gRPC: cannot listen on {host}:{port} (in use?)") from exc
     if bound == 0:

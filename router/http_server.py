@@ -17,7 +17,9 @@ from typing import Any
 from aiohttp import web
 
 from pdserve_proto import inference_pb2
+from router.auth import ApiKeys, Verdict, bearer_token, http_plane
 from router.handles import RouterError
+from router.limits import InputLimits, check_request
 from router.openai_api import (
     ApiError,
     ParsedRequest,
@@ -29,11 +31,13 @@ from router.openai_api import (
     usage_chunk,
 )
 from router.router import Router
+from router.tls import CertificateFiles, ReloadingSSLContext
 
 log = logging.getLogger(__name__)
 
 _ROUTER = web.AppKey("router", Router)
 _CREATED = web.AppKey("created", int)
+_LIMITS = web.AppKey("limits", InputLimits)
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -68,10 +72,16 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         return _error(ApiError(400, "body: not valid JSON"))
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[_LIMITS].max_request_bytes
+        return _error(ApiError(413, f"body: larger than {limit} bytes", "body"))
     try:
         parsed = parse_request(body, chat, router.config.model_id)
+        check_request(parsed.request, request.app[_LIMITS])
     except ApiError as exc:
         return _error(exc)
+    except RouterError as exc:
+        return _error(from_router_error(exc, chat))
     chunks = router.generate(parsed.request, fill_context=parsed.fill_context)
     try:
         # Wait for the first token before answering, so that validation and capacity errors
@@ -152,9 +162,33 @@ async def _openai_errors(request: web.Request, handler: Any) -> web.StreamRespon
         return _error(ApiError(500, "internal server error", None, "server_error"))
 
 
-def build_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[_openai_errors])
+def api_key_middleware(keys: ApiKeys) -> Any:
+    """401 (403 for a key of the other plane) in the OpenAI error shape, before any handler."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        verdict = keys.check(http_plane(request.path), bearer_token(request.headers.get("Authorization")))
+        if verdict is Verdict.ALLOWED:
+            return await handler(request)
+        log.info("refused %s %s: %s", request.method, request.path, verdict.value)
+        if verdict is Verdict.WRONG_PLANE:
+            return _error(ApiError(403, "this API key may not call this endpoint", None, "permission_error"))
+        resp = _error(
+            ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <API key>'", None,
+                     "invalid_request_error", "invalid_api_key")
+        )
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
+
+    return check
+
+
+def build_app(router: Router, keys: ApiKeys = ApiKeys(), limits: InputLimits = InputLimits()) -> web.Application:
+    # The key check runs first: an unauthenticated caller learns nothing, not even which routes exist.
+    middlewares = [api_key_middleware(keys), _openai_errors] if keys.enabled else [_openai_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=limits.max_request_bytes)
     app[_ROUTER] = router
+    app[_LIMITS] = limits
     app[_CREATED] = int(time.time())
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -163,12 +197,21 @@ def build_app(router: Router) -> web.Application:
     return app
 
 
-async def start_http_server(router: Router, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner (to `cleanup()`) and the bound port (0 picks a free one)."""
+async def start_http_server(
+    router: Router,
+    host: str,
+    port: int,
+    keys: ApiKeys = ApiKeys(),
+    tls: CertificateFiles | None = None,
+    limits: InputLimits = InputLimits(),
+) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (to `cleanup()`) and the bound port (0 picks a free one).
+    With `keys`, requests need an API key (/health excepted); with `tls`, the port speaks HTTPS."""
     # handler_cancellation: a client that disconnects cancels its handler at once, even while
     # it waits for the next token, so its request is aborted without waiting for a write to fail.
-    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(router, keys, limits), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    ssl_context = None if tls is None else ReloadingSSLContext(tls).context
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     return runner, runner.addresses[0][1]

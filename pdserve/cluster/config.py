@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.telemetry.tracing import TracingConfig
+from router.auth import ApiKeys
+from router.limits import InputLimits
 from router.policy import PlacementConfig
+from router.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,14 @@ class ServeConfig:
     placement: PlacementConfig = PlacementConfig()  # how the router places requests
     tracing: TracingConfig = TracingConfig()  # off by default; every process of the cluster uses it
     metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)
+    # docs/security.md: keys and TLS of the gRPC and HTTP listeners, limits on each request.
+    api_keys: ApiKeys = ApiKeys()  # none: the data plane is open (fine on loopback only)
+    tls: TlsConfig | None = None  # None: plain TCP
+    limits: InputLimits = InputLimits()
+    # The network device (UCX_NET_DEVICES, e.g. "lo", "eth1" or "mlx5_0:1") the workers' KV
+    # transfers listen and connect on. None: loopback for a local cluster, UCX's choice (or the
+    # UCX_NET_DEVICES of the environment) when joining one with ray_address.
+    kv_net_devices: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0:

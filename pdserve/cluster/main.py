@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.listeners import listener_lines
 from pdserve.cluster.serve import Cluster
 from pdserve.telemetry.tracing import TracingConfig
+from router.auth import ENV_VAR, ApiKeys, load_keys
+from router.limits import InputLimits
 from router.policy import PlacementConfig
+from router.tls import tls_config
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -38,8 +43,23 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             max_local_prefill_tokens=args.max_local_prefill_tokens,
         ),
         metrics_port=args.metrics_port,
+        api_keys=api_keys_from_args(args, os.environ),
+        tls=tls_config(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs),
+        limits=InputLimits(
+            max_request_bytes=args.max_request_bytes,
+            max_prompt_chars=args.max_prompt_chars,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars,
+        ),
+        kv_net_devices=args.kv_net_devices,
         tracing=TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
     )
+
+
+def api_keys_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) -> ApiKeys:
+    data = load_keys(args.api_key, environ.get(ENV_VAR), args.api_key_file)
+    admin = args.admin_api_key or environ.get("PDSERVE_ADMIN_API_KEY") or None
+    return ApiKeys(data=data, admin=(admin,) if admin else ())
 
 
 def _say(line: str) -> None:
@@ -60,9 +80,13 @@ async def _serve(cfg: ServeConfig, verbose: bool) -> None:
     )
     print(f"pdserve: serving {cluster.router.config.model_id} on {cluster.address} ({shape})", flush=True)
     if cluster.http_address is not None:
-        print(f"pdserve: OpenAI-compatible HTTP API on http://{cluster.http_address}/v1", flush=True)
+        scheme = "http" if cfg.tls is None else "https"
+        print(f"pdserve: OpenAI-compatible HTTP API on {scheme}://{cluster.http_address}/v1", flush=True)
     if cluster.metrics_address is not None:
         print(f"pdserve: Prometheus metrics on http://{cluster.metrics_address}/metrics", flush=True)
+    for line in listener_lines(cluster.cfg, cluster.port, cluster.http_port, cluster.telemetry.metrics_port,
+                               cluster.cfg.kv_net_devices):
+        print(f"pdserve: {line}", flush=True)
     try:
         await stop.wait()
         print("pdserve: shutting down", flush=True)

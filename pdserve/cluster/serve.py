@@ -18,6 +18,7 @@ from aiohttp import web
 
 from pdserve.cluster.actors import ray_invoker, remote_class
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.listeners import kv_net_devices
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.pools import PlacementError, actor_resources, cluster_nodes, unplaceable
 from pdserve.cluster.ports import PortInUseError, check_ports
@@ -27,10 +28,12 @@ from pdserve.cluster.worker_client import WorkerClient
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.models.resolve import resolve_device, resolve_model
+from router.auth import ApiKeys
 from router.deadline import within
 from router.grpc_server import start_grpc_server
 from router.http_server import start_http_server
 from router.router import Router, RouterConfig
+from router.tls import CertificateFiles
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,9 @@ class Cluster:
         progress("preparing the model" if cfg.model is None else f"preparing the model {cfg.model}")
         model_dir = resolve_model(cfg.model)  # convert once here, not in every actor
         device = resolve_device(cfg.device)
-        cfg = replace(cfg, model=str(model_dir), device=device)
+        cfg = replace(cfg, model=str(model_dir), device=device, kv_net_devices=kv_net_devices(cfg, os.environ))
+        # Read (and checked) before the slow part, and reloaded when the files change.
+        certs = None if cfg.tls is None else CertificateFiles(cfg.tls)
         owns_ray = not ray.is_initialized()
         if owns_ray:
             progress(f"joining Ray at {cfg.ray_address}" if cfg.ray_address else "starting Ray")
@@ -96,7 +101,7 @@ class Cluster:
             raise PlacementError(problem)
         actor_cls = remote_class(num_gpus=num_gpus)
         # Ray assigns each actor its own GPU; inside the actor it is cuda:0.
-        worker_cfg = replace(cfg, device="cuda" if device.startswith("cuda") else device)
+        worker_cfg = _worker_config(cfg, device="cuda" if device.startswith("cuda") else device)
 
         def start_actor(role: str, i: int) -> Any:
             options = dict(name=f"pdserve-{role}-{i}", namespace=NAMESPACE, resources=actor_resources(role, nodes))
@@ -142,8 +147,9 @@ class Cluster:
             )
             await router.start()
             try:
-                server, port = await start_grpc_server(router, cfg.host, cfg.port)
-                http = None if cfg.http_port is None else await start_http_server(router, cfg.host, cfg.http_port)
+                edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits}
+                server, port = await start_grpc_server(router, cfg.host, cfg.port, **edge)
+                http = None if cfg.http_port is None else await start_http_server(router, cfg.host, cfg.http_port, **edge)
             except OSError as exc:
                 # Taken since the check at the start (a race): still one clear line.
                 if exc.errno != errno.EADDRINUSE:
@@ -173,7 +179,7 @@ class Cluster:
         actor_cls = remote_class(num_gpus=1 if gpu else 0)
         taken = {int(w.rsplit("-", 1)[1]) for w in (*self._workers, *self._retired) if w.startswith(role + "-")}
         worker_id = f"{role}-{max(taken, default=-1) + 1}"
-        worker_cfg = replace(self.cfg, device="cuda" if gpu else self.cfg.device)
+        worker_cfg = _worker_config(self.cfg, device="cuda" if gpu else self.cfg.device)
         resources = actor_resources(role, cluster_nodes())
         actor = actor_cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE, resources=resources).remote(
             role, worker_id, worker_cfg
@@ -262,6 +268,11 @@ async def _agent_infos(actors: dict[str, Any], timeout_s: float) -> list[Any]:
 
 async def _await(ref: Any) -> Any:
     return await ref
+
+
+def _worker_config(cfg: ServeConfig, device: str) -> ServeConfig:
+    """What a worker is sent: no API keys or certificate paths, which only the router's listeners use."""
+    return replace(cfg, device=device, api_keys=ApiKeys(), tls=None)
 
 
 def _init_ray(address: str | None, worker_logs: bool) -> None:

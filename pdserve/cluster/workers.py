@@ -72,15 +72,15 @@ def kv_layout(engine: LLMEngine) -> KvLayout:
     )
 
 
-def build_agent(worker_id: str, engine: LLMEngine) -> KvTransferAgent:
-    return KvTransferAgent(worker_id, engine.runner.kv_pool, kv_layout(engine))
+def build_agent(worker_id: str, engine: LLMEngine, net_devices: str | None = None) -> KvTransferAgent:
+    return KvTransferAgent(worker_id, engine.runner.kv_pool, kv_layout(engine), net_devices=net_devices)
 
 
 def build_prefill(
     worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None, wrap_transport: WrapTransport | None = None
 ) -> PrefillWorker:
     engine = build_engine(cfg, "prefill")
-    transport: KvTransport = build_agent(worker_id, engine)
+    transport: KvTransport = build_agent(worker_id, engine, cfg.kv_net_devices)
     if wrap_transport is not None:
         transport = wrap_transport(transport)
     return PrefillWorker(worker_id, engine, transport, PrefillConfig(lease_s=cfg.lease_s), tracer=tracer)
@@ -90,7 +90,7 @@ def build_decode(
     worker_id: str, cfg: ServeConfig, tracer: trace.Tracer | None = None, wrap_transport: WrapTransport | None = None
 ) -> DecodeWorker:
     engine = build_engine(cfg, "decode")
-    transport: KvTransport = build_agent(worker_id, engine)
+    transport: KvTransport = build_agent(worker_id, engine, cfg.kv_net_devices)
     if wrap_transport is not None:
         transport = wrap_transport(transport)
     return DecodeWorker(worker_id, engine, transport, DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s), tracer)

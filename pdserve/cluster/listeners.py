@@ -1,0 +1,62 @@
+"""What `pdserve serve` listens on and what protects each listener: the lines its start-up
+prints, and where the workers' KV transfers may listen. Pure: no sockets, no Ray."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+
+from pdserve.cluster.config import ServeConfig
+
+LOOPBACK_DEVICE = "lo"
+
+
+def kv_net_devices(cfg: ServeConfig, environ: Mapping[str, str]) -> str | None:
+    """The UCX network devices of the workers' KV transfers: as configured; else the
+    environment's UCX_NET_DEVICES; else loopback for a local cluster (its workers share this
+    host) and UCX's own choice (None) for workers placed across a Ray cluster's hosts."""
+    if cfg.kv_net_devices is not None:
+        return cfg.kv_net_devices
+    if environ.get("UCX_NET_DEVICES"):
+        return None  # UCX reads it itself, in every worker that inherits it
+    return None if cfg.ray_address else LOOPBACK_DEVICE
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _protection(cfg: ServeConfig, admin: bool) -> str:
+    tls = "plain TCP" if cfg.tls is None else ("mutual TLS" if cfg.tls.mutual else "TLS")
+    keys = cfg.api_keys
+    if not keys.enabled:
+        auth = "no API key"
+    elif admin:
+        auth = f"API key (Admin: {'admin key' if keys.admin else 'refused, no --admin-api-key'}; health open)"
+    else:
+        auth = "API key (/health open)" if keys.data else "no API key (only --admin-api-key set)"
+    return f"{tls}, {auth}"
+
+
+def listener_lines(
+    cfg: ServeConfig, grpc_port: int, http_port: int | None, metrics_port: int | None, kv_devices: str | None
+) -> list[str]:
+    """One line per listener, what it serves and what protects it (docs/security.md)."""
+    host = cfg.host
+    lines = [f"listening: gRPC {host}:{grpc_port} ({_protection(cfg, admin=True)})"]
+    if http_port is not None:
+        lines.append(f"listening: HTTP {host}:{http_port} ({_protection(cfg, admin=False)})")
+    if metrics_port is not None:
+        lines.append(f"listening: metrics {host}:{metrics_port} (plain HTTP, no API key: read-only figures)")
+    ray = f"Ray at {cfg.ray_address}" if cfg.ray_address else "Ray on 127.0.0.1"
+    lines.append(f"listening: {ray} (Ray's token authentication)")
+    devices = kv_devices or "UCX's choice of devices"
+    lines.append(f"listening: KV transfers on {devices} (not authenticated: keep this network isolated)")
+    if not is_loopback(host) and not cfg.api_keys.enabled:
+        lines.append(f"warning: {host} is not a loopback address and no --api-key is set: anyone who reaches it may call it")
+    return lines

@@ -1,0 +1,44 @@
+"""Limits on one request's input: each refusal names its field."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve_proto import inference_pb2 as pb
+from router.handles import RouterError
+from router.limits import InputLimits, check_request
+
+LIMITS = InputLimits(max_prompt_chars=100, max_prompt_token_ids=50, max_messages=3, max_stop_strings=2,
+                     max_stop_chars=5, max_stop_token_ids=4)
+
+
+def refused(request: pb.GenerateRequest) -> str:
+    with pytest.raises(RouterError) as err:
+        check_request(request, LIMITS)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return err.value.message
+
+
+def test_requests_within_the_limits_pass():
+    check_request(pb.GenerateRequest(prompt="x" * 100, sampling_params=pb.SamplingParams(stop=["ab", "abcde"])), LIMITS)
+    check_request(pb.GenerateRequest(prompt_token_ids=list(range(50))), LIMITS)
+
+
+def test_each_limit_names_its_field():
+    assert refused(pb.GenerateRequest(prompt="x" * 101)).startswith("prompt: 101 characters")
+    assert refused(pb.GenerateRequest(prompt_token_ids=list(range(51)))).startswith("prompt_token_ids: 51 tokens")
+    msgs = [pb.ChatMessage(role="user", content="hi")] * 4
+    assert refused(pb.GenerateRequest(messages=msgs)).startswith("messages: 4 messages")
+    assert refused(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="y" * 97)])).startswith("messages: ")
+    sp = pb.SamplingParams(stop=["a", "b", "c"])
+    assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop: 3 stop strings")
+    sp = pb.SamplingParams(stop=["abcdef"])
+    assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop: a stop string of 6")
+    sp = pb.SamplingParams(stop_token_ids=[1, 2, 3, 4, 5])
+    assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop_token_ids: 5")
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(ValueError, match="max_stop_strings"):
+        InputLimits(max_stop_strings=0)
