@@ -237,6 +237,10 @@ class DecodeWorker:
             batch = self.engine.blocks.drain_events(full)
         return worker_pb2.KvEventBatch(**asdict(batch))
 
+    def health(self) -> worker_pb2.WorkerHealth:
+        """Answered without the engine's lock: a busy worker is as healthy as an idle one."""
+        return worker_pb2.WorkerHealth(worker_id=self.worker_id, role="decode", engine_alive=self.loop.alive)
+
     def stats(self) -> inference_pb2.WorkerStats:
         with self.loop.lock:
             return inference_pb2.WorkerStats(

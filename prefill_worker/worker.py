@@ -144,6 +144,10 @@ class PrefillWorker:
                 fut.set_exception(PrefillCancelled(f"request {request_id} was cancelled"))
             return self.engine.release(request_id) or self.engine.abort(request_id)
 
+    def health(self) -> worker_pb2.WorkerHealth:
+        """Answered without the engine's lock: a busy worker is as healthy as an idle one."""
+        return worker_pb2.WorkerHealth(worker_id=self.worker_id, role="prefill", engine_alive=self.loop.alive)
+
     def stats(self) -> inference_pb2.WorkerStats:
         with self.loop.lock:
             return inference_pb2.WorkerStats(

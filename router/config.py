@@ -15,7 +15,9 @@ class RouterConfig:
     vocab_size: int
     prefill_timeout_s: float = 60.0
     decode_start_timeout_s: float = 30.0
-    token_timeout_s: float = 60.0  # longest silence tolerated from a decode worker mid-stream
+    # Silence from a decode worker mid-stream after which the router checks the worker's health
+    # (a failed check moves the stream; a busy worker keeps it).
+    token_timeout_s: float = 60.0
     control_timeout_s: float = 5.0  # release, abort, stats
     poll_wait_s: float = 0.05
     max_inflight_per_prefill: int = 256
@@ -23,7 +25,7 @@ class RouterConfig:
     block_size: int = 16  # the workers' KV block size: prompts are hashed exactly as they hash them
     placement: PlacementConfig = PlacementConfig()
     membership: MembershipConfig = MembershipConfig()
-    # Failover: a worker that fails a call (dead, unreachable, past its deadline) leaves
+    # Failover: a worker that fails a call (dead, unreachable, failing its health check) leaves
     # placement and the request moves on, to at most this many workers of each pool in all.
     max_prefill_attempts: int = 3
     max_decode_attempts: int = 3

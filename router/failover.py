@@ -1,5 +1,7 @@
-"""Failover: a worker that fails a call (dead, unreachable, past its deadline) leaves placement
-and the request moves to another worker of its pool, at most `max_*_attempts` in all.
+"""Failover: a worker that fails a call (dead, unreachable, or failing its health check after
+the call's deadline) leaves placement and the request moves to another worker of its pool, at
+most `max_*_attempts` in all. A worker that is only busy keeps its place: the call's deadline
+ends that request (DEADLINE_EXCEEDED), not the worker's service.
 
 Three cases: a prefill is retried on another prefill worker; a KV hand-over (or a submit) that
 failed before the decode worker took the request is repeated on another decode worker, with

@@ -21,8 +21,9 @@ from pdserve_proto import inference_pb2, worker_pb2
 
 class RouterError(Exception):
     """What the client is told. `worker_failed`: the worker itself failed the call (it died,
-    cannot be reached, or missed the call's deadline), as opposed to answering with an error;
-    the router then moves the request to another worker."""
+    cannot be reached, or stopped answering its health check), as opposed to answering with an
+    error or being busy past a call's deadline; the router then moves the request to another
+    worker and takes this one out of placement."""
 
     def __init__(self, code: grpc.StatusCode, message: str, worker_failed: bool = False) -> None:
         super().__init__(message)
@@ -44,6 +45,9 @@ class PrefillHandle(Protocol):
     ) -> worker_pb2.PrefillResult: ...
 
     async def release(self, request_id: str, timeout_s: float) -> None: ...
+
+    # Liveness, apart from work: answered however busy the worker is (see worker.proto).
+    async def health(self, timeout_s: float) -> worker_pb2.WorkerHealth: ...
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats: ...
 
@@ -81,6 +85,9 @@ class DecodeHandle(Protocol):
 
     # Every token update since the last poll (long-poll up to wait_s).
     async def poll(self, wait_s: float, timeout_s: float) -> worker_pb2.TokenUpdates: ...
+
+    # Liveness, apart from work: answered however busy the worker is (see worker.proto).
+    async def health(self, timeout_s: float) -> worker_pb2.WorkerHealth: ...
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats: ...
 

@@ -2,9 +2,12 @@
 
 One task per worker long-polls its KV event batches and applies them to the pool's prefix
 index; a batch that does not follow the previous one (events lost, worker restarted) makes the
-next poll ask for a full snapshot. The same poll is the health check: after `max_failures`
-failed polls in a row the worker leaves the ring and the index (its prefixes move to their next
-owners), and it rejoins, from a fresh snapshot, as soon as it answers again. Draining a worker
+next poll ask for a full snapshot. The same poll doubles as the health check: after
+`max_failures` polls in a row fail because the worker is down (`RouterError.worker_failed`: it
+died, is unreachable, or fails its health check too) the worker leaves the ring and the index
+(its prefixes move to their next owners), and it rejoins, from a fresh snapshot, as soon as it
+answers again. A poll that is only late (a busy worker) is retried from a snapshot and counts
+for nothing: how long a loaded worker takes to answer says nothing about whether it is alive. Draining a worker
 (`unwatch`) stops the task; the router stops placing on it first.
 """
 
@@ -83,7 +86,12 @@ class PoolMembership:
                 batch = await fetch(0.0 if full else cfg.wait_s, full, cfg.wait_s + cfg.timeout_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a dead or unreachable worker: every failure looks alike here
+            except Exception as exc:
+                if not getattr(exc, "worker_failed", True):  # alive, only busy or answering an error
+                    log.info("%s worker %s: KV events late (%s); resyncing", self.name, worker, exc)
+                    full = True
+                    await asyncio.sleep(cfg.retry_s)
+                    continue
                 failures += 1
                 if failures == cfg.max_failures:
                     log.warning("%s worker %s unreachable (%s); taking it out of placement", self.name, worker, exc)

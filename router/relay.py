@@ -1,6 +1,7 @@
 """The token relay: one long-poll per decode worker, carrying every request's tokens of one or
-more engine steps, fanned out to per-request streams. A worker whose polls keep failing loses
-its streams: each gets a `WorkerLost`, and its request resumes elsewhere (`router.failover`)."""
+more engine steps, fanned out to per-request streams. A worker whose polls keep failing because
+it is down (not merely late) loses its streams: each gets a `WorkerLost`, and its request
+resumes elsewhere (`router.failover`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class TokenRelay:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if not getattr(exc, "worker_failed", True):  # alive, only busy: its streams stay
+                    log.info("polling decode worker %s: %s", decode.worker_id, exc)
+                    await asyncio.sleep(cfg.poll_wait_s)
+                    continue
                 failures += 1
                 log.warning("polling decode worker %s failed (%d): %s", decode.worker_id, failures, exc)
                 if failures == cfg.relay_failures_to_fail:

@@ -289,8 +289,9 @@ class Router:
             try:
                 item = await within(r.stream.queue.get(), self.config.token_timeout_s)
             except TimeoutError:
-                silent = f"decode worker {r.d_at.worker} sent nothing for {self.config.token_timeout_s}s"
-                item = WorkerLost(r.d_at.worker, silent)
+                item = await self._silent(r)
+                if item is None:
+                    continue
             if isinstance(item, WorkerLost):
                 if item.worker == r.d_at.worker:  # else: about a worker this request already left
                     await self.failover.resume(r, item, lambda ids, params: self.calls.submit(r, ids, params))
@@ -315,6 +316,21 @@ class Router:
             yield self._chunk(r, tokens, reason)
             if reason:
                 return
+
+    async def _silent(self, r: InFlight) -> WorkerLost | None:
+        """No token of `r` for `token_timeout_s`: a `WorkerLost` if its decode worker fails its
+        health check (the stream resumes elsewhere), else None: the worker is alive and the
+        request only waits its turn there, as long as its caller's own deadline allows."""
+        worker = r.d_at.worker
+        try:
+            await r.decode.health(self.config.control_timeout_s)
+        except RouterError as exc:
+            if exc.worker_failed:
+                return WorkerLost(worker, f"decode worker {worker} sent nothing for {self.config.token_timeout_s}s "
+                                          f"and failed its health check ({exc.message})")
+        log.info("request %s: no token from %s for %ss; the worker is alive, waiting on", r.rid, worker,
+                 self.config.token_timeout_s)
+        return None
 
     def _chunk(self, r: InFlight, tokens: list[int], reason: str) -> inference_pb2.GenerateResponse:
         r.generated += tokens

@@ -95,6 +95,12 @@ class WorkerActor:
 
     # ----- both ----------------------------------------------------------------------------
 
+    # Its own concurrency group: a health check never waits behind the work calls filling
+    # the default group's threads, so a busy worker is never mistaken for a dead one.
+    @ray.method(concurrency_group="health")
+    def health(self) -> worker_pb2.WorkerHealth:
+        return self.worker.health()
+
     def stats(self) -> inference_pb2.WorkerStats:
         return self.worker.stats()
 
@@ -119,7 +125,9 @@ def _configure_logging() -> None:
 
 
 def remote_class(num_gpus: float) -> Any:
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, num_gpus=num_gpus, num_cpus=0)(WorkerActor)
+    return ray.remote(
+        max_concurrency=ACTOR_CONCURRENCY, concurrency_groups={"health": 2}, num_gpus=num_gpus, num_cpus=0
+    )(WorkerActor)
 
 
 def ray_invoker(actor: Any) -> Invoker:

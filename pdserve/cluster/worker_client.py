@@ -39,26 +39,48 @@ class WorkerUnreachable(Exception):
     """Raised by an invoker when the worker's host is gone (a dead actor), not the worker's call."""
 
 
+# Worker methods that never wait (no engine lock, no queue): run inline, not on a thread, so a
+# thread pool filled by long work calls cannot delay them.
+_INLINE = frozenset({"health"})
+
+
 def local_invoker(worker: Any) -> Invoker:
     """Calls on a worker object in this process, each on a thread so the event loop never blocks."""
 
+    async def inline(name: str, *args: Any) -> Any:
+        return getattr(worker, name)(*args)
+
     def invoke(name: str, *args: Any) -> Awaitable[Any]:
+        if name in _INLINE:
+            return inline(name, *args)
         return asyncio.to_thread(getattr(worker, name), *args)
 
     return invoke
 
 
 class WorkerClient:
-    """Implements `router.handles.PrefillHandle` and `DecodeHandle` over one invoker."""
+    """Implements `router.handles.PrefillHandle` and `DecodeHandle` over one invoker.
 
-    def __init__(self, worker_id: str, invoke: Invoker) -> None:
+    A call past its deadline is not taken as the worker's death: a loaded worker answers work
+    late. The client then asks the worker's health (`health_timeout_s`), which is answered
+    apart from work; only a worker that fails that too is `worker_failed`. A busy one gives
+    DEADLINE_EXCEEDED for that call and stays in service."""
+
+    def __init__(self, worker_id: str, invoke: Invoker, health_timeout_s: float = 5.0) -> None:
         self.worker_id = worker_id
         self._invoke = invoke
+        self.health_timeout_s = health_timeout_s
 
     async def _call(self, what: str, timeout_s: float, name: str, *args: Any) -> Any:
         try:
             return await within(self._invoke(name, *args), timeout_s)
         except TimeoutError:
+            if name != "health":
+                await self.health(self.health_timeout_s)  # raises worker_failed if it is down
+                raise RouterError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{what}: no answer within {timeout_s}s; the worker is alive but busy",
+                ) from None
             raise RouterError(
                 grpc.StatusCode.UNAVAILABLE, f"{what}: no answer within {timeout_s}s", worker_failed=True
             ) from None
@@ -70,6 +92,15 @@ class WorkerClient:
             # Ray re-raises a worker's exception as a subclass of the original type, so these
             # checks hold for both hosts.
             raise _worker_error(exc, what) from exc
+
+    async def health(self, timeout_s: float) -> worker_pb2.WorkerHealth:
+        """The worker's health, `worker_failed` if it does not answer or its engine has stopped."""
+        health = await self._call("health check", timeout_s, "health")
+        if not health.engine_alive:
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE, f"health check: the engine of {self.worker_id} has stopped", worker_failed=True
+            )
+        return health
 
     # ----- prefill -------------------------------------------------------------------------
 
