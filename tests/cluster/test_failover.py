@@ -85,7 +85,7 @@ def test_a_decode_worker_dying_mid_stream_is_resumed_elsewhere(
 
     def kill_after_ten(n: int) -> None:
         if n >= 10 and not killed:
-            serving = next(iter(c.router._streams.values())).worker
+            serving = next(iter(c.router.relay.streams.values())).worker
             killed.append(serving)
             c.kill(serving)
 
