@@ -13,21 +13,43 @@ from types import ModuleType
 
 from pdserve.cluster.pools import PlacementError
 from pdserve.cluster.ports import PortInUseError
+from pdserve.engine.args import ATTENTION_BACKENDS, EngineArgs, engine_options
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from free memory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched per step (default: 64)")
+    # EngineArgs' fields, one flag each, dest = the field's name: EngineArgs.from_options(vars(args))
+    # reads them. An unset flag leaves no attribute (SUPPRESS), so the dataclass default applies.
+    d, unset = EngineArgs(), argparse.SUPPRESS
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step; longer prompts are chunked (default: 2048)"
+        "--num-kv-blocks", dest="num_kv_blocks", type=int, default=unset, metavar="N",
+        help="KV pool size in blocks (default: from free memory)",
     )
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "torch"])
     p.add_argument(
-        "--triton-decode", action=argparse.BooleanOptionalAction, default=None,
+        "--block-size", dest="block_size", type=int, default=unset, metavar="N",
+        help=f"tokens per KV block (default: {d.block_size})",
+    )
+    p.add_argument(
+        "--max-num-seqs", dest="max_num_seqs", type=int, default=unset, metavar="N",
+        help=f"sequences batched per step (default: {d.max_num_seqs})",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=unset, metavar="N",
+        help=f"token budget per step; longer prompts are chunked (default: {d.max_num_batched_tokens})",
+    )
+    p.add_argument(
+        "--max-model-len", dest="max_model_len", type=int, default=unset, metavar="N",
+        help="cap the context length (default: the model's)",
+    )
+    p.add_argument(
+        "--attention-backend", dest="attention_backend", default=unset, choices=ATTENTION_BACKENDS,
+        help=f"attention kernels: flash (flash-attn; CUDA, 16-bit) or torch (SDPA) (default: {d.attention_backend}: "
+        "flash where it can run, else torch)",
+    )
+    p.add_argument(
+        "--triton-decode", dest="triton_decode_kernels", action=argparse.BooleanOptionalAction, default=unset,
         help="GPU: decode through pdserve's Triton kernels (split-KV attention; batch-1 matmuls with the "
         "norms and the greedy pick fused). Default: on wherever Triton imports; see docs/benchmarks.md",
     )
@@ -167,7 +189,6 @@ def _build_parser() -> argparse.ArgumentParser:
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port",
     )
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
-    srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
     srv.add_argument(
         "--placement-policy", choices=PLACEMENT_POLICIES, default="index",
@@ -241,12 +262,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
-        num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.attention_backend,
-        triton_decode_kernels=args.triton_decode,
+        **engine_options(EngineArgs.from_options(vars(args))),
     )
     use_chat = args.chat
     if use_chat is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
 from router.auth import ApiKeys
 from router.limits import InputLimits
@@ -22,13 +23,7 @@ class ServeConfig:
     port: int = 50051
     http_port: int | None = None  # the OpenAI-compatible HTTP API on host (None: off; 0: a free port)
     ray_address: str | None = None  # None: start a local Ray cluster
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    triton_decode_kernels: bool | None = None  # GPU: the engine's Triton decode kernels (None: where Triton imports)
+    engine: EngineArgs = EngineArgs()  # every worker's engine settings (block size, KV pool, batch limits, ...)
     # CPU workers: torch threads each. None: this host's cores shared out among the workers,
     # because two engines running OpenMP on the same cores stall each other at every barrier.
     cpu_threads_per_worker: int | None = None

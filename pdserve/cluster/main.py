@@ -10,6 +10,7 @@ import signal
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.listeners import listener_lines
 from pdserve.cluster.serve import Cluster
+from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
 from router.auth import ENV_VAR, ApiKeys, load_keys
 from router.limits import InputLimits
@@ -28,13 +29,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         port=args.port,
         http_port=args.http_port,
         ray_address=args.address,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        triton_decode_kernels=args.triton_decode,
+        engine=EngineArgs.from_options(vars(args)),  # the engine flags' dests are its field names
         lease_s=args.lease_s,
         cpu_threads_per_worker=args.cpu_threads,
         placement=PlacementConfig(

@@ -132,9 +132,9 @@ class Cluster:
             mc = ModelConfig.from_dir(model_dir)
             router_cfg = RouterConfig(
                 model_id=model_dir.name,
-                max_model_len=min(cfg.max_model_len or mc.max_model_len, mc.max_model_len),
+                max_model_len=min(cfg.engine.max_model_len or mc.max_model_len, mc.max_model_len),
                 vocab_size=mc.vocab_size,
-                block_size=cfg.block_size,
+                block_size=cfg.engine.block_size,
                 placement=cfg.placement,
             )
             router = Router(

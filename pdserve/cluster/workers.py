@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from opentelemetry import trace
@@ -14,6 +15,7 @@ from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import KvLayout, model_fingerprint
 from kv_transfer.transport import KvTransport
 from pdserve.cluster.config import ServeConfig
+from pdserve.engine.args import engine_options
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.hashing import HASH_VERSION
@@ -39,22 +41,19 @@ def build_engine(cfg: ServeConfig, role: Role) -> LLMEngine:
         torch.set_num_threads(threads)
         log.info("%s worker: %d torch threads", role, threads)
     mc = ModelConfig.from_dir(model_dir)
-    return LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            device=device,
-            dtype=resolve_dtype(cfg.dtype, mc, device),
-            role=role,
-            block_size=cfg.block_size,
-            num_kv_blocks=cfg.num_kv_blocks,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len,
-            workers_on_host=cfg.num_prefill + cfg.num_decode,  # they share the host's memory, as its cores
-            attention_backend=cfg.attention_backend,
-            triton_decode_kernels=cfg.triton_decode_kernels,
-            detokenize=role != "decode",  # the router turns decode tokens into text
-        )
+    return LLMEngine(engine_config(cfg, role, model_dir, device, resolve_dtype(cfg.dtype, mc, device)))
+
+
+def engine_config(cfg: ServeConfig, role: Role, model_dir: Path, device: str, dtype: torch.dtype) -> EngineConfig:
+    """A worker's engine: the server's engine settings as given, plus what this worker adds."""
+    return EngineConfig(
+        **engine_options(cfg.engine),
+        model=str(model_dir),
+        device=device,
+        dtype=dtype,
+        role=role,
+        workers_on_host=cfg.num_prefill + cfg.num_decode,  # they share the host's memory, as its cores
+        detokenize=role != "decode",  # the router turns decode tokens into text
     )
 
 

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.engine.args import EngineArgs
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -173,26 +175,21 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """How an engine instance runs. Everything has a default that works on a laptop CPU."""
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineArgs):
+    """How an engine instance runs: the server-wide `EngineArgs` plus what this instance adds.
+    Everything but the model has a default that works on a laptop CPU."""
 
     model: str
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     role: Role = "both"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from free memory
     memory_utilization: float = 0.85  # fraction of device memory the engine may use (GPU)
     # KV pool budget on CPU when num_kv_blocks is None; None: a share of the host's available
     # memory (see kv_sizing).
     cpu_kv_cache_bytes: int | None = None
     workers_on_host: int = 1  # engines sharing this host's memory, for sizing the CPU KV pool
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto", "flash" or "torch"
     use_cuda_graphs: bool = True
     compile_elementwise: bool | None = None  # fuse norm/RoPE/SiLU chains with torch.compile; None: on CUDA only
     # CPU: matmul weights reordered once for oneDNN (small-batch matmuls several times faster
@@ -202,31 +199,17 @@ class EngineConfig:
     # None: on where decode steps are CUDA graphs, the only place the host's time shows.
     overlap_decode: bool | None = None
     cuda_graph_max_batch: int = 128
-    # Triton decode kernels in the CUDA graphs (pdserve/engine/kernels/decode_kernels.py): split-KV
-    # attention up to batch 32, and at batch 1 matmuls with the norms, SiLU and the greedy
-    # pick folded in. None: on wherever Triton >= 3.4 imports (NVIDIA GPUs, head_dim a power of
-    # two >= 16); True: required (an error naming what is missing); False: off.
-    triton_decode_kernels: bool | None = None
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role: must be prefill, decode or both, not {self.role!r}")
-        if self.block_size < 1:
-            raise ValueError("block_size: must be >= 1")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("num_kv_blocks: must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs: must be >= 1")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes < 1:
             raise ValueError("cpu_kv_cache_bytes: must be >= 1")
         if self.workers_on_host < 1:
             raise ValueError("workers_on_host: must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens: must be >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be auto or dummy, not {self.load_format!r}")
-        if self.attention_backend not in ("auto", "flash", "torch"):
-            raise ValueError(f"attention_backend: must be auto, flash or torch, not {self.attention_backend!r}")

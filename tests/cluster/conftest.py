@@ -206,11 +206,14 @@ def start_in_process(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callab
     unless `cfg` says otherwise; keyword arguments as `InProcessCluster`'s). Each is closed
     when the module ends, unless the test closed it first."""
     from pdserve.cluster.config import ServeConfig
+    from pdserve.engine.args import EngineArgs
 
     built: list[InProcessCluster] = []
 
     def start(cfg: Any = None, **kw: Any) -> InProcessCluster:
-        cfg = cfg or ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128)
+        cfg = cfg or ServeConfig(
+            model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=128)
+        )
         c = InProcessCluster(loop_thread, model_dir, cfg, **kw)
         built.append(c)
         return c
@@ -268,8 +271,10 @@ def model_dir() -> Any:
 def cluster(loop_thread: LoopThread) -> Iterator[Any]:
     from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.serve import Cluster
+    from pdserve.engine.args import EngineArgs
 
-    c = loop_thread.run(Cluster.start(ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, num_kv_blocks=384)))
+    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, engine=EngineArgs(num_kv_blocks=384))
+    c = loop_thread.run(Cluster.start(cfg))
     yield c
     loop_thread.run(c.stop())
 

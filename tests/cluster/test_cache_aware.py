@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
@@ -24,7 +25,9 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def cluster(loop_thread):
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, num_prefill=2, num_decode=1, num_kv_blocks=256)
+    cfg = ServeConfig(
+        device="cpu", dtype="float32", port=0, num_prefill=2, num_decode=1, engine=EngineArgs(num_kv_blocks=256)
+    )
     c = loop_thread.run(Cluster.start(cfg))
     yield c
     loop_thread.run(c.stop())

@@ -20,6 +20,7 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster.config import ServeConfig
+from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
@@ -35,7 +36,10 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What col
 def cluster(loop_thread: Any) -> Iterator[Any]:
     from pdserve.cluster.serve import Cluster
 
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, num_prefill=0, num_decode=1, num_kv_blocks=160)
+    cfg = ServeConfig(
+        device="cpu", dtype="float32", port=0, http_port=0, num_prefill=0, num_decode=1,
+        engine=EngineArgs(num_kv_blocks=160),
+    )
     c = loop_thread.run(Cluster.start(cfg))
     yield c
     loop_thread.run(c.stop())

@@ -14,6 +14,7 @@ from kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.workers import build_decode, build_prefill
+from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from prefill_worker.worker import PrefillConfig, PrefillWorker
@@ -50,7 +51,10 @@ def generate(channel: grpc.Channel, ids: list[int], max_tokens: int) -> list[int
 def test_failed_transfers_are_retried_then_recomputed_with_the_same_tokens(
     start_in_process, faulty_transport, wait_until, expected, model_dir, faults, transfers, failures
 ):
-    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128, transfer_timeout_s=2.0)
+    cfg = ServeConfig(
+        model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=128),
+        transfer_timeout_s=2.0,
+    )
     c = start_in_process(cfg, wrap_transport=lambda t: faulty_transport(t, **faults))
     try:
         assert generate(c.channel, PROMPT, 12) == expected
@@ -115,7 +119,7 @@ def test_full_cluster_answers_resource_exhausted(start_in_process, wait_until):
 
 
 def test_unpulled_kv_is_freed_when_its_lease_expires(model_dir, wait_until):
-    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=64))
     now = [1000.0]
     base = build_prefill("prefill-lease", cfg)
     base.close()
@@ -132,9 +136,10 @@ def test_unpulled_kv_is_freed_when_its_lease_expires(model_dir, wait_until):
 
 
 def test_incompatible_kv_layouts_refuse_to_connect(model_dir):
-    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16)
+    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=16))
     p = build_prefill("prefill-a", cfg)
-    d = build_decode("decode-b", ServeConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16, block_size=32))
+    other = EngineArgs(num_kv_blocks=16, block_size=32)
+    d = build_decode("decode-b", ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=other))
     try:
         with pytest.raises(KvCompatError, match="compat_hash: worker 'prefill-a' has KV layout"):
             d.agent.connect(p.agent.info())

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
@@ -41,7 +42,7 @@ def receiver():
 @pytest.fixture(scope="module")
 def cluster(loop_thread, receiver):
     cfg = ServeConfig(
-        device="cpu", dtype="float32", port=0, num_kv_blocks=256, metrics_port=0,
+        device="cpu", dtype="float32", port=0, engine=EngineArgs(num_kv_blocks=256), metrics_port=0,
         tracing=TracingConfig(exporter="otlp-grpc", endpoint=receiver.endpoint, export_delay_s=0.2),
     )
     c = loop_thread.run(Cluster.start(cfg))

@@ -69,6 +69,6 @@ def test_the_serve_command_maps_the_triton_decode_flag():
     from pdserve.cli import _build_parser
     from pdserve.cluster.main import config_from_args
 
-    assert config_from_args(_build_parser().parse_args(["serve", "--triton-decode"])).triton_decode_kernels is True
-    assert config_from_args(_build_parser().parse_args(["serve"])).triton_decode_kernels is None
-    assert config_from_args(_build_parser().parse_args(["serve", "--no-triton-decode"])).triton_decode_kernels is False
+    assert config_from_args(_build_parser().parse_args(["serve", "--triton-decode"])).engine.triton_decode_kernels is True
+    assert config_from_args(_build_parser().parse_args(["serve"])).engine.triton_decode_kernels is None
+    assert config_from_args(_build_parser().parse_args(["serve", "--no-triton-decode"])).engine.triton_decode_kernels is False
