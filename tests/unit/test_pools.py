@@ -72,3 +72,27 @@ def test_only_the_two_pools_have_a_resource():
     assert pool_resource("decode") == "pdserve_decode"
     with pytest.raises(ValueError, match="pool: 'router'"):
         pool_resource("router")
+
+
+def test_status_shows_each_nodes_pools_and_where_each_worker_runs():
+    from pdserve.cluster.status import format_status
+
+    nodes = [
+        {"node_id": "b" * 56, "node_ip": "10.0.0.2", "is_head_node": False, "state": "ALIVE",
+         "resources_total": {"CPU": 16, "GPU": 2, "pdserve_decode": 2}},
+        {"node_id": "a" * 56, "node_ip": "10.0.0.1", "is_head_node": True, "state": "ALIVE",
+         "resources_total": {"CPU": 16, "GPU": 1, "pdserve_prefill": 1, "pdserve_decode": 1}},
+    ]
+    actors = [
+        {"name": "pdserve-decode-0", "state": "ALIVE", "node_id": "b" * 56, "ray_namespace": "pdserve"},
+        {"name": "pdserve-prefill-0", "state": "PENDING_CREATION", "node_id": None, "ray_namespace": "pdserve"},
+        {"name": "other", "state": "ALIVE", "node_id": "a" * 56, "ray_namespace": "someone-else"},
+    ]
+    assert format_status(nodes, actors).splitlines() == [
+        "nodes:",
+        "  head 10.0.0.1        alive pool prefill+decode CPU 16  GPU 1  id aaaaaaaaaaaa",
+        "  node 10.0.0.2        alive pool decode         CPU 16  GPU 2  id bbbbbbbbbbbb",
+        "workers:",
+        "  pdserve-decode-0     ALIVE            on 10.0.0.2",
+        "  pdserve-prefill-0    PENDING_CREATION on not placed",
+    ]

@@ -1,0 +1,260 @@
+#!/usr/bin/env bash
+# pdserve on bare metal: start the Ray cluster, one machine at a time, and serve on it.
+# docs/deploy.md ("Bare metal with the launch script") walks through two machines.
+#
+#   launch.sh head   [--port 6379] [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- RAY_START_ARGS]
+#   launch.sh worker --address HEAD:PORT [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- RAY_START_ARGS]
+#   launch.sh serve  --address HEAD:PORT [pdserve serve flags: --prefill N --decode M --port P ...]
+#   launch.sh status [--address HEAD:PORT]
+#   launch.sh down
+#
+# A node joins a pool by offering Ray the custom resource pdserve_prefill or pdserve_decode (both
+# for --pool any), as the Helm chart's worker groups do; `pdserve serve` then places each pool's
+# workers on its nodes. Ray's token authentication is on: `head` writes the token to
+# $PDSERVE_RAY_DIR/auth_token, and `worker`, `serve` and `status` read it from the same path on
+# their machine. `down` stops, by the PIDs it recorded, what this script started on this machine.
+#
+# Environment: PDSERVE_RAY_DIR (state: token, PIDs, logs; default ~/.pdserve/ray), PDSERVE_PYTHON
+# (the Python with pdserve and Ray installed; default python3), PDSERVE_START_TIMEOUT (seconds to
+# wait for a Ray node to start; default 120).
+set -euo pipefail
+
+STATE_DIR=${PDSERVE_RAY_DIR:-$HOME/.pdserve/ray}
+PY=${PDSERVE_PYTHON:-python3}
+START_TIMEOUT=${PDSERVE_START_TIMEOUT:-120}
+TOKEN_FILE=$STATE_DIR/auth_token
+SELF=$(basename "$0")
+
+die() { echo "$SELF: error: $*" >&2; exit 2; }
+say() { echo "$SELF: $*"; }
+
+usage() {
+  sed -n '5,9s/^#  //p' "$0" >&2
+  exit 2
+}
+
+ensure_state_dir() {
+  mkdir -p "$STATE_DIR"
+  chmod 700 "$STATE_DIR"
+}
+
+# Ray reads RAY_AUTH_MODE and the token when it starts, in every process: set them for all of them.
+use_token() {
+  [ -s "$TOKEN_FILE" ] || die "no Ray token at $TOKEN_FILE: copy the head's (on the head: $TOKEN_FILE) to this path, mode 600"
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$TOKEN_FILE
+}
+
+# This machine's address on the route to HOST (a UDP connect sends nothing): what Ray itself would
+# pick, made explicit so that the node is told one interface.
+route_ip() {
+  "$PY" -c 'import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((sys.argv[1], 9))
+print(s.getsockname()[0])' "$1"
+}
+
+is_loopback() { case $1 in 127.*|localhost|::1) return 0 ;; *) return 1 ;; esac; }
+
+# Ray replaces a loopback node address by the machine's own unless multi-node clusters are off
+# (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): so a loopback head is a one-machine cluster, and every
+# process that joins it (serve, status) must say the same; any other address is a normal cluster.
+ray_cluster_mode() {
+  if is_loopback "$1"; then export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; else export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1; fi
+}
+
+host_of() { echo "${1%:*}"; }
+
+# The pool's Ray resources: one unit per GPU (at least one), as the Helm chart offers them.
+pool_resources() {
+  local pool=$1 gpus=$2 units
+  units=$(( gpus > 0 ? gpus : 1 ))
+  case $pool in
+    prefill) echo "{\"pdserve_prefill\": $units}" ;;
+    decode) echo "{\"pdserve_decode\": $units}" ;;
+    any) echo "{\"pdserve_prefill\": $units, \"pdserve_decode\": $units}" ;;
+    none) echo "{}" ;;
+    *) die "--pool: '$pool' is not prefill, decode, any or none" ;;
+  esac
+}
+
+# Is PID alive and running the program this script recorded it for?
+pid_is() {
+  local pid=$1 marker=$2
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$marker"
+}
+
+# `ray start --block` in its own session: it stays the parent of the node's processes and stops
+# them all on SIGTERM, and its process group holds every one of them for `down`.
+start_node() {
+  local role=$1; shift
+  local pidfile=$STATE_DIR/$role.pid log=$STATE_DIR/$role.log pid deadline
+  if [ -f "$pidfile" ] && pid_is "$(cat "$pidfile")" ray.scripts.scripts; then
+    die "a Ray $role started by this script is running (PID $(cat "$pidfile")); run '$SELF down' first"
+  fi
+  setsid nohup "$PY" -m ray.scripts.scripts start --block "$@" >"$log" 2>&1 </dev/null &
+  pid=$!
+  echo "$pid" >"$pidfile"
+  deadline=$(( $(date +%s) + START_TIMEOUT ))
+  until grep -q "Ray runtime started" "$log" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      rm -f "$pidfile"
+      tail -n 20 "$log" >&2
+      die "ray start exited; its log: $log"
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      tail -n 20 "$log" >&2
+      die "the Ray $role did not start within ${START_TIMEOUT}s (PID $pid still running; '$SELF down' stops it); log: $log"
+    fi
+    sleep 0.5
+  done
+}
+
+cmd_head() {
+  local port=6379 ip="" pool=any gpus=""
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --port) port=${2:?--port needs a value}; shift 2 ;;
+      --node-ip-address) ip=${2:?--node-ip-address needs a value}; shift 2 ;;
+      --pool) pool=${2:?--pool needs a value}; shift 2 ;;
+      --gpus) gpus=${2:?--gpus needs a value}; shift 2 ;;
+      --) shift; break ;;
+      -h|--help) usage ;;
+      *) die "head: unknown argument '$1'" ;;
+    esac
+  done
+  [ -n "$ip" ] || ip=$(route_ip 8.8.8.8)
+  [ "$ip" != "0.0.0.0" ] || die "--node-ip-address: give this machine's address on the cluster network, not 0.0.0.0"
+  ray_cluster_mode "$ip"
+  ensure_state_dir
+  if [ ! -s "$TOKEN_FILE" ]; then
+    (umask 077; "$PY" -c 'import secrets; print(secrets.token_hex(32), end="")' >"$TOKEN_FILE")
+  fi
+  use_token
+  local args=(--head --port "$port" --node-ip-address "$ip" --dashboard-host 127.0.0.1
+              --resources "$(pool_resources "$pool" "${gpus:-0}")")
+  [ -z "$gpus" ] || args+=(--num-gpus "$gpus")
+  start_node head "${args[@]}" "$@"
+  echo "$ip:$port" >"$STATE_DIR/address"
+  local here
+  here=$(cd "$(dirname "$0")" && pwd)/$SELF
+  say "Ray head on $ip:$port (pool $pool); dashboard on 127.0.0.1 only; token in $TOKEN_FILE"
+  if [ "$ip" = 127.0.0.1 ]; then
+    say "on loopback: a one-machine cluster that no other node can join; for more machines, start the head with --node-ip-address <this machine's cluster address>"
+  fi
+  cat <<EOF
+On each other machine (pdserve installed, this repository checked out):
+  1. copy the token:   scp $(hostname):$TOKEN_FILE $TOKEN_FILE   (mode 600; the path is \$PDSERVE_RAY_DIR/auth_token)
+  2. join a pool:      $here worker --address $ip:$port --pool decode [--gpus N] [--node-ip-address IP]
+Then, on this machine or any that has joined, serve (foreground until Ctrl-C / SIGTERM):
+  $here serve --address $ip:$port --prefill P --decode D --host $ip --port 50051
+Check placement with '$here status', stop with '$here down' (on each machine).
+EOF
+}
+
+cmd_worker() {
+  local address="" ip="" pool=any gpus=""
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --address) address=${2:?--address needs a value}; shift 2 ;;
+      --node-ip-address) ip=${2:?--node-ip-address needs a value}; shift 2 ;;
+      --pool) pool=${2:?--pool needs a value}; shift 2 ;;
+      --gpus) gpus=${2:?--gpus needs a value}; shift 2 ;;
+      --) shift; break ;;
+      -h|--help) usage ;;
+      *) die "worker: unknown argument '$1'" ;;
+    esac
+  done
+  [ -n "$address" ] || die "worker: --address HEAD:PORT is required"
+  ! is_loopback "$(host_of "$address")" || die "worker: a head on loopback takes no other node; start it with --node-ip-address <its cluster address>"
+  [ -n "$ip" ] || ip=$(route_ip "$(host_of "$address")")
+  [ "$ip" != "0.0.0.0" ] || die "--node-ip-address: give this machine's address on the cluster network, not 0.0.0.0"
+  ray_cluster_mode "$ip"
+  ensure_state_dir
+  use_token
+  local args=(--address "$address" --node-ip-address "$ip" --resources "$(pool_resources "$pool" "${gpus:-0}")")
+  [ -z "$gpus" ] || args+=(--num-gpus "$gpus")
+  start_node worker "${args[@]}" "$@"
+  echo "$address" >"$STATE_DIR/address"
+  say "Ray worker on $ip joined $address (pool $pool)"
+}
+
+cmd_serve() {
+  local address="" rest=()
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --address) address=${2:?--address needs a value}; shift 2 ;;
+      *) rest+=("$1"); shift ;;
+    esac
+  done
+  [ -n "$address" ] || die "serve: --address HEAD:PORT is required"
+  ray_cluster_mode "$(host_of "$address")"
+  ensure_state_dir
+  use_token
+  # exec keeps this PID: `down` finds the server by it.
+  echo $$ >"$STATE_DIR/serve.pid"
+  exec "$PY" -m pdserve.cli serve --address "$address" "${rest[@]}"
+}
+
+cmd_status() {
+  local address=""
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --address) address=${2:?--address needs a value}; shift 2 ;;
+      *) die "status: unknown argument '$1'" ;;
+    esac
+  done
+  if [ -z "$address" ] && [ -f "$STATE_DIR/address" ]; then
+    address=$(cat "$STATE_DIR/address")
+  fi
+  [ -n "$address" ] || die "status: --address HEAD:PORT is required (no Ray node started here)"
+  ray_cluster_mode "$(host_of "$address")"
+  use_token
+  "$PY" -m pdserve.cluster.status --address "$address"
+}
+
+# SIGTERM, then SIGKILL after a grace period, to one recorded process and its process group.
+stop_pid() {
+  local name=$1 marker=$2 pidfile=$STATE_DIR/$1.pid pid i
+  [ -f "$pidfile" ] || return 0
+  pid=$(cat "$pidfile")
+  if pid_is "$pid" "$marker"; then
+    say "stopping $name (PID $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+    for i in $(seq 1 60); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.5
+    done
+    ! kill -0 "$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+  fi
+  # The node's processes share the group `ray start` leads (its PID): stop any that outlived it.
+  if [ "$name" != serve ] && kill -0 -- "-$pid" 2>/dev/null; then
+    kill -TERM -- "-$pid" 2>/dev/null || true
+    for i in $(seq 1 20); do
+      kill -0 -- "-$pid" 2>/dev/null || break
+      sleep 0.5
+    done
+    ! kill -0 -- "-$pid" 2>/dev/null || kill -KILL -- "-$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+}
+
+cmd_down() {
+  [ $# -eq 0 ] || die "down takes no arguments"
+  stop_pid serve pdserve.cli
+  stop_pid worker ray.scripts.scripts
+  stop_pid head ray.scripts.scripts
+  rm -f "$STATE_DIR/address"
+  say "down"
+}
+
+[ $# -ge 1 ] || usage
+sub=$1; shift
+case $sub in
+  head) cmd_head "$@" ;;
+  worker) cmd_worker "$@" ;;
+  serve) cmd_serve "$@" ;;
+  status) cmd_status "$@" ;;
+  down) cmd_down "$@" ;;
+  -h|--help|help) usage ;;
+  *) die "unknown command '$sub' (head, worker, serve, status, down)" ;;
+esac

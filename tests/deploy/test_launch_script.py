@@ -1,0 +1,215 @@
+"""deploy/ray/launch.sh as an operator runs it, on one machine standing in for two: a Ray head
+labelled as the prefill pool and a second Ray node (its own raylet, ports and temp dir) labelled as
+the decode pool; `serve` places each pool's worker on its node (read back from Ray's state API),
+answers through the gRPC API exactly as the offline engine does, and `down` leaves no process
+behind.
+
+Both nodes use this machine's own address: Ray replaces a loopback node address by it unless
+multi-node clusters are off, and then no second node could join."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve_proto import inference_pb2 as pb
+from pdserve_proto import inference_pb2_grpc as pbg
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "deploy" / "ray" / "launch.sh"
+SMALL = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512"]
+PROMPT = "The three primary colours are"
+MAX_TOKENS = 12
+
+# Ask the state API, in a process of its own: it needs the cluster's token in its environment.
+PLACEMENT = """
+import json, sys
+from ray.util.state import list_actors, list_nodes
+nodes = {n.node_id: {"head": n.is_head_node, "resources": n.resources_total} for n in list_nodes(address=sys.argv[1])}
+actors = {a.name: a.node_id for a in list_actors(address=sys.argv[1], filters=[("state", "=", "ALIVE")])}
+print(json.dumps({"nodes": nodes, "actors": actors}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def own_address() -> str:
+    """This machine's address on its default route, as Ray picks it (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 53))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def wait_until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def processes_in(sessions: set[int], marker: str) -> set[int]:
+    """PIDs of live processes in one of `sessions`, or whose command line names `marker`."""
+    found = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            # The session id is field 6 of /proc/PID/stat; the command (field 2) may hold spaces.
+            sid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):
+            continue
+        if sid in sessions or marker in cmdline:
+            found.add(int(d.name))
+    return found
+
+
+class Machine:
+    """One machine's view: its state directory (token, PIDs) and how it runs the script."""
+
+    def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
+        self.state_dir = state_dir
+        self.env = env | {"PDSERVE_RAY_DIR": str(state_dir)}
+
+    def run(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(SCRIPT), *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT
+        )
+        assert proc.returncode == 0, f"launch.sh {args[0]} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    def pid(self, name: str) -> int | None:
+        f = self.state_dir / f"{name}.pid"
+        return int(f.read_text()) if f.exists() else None
+
+
+@pytest.fixture
+def machines() -> Iterator[tuple[Machine, Machine, Path]]:
+    # Short: Ray's unix sockets live under the temp dir and their paths have a length limit.
+    root = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PDSERVE_"))}
+    env |= {"PDSERVE_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+    head, worker = Machine(root / "head", env), Machine(root / "worker", env)
+    try:
+        yield head, worker, root
+    finally:
+        for m in (worker, head):
+            subprocess.run([str(SCRIPT), "down"], env=m.env, capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _lines(stream, out: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        out.put(line.rstrip("\n"))
+    out.put(None)
+
+
+def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines):
+    head, worker, root = machines
+    ip, ray_port, dash_port = own_address(), free_port(), free_port()
+    address = f"{ip}:{ray_port}"
+    started = head.run(
+        "head", "--port", str(ray_port), "--node-ip-address", ip, "--pool", "prefill", "--",
+        "--num-cpus", "1", "--temp-dir", str(root / "rh"), "--dashboard-port", str(dash_port),
+        "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+        "--metrics-export-port", str(free_port()),
+    ).stdout
+    assert f"worker --address {address} --pool decode" in started  # what to run on the other machine
+    assert f"serve --address {address}" in started
+    token = head.state_dir / "auth_token"
+    assert token.stat().st_mode & 0o077 == 0 and len(token.read_text()) == 64
+
+    # The operator copies the token to the other machine (scp), then joins it to the decode pool.
+    worker.state_dir.mkdir(mode=0o700)
+    shutil.copy2(token, worker.state_dir / "auth_token")
+    worker.run(
+        "worker", "--address", address, "--pool", "decode", "--",
+        "--num-cpus", "1", "--temp-dir", str(root / "rw"), "--dashboard-agent-listen-port", str(free_port()),
+        "--metrics-export-port", str(free_port()),
+    )
+    sessions = {head.pid("head"), worker.pid("worker")}
+    assert None not in sessions
+
+    serve = subprocess.Popen(
+        [str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--port", "0", *SMALL],
+        env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )
+    out: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(serve.stdout, out), daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (serving := [m for line in seen if (m := re.search(r" serving .* on (\S+:\d+) ", line))]):
+            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, f"serve exited ({serve.wait(30)}) early:\n" + "\n".join(seen)
+            seen.append(line)
+        grpc_address = serving[0].group(1)
+
+        ray_env = head.env | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        placed = subprocess.run(
+            [sys.executable, "-c", PLACEMENT, address], env=ray_env, capture_output=True, text=True, timeout=120
+        )
+        assert placed.returncode == 0, placed.stderr
+        state = json.loads(placed.stdout.strip().splitlines()[-1])
+        nodes, actors = state["nodes"], state["actors"]
+        assert len(nodes) == 2, nodes
+        prefill_node, decode_node = nodes[actors["pdserve-prefill-0"]], nodes[actors["pdserve-decode-0"]]
+        assert prefill_node["head"] and "pdserve_prefill" in prefill_node["resources"], state
+        assert not decode_node["head"] and "pdserve_decode" in decode_node["resources"], state
+        assert "pdserve_decode" not in prefill_node["resources"] and "pdserve_prefill" not in decode_node["resources"]
+
+        with grpc.insecure_channel(grpc_address) as channel:
+            params = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+            chunks = list(pbg.InferenceStub(channel).Generate(
+                pb.GenerateRequest(prompt=PROMPT, sampling_params=params), timeout=120
+            ))
+        from pdserve import LLM, SamplingParams
+
+        offline = LLM(device="cpu", dtype="float32", num_kv_blocks=256)
+        expected = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert "".join(c.text for c in chunks) == expected.text
+
+        status = head.run("status", timeout_s=120).stdout
+        assert re.search(r"pdserve-prefill-0\s+ALIVE\s+on " + re.escape(ip), status), status
+        assert re.search(r"pdserve-decode-0\s+ALIVE\s+on " + re.escape(ip), status), status
+        assert "pool prefill" in status and "pool decode" in status, status
+
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(120) == 0, "\n".join(seen)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(30)
+
+    ours = processes_in(sessions, str(root))  # everything the two nodes started, actors included
+    assert ours, "no Ray process found for the test's nodes"
+    worker.run("down")
+    head.run("down")
+    wait_until(lambda: not (processes_in(sessions, str(root)) & ours), 30, "the nodes' processes to exit")
+    assert not processes_in(sessions, str(root)), "a process of the test's Ray nodes outlived `down`"
