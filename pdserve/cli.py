@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -287,6 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _cmd_generate(args)
         if args.command == "serve":
+            if args.address is None:
+                # Ray reads this once, when it is imported: then a local cluster's node address is
+                # loopback and every Ray listener (GCS, raylet, workers, agents) binds there, not
+                # on the host's external address. Set afterwards it has no effect.
+                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
             from pdserve.cluster.main import serve_forever
 
             return serve_forever(args)

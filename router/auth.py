@@ -1,8 +1,9 @@
 """API keys: who may call which plane. Pure policy; the gRPC interceptor and the HTTP middleware
 (`router/grpc_auth.py`, `router/http_server.py`) are the mechanism that applies it.
 
-Three planes: `open` (health checks, so that probes need no secret), `data` (generation, model
-list, reflection) and `admin` (the Admin service). With no data key configured the data plane is
+Planes: `open` (health checks, so that probes need no secret), `data` (generation, the model
+list), `admin` (the Admin service) and `any` (reflection: the key of either plane, so that grpcurl
+can describe the service its key opens). With no data key configured the data plane is
 open; once any key is configured the admin plane needs an admin key, and a data key is refused
 there, so that a leaked client key cannot drain workers or read the cluster's state.
 """
@@ -20,6 +21,7 @@ class Plane(Enum):
     OPEN = "open"
     DATA = "data"
     ADMIN = "admin"
+    ANY = "any"
 
 
 class Verdict(Enum):
@@ -56,13 +58,15 @@ class ApiKeys:
         """May a caller presenting `token` (None: nothing presented) use `plane`?"""
         if plane is Plane.OPEN:
             return Verdict.ALLOWED
-        if plane is Plane.DATA and not self.data:
+        if plane in (Plane.DATA, Plane.ANY) and not self.data:
             # Keys only for the admin plane: the data plane stays as open as with none.
             return Verdict.ALLOWED
         if plane is Plane.ADMIN and not self.enabled:
             return Verdict.ALLOWED
         if token is None:
             return Verdict.MISSING
+        if plane is Plane.ANY:
+            return Verdict.ALLOWED if _matches(token, self.data) | _matches(token, self.admin) else Verdict.MISSING
         own, other = (self.data, self.admin) if plane is Plane.DATA else (self.admin, self.data)
         if _matches(token, own):
             return Verdict.ALLOWED
@@ -94,7 +98,9 @@ def grpc_plane(method: str) -> Plane:
         return Plane.OPEN
     if service == "pdserve.v1.Admin":
         return Plane.ADMIN
-    return Plane.DATA  # Inference, reflection, and anything added later: closed unless said otherwise
+    if service.startswith("grpc.reflection."):
+        return Plane.ANY
+    return Plane.DATA  # Inference, and anything added later: closed unless said otherwise
 
 
 def http_plane(path: str) -> Plane:

@@ -279,8 +279,13 @@ def _init_ray(address: str | None, worker_logs: bool) -> None:
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=worker_logs, logging_level=logging.WARNING)
         return
-    # A local cluster stays on loopback even where the host's own address is not.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # A local cluster stays on loopback only if Ray was imported with this variable set (`pdserve
+    # serve` sets it first); otherwise Ray's listeners take the host's address, which is said.
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        log.warning(
+            "Ray's listeners of this local cluster bind the host's address: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
+            "before Ray is imported to keep them on loopback (docs/security.md)"
+        )
     # Ray turns token authentication on for a new local cluster and logs a warning that it did.
     # The cluster stays authenticated; only the warning is kept off pdserve's start-up. (Setting
     # RAY_AUTH_MODE here instead would come too late: Ray reads it when it is imported.)

@@ -35,6 +35,15 @@ def test_the_admin_key_opens_admin_only_and_a_data_key_is_refused_there():
     assert keys.check(Plane.DATA, ADMIN) is Verdict.WRONG_PLANE
 
 
+def test_reflection_takes_the_key_of_either_plane():
+    keys = ApiKeys(data=(DATA,), admin=(ADMIN,))
+    assert keys.check(Plane.ANY, DATA) is Verdict.ALLOWED
+    assert keys.check(Plane.ANY, ADMIN) is Verdict.ALLOWED
+    assert keys.check(Plane.ANY, None) is Verdict.MISSING
+    assert keys.check(Plane.ANY, "wrong") is Verdict.MISSING
+    assert ApiKeys(admin=(ADMIN,)).check(Plane.ANY, None) is Verdict.ALLOWED  # as open as the data plane
+
+
 def test_an_admin_key_alone_leaves_the_data_plane_open():
     keys = ApiKeys(admin=(ADMIN,))
     assert keys.check(Plane.DATA, None) is Verdict.ALLOWED
@@ -75,7 +84,8 @@ def test_planes_of_methods_and_paths():
     assert grpc_plane("/grpc.health.v1.Health/Watch") is Plane.OPEN
     assert grpc_plane("/pdserve.v1.Admin/GetStats") is Plane.ADMIN
     assert grpc_plane("/pdserve.v1.Inference/Generate") is Plane.DATA
-    assert grpc_plane("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") is Plane.DATA
+    assert grpc_plane("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") is Plane.ANY
+    assert grpc_plane("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo") is Plane.ANY
     assert http_plane("/health") is Plane.OPEN
     assert http_plane("/v1/models") is Plane.DATA
     assert http_plane("/v1/completions") is Plane.DATA
