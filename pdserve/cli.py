@@ -79,7 +79,9 @@ def _add_telemetry_args(p: argparse.ArgumentParser) -> None:
 
 def _add_security_args(p: argparse.ArgumentParser) -> None:
     # vLLM's flag names; docs/security.md says what each listener needs.
-    p.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve gRPC and HTTP over TLS with this certificate (chain)")
+    p.add_argument(
+        "--ssl-certfile", default=None, metavar="PEM", help="serve gRPC and HTTP over TLS with this certificate (chain)"
+    )
     p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
     p.add_argument(
         "--ssl-ca-certs", default=None, metavar="PEM",
@@ -102,17 +104,28 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
         help="network devices of the workers' KV transfers, as UCX_NET_DEVICES (default: lo for a local cluster, "
         "UCX's choice with --address); this network is not authenticated: keep it isolated",
     )
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, metavar="N", help="largest request body or gRPC message (default: 4 MiB)")
-    p.add_argument("--max-prompt-chars", type=int, default=1_000_000, metavar="N", help="longest prompt text (default: 1000000)")
-    p.add_argument("--max-stop-strings", type=int, default=16, metavar="N", help="stop strings per request (default: 16)")
+    p.add_argument(
+        "--max-request-bytes", type=int, default=4 * 2**20, metavar="N",
+        help="largest request body or gRPC message (default: 4 MiB)",
+    )
+    p.add_argument(
+        "--max-prompt-chars", type=int, default=1_000_000, metavar="N", help="longest prompt text (default: 1000000)"
+    )
+    p.add_argument(
+        "--max-stop-strings", type=int, default=16, metavar="N", help="stop strings per request (default: 16)"
+    )
     p.add_argument("--max-stop-chars", type=int, default=256, metavar="N", help="longest stop string (default: 256)")
 
 
 def _add_client_security_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", default=None, metavar="KEY", help="with --address: the server's API key (default: PDSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key", default=None, metavar="KEY", help="with --address: the server's API key (default: PDSERVE_API_KEY)"
+    )
     p.add_argument("--tls", action="store_true", help="with --address: connect over TLS, trusting the system's CAs")
     p.add_argument("--ssl-ca-certs", default=None, metavar="PEM", help="with --address: TLS, trusting these CAs")
-    p.add_argument("--ssl-certfile", default=None, metavar="PEM", help="with --address: this client certificate (mutual TLS)")
+    p.add_argument(
+        "--ssl-certfile", default=None, metavar="PEM", help="with --address: this client certificate (mutual TLS)"
+    )
     p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the private key of --ssl-certfile")
     p.add_argument(
         "--server-name", default=None, metavar="NAME",

@@ -14,7 +14,9 @@ from router.auth import ApiKeys, Verdict, bearer_token, grpc_plane
 log = logging.getLogger(__name__)
 
 _REFUSAL = {
-    Verdict.MISSING: (grpc.StatusCode.UNAUTHENTICATED, "authorization: send metadata 'authorization: Bearer <API key>'"),
+    Verdict.MISSING: (
+        grpc.StatusCode.UNAUTHENTICATED, "authorization: send metadata 'authorization: Bearer <API key>'"
+    ),
     Verdict.WRONG_PLANE: (grpc.StatusCode.PERMISSION_DENIED, "authorization: this key may not call the Admin service"),
 }
 

@@ -85,7 +85,10 @@ async def start_grpc_server(
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         address = f"{host}:{port}"
-        bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, grpc_credentials(tls))
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, grpc_credentials(tls))
     except RuntimeError as exc:  # grpcio raises this when the bind fails
         raise OSError(errno.EADDRINUSE, f"gRPC: cannot listen on {host}:{port} (in use?)") from exc
     if bound == 0:

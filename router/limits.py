@@ -41,7 +41,8 @@ def check_request(request: inference_pb2.GenerateRequest, limits: InputLimits) -
     if len(request.prompt) > limits.max_prompt_chars:
         raise _refuse(f"prompt: {len(request.prompt)} characters; at most {limits.max_prompt_chars}")
     if len(request.prompt_token_ids) > limits.max_prompt_token_ids:
-        raise _refuse(f"prompt_token_ids: {len(request.prompt_token_ids)} tokens; at most {limits.max_prompt_token_ids}")
+        n = len(request.prompt_token_ids)
+        raise _refuse(f"prompt_token_ids: {n} tokens; at most {limits.max_prompt_token_ids}")
     if len(request.messages) > limits.max_messages:
         raise _refuse(f"messages: {len(request.messages)} messages; at most {limits.max_messages}")
     chars = sum(len(m.content) + len(m.role) for m in request.messages)
@@ -52,7 +53,9 @@ def check_request(request: inference_pb2.GenerateRequest, limits: InputLimits) -
         raise _refuse(f"sampling_params.stop: {len(sp.stop)} stop strings; at most {limits.max_stop_strings}")
     for s in sp.stop:
         if len(s) > limits.max_stop_chars:
-            raise _refuse(f"sampling_params.stop: a stop string of {len(s)} characters; at most {limits.max_stop_chars}")
+            raise _refuse(
+                f"sampling_params.stop: a stop string of {len(s)} characters; at most {limits.max_stop_chars}"
+            )
     if len(sp.stop_token_ids) > limits.max_stop_token_ids:
         raise _refuse(
             f"sampling_params.stop_token_ids: {len(sp.stop_token_ids)} ids; at most {limits.max_stop_token_ids}"

@@ -18,7 +18,9 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 class CertAuthority:
@@ -71,7 +73,8 @@ class CertAuthority:
             )
         )
         if server:
-            names = [x509.DNSName(common_name), x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            loopback = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+            names = [x509.DNSName(common_name), x509.DNSName("localhost"), loopback]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         cert_path = cert_path or self.dir / f"{self._slug(common_name)}.pem"

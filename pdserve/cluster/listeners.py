@@ -58,5 +58,7 @@ def listener_lines(
     devices = kv_devices or "UCX's choice of devices"
     lines.append(f"listening: KV transfers on {devices} (not authenticated: keep this network isolated)")
     if not is_loopback(host) and not cfg.api_keys.enabled:
-        lines.append(f"warning: {host} is not a loopback address and no --api-key is set: anyone who reaches it may call it")
+        lines.append(
+            f"warning: {host} is not a loopback address and no --api-key is set: anyone who reaches it may call it"
+        )
     return lines

@@ -149,7 +149,9 @@ class Cluster:
             try:
                 edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits}
                 server, port = await start_grpc_server(router, cfg.host, cfg.port, **edge)
-                http = None if cfg.http_port is None else await start_http_server(router, cfg.host, cfg.http_port, **edge)
+                http = None
+                if cfg.http_port is not None:
+                    http = await start_http_server(router, cfg.host, cfg.http_port, **edge)
             except OSError as exc:
                 # Taken since the check at the start (a race): still one clear line.
                 if exc.errno != errno.EADDRINUSE:

@@ -152,7 +152,8 @@ def test_openai_client_over_mutual_tls_with_the_key(secured):
     base = f"https://localhost:{port}/v1"
     with openai.DefaultHttpxClient(verify=_tls_context(secured)) as http:
         client = openai.OpenAI(base_url=base, api_key=DATA, http_client=http, max_retries=0)
-        done = client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2, temperature=0)
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
         assert done.choices[0].finish_reason == "length"
         with pytest.raises(openai.AuthenticationError) as err:
             openai.OpenAI(base_url=base, api_key="not-a-key", http_client=http, max_retries=0).models.list()

@@ -30,11 +30,12 @@ def test_each_limit_names_its_field():
     assert refused(pb.GenerateRequest(prompt_token_ids=list(range(51)))).startswith("prompt_token_ids: 51 tokens")
     msgs = [pb.ChatMessage(role="user", content="hi")] * 4
     assert refused(pb.GenerateRequest(messages=msgs)).startswith("messages: 4 messages")
-    assert refused(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="y" * 97)])).startswith("messages: ")
+    long_chat = [pb.ChatMessage(role="user", content="y" * 97)]
+    assert refused(pb.GenerateRequest(messages=long_chat)).startswith("messages: 101 characters")
     sp = pb.SamplingParams(stop=["a", "b", "c"])
-    assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop: 3 stop strings")
+    assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop: 3 stop")
     sp = pb.SamplingParams(stop=["abcdef"])
-    assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop: a stop string of 6")
+    assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop: a stop string")
     sp = pb.SamplingParams(stop_token_ids=[1, 2, 3, 4, 5])
     assert refused(pb.GenerateRequest(prompt="p", sampling_params=sp)).startswith("sampling_params.stop_token_ids: 5")
 
