@@ -1,0 +1,37 @@
+"""What `pdserve serve` says about its listeners, and where the KV transfers may listen."""
+
+from __future__ import annotations
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.listeners import is_loopback, kv_net_devices, listener_lines
+from router.auth import ApiKeys
+
+
+def test_kv_transfers_stay_on_loopback_for_a_local_cluster():
+    assert kv_net_devices(ServeConfig(), {}) == "lo"
+    assert kv_net_devices(ServeConfig(kv_net_devices="eth1"), {}) == "eth1"
+    # Workers spread over a Ray cluster's hosts: UCX picks, unless told.
+    assert kv_net_devices(ServeConfig(ray_address="10.0.0.1:6379"), {}) is None
+    assert kv_net_devices(ServeConfig(ray_address="10.0.0.1:6379", kv_net_devices="mlx5_0:1"), {}) == "mlx5_0:1"
+    # The environment's own setting reaches UCX directly; pdserve does not override it.
+    assert kv_net_devices(ServeConfig(), {"UCX_NET_DEVICES": "eth2"}) is None
+
+
+def test_each_listener_is_listed_with_what_protects_it():
+    lines = listener_lines(ServeConfig(), 50051, 8000, 9000, "lo")
+    assert lines[0] == "listening: gRPC 127.0.0.1:50051 (plain TCP, no API key)"
+    assert lines[1] == "listening: HTTP 127.0.0.1:8000 (plain TCP, no API key)"
+    assert lines[2].startswith("listening: metrics 127.0.0.1:9000 (plain HTTP, no API key")
+    assert "token authentication" in lines[3]
+    assert lines[4] == "listening: KV transfers on lo (not authenticated: keep this network isolated)"
+    keyed = ServeConfig(api_keys=ApiKeys(data=("k",)))
+    grpc_line = listener_lines(keyed, 1, None, None, "lo")[0]
+    assert "API key" in grpc_line and "refused, no --admin-api-key" in grpc_line
+
+
+def test_an_open_listener_beyond_loopback_gets_a_warning():
+    assert any(line.startswith("warning: ") for line in listener_lines(ServeConfig(host="0.0.0.0"), 1, None, None, None))
+    keyed = ServeConfig(host="0.0.0.0", api_keys=ApiKeys(data=("k",)))
+    assert not any(line.startswith("warning: ") for line in listener_lines(keyed, 1, None, None, None))
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
