@@ -32,14 +32,16 @@ def port_free(host: str, port: int) -> bool:
 
 
 def check_ports(host: str, ports: Mapping[str, int | None]) -> None:
-    """Raise PortInUseError naming the first taken port. ports: flag name -> port (None: not opened)."""
+    """Raise PortInUseError naming the first taken port. ports: flag name -> port (None: not opened).
+    Two flags naming one port are refused first: that is the command line's fault, whatever holds
+    the port now."""
+    fixed = {flag: port for flag, port in ports.items() if port}
     seen: dict[int, str] = {}
-    for flag, port in ports.items():
-        if port is None or port == 0:
-            continue
+    for flag, port in fixed.items():
         if port in seen:
             raise PortInUseError(f"{flag} {port}: the same port as {seen[port]}")
         seen[port] = flag
+    for flag, port in fixed.items():
         if not port_free(host, port):
             raise PortInUseError(
                 f"{flag} {port}: {host}:{port} is already in use (another pdserve serve?); "
