@@ -272,3 +272,7 @@ def test_no_pdserve_port_answers_without_a_key(secured):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, context=_tls_context(secured), timeout=30)
         assert err.value.code == 401, path
+    # Without the client certificate the handshake itself fails: mutual TLS on HTTP as on gRPC.
+    no_cert = ssl.create_default_context(cafile=str(secured.ca))
+    with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+        urllib.request.urlopen(f"https://localhost:{http_port}/health", context=no_cert, timeout=30).read()
