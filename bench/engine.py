@@ -531,6 +531,24 @@ def format_table(rows: list[Row]) -> str:
     return markdown_table(head, body)
 
 
+def write_perf_model(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from bench.perf_model import measure
+
+    with tempfile.TemporaryDirectory() as tmp, tqdm(file=sys.stderr, dynamic_ncols=True) as bar:
+        if args.device == "cuda":
+            shape = args.shapes[0]
+            (Path(tmp) / "config.json").write_text(json.dumps(SHAPES[shape]))
+            llm = LLM(tmp, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=MAX_MODEL_LEN)
+            name = f"{shape}-{torch.cuda.get_device_name().split()[1].lower()}"
+        else:
+            llm, name = LLM(None, device="cpu"), "smollm2-135m-cpu"
+        model = measure(llm, name, args.device, reps=5 if args.device == "cuda" else 7, bar=bar)
+    Path(args.perf_model).write_text(model.to_json())
+    print(model.to_json())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -573,6 +591,11 @@ def main() -> None:
     ap.add_argument("--prefill-warmup", type=int, default=2)
     ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--cpu-reps", type=int, default=15)
+    ap.add_argument(
+        "--perf-model", default=None, metavar="PATH",
+        help="instead: measure the controller simulator's performance model (prefill vs tokens, decode step vs "
+        "batch and context; the first of --shapes on cuda, the default model on cpu) and write it to PATH as JSON",
+    )
     args = ap.parse_args()
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in args.shapes:
@@ -580,6 +603,9 @@ def main() -> None:
             ap.error(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     from tqdm import tqdm
 
+    if args.perf_model:
+        write_perf_model(args)
+        return
     if args.device == "cuda":
         if not torch.cuda.is_available():
             ap.error("--device cuda: CUDA is not available")

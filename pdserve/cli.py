@@ -220,6 +220,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_telemetry_args(srv)
     _add_security_args(srv)
 
+    _add_control_parsers(sub)
+
     bench = sub.add_parser("bench", help="benchmarks that need no GPU", description="Benchmarks that need no GPU.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     benchmarks = {
@@ -244,6 +246,26 @@ def _build_parser() -> argparse.ArgumentParser:
         else:
             module.add_arguments(sp)
     return parser
+
+
+def _add_control_parsers(sub: argparse._SubParsersAction) -> None:
+    from pdserve.control import cli as control
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a trace in the P:D simulator, with a static split or the controller",
+        description="Replay a JSONL trace in the discrete-event simulator: the router's placement policies, "
+        "simulated workers from a performance model, and a static prefill:decode split or the P:D controller "
+        "(docs/controller.md). Reports goodput, SLO attainment, latencies and role changes.",
+    )
+    control.add_simulate_arguments(sim)
+    plan = sub.add_parser(
+        "plan",
+        help="find the best static P:D split for a trace and what the controller gains over it",
+        description="Simulate every static prefill:decode split of --workers and the controller on a trace; "
+        "print the best static split and the controller's goodput against it.",
+    )
+    control.add_common_arguments(plan)
 
 
 def _bench_module(name: str) -> ModuleType | None:
@@ -309,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.cluster.main import serve_forever
 
             return serve_forever(args)
+        if args.command in ("simulate", "plan"):
+            from pdserve.control import cli as control
+
+            return control.run_simulate(args) if args.command == "simulate" else control.run_plan(args)
         if args.command == "bench":
             if getattr(args, "bench_missing", False):
                 raise ImportError("bench: the benchmarks come with a source checkout of pdserve, not with the package")

@@ -11,10 +11,10 @@ from pdserve.control.perf_model import PerfModel
 from pdserve.control.signals import Signals, Slo
 
 
-def prefill_load(s: Signals, m: PerfModel, slo: Slo, n: int, headroom: float) -> float:
+def prefill_load(s: Signals, m: PerfModel, slo: Slo, n: int, headroom: float, backlog_s: float) -> float:
     """Utilization of n prefill workers by the arriving uncached tokens plus the queue cleared
-    within one TTFT SLO, over the utilization at which queueing (M/D/1) still meets the SLO."""
-    tokens_s = s.arriving_prompt_tokens_s + s.queued_prefill_tokens / (slo.ttft_ms / 1000)
+    within `backlog_s`, over the utilization at which queueing (M/D/1) still meets the SLO."""
+    tokens_s = s.arriving_prompt_tokens_s + s.queued_prefill_tokens / backlog_s
     if tokens_s <= 0:
         return 0.0
     if n <= 0:

@@ -6,11 +6,13 @@ Stable by construction:
 - the split is the one that minimises the larger of the two pools' predicted loads, and a
   flip is made only when it lowers that maximum by the hysteresis margin, predicted with the
   donor pool one worker smaller (its survivors' load, the N/(N-1) case). A flip back would have
-  to lower the maximum again, which under the same load it cannot: no 2<->1 oscillation;
+  to lower the maximum again, which under the same load it cannot (and it needs twice the
+  margin, so that measurement noise cannot either): no 2<->1 oscillation;
 - nothing moves while both pools are comfortably below their limits;
-- the same flip must be proposed by `confirm` consecutive intervals, then a dwell time passes
-  before the next (twice that before one in the opposite direction);
-- at most one change in flight, one worker per decision;
+- the same flip must be proposed by `confirm` consecutive intervals; after a flip, the next one
+  in the same direction waits an interval, one in the opposite direction the dwell time;
+- at most one change in flight; a change moves up to `max_step` workers (a quarter of the
+  budget, at least one), the survivors' load predicted for all of them together;
 - the decision interval follows the measured flip time (`interval_s`).
 """
 
@@ -34,8 +36,10 @@ class ControllerConfig:
     act_above: float = 0.6  # below this larger pool load, nothing moves
     confirm: int = 2  # consecutive intervals proposing the same flip
     min_interval_s: float = 2.0
-    interval_flips: float = 2.0  # decision interval = this x the measured flip time (at least min_interval_s)
-    dwell_intervals: float = 3.0  # after a flip, this many intervals before the next one
+    interval_flips: float = 1.0  # decision interval = this x the measured flip time (at least min_interval_s)
+    dwell_intervals: float = 3.0  # after a flip, this many intervals before one in the other direction
+    backlog_s: float = 10.0  # queued prefill tokens count as demand to clear within this time
+    step_fraction: float = 0.25  # a change moves at most this share of the budget (at least one worker)
 
     def __post_init__(self) -> None:
         if self.min_prefill < 0 or self.min_decode < 1 or self.workers < self.min_prefill + self.min_decode:
@@ -73,6 +77,10 @@ class Controller:
     def dwell_s(self) -> float:
         return self.cfg.dwell_intervals * self.interval_s
 
+    @property
+    def max_step(self) -> int:
+        return max(1, int(self.cfg.workers * self.cfg.step_fraction))
+
     def observe_flip(self, seconds: float) -> None:
         """A flip took `seconds` (drain, switch, probe): the interval follows it (EWMA)."""
         self.flip_s = 0.5 * self.flip_s + 0.5 * seconds
@@ -81,7 +89,7 @@ class Controller:
         c = self.cfg
         mean_out = s.arriving_output_tokens_s / s.arriving_requests_s if s.arriving_requests_s > 0 else 0.0
         return Loads(
-            prefill_load(s, m, c.slo, prefill, c.headroom) if prefill or c.min_prefill else 0.0,
+            prefill_load(s, m, c.slo, prefill, c.headroom, c.backlog_s) if prefill or c.min_prefill else 0.0,
             decode_load(s, m, c.slo, decode, c.headroom, mean_out),
         )
 
@@ -117,14 +125,15 @@ class Controller:
             self._streak = (None, 0)
             return Decision(action="hold", reason="at the target split", **base)
         donor = Role.PREFILL if tp < p else Role.DECODE
-        ap, ad = (p - 1, d + 1) if donor is Role.PREFILL else (p + 1, d - 1)
+        k = min(abs(tp - p), self.max_step)
+        ap, ad = (p - k, d + k) if donor is Role.PREFILL else (p + k, d - k)
         after = self.loads(s, m, ap, ad)
         # The receiver's measured excess carries over, scaled to its new size.
         if donor is Role.PREFILL and raw.decode > 0:
             after = Loads(after.prefill, after.decode * now.decode / raw.decode)
         elif donor is Role.DECODE and raw.prefill > 0:
             after = Loads(after.prefill * now.prefill / raw.prefill, after.decode)
-        base.update(after_prefill=after.prefill, after_decode=after.decode, flip_from=donor)
+        base.update(after_prefill=after.prefill, after_decode=after.decode, flip_from=donor, count=k)
 
         def hold(reason: str) -> Decision:
             return Decision(action="hold", reason=reason, close=True, **base)
@@ -134,14 +143,16 @@ class Controller:
         if now.worst < c.act_above:
             self._streak = (None, 0)
             return hold(f"both pools below {c.act_above:.2f} of their limits")
-        if after.worst > now.worst * (1 - c.hysteresis):
+        # Undoing the last flip needs twice the margin: measurement noise alone must not do it.
+        margin = c.hysteresis * (2 if self._last_flip_from is not None and donor is not self._last_flip_from else 1)
+        if after.worst > now.worst * (1 - margin):
             self._streak = (None, 0)
             return hold(
-                f"flip {donor.value}->{donor.other.value} would leave the larger load at {after.worst:.2f} "
-                f"(now {now.worst:.2f}): under the {c.hysteresis:.0%} hysteresis"
+                f"flip {k} {donor.value}->{donor.other.value} would leave the larger load at {after.worst:.2f} "
+                f"(now {now.worst:.2f}): under the {margin:.0%} hysteresis"
             )
         if self._last_flip_t is not None:
-            dwell = self.dwell_s * (2 if donor is not self._last_flip_from else 1)
+            dwell = self.dwell_s if donor is not self._last_flip_from else self.interval_s
             if s.now - self._last_flip_t < dwell:
                 return hold(f"dwell: {dwell - (s.now - self._last_flip_t):.1f} s left since the last flip")
         role, count = self._streak

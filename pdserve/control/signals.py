@@ -40,7 +40,9 @@ class Signals:
     decode_seqs: int  # sequences decoding or waiting for a decode slot
     decode_context_tokens: float  # their context, all together
     decode_kv_use: float  # 0..1, the mean over decode workers
-    ttft_p90_ms: float | None = None  # measured over the last interval (None: no sample)
+    # Measured over the last interval (None: no sample). The prefill pool's part of TTFT: from
+    # arrival to the prefill's end (a wait for a decode slot is the decode pool's, in decode_seqs).
+    ttft_p90_ms: float | None = None
     itl_p90_ms: float | None = None
     change_in_flight: bool = False  # a flip is draining, switching or probing
 
@@ -61,7 +63,8 @@ class Decision:
     decode: int
     target_prefill: int  # the split the policy would choose from the signals alone
     target_decode: int
-    flip_from: Role | None = None  # with action "flip": one worker leaves this pool for the other
+    flip_from: Role | None = None  # with action "flip": `count` workers leave this pool for the other
+    count: int = 0
     load_prefill: float = 0.0  # predicted utilization (1.0: at the SLO) of each pool now
     load_decode: float = 0.0
     after_prefill: float = 0.0  # ... and after the flip considered

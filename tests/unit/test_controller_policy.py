@@ -35,7 +35,8 @@ def run(ctrl: Controller, p: int, d: int, load, intervals: int, start: float = 0
         dec = ctrl.decide(signals(t, p, d, *load(i)), MODEL)
         if dec.action == "flip":
             flips.append((i, dec.flip_from))
-            p, d = (p - 1, d + 1) if dec.flip_from is Role.PREFILL else (p + 1, d - 1)
+            k = dec.count
+            p, d = (p - k, d + k) if dec.flip_from is Role.PREFILL else (p + k, d - k)
         t += ctrl.interval_s
     return p, d, flips
 
@@ -66,8 +67,8 @@ def test_a_step_from_prompt_heavy_to_decode_heavy_moves_workers_within_bounded_i
     after = [f for f in flips if f[0] >= step_at]
     assert all(role is Role.DECODE for _, role in before)  # prompt-heavy: decode workers move to prefill
     assert after and all(role is Role.PREFILL for _, role in after)
-    # The first move: the confirmation streak plus the reversal dwell (2 x dwell) at most.
-    bound = ctrl.cfg.confirm + int(2 * ctrl.cfg.dwell_intervals) + 1
+    # The first move: the confirmation streak plus the reversal dwell at most.
+    bound = ctrl.cfg.confirm + int(ctrl.cfg.dwell_intervals) + 1
     assert after[0][0] - step_at <= bound, f"first move after the step at interval {after[0][0]}"
     assert d > p
 

@@ -1,0 +1,134 @@
+"""`pdserve simulate` and `pdserve plan`: replay a trace in the simulator, with a static P:D
+split or with the controller; the planner tries every static split and the controller."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdserve.control.perf_model import DEFAULT_MODEL, PerfModel, builtin_models, load_perf_model
+from pdserve.control.signals import Slo
+
+if TYPE_CHECKING:  # the simulator imports the router's placement: not for --help
+    from pdserve.control.results import SimResult
+    from pdserve.control.simulator import SimConfig
+    from pdserve.control.trace import SimRequest
+
+SUMMARY = ("goodput_rps", "slo_attainment", "completed", "role_changes", "reversals",
+           "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    slo = Slo()
+    p.add_argument("--trace", type=Path, required=True,
+                   help='JSONL trace: {"t", "input_len" or "input_ids", "output_len"[, "session"]} a line '
+                   "(write one with `python bench/controller_traces.py`)")
+    p.add_argument("--workers", type=int, required=True, help="workers in all, prefill + decode")
+    p.add_argument("--slo-ttft-ms", type=float, default=slo.ttft_ms, help=f"TTFT SLO (default: {slo.ttft_ms:g})")
+    p.add_argument("--slo-itl-ms", type=float, default=slo.itl_ms,
+                   help=f"SLO on a request's mean inter-token latency (default: {slo.itl_ms:g})")
+    p.add_argument("--perf-model", default=DEFAULT_MODEL, metavar="NAME|FILE",
+                   help=f"per-worker performance model: one of {', '.join(builtin_models())} or a JSON file "
+                   f"written by `bench/engine.py --perf-model` (default: {DEFAULT_MODEL})")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--prefill", type=int, help="a static split: this many prefill workers, the rest decode")
+    mode.add_argument("--controller", action="store_true", help="the P:D controller chooses the split")
+    p.add_argument("--start-prefill", type=int, default=None, help="with --controller: prefill workers at the start "
+                   "(default: half)")
+
+
+def _setup(args: argparse.Namespace) -> tuple[list[SimRequest], PerfModel, Slo]:
+    from pdserve.control.trace import load_trace
+
+    return load_trace(args.trace), load_perf_model(args.perf_model), Slo(args.slo_ttft_ms, args.slo_itl_ms)
+
+
+def _bar(args: argparse.Namespace, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=args.quiet, dynamic_ncols=True, unit="req")
+
+
+def _run(reqs: list[SimRequest], model: PerfModel, cfg: SimConfig, bar) -> SimResult:
+    from pdserve.control.simulator import simulate
+
+    done = [0]
+
+    def progress(fraction: float) -> None:
+        n = int(fraction * len(reqs))
+        bar.update(n - done[0])
+        done[0] = n
+
+    result = simulate(reqs, model, cfg, progress)
+    bar.update(len(reqs) - done[0])
+    return result
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from pdserve.control.simulator import SimConfig
+
+    reqs, model, slo = _setup(args)
+    cfg = SimConfig(workers=args.workers, prefill=args.prefill, start_prefill=args.start_prefill, slo=slo)
+    with _bar(args, len(reqs), "simulate") as bar:
+        result = _run(reqs, model, cfg, bar)
+    d = result.as_dict()
+    d.update(trace=str(args.trace), workers=args.workers, perf_model=model.name,
+             mode="controller" if args.controller else f"static {args.prefill}P:{args.workers - args.prefill}D")
+    if args.json:
+        print(json.dumps(d))
+    else:
+        print(f"{d['mode']}, {args.workers} workers, {model.name}, SLO TTFT {slo.ttft_ms:g} ms / ITL {slo.itl_ms:g} ms")
+        for k in SUMMARY:
+            print(f"  {k}: {d[k]}")
+    return 0
+
+
+def plan(reqs: list[SimRequest], model: PerfModel, workers: int, slo: Slo,
+         bar_for: Callable[[int, str], object]) -> dict:
+    """Every static split and the controller on one trace: the best static, and the gain."""
+    from pdserve.control.simulator import SimConfig
+
+    statics = []
+    for p in range(1, workers):
+        with bar_for(len(reqs), f"static {p}P:{workers - p}D") as bar:
+            r = _run(reqs, model, SimConfig(workers=workers, prefill=p, slo=slo), bar)
+        statics.append({"prefill": p, "decode": workers - p, **r.as_dict(timeline=False)})
+    with bar_for(len(reqs), "controller") as bar:
+        ctrl = _run(reqs, model, SimConfig(workers=workers, slo=slo), bar)
+    best = max(statics, key=lambda r: (r["goodput_rps"], r["slo_attainment"]))
+    return {
+        "workers": workers, "perf_model": model.name, "slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms,
+        "best_static": best, "controller": ctrl.as_dict(), "statics": statics,
+        "controller_gain": round(ctrl.goodput_rps / best["goodput_rps"], 3) if best["goodput_rps"] else None,
+    }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    reqs, model, slo = _setup(args)
+    out = plan(reqs, model, args.workers, slo, lambda n, desc: _bar(args, n, desc))
+    out["trace"] = str(args.trace)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.trace}: {len(reqs)} requests, {args.workers} workers, {model.name}, "
+          f"SLO TTFT {slo.ttft_ms:g} ms / ITL {slo.itl_ms:g} ms")
+    print("split | goodput rps | SLO attainment | TTFT p99 ms | ITL p99 ms")
+    for r in out["statics"]:
+        print(f"{r['prefill']}P:{r['decode']}D | {r['goodput_rps']} | {r['slo_attainment']} | "
+              f"{r['ttft_p99_ms']} | {r['itl_p99_ms']}")
+    c, b = out["controller"], out["best_static"]
+    print(f"controller | {c['goodput_rps']} | {c['slo_attainment']} | {c['ttft_p99_ms']} | {c['itl_p99_ms']} "
+          f"({c['role_changes']} role changes, {c['reversals']} reversals)")
+    print(f"best static: {b['prefill']}P:{b['decode']}D, goodput {b['goodput_rps']} rps; "
+          f"the controller: {c['goodput_rps']} rps ({out['controller_gain']}x)")
+    return 0

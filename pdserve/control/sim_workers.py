@@ -1,0 +1,133 @@
+"""The simulator's workers: a prefill worker (FIFO, prefix cache as an LRU of block hashes)
+and a decode worker (continuous batching, advanced as a fluid between batch changes so that a
+step costs no event). Both take their times from a `PerfModel`."""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+
+from pdserve.control.perf_model import PerfModel
+
+
+class SimPrefill:
+    def __init__(self, name: str, model: PerfModel, cache_blocks: int, block_size: int) -> None:
+        self.name = name
+        self.model = model
+        self.block_size = block_size
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.cache_blocks = cache_blocks
+        self.queue: deque[int] = deque()
+        self.queued_tokens = 0.0
+        self.busy = False
+        self.done = 0  # prefills since start or flip (the first ones run cold)
+
+    def hit_tokens(self, hashes: tuple[int, ...], num_tokens: int) -> int:
+        """Leading prompt tokens cached here, as the engine counts them (whole blocks, never
+        the block holding the last token)."""
+        n = 0
+        for h in hashes[: (num_tokens - 1) // self.block_size]:
+            if h not in self.cache:
+                break
+            n += 1
+        return n * self.block_size
+
+    def store(self, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            self.cache[h] = None
+            self.cache.move_to_end(h)
+        while len(self.cache) > self.cache_blocks:
+            self.cache.popitem(last=False)
+
+    def service_s(self, uncached: int) -> float:
+        m = self.model
+        cold = m.cold_factor if self.done < m.cold_steps else 1.0
+        return m.prefill_s(uncached) * cold
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy and not self.queue
+
+
+class SimDecode:
+    """Every running sequence gains one token per step; between admissions and completions the
+    batch is fixed, so the worker is a counter `v` of tokens per sequence since it started,
+    and a sequence admitted at `v0` needing k tokens finishes when `v` reaches `v0 + k`."""
+
+    def __init__(self, name: str, model: PerfModel, now: float) -> None:
+        self.name = name
+        self.model = model
+        self.v = 0.0
+        self.last = now
+        self.ends: list[tuple[float, int]] = []  # (v at which it finishes, request)
+        self.admitted: dict[int, tuple[float, int, int]] = {}  # request -> (v at admission, context, KV reserved)
+        self.sum_prompt = 0.0  # context held at admission, all sequences
+        self.sum_v0 = 0.0
+        self.reserved = 0  # KV tokens reserved: prompt + output of every sequence
+        self.steps = 0.0
+        self.version = 0  # bumps on every change: a completion event of an older one is stale
+
+    @property
+    def batch(self) -> int:
+        return len(self.admitted)
+
+    @property
+    def context(self) -> float:
+        return self.sum_prompt + self.batch * self.v - self.sum_v0
+
+    def step_s(self) -> float:
+        m = self.model
+        cold = m.cold_factor if self.steps < m.cold_steps else 1.0
+        return m.step_s(self.batch, self.context) * cold
+
+    def advance(self, now: float) -> None:
+        if self.admitted and now > self.last:
+            dv = (now - self.last) / self.step_s()
+            self.v += dv
+            self.steps += dv
+        self.last = now
+
+    def fits(self, prompt: int, output: int) -> bool:
+        return self.batch < self.model.max_num_seqs and self.reserved + prompt + output <= self.model.kv_tokens
+
+    def admit(self, rid: int, prompt: int, tokens: int, reserve: int) -> None:
+        """`tokens` still to decode; `prompt`: the context it brings (prompt + tokens so far)."""
+        self.admitted[rid] = (self.v, prompt, reserve)
+        heapq.heappush(self.ends, (self.v + tokens, rid))
+        self.sum_prompt += prompt
+        self.sum_v0 += self.v
+        self.reserved += reserve
+        self.version += 1
+
+    def remove(self, rid: int) -> float:
+        """Take a sequence out (finished or moved); returns the tokens it had left."""
+        v0, prompt, reserve = self.admitted.pop(rid)
+        self.sum_prompt -= prompt
+        self.sum_v0 -= v0
+        self.reserved -= reserve
+        self.version += 1
+        left = 0.0
+        for end, r in self.ends:
+            if r == rid:
+                left = end - self.v
+        self.ends = [(e, r) for e, r in self.ends if r != rid]
+        heapq.heapify(self.ends)
+        return max(0.0, left)
+
+    def pop_finished(self) -> list[int]:
+        out = []
+        while self.ends and self.ends[0][0] <= self.v + 1e-6:
+            _, rid = heapq.heappop(self.ends)
+            v0, prompt, reserve = self.admitted.pop(rid)
+            self.sum_prompt -= prompt
+            self.sum_v0 -= v0
+            self.reserved -= reserve
+            out.append(rid)
+        if out:
+            self.version += 1
+        return out
+
+    def next_finish(self, now: float) -> float | None:
+        if not self.ends:
+            return None
+        return now + max(0.0, self.ends[0][0] - self.v) * self.step_s()

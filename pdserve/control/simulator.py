@@ -1,0 +1,320 @@
+"""Discrete-event simulator of a disaggregated cluster: the router's own placement objects
+(`router.policy.PrefillPolicy`, `DecodePolicy`) place every request, simulated workers
+(`sim_workers`) take their times from a `PerfModel`, and with a controller the very policy
+the live cluster will run (`pdserve.control.policy.Controller`) decides the split, through an
+`Actuator` that drains, flips and rejoins workers as the flip protocol does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.control.capacity import CapacityModel
+from pdserve.control.perf_model import PerfModel
+from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.results import RequestTimes, SimResult, summarize
+from pdserve.control.signals import Decision, Role, Signals, Slo
+from pdserve.control.sim_workers import SimDecode, SimPrefill
+from pdserve.control.trace import SimRequest
+from router.policy import PlacementConfig, DecodePolicy, PrefillPolicy
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int
+    prefill: int | None = None  # a static split; None: the controller decides (starting at `start_prefill`)
+    start_prefill: int | None = None  # None: half the workers
+    slo: Slo = Slo()
+    block_size: int = 16
+    drain_deadline_s: float = 5.0  # decode streams still running then move to other decode workers
+    sample_s: float = 1.0  # timeline resolution in a static run
+    window_s: float = 20.0  # arrival rates and latency percentiles over this window (at least an interval)
+
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise ValueError("workers: a disaggregated cluster needs >= 2")
+        if self.prefill is not None and not 1 <= self.prefill <= self.workers - 1:
+            raise ValueError(f"prefill: must be 1..{self.workers - 1}")
+
+
+class _Sim:
+    def __init__(self, reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig,
+                 progress: Callable[[float], None] | None) -> None:
+        self.reqs, self.model, self.cfg, self.progress = reqs, model, cfg, progress
+        self.heap: list = []
+        self.seq = itertools.count()
+        p = cfg.prefill if cfg.prefill is not None else (cfg.start_prefill or cfg.workers // 2)
+        names = [f"w{i}" for i in range(cfg.workers)]
+        self.cache_blocks = model.kv_tokens // cfg.block_size
+        self.prefill = {n: SimPrefill(n, model, self.cache_blocks, cfg.block_size) for n in names[:p]}
+        self.decode = {n: SimDecode(n, model, 0.0) for n in names[p:]}
+        pcfg = PlacementConfig(policy="ring")  # no KV events in the simulation: the ring keeps prefixes home
+        self.pp = PrefillPolicy(pcfg, list(self.prefill), block_size=cfg.block_size)
+        self.dp = DecodePolicy(pcfg, list(self.decode), block_size=cfg.block_size)
+        self.times = [RequestTimes(r.t) for r in reqs]
+        self.placed: dict[int, object] = {}
+        self.uncached: dict[int, int] = {}
+        self.waiting: deque[tuple[int, int, float]] = deque()  # (request, context, tokens left) for a decode slot
+        self.draining: dict[str, tuple[Role, float]] = {}  # worker -> (role it leaves, drain start)
+        self.switching: set[str] = set()
+        self.arrivals: deque[tuple[float, int, int, int]] = deque()  # (t, uncached, prompt, output) in the window
+        self.recent: deque[tuple[float, float, float | None]] = deque()  # (t, ttft, itl) finished
+        self.timeline: list[dict] = []
+        self.decisions: list[Decision] = []
+        self.flips: list[tuple[float, Role]] = []
+        self.capacity = CapacityModel(model)
+        self.ctrl = None
+        if cfg.prefill is None:
+            self.ctrl = Controller(ControllerConfig(workers=cfg.workers, slo=cfg.slo), flip_s=model.flip_s)
+
+    def push(self, t: float, kind: str, payload: object = None) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, payload))
+
+    # ----- prefill ------------------------------------------------------------------------
+
+    def arrive(self, i: int, now: float) -> None:
+        r = self.reqs[i]
+        pl = self.pp.place(r.hashes, r.input_len, now)
+        assert pl is not None
+        w = self.prefill[pl.worker]
+        unc = r.input_len - w.hit_tokens(r.hashes, r.input_len)
+        self.placed[i], self.uncached[i] = pl, unc
+        self.arrivals.append((now, unc, r.input_len, r.output_len))
+        w.queue.append(i)
+        w.queued_tokens += unc
+        if not w.busy:
+            self.start_prefill(w, now)
+
+    def start_prefill(self, w: SimPrefill, now: float) -> None:
+        i = w.queue[0]
+        r = self.reqs[i]
+        unc = r.input_len - w.hit_tokens(r.hashes, r.input_len)  # the cache may have changed while queued
+        w.busy = True
+        dt = w.service_s(unc)
+        self.capacity.prefill_sample(w.name, unc, dt)
+        self.push(now + dt, "prefilled", (w.name, i, unc))
+
+    def prefilled(self, name: str, i: int, unc: int, now: float) -> None:
+        w = self.prefill[name]
+        r = self.reqs[w.queue.popleft()]
+        w.queued_tokens -= self.uncached.pop(i)
+        w.busy, w.done = False, w.done + 1
+        w.store(r.hashes)
+        self.pp.finish(self.placed.pop(i), now, r.input_len - unc)
+        self.times[i].prefilled = now
+        self.waiting.append((i, r.input_len, float(r.output_len - 1)))
+        self.admit(now)
+        if w.queue:
+            self.start_prefill(w, now)
+        elif name in self.draining:
+            self.drained(name, now)
+
+    # ----- decode -------------------------------------------------------------------------
+
+    def admit(self, now: float) -> None:
+        """Hand waiting sequences to decode workers, first come first served."""
+        while self.waiting:
+            i, ctx, left = self.waiting[0]
+            r = self.reqs[i]
+            pl = self.dp.place(r.hashes, ctx, capacity=self.model.max_num_seqs)
+            if pl is None:
+                return
+            w = self.decode[pl.worker]
+            if not w.fits(ctx, int(left) + 1):
+                self.dp.finish(pl)
+                return
+            self.waiting.popleft()
+            w.advance(now)
+            if self.times[i].first is None:
+                self.times[i].first = now
+            if left <= 0:
+                self.dp.finish(pl)
+                self.finish(i, now)
+                continue
+            self.placed[i] = pl
+            w.admit(i, ctx, left, r.input_len + r.output_len)
+            self.schedule(w, now)
+
+    def schedule(self, w: SimDecode, now: float) -> None:
+        t = w.next_finish(now)
+        if t is not None:
+            self.push(t, "decoded", (w.name, w.version))
+
+    def decoded(self, name: str, version: int, now: float) -> None:
+        w = self.decode.get(name)
+        if w is None or w.version != version:
+            return  # stale: the batch changed since
+        w.advance(now)
+        self.capacity.decode_sample(name, w.batch, int(w.context), w.step_s())
+        for i in w.pop_finished():
+            self.dp.finish(self.placed.pop(i))
+            self.finish(i, now)
+        self.schedule(w, now)
+        self.admit(now)
+        if name in self.draining and not w.batch:
+            self.drained(name, now)
+
+    def finish(self, i: int, now: float) -> None:
+        t = self.times[i]
+        t.done = now
+        self.completed += 1
+        r = self.reqs[i]
+        self.recent.append((now, t.prefilled - t.arrival, (now - t.first) / (r.output_len - 1) if r.output_len > 1 else None))
+
+    # ----- the controller and the actuator ------------------------------------------------------
+
+    def signals(self, now: float, window: float) -> Signals:
+        while self.arrivals and self.arrivals[0][0] < now - window:
+            self.arrivals.popleft()
+        while self.recent and self.recent[0][0] < now - window:
+            self.recent.popleft()
+        seqs = sum(w.batch for w in self.decode.values()) + len(self.waiting)
+        ctx = sum(w.context for w in self.decode.values()) + sum(c for _, c, _ in self.waiting)
+        ttfts = sorted(x[1] for x in self.recent)
+        itls = sorted(x[2] for x in self.recent if x[2] is not None)
+        live = [w for n, w in self.decode.items() if n not in self.draining]
+        return Signals(
+            now=now,
+            prefill_workers=len([n for n in self.prefill if n not in self.draining]),
+            decode_workers=len(live),
+            arriving_prompt_tokens_s=sum(a[1] for a in self.arrivals) / window,
+            arriving_requests_s=len(self.arrivals) / window,
+            arriving_output_tokens_s=sum(a[3] for a in self.arrivals) / window,
+            queued_prefill_tokens=sum(w.queued_tokens for w in self.prefill.values()),
+            decode_seqs=seqs,
+            decode_context_tokens=ctx,
+            decode_kv_use=sum(w.reserved for w in live) / max(1, len(live) * self.model.kv_tokens),
+            ttft_p90_ms=1000 * ttfts[int(0.9 * len(ttfts))] if ttfts else None,
+            itl_p90_ms=1000 * itls[int(0.9 * len(itls))] if itls else None,
+            change_in_flight=self.in_flight(),
+        )
+
+    def tick(self, now: float) -> None:
+        assert self.ctrl is not None
+        interval = self.ctrl.interval_s
+        s = self.signals(now, max(interval, self.cfg.window_s))
+        d = self.ctrl.decide(s, self.capacity.estimate())
+        if d.action == "flip" or d.close:
+            self.decisions.append(d)
+        if d.action == "flip" and d.flip_from is not None:
+            for _ in range(d.count):
+                w = self.pick(d.flip_from)
+                if w is not None:
+                    self.flip(w, d.flip_from.other, now)
+        self.sample(now, s)
+        if self.pending():
+            self.push(now + interval, "tick")
+
+    def in_flight(self) -> bool:
+        return bool(self.draining or self.switching)
+
+    def pick(self, donor: Role) -> str | None:
+        if donor is Role.PREFILL:
+            cands = [(w.queued_tokens, n) for n, w in self.prefill.items() if n not in self.draining]
+        else:
+            cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
+        return min(cands)[1] if len(cands) > 1 else None
+
+    def flip(self, name: str, to: Role, now: float) -> None:
+        """Out of placement now; drained, then switched (flip_s), then in the other pool."""
+        leaving = to.other
+        self.draining[name] = (leaving, now)
+        self.flips.append((now, leaving))
+        if leaving is Role.PREFILL:
+            self.pp.remove_worker(name)
+            if self.prefill[name].idle:
+                self.drained(name, now)
+        else:
+            self.dp.remove_worker(name)
+            if not self.decode[name].batch:
+                self.drained(name, now)
+            else:
+                self.push(now + self.cfg.drain_deadline_s, "deadline", name)
+
+    def deadline(self, name: str, now: float) -> None:
+        """Streams still on a draining decode worker resume on another one (mid-stream resume)."""
+        w = self.decode.get(name)
+        if w is None or name not in self.draining:
+            return
+        w.advance(now)
+        for i in list(w.admitted):
+            ctx = w.admitted[i][1] + int(w.v - w.admitted[i][0])
+            left = w.remove(i)
+            self.placed.pop(i, None)
+            self.waiting.appendleft((i, ctx, left))
+        self.drained(name, now)
+        self.admit(now)
+
+    def drained(self, name: str, now: float) -> None:
+        leaving, _ = self.draining[name]
+        (self.prefill if leaving is Role.PREFILL else self.decode).pop(name)
+        self.switching.add(name)
+        self.push(now + self.model.flip_s, "switched", name)
+
+    def switched(self, name: str, now: float) -> None:
+        leaving, started = self.draining.pop(name)
+        self.switching.discard(name)
+        self.capacity.started(name)
+        assert self.ctrl is not None
+        self.ctrl.observe_flip(now - started)
+        if leaving is Role.PREFILL:
+            self.decode[name] = SimDecode(name, self.model, now)
+            self.dp.add_worker(name)
+            self.admit(now)
+        else:
+            self.prefill[name] = SimPrefill(name, self.model, self.cache_blocks, self.cfg.block_size)
+            self.pp.add_worker(name)
+        self.sample(now, None)
+
+    # ----- the loop ---------------------------------------------------------------------------
+
+    def sample(self, now: float, s: Signals | None) -> None:
+        row = {"t": round(now, 3), "prefill": len(self.prefill) - sum(1 for n in self.draining if n in self.prefill),
+               "decode": len(self.decode) - sum(1 for n in self.draining if n in self.decode)}
+        if s is not None:
+            row.update(rps=round(s.arriving_requests_s, 3), prompt_tok_s=round(s.arriving_prompt_tokens_s, 1),
+                       output_tok_s=round(s.arriving_output_tokens_s, 1))
+        self.timeline.append(row)
+
+    def pending(self) -> bool:
+        return self.completed < len(self.reqs)
+
+    def run(self) -> SimResult:
+        self.arrived = self.completed = 0
+        for i, r in enumerate(self.reqs):
+            self.push(r.t, "arrive", i)
+        t0 = self.reqs[0].t
+        self.push(t0, "tick" if self.ctrl is not None else "sample")
+        handlers = {
+            "prefilled": lambda now, p: self.prefilled(*p, now),
+            "decoded": lambda now, p: self.decoded(*p, now),
+            "deadline": lambda now, p: self.deadline(p, now),
+            "switched": lambda now, p: self.switched(p, now),
+            "tick": lambda now, p: self.tick(now),
+        }
+        last_report = 0
+        while self.heap:
+            now, _, kind, payload = heapq.heappop(self.heap)
+            if kind == "arrive":
+                self.arrive(payload, now)
+                self.arrived += 1
+                if self.progress is not None and self.arrived - last_report >= 2000:
+                    last_report = self.arrived
+                    self.progress(self.arrived / len(self.reqs))
+            elif kind == "sample":
+                self.sample(now, self.signals(now, self.cfg.window_s))
+                if self.pending():
+                    self.push(now + self.cfg.sample_s, "sample")
+            else:
+                handlers[kind](now, payload)
+        dwell = self.ctrl.dwell_s if self.ctrl is not None else 0.0
+        return summarize(self.times, self.reqs, self.cfg.slo, self.flips, dwell, self.timeline, self.decisions)
+
+
+def simulate(reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig,
+             progress: Callable[[float], None] | None = None) -> SimResult:
+    return _Sim(reqs, model, cfg, progress).run()
