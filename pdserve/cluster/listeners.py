@@ -61,4 +61,6 @@ def listener_lines(
         lines.append(
             f"warning: {host} is not a loopback address and no --api-key is set: anyone who reaches it may call it"
         )
+    elif not is_loopback(host) and cfg.tls is None:
+        lines.append(f"warning: {host} is not a loopback address and TLS is off: API keys cross the network in clear")
     return lines

@@ -30,8 +30,10 @@ def test_each_listener_is_listed_with_what_protects_it():
 
 
 def test_an_open_listener_beyond_loopback_gets_a_warning():
-    assert any(line.startswith("warning: ") for line in listener_lines(ServeConfig(host="0.0.0.0"), 1, None, None, None))
+    open_lines = listener_lines(ServeConfig(host="0.0.0.0"), 1, None, None, None)
+    assert any(line.startswith("warning: ") and "no --api-key" in line for line in open_lines)
     keyed = ServeConfig(host="0.0.0.0", api_keys=ApiKeys(data=("k",)))
-    assert not any(line.startswith("warning: ") for line in listener_lines(keyed, 1, None, None, None))
+    warnings = [line for line in listener_lines(keyed, 1, None, None, None) if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "in clear" in warnings[0]
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
