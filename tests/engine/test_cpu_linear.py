@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.model.cpu_linear import PackedLinear, onednn_available
-from tests.engine.test_equivalence import assert_same, mixed_prompts
+from tests.engine.greedy_reference import assert_same, mixed_prompts
 
 pytestmark = pytest.mark.skipif(
     not onednn_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN packed linear"

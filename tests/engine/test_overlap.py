@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.engine.test_equivalence import assert_same, mixed_prompts
+from tests.engine.greedy_reference import assert_same, mixed_prompts
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -1,0 +1,39 @@
+"""The reference every engine test compares against: transformers' greedy `generate`, and
+prompts of mixed lengths to batch together."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pdserve import LLM, SamplingParams
+
+MAX_NEW = 24
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def mixed_prompts(vocab: int, seed: int, lengths=(1, 7, 16, 33, 50, 90)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_same(llm: LLM, hf_model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0))
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        ref = hf_greedy(hf_model, p, max_new)
+        assert o.token_ids == ref, f"prompt {i} (len {len(p)}): first divergence at {_first_diff(o.token_ids, ref)}"
+        assert o.finish_reason == "length"
+    return outs
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
