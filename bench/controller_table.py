@@ -1,0 +1,117 @@
+"""The controller's results table (docs/controller.md): for each trace kind and cluster size,
+every static P:D split and the controller in the simulator, and a plot of the controller's
+pools against the load over time.
+
+    python bench/controller_table.py --out-dir ctl-results [--workers 8,32] [--kinds phase,sine,bursts,constant]
+        [--slo-ttft-ms 1000] [--slo-itl-ms 30] [--perf-model llama3-8b-h100] [--plot docs/img/controller_phase.png]
+
+Traces are written by bench/controller_traces.py's generator into --out-dir (one per kind and
+size, seed 0), with the rate scaled to the size; the same files replay with `pdserve plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.controller_traces import generate  # noqa: E402
+from pdserve.control.cli import plan  # noqa: E402
+from pdserve.control.perf_model import load_perf_model  # noqa: E402
+from pdserve.control.signals import Slo  # noqa: E402
+from pdserve.control.trace import load_trace  # noqa: E402
+
+
+def write_trace(path: Path, kind: str, workers: int, duration: float, period: float, rate: float) -> None:
+    with path.open("w") as f:
+        for r in generate(kind, workers, duration, period, rate, seed=0):
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| trace | workers | config | goodput rps | SLO attainment | role changes | reversals |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        best = r["best_static"]
+        for s in r["statics"]:
+            mark = "**" if s is best or s["prefill"] == best["prefill"] else ""
+            lines.append(f"| {r['kind']} | {r['workers']} | {mark}{s['prefill']}P:{s['decode']}D{mark} | "
+                         f"{s['goodput_rps']} | {s['slo_attainment']:.3f} | 0 | 0 |")
+        c = r["controller"]
+        lines.append(f"| {r['kind']} | {r['workers']} | **controller** ({r['controller_gain']}x best static) | "
+                     f"{c['goodput_rps']} | {c['slo_attainment']:.3f} | {c['role_changes']} | {c['reversals']} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = [x for x in result["controller"]["timeline"] if "rps" in x]
+    t = [x["t"] for x in tl]
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
+    ax1.plot(t, [x["prompt_tok_s"] / 1000 for x in tl], label="arriving prompt ktok/s (uncached)")
+    ax1.plot(t, [x["output_tok_s"] / 1000 for x in tl], label="arriving output ktok/s")
+    ax1.set_ylabel("load")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax1.set_title(title, fontsize=10)
+    ax2.step(t, [x["prefill"] for x in tl], where="post", label="prefill workers")
+    ax2.step(t, [x["decode"] for x in tl], where="post", label="decode workers")
+    best = result["best_static"]
+    ax2.axhline(best["prefill"], color="C0", ls=":", lw=1, label=f"best static {best['prefill']}P:{best['decode']}D")
+    ax2.set_ylabel("workers")
+    ax2.set_xlabel("trace time (s)")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--workers", default="8,32")
+    p.add_argument("--kinds", default="phase,sine,bursts,constant")
+    p.add_argument("--duration", default="8:600,32:300", help="seconds of trace per size (default: 8:600,32:300)")
+    p.add_argument("--period", type=float, default=300.0)
+    p.add_argument("--rate-per-worker", type=float, default=2.5)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=30.0)
+    p.add_argument("--perf-model", default="llama3-8b-h100")
+    p.add_argument("--plot", type=Path, default=None, help="PNG of the first kind at the first size")
+    a = p.parse_args(argv)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    durations = {int(k): float(v) for k, v in (x.split(":") for x in a.duration.split(","))}
+    model, slo = load_perf_model(a.perf_model), Slo(a.slo_ttft_ms, a.slo_itl_ms)
+    from tqdm import tqdm
+
+    rows = []
+    for n in (int(x) for x in a.workers.split(",")):
+        for kind in a.kinds.split(","):
+            trace = a.out_dir / f"{kind}-{n}.jsonl"
+            write_trace(trace, kind, n, durations.get(n, 600.0), a.period, a.rate_per_worker)
+            reqs = load_trace(trace)
+            result = plan(reqs, model, n, slo, lambda total, desc: tqdm(
+                total=total, desc=f"{kind} {n}: {desc}", file=sys.stderr, unit="req", leave=False))
+            result.update(kind=kind, trace=str(trace))
+            (a.out_dir / f"{kind}-{n}.json").write_text(json.dumps(result))
+            c, b = result["controller"], result["best_static"]
+            print(f"{kind} {n}: best static {b['prefill']}P:{b['decode']}D {b['goodput_rps']} rps, "
+                  f"controller {c['goodput_rps']} rps ({result['controller_gain']}x), "
+                  f"{c['role_changes']} changes, {c['reversals']} reversals", file=sys.stderr, flush=True)
+            rows.append(result)
+            if a.plot is not None and len(rows) == 1:
+                plot(result, a.plot, f"{kind} trace, {n} workers, {model.name}: controller")
+    md = table(rows)
+    (a.out_dir / "table.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
