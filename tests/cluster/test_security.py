@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tls_certs import CertAuthority
+from tests.tls_certs import CertAuthority
 
 pytestmark = pytest.mark.cluster
 

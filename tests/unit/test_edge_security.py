@@ -25,7 +25,7 @@ from router.grpc_server import start_grpc_server
 from router.http_server import start_http_server
 from router.limits import InputLimits
 from router.tls import CertificateFiles, TlsConfig
-from tls_certs import CertAuthority
+from tests.tls_certs import CertAuthority
 
 DATA, ADMIN = "test-data-key", "test-admin-key"
 KEYS = ApiKeys(data=(DATA,), admin=(ADMIN,))
