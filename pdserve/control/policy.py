@@ -18,7 +18,7 @@ Stable by construction:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.control.load import decode_load, prefill_load
 from pdserve.control.perf_model import PerfModel
@@ -39,6 +39,7 @@ class ControllerConfig:
     interval_flips: float = 1.0  # decision interval = this x the measured flip time (at least min_interval_s)
     dwell_intervals: float = 3.0  # after a flip, this many intervals before one in the other direction
     backlog_s: float = 10.0  # queued prefill tokens count as demand to clear within this time
+    lead: bool = True  # plan for the arrival rates projected one interval + flip ahead (their trend)
     step_fraction: float = 0.25  # a change moves at most this share of the budget (at least one worker)
 
     def __post_init__(self) -> None:
@@ -68,6 +69,8 @@ class Controller:
         self._last_flip_t: float | None = None
         self._last_flip_from: Role | None = None
         self._streak: tuple[Role | None, int] = (None, 0)
+        self._prev: Signals | None = None
+        self._slope = (0.0, 0.0, 0.0)  # EWMA of d/dt of the three arrival rates
 
     @property
     def interval_s(self) -> float:
@@ -113,8 +116,23 @@ class Controller:
         assert best is not None
         return best[1], n - best[1]
 
+    def ahead(self, s: Signals) -> Signals:
+        """The signals with the arrival rates moved along their trend to when a flip decided now
+        would be done; a rate is never projected below half or above twice its value."""
+        prev, self._prev = self._prev, s
+        if prev is None or s.now <= prev.now or not self.cfg.lead:
+            return s
+        dt = s.now - prev.now
+        rates = (s.arriving_prompt_tokens_s, s.arriving_requests_s, s.arriving_output_tokens_s)
+        olds = (prev.arriving_prompt_tokens_s, prev.arriving_requests_s, prev.arriving_output_tokens_s)
+        self._slope = tuple(0.5 * a + 0.5 * (r - o) / dt for a, r, o in zip(self._slope, rates, olds))
+        lead = self.interval_s + self.flip_s
+        p, q, o = (min(2 * r, max(0.5 * r, r + g * lead)) for r, g in zip(rates, self._slope))
+        return replace(s, arriving_prompt_tokens_s=p, arriving_requests_s=q, arriving_output_tokens_s=o)
+
     def decide(self, s: Signals, m: PerfModel) -> Decision:
         c = self.cfg
+        s = self.ahead(s)
         p, d = s.prefill_workers, s.decode_workers
         tp, td = self.target(s, m)
         raw = self.loads(s, m, p, d)

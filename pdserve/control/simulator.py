@@ -32,7 +32,7 @@ class SimConfig:
     block_size: int = 16
     drain_deadline_s: float = 5.0  # decode streams still running then move to other decode workers
     sample_s: float = 1.0  # timeline resolution in a static run
-    window_s: float = 20.0  # arrival rates and latency percentiles over this window (at least an interval)
+    window_s: float = 10.0  # arrival rates and latency percentiles over this window (at least an interval)
 
     def __post_init__(self) -> None:
         if self.workers < 2:
