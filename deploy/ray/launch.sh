@@ -73,8 +73,13 @@ pool_resources() {
     decode) echo "{\"pdserve_decode\": $units}" ;;
     any) echo "{\"pdserve_prefill\": $units, \"pdserve_decode\": $units}" ;;
     none) echo "{}" ;;
-    *) die "--pool: '$pool' is not prefill, decode, any or none" ;;
   esac
+}
+
+check_args() {
+  local pool=$1 gpus=$2
+  case $pool in prefill|decode|any|none) ;; *) die "--pool: '$pool' is not prefill, decode, any or none" ;; esac
+  case $gpus in ''|[0-9]|[0-9][0-9]) ;; *) die "--gpus: '$gpus' is not a GPU count" ;; esac
 }
 
 # Is PID alive and running the program this script recorded it for?
@@ -122,6 +127,7 @@ cmd_head() {
       *) die "head: unknown argument '$1'" ;;
     esac
   done
+  check_args "$pool" "$gpus"
   [ -n "$ip" ] || ip=$(route_ip 8.8.8.8)
   [ "$ip" != "0.0.0.0" ] || die "--node-ip-address: give this machine's address on the cluster network, not 0.0.0.0"
   ray_cluster_mode "$ip"
@@ -164,6 +170,7 @@ cmd_worker() {
       *) die "worker: unknown argument '$1'" ;;
     esac
   done
+  check_args "$pool" "$gpus"
   [ -n "$address" ] || die "worker: --address HEAD:PORT is required"
   ! is_loopback "$(host_of "$address")" || die "worker: a head on loopback takes no other node; start it with --node-ip-address <its cluster address>"
   [ -n "$ip" ] || ip=$(route_ip "$(host_of "$address")")

@@ -1,8 +1,8 @@
 """deploy/ray/launch.sh as an operator runs it, on one machine standing in for two: a Ray head
 labelled as the prefill pool and a second Ray node (its own raylet, ports and temp dir) labelled as
-the decode pool; `serve` places each pool's worker on its node (read back from Ray's state API),
-answers through the gRPC API exactly as the offline engine does, and `down` leaves no process
-behind.
+the decode pool; `serve` refuses while no node offers the decode pool, then places each pool's
+worker on its node (read back from Ray's state API), answers through the gRPC API exactly as the
+offline engine does, and `down` leaves no process behind.
 
 Both nodes use this machine's own address: Ray replaces a loopback node address by it unless
 multi-node clusters are off, and then no second node could join."""
@@ -143,6 +143,16 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
     assert f"serve --address {address}" in started
     token = head.state_dir / "auth_token"
     assert token.stat().st_mode & 0o077 == 0 and len(token.read_text()) == 64
+
+    # With only the prefill pool up, serve refuses at once, naming the missing pool.
+    refused = subprocess.run(
+        [str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--port", "0", *SMALL],
+        env=head.env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines()[-1].startswith(
+        "pdserve: error: no Ray node offers the decode pool (resource pdserve_decode)"
+    ), refused.stderr
 
     # The operator copies the token to the other machine (scp), then joins it to the decode pool.
     worker.state_dir.mkdir(mode=0o700)
