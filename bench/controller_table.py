@@ -33,17 +33,23 @@ def write_trace(path: Path, kind: str, workers: int, duration: float, period: fl
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| trace | workers | config | goodput rps | SLO attainment | role changes | reversals |",
-             "|---|---|---|---|---|---|---|"]
+    """A summary (controller against the best static split), then every static split."""
+    lines = ["| trace | workers | best static | its goodput rps (SLO att.) | controller goodput rps (SLO att.) | "
+             "gain | role changes | reversals |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        best = r["best_static"]
-        for s in r["statics"]:
-            mark = "**" if s is best or s["prefill"] == best["prefill"] else ""
-            lines.append(f"| {r['kind']} | {r['workers']} | {mark}{s['prefill']}P:{s['decode']}D{mark} | "
-                         f"{s['goodput_rps']} | {s['slo_attainment']:.3f} | 0 | 0 |")
-        c = r["controller"]
-        lines.append(f"| {r['kind']} | {r['workers']} | **controller** ({r['controller_gain']}x best static) | "
-                     f"{c['goodput_rps']} | {c['slo_attainment']:.3f} | {c['role_changes']} | {c['reversals']} |")
+        b, c = r["best_static"], r["controller"]
+        lines.append(f"| {r['kind']} | {r['workers']} | {b['prefill']}P:{b['decode']}D | {b['goodput_rps']} "
+                     f"({b['slo_attainment']:.3f}) | {c['goodput_rps']} ({c['slo_attainment']:.3f}) | "
+                     f"**{r['controller_gain']}x** | {c['role_changes']} | {c['reversals']} |")
+    for n in sorted({r["workers"] for r in rows}):
+        group = [r for r in rows if r["workers"] == n]
+        lines += ["", f"Every static split, {n} workers: goodput rps (SLO attainment); static splits make no role changes.",
+                  "", "| split | " + " | ".join(r["kind"] for r in group) + " |", "|---" * (len(group) + 1) + "|"]
+        for i in range(n - 1):
+            cells = [f"{r['statics'][i]['goodput_rps']} ({r['statics'][i]['slo_attainment']:.3f})" for r in group]
+            lines.append(f"| {i + 1}P:{n - i - 1}D | " + " | ".join(cells) + " |")
+        lines.append("| controller | " + " | ".join(
+            f"{r['controller']['goodput_rps']} ({r['controller']['slo_attainment']:.3f})" for r in group) + " |")
     return "\n".join(lines)
 
 
