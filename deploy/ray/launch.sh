@@ -2,11 +2,12 @@
 # pdserve on bare metal: start the Ray cluster, one machine at a time, and serve on it.
 # docs/deploy.md ("Bare metal with the launch script") walks through two machines.
 #
-#   launch.sh head   [--port 6379] [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- RAY_START_ARGS]
-#   launch.sh worker --address HEAD:PORT [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- RAY_START_ARGS]
+#   launch.sh head   [--port 6379] [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
+#   launch.sh worker --address HEAD:PORT [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
 #   launch.sh serve  --address HEAD:PORT [pdserve serve flags: --prefill N --decode M --port P ...]
 #   launch.sh status [--address HEAD:PORT]
 #   launch.sh down
+#   (ARGS after `--` go to `ray start`: --num-cpus, --temp-dir, port settings, ...)
 #
 # A node joins a pool by offering Ray the custom resource pdserve_prefill or pdserve_decode (both
 # for --pool any), as the Helm chart's worker groups do; `pdserve serve` then places each pool's
@@ -29,7 +30,7 @@ die() { echo "$SELF: error: $*" >&2; exit 2; }
 say() { echo "$SELF: $*"; }
 
 usage() {
-  sed -n '5,9s/^#  //p' "$0" >&2
+  sed -n '5,10s/^#  //p' "$0" >&2
   exit 2
 }
 
@@ -40,7 +41,7 @@ ensure_state_dir() {
 
 # Ray reads RAY_AUTH_MODE and the token when it starts, in every process: set them for all of them.
 use_token() {
-  [ -s "$TOKEN_FILE" ] || die "no Ray token at $TOKEN_FILE: copy the head's (on the head: $TOKEN_FILE) to this path, mode 600"
+  [ -s "$TOKEN_FILE" ] || die "no Ray token at $TOKEN_FILE: copy the head's auth_token here (mode 600)"
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$TOKEN_FILE
 }
 
@@ -59,7 +60,11 @@ is_loopback() { case $1 in 127.*|localhost|::1) return 0 ;; *) return 1 ;; esac;
 # (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): so a loopback head is a one-machine cluster, and every
 # process that joins it (serve, status) must say the same; any other address is a normal cluster.
 ray_cluster_mode() {
-  if is_loopback "$1"; then export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; else export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1; fi
+  if is_loopback "$1"; then
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+  else
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
+  fi
 }
 
 host_of() { echo "${1%:*}"; }
@@ -108,7 +113,7 @@ start_node() {
     fi
     if [ "$(date +%s)" -ge "$deadline" ]; then
       tail -n 20 "$log" >&2
-      die "the Ray $role did not start within ${START_TIMEOUT}s (PID $pid still running; '$SELF down' stops it); log: $log"
+      die "the Ray $role did not start within ${START_TIMEOUT}s ('$SELF down' stops PID $pid); log: $log"
     fi
     sleep 0.5
   done
@@ -145,7 +150,7 @@ cmd_head() {
   here=$(cd "$(dirname "$0")" && pwd)/$SELF
   say "Ray head on $ip:$port (pool $pool); dashboard on 127.0.0.1 only; token in $TOKEN_FILE"
   if [ "$ip" = 127.0.0.1 ]; then
-    say "on loopback: a one-machine cluster that no other node can join; for more machines, start the head with --node-ip-address <this machine's cluster address>"
+    say "on loopback: a one-machine cluster no other node can join (for more, --node-ip-address <cluster address>)"
   fi
   cat <<EOF
 On each other machine (pdserve installed, this repository checked out):
@@ -172,7 +177,8 @@ cmd_worker() {
   done
   check_args "$pool" "$gpus"
   [ -n "$address" ] || die "worker: --address HEAD:PORT is required"
-  ! is_loopback "$(host_of "$address")" || die "worker: a head on loopback takes no other node; start it with --node-ip-address <its cluster address>"
+  ! is_loopback "$(host_of "$address")" ||
+    die "worker: a head on loopback takes no other node; start it with --node-ip-address <its cluster address>"
   [ -n "$ip" ] || ip=$(route_ip "$(host_of "$address")")
   [ "$ip" != "0.0.0.0" ] || die "--node-ip-address: give this machine's address on the cluster network, not 0.0.0.0"
   ray_cluster_mode "$ip"

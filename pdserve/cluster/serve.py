@@ -104,7 +104,7 @@ class Cluster:
         worker_cfg = _worker_config(cfg, device="cuda" if device.startswith("cuda") else device)
 
         def start_actor(role: str, i: int) -> Any:
-            options = dict(name=f"pdserve-{role}-{i}", namespace=NAMESPACE, resources=actor_resources(role, nodes))
+            options = {"name": f"pdserve-{role}-{i}", "namespace": NAMESPACE, "resources": actor_resources(role, nodes)}
             return actor_cls.options(**options).remote(role, f"{role}-{i}", worker_cfg)
 
         prefills = [start_actor("prefill", i) for i in range(cfg.num_prefill)]

@@ -98,7 +98,7 @@ class Machine:
 
     def run(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            [str(SCRIPT), *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT
+            [str(SCRIPT), *args], env=self.env, capture_output=True, text=True, check=False, timeout=timeout_s, cwd=ROOT
         )
         assert proc.returncode == 0, f"launch.sh {args[0]} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         return proc
@@ -119,7 +119,7 @@ def machines() -> Iterator[tuple[Machine, Machine, Path]]:
         yield head, worker, root
     finally:
         for m in (worker, head):
-            subprocess.run([str(SCRIPT), "down"], env=m.env, capture_output=True, timeout=120)
+            subprocess.run([str(SCRIPT), "down"], env=m.env, capture_output=True, check=False, timeout=120)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -147,7 +147,7 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
     # With only the prefill pool up, serve refuses at once, naming the missing pool.
     refused = subprocess.run(
         [str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--port", "0", *SMALL],
-        env=head.env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=head.env, capture_output=True, text=True, check=False, timeout=120, cwd=ROOT,
     )
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr.splitlines()[-1].startswith(
@@ -182,7 +182,8 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
 
         ray_env = head.env | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
         placed = subprocess.run(
-            [sys.executable, "-c", PLACEMENT, address], env=ray_env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", PLACEMENT, address],
+            env=ray_env, capture_output=True, text=True, check=False, timeout=120,
         )
         assert placed.returncode == 0, placed.stderr
         state = json.loads(placed.stdout.strip().splitlines()[-1])
@@ -201,7 +202,8 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
         from pdserve import LLM, SamplingParams
 
         offline = LLM(device="cpu", dtype="float32", num_kv_blocks=256)
-        expected = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        expected = offline.generate([PROMPT], greedy)[0]
         assert [t for c in chunks for t in c.token_ids] == expected.token_ids
         assert "".join(c.text for c in chunks) == expected.text
 

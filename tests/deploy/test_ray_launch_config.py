@@ -55,7 +55,7 @@ def test_cluster_yaml_is_valid_for_ray_up_and_starts_the_pools_with_the_script()
 )
 def test_bad_arguments_are_refused_in_one_line(tmp_path, args, message):
     env = os.environ | {"PDSERVE_RAY_DIR": str(tmp_path / "state")}
-    proc = subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True, check=False, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and message in lines[0], proc.stderr
@@ -63,5 +63,5 @@ def test_bad_arguments_are_refused_in_one_line(tmp_path, args, message):
 
 def test_down_with_nothing_started_is_a_no_op(tmp_path):
     env = os.environ | {"PDSERVE_RAY_DIR": str(tmp_path)}
-    proc = subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, text=True, check=False, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "launch.sh: down\n", proc.stderr
