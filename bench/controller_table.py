@@ -19,11 +19,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.controller_traces import generate  # noqa: E402
-from pdserve.control.cli import plan  # noqa: E402
-from pdserve.control.perf_model import load_perf_model  # noqa: E402
-from pdserve.control.signals import Slo  # noqa: E402
-from pdserve.control.trace import load_trace  # noqa: E402
+from bench.controller_traces import generate
+from pdserve.control.cli import plan
+from pdserve.control.perf_model import load_perf_model
+from pdserve.control.signals import Slo
+from pdserve.control.trace import load_trace
 
 
 def write_trace(path: Path, kind: str, workers: int, duration: float, period: float, rate: float) -> None:
@@ -34,8 +34,13 @@ def write_trace(path: Path, kind: str, workers: int, duration: float, period: fl
 
 def table(rows: list[dict]) -> str:
     """A summary (controller against the best static split), then every static split."""
-    lines = ["| trace | workers | best static | its goodput rps (SLO att.) | controller goodput rps (SLO att.) | "
-             "gain | role changes | reversals |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| trace | workers | best static | its goodput rps (SLO att.) | controller goodput rps (SLO att.) "
+            "| gain | role changes | reversals |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         b, c = r["best_static"], r["controller"]
         lines.append(f"| {r['kind']} | {r['workers']} | {b['prefill']}P:{b['decode']}D | {b['goodput_rps']} "
@@ -102,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             trace = a.out_dir / f"{kind}-{n}.jsonl"
             write_trace(trace, kind, n, durations.get(n, 600.0), a.period, a.rate_per_worker)
             reqs = load_trace(trace)
-            result = plan(reqs, model, n, slo, lambda total, desc: tqdm(
-                total=total, desc=f"{kind} {n}: {desc}", file=sys.stderr, unit="req", leave=False))
+            label = f"{kind} {n}"
+            result = plan(reqs, model, n, slo, lambda total, desc, label=label: tqdm(
+                total=total, desc=f"{label}: {desc}", file=sys.stderr, unit="req", leave=False))
             result.update(kind=kind, trace=str(trace))
             (a.out_dir / f"{kind}-{n}.json").write_text(json.dumps(result))
             c, b = result["controller"], result["best_static"]

@@ -50,11 +50,14 @@ def measure(llm: LLM, name: str, device: str, reps: int, bar: Any = None) -> Per
     rng = random.Random(0)
     gpu = device == "cuda"
     cold = _cold_factor(llm, rng, 64, device)
-    prefill: dict[int, float] = {}
-    for t in GPU_PREFILL if gpu else CPU_PREFILL:
-        if bar is not None:
-            bar.set_description(f"perf model: prefill {t}")
-        prefill[t] = statistics.median(prefill_time(llm, t, 1, reps, rng, device))
+    sizes = GPU_PREFILL if gpu else CPU_PREFILL
+    samples: dict[int, list[float]] = {t: [] for t in sizes}
+    for i in range(reps):  # sizes interleaved, so that a burst of other work spreads over all of them
+        for t in sizes:
+            if bar is not None:
+                bar.set_description(f"perf model: prefill {t} ({i + 1}/{reps})")
+            samples[t] += prefill_time(llm, t, 1 if i == 0 else 0, 1, rng, device)
+    prefill = {t: statistics.median(v) for t, v in samples.items()}
     decode: dict[tuple[int, int], float] = {}
     for b, c in GPU_DECODE if gpu else CPU_DECODE:
         if bar is not None:
@@ -64,7 +67,7 @@ def measure(llm: LLM, name: str, device: str, reps: int, bar: Any = None) -> Per
     coef = fit(prefill, decode)
     cfg = llm.engine.cfg
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    load = ", load average %.1f" % os.getloadavg()[0] if not gpu else ""
+    load = f", load average {os.getloadavg()[0]:.1f}" if not gpu else ""
     return PerfModel(
         name=name,
         **coef,

@@ -137,8 +137,8 @@ class Controller:
         tp, td = self.target(s, m)
         raw = self.loads(s, m, p, d)
         now = self.measured(s, raw)
-        base = dict(t=s.now, prefill=p, decode=d, target_prefill=tp, target_decode=td,
-                    load_prefill=now.prefill, load_decode=now.decode)
+        base = {"t": s.now, "prefill": p, "decode": d, "target_prefill": tp, "target_decode": td,
+                "load_prefill": now.prefill, "load_decode": now.decode}
         if tp == p:
             self._streak = (None, 0)
             return Decision(action="hold", reason="at the target split", **base)

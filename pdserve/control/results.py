@@ -3,6 +3,7 @@ percentiles, and the controller's role changes and reversals."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,7 +55,7 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 def count_reversals(flips: Sequence[tuple[float, Role]], dwell_s: float) -> int:
     """Flips in the opposite direction to the previous one, within `dwell_s` of it."""
     return sum(
-        1 for (t0, r0), (t1, r1) in zip(flips, flips[1:]) if r1 is not r0 and t1 - t0 < dwell_s
+        1 for (t0, r0), (t1, r1) in itertools.pairwise(flips) if r1 is not r0 and t1 - t0 < dwell_s
     )
 
 
@@ -75,7 +76,7 @@ def summarize(times: Sequence[RequestTimes], reqs: Sequence[SimRequest], slo: Sl
     ttft.sort()
     itl.sort()
     span = max(1e-9, reqs[-1].t - reqs[0].t)
-    ms = lambda xs, q: round(1000 * quantile(xs, q), 2)  # noqa: E731
+    ms = lambda xs, q: round(1000 * quantile(xs, q), 2)
     return SimResult(
         requests=len(reqs), completed=len(ttft), goodput_rps=round(good / span, 3),
         slo_attainment=round(good / len(reqs), 4), throughput_rps=round(len(ttft) / span, 3),

@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.perf_model import PerfModel
@@ -20,7 +20,7 @@ from pdserve.control.results import RequestTimes, SimResult, summarize
 from pdserve.control.signals import Decision, Role, Signals, Slo
 from pdserve.control.sim_workers import SimDecode, SimPrefill
 from pdserve.control.trace import SimRequest
-from router.policy import PlacementConfig, DecodePolicy, PrefillPolicy
+from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class SimConfig:
     workers: int
     prefill: int | None = None  # a static split; None: the controller decides (starting at `start_prefill`)
     start_prefill: int | None = None  # None: half the workers
-    slo: Slo = Slo()
+    slo: Slo = field(default_factory=Slo)
     block_size: int = 16
     drain_deadline_s: float = 5.0  # decode streams still running then move to other decode workers
     sample_s: float = 1.0  # timeline resolution in a static run

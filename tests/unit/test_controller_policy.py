@@ -52,7 +52,7 @@ def test_constant_load_settles_then_makes_no_change():
     assert flips, "a badly split cluster under load must move"
     assert len({role for _, role in flips}) == 1, f"a reversal under constant load: {flips}"
     assert flips[-1][0] < 60, f"still moving after 60 intervals: {flips}"
-    tp, td = ctrl.target(signals(0, p, d, 40.0, 40.0), MODEL)
+    tp, _ = ctrl.target(signals(0, p, d, 40.0, 40.0), MODEL)
     assert abs(tp - p) <= 1  # settled at (or one hysteresis step from) the best split
     loads = ctrl.loads(signals(0, p, d, 40.0, 40.0), MODEL, p, d)
     assert loads.worst < 1.0
@@ -61,7 +61,7 @@ def test_constant_load_settles_then_makes_no_change():
 def test_a_step_from_prompt_heavy_to_decode_heavy_moves_workers_within_bounded_intervals():
     ctrl = controller(8)
     step_at = 50
-    load = lambda i: (60.0, 10.0) if i < step_at else (10.0, 60.0)  # noqa: E731
+    load = lambda i: (60.0, 10.0) if i < step_at else (10.0, 60.0)
     p, d, flips = run(ctrl, 4, 4, load, 120)
     before = [f for f in flips if f[0] < step_at]
     after = [f for f in flips if f[0] >= step_at]
