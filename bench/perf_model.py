@@ -36,10 +36,13 @@ def _cold_factor(llm: LLM, rng: random.Random, tokens: int, device: str) -> floa
 
 
 def fit(prefill: dict[int, float], decode: dict[tuple[int, int], float]) -> dict[str, float]:
-    """Least-squares coefficients, clipped at 0 (a negative cost is noise)."""
+    """Least-squares coefficients. Prefill: quadratic, or linear where the quadratic fit gives a
+    negative term (noise, or too short prompts for attention to show); negatives clipped at 0."""
     n = np.array(list(prefill), dtype=float)
-    a = np.stack([np.ones_like(n), n, n * n], axis=1)
-    p = np.linalg.lstsq(a, np.array(list(prefill.values())), rcond=None)[0]
+    y = np.array(list(prefill.values()))
+    p = np.linalg.lstsq(np.stack([np.ones_like(n), n, n * n], axis=1), y, rcond=None)[0]
+    if (p < 0).any():
+        p = np.append(np.linalg.lstsq(np.stack([np.ones_like(n), n], axis=1), y, rcond=None)[0], 0.0)
     bc = np.array([(b, b * c) for b, c in decode], dtype=float)
     a = np.stack([np.ones(len(bc)), bc[:, 0], bc[:, 1]], axis=1)
     d = np.linalg.lstsq(a, np.array(list(decode.values())), rcond=None)[0]
