@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -198,13 +200,16 @@ class InProcessCluster:
         self.loop_thread.run(stop())
         for w in (*self.prefill_workers, *self.decode_workers):
             w.close()
+            w.agent.close()  # deregisters its KV pool from NIXL
+        # Let the engines go now, not when the module's fixture ends: each holds a model's
+        # weights, and a module that starts a cluster per test would otherwise keep them all.
+        self.prefill_workers, self.decode_workers, self.prefills, self.decodes = [], [], [], []
+        self.router = None
+        gc.collect()
 
 
-@pytest.fixture(scope="module")
-def start_in_process(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callable[..., InProcessCluster]]:
-    """Starts in-process clusters of the default model (CPU, float32, 128 KV blocks per worker
-    unless `cfg` says otherwise; keyword arguments as `InProcessCluster`'s). Each is closed
-    when the module ends, unless the test closed it first."""
+@contextlib.contextmanager
+def _in_process_clusters(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callable[..., InProcessCluster]]:
     from pdserve.cluster.config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
@@ -218,9 +223,28 @@ def start_in_process(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callab
         built.append(c)
         return c
 
-    yield start
-    for c in built:
-        c.close()
+    try:
+        yield start
+    finally:
+        for c in built:
+            c.close()
+
+
+@pytest.fixture
+def start_in_process(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callable[..., InProcessCluster]]:
+    """Starts in-process clusters of the default model (CPU, float32, 128 KV blocks per worker
+    unless `cfg` says otherwise; keyword arguments as `InProcessCluster`'s). Each is closed when
+    the test ends, unless the test closed it first: every cluster holds models' weights."""
+    with _in_process_clusters(loop_thread, model_dir) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def start_shared_in_process(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callable[..., InProcessCluster]]:
+    """As `start_in_process`, for a cluster several tests of one module share: closed when the
+    module ends."""
+    with _in_process_clusters(loop_thread, model_dir) as start:
+        yield start
 
 
 # Helpers reach the test modules as fixtures, so no test imports another test module.

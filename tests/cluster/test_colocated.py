@@ -119,8 +119,8 @@ def test_a_colocated_cluster_grows_a_prefill_pool_and_shrinks_back(
 
 
 @pytest.fixture(scope="module")
-def conditional(start_in_process: Any) -> Iterator[Any]:
-    c = start_in_process(router_overrides={"placement": PlacementConfig(max_local_prefill_tokens=32)})
+def conditional(start_shared_in_process: Any) -> Iterator[Any]:
+    c = start_shared_in_process(router_overrides={"placement": PlacementConfig(max_local_prefill_tokens=32)})
     yield c
     c.close()
 

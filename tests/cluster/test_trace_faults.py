@@ -20,13 +20,13 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def traced(start_in_process, faulty_transport):
+def traced(start_shared_in_process, faulty_transport):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     metrics = RouterMetrics()
-    c = start_in_process(
+    c = start_shared_in_process(
         tracer=tracer, metrics=metrics, serve=False, wrap_transport=lambda t: faulty_transport(t, fail_reads=1)
     )
     yield c.router, exporter, metrics
