@@ -196,6 +196,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="conditional disaggregation: prefill a prompt on its decode worker when at most N of its tokens are "
         "missing from that worker's prefix cache (default: 0, always use the prefill pool)",
     )
+    srv.add_argument(
+        "--max-queued-requests", type=int, default=0, metavar="N",
+        help="bounded admission: each pool (prefill, decode) holds at most N requests admitted but without a token "
+        "yet; more are refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a retry hint (default: 0, unbounded)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0 picks a free one)")
     srv.add_argument(

@@ -22,6 +22,9 @@ class RouterConfig:
     poll_wait_s: float = 0.05
     max_inflight_per_prefill: int = 256
     max_inflight_per_decode: int = 256
+    # Requests each pool may hold admitted but without a token yet (router.admission); more are
+    # refused at once with RESOURCE_EXHAUSTED and a retry hint. 0: unbounded.
+    max_queued_requests: int = 0
     block_size: int = 16  # the workers' KV block size: prompts are hashed exactly as they hash them
     placement: PlacementConfig = PlacementConfig()
     membership: MembershipConfig = MembershipConfig()

@@ -20,6 +20,8 @@ from router.tls import CertificateFiles, grpc_credentials
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_MS = "retry-after-ms"  # trailing metadata of a refusal under overload: when to retry
+
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
     inference_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
@@ -42,6 +44,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield chunk
         except RouterError as exc:
             log.info("request %s failed: %s %s", request.request_id or "-", exc.code.name, exc.message)
+            if exc.retry_after_ms is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_MS, str(exc.retry_after_ms)),))
             await context.abort(exc.code, exc.message)
 
     async def ListModels(

@@ -23,13 +23,17 @@ class RouterError(Exception):
     """What the client is told. `worker_failed`: the worker itself failed the call (it died,
     cannot be reached, or stopped answering its health check), as opposed to answering with an
     error or being busy past a call's deadline; the router then moves the request to another
-    worker and takes this one out of placement."""
+    worker and takes this one out of placement. `retry_after_ms`: set on an overload refusal;
+    the servers send it as gRPC trailing metadata `retry-after-ms` and HTTP `Retry-After`."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, worker_failed: bool = False) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, worker_failed: bool = False, retry_after_ms: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.worker_failed = worker_failed
+        self.retry_after_ms = retry_after_ms  # a refusal's hint: when the client may try again
 
 
 class PrefillHandle(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,6 +43,15 @@ _LIMITS = web.AppKey("limits", InputLimits)
 
 def _error(exc: ApiError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
+
+
+def _router_error(exc: RouterError, chat: bool) -> web.Response:
+    """The OpenAI error for `exc`; a refusal under overload also says when to retry, in whole
+    seconds as `Retry-After` requires (rounded up, so a client never comes back too early)."""
+    resp = _error(from_router_error(exc, chat))
+    if exc.retry_after_ms is not None:
+        resp.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_ms / 1000)))
+    return resp
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -81,7 +91,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except ApiError as exc:
         return _error(exc)
     except RouterError as exc:
-        return _error(from_router_error(exc, chat))
+        return _router_error(exc, chat)
     chunks = router.generate(parsed.request, fill_context=parsed.fill_context)
     try:
         # Wait for the first token before answering, so that validation and capacity errors
@@ -90,7 +100,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             first = await anext(chunks)
         except RouterError as exc:
             log.info("request %s failed: %s %s", parsed.id, exc.code.name, exc.message)
-            return _error(from_router_error(exc, chat))
+            return _router_error(exc, chat)
         if parsed.stream:
             return await _stream(request, parsed, first, chunks)
         return await _collect(parsed, first, chunks)
@@ -109,7 +119,7 @@ async def _collect(
             text.append(chunk.text)
             last = chunk
     except RouterError as exc:
-        return _error(from_router_error(exc, parsed.chat))
+        return _router_error(exc, parsed.chat)
     return web.json_response(completion(parsed, "".join(text), last.finish_reason, last.usage))
 
 

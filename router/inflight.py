@@ -55,6 +55,7 @@ class InFlight:
     pinned_on_prefill: bool = False  # the prefill worker holds its KV until released or pulled
     on_decode: bool = False  # the decode worker may hold it: cleanup aborts it there
     hand_over: asyncio.Task | None = None  # a start/submit call still running
+    queued: dict[str, float] = field(default_factory=dict)  # pool -> when it joined that pool's queue
     open_spans: list[trace.Span] = field(default_factory=list)
 
     @property

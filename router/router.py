@@ -31,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import context_of
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
+from router.admission import PoolQueue, Refusal
 from router.background import Background
 from router.calls import WorkerCalls
 from router.config import RouterConfig
@@ -72,6 +73,8 @@ class Router:
         self.failover = Failover(config, self.pools, self.metrics, self._background)
         self.calls = WorkerCalls(config, self.tracer, self.metrics, self.pools.prefill_policy)
         self._prefill_locations: Counter[str] = Counter()  # requests by where their prompt was prefilled
+        # Admitted requests without a token yet, per pool: what bounded admission counts.
+        self.queues = {pool: PoolQueue(pool, config.max_queued_requests) for pool in ("prefill", "decode")}
 
     @property
     def prefills(self) -> dict[str, PrefillHandle]:
@@ -196,6 +199,8 @@ class Router:
                 if span.is_recording():
                     span.end()
             self.relay.streams.pop(rid, None)
+            for pool in list(r.queued):  # failed or cancelled before its token
+                self._dequeue(r, pool, served=False)
             self.pools.decode_policy.finish(r.d_at)
             for w in list(r.busy):  # the prefill worker too: it holds the KV until it is pulled
                 self.pools.let_go(r, w)
@@ -203,8 +208,12 @@ class Router:
     def _place(self, rid: str, ids: list[int], params: SamplingParams, ctx: Any) -> InFlight:
         """Choose the decode worker, then whether the prompt is prefilled there (`prefill_locally`,
         or every prefill worker at its cap) or on a prefill worker, and which. RESOURCE_EXHAUSTED
-        when the decode pool is full, or the prefill pool is and local prefill is off for that."""
+        when the decode pool is full, or the prefill pool is and local prefill is off for that,
+        or (before any placement) when a pool it would join holds `max_queued_requests` queued."""
         cfg, pools = self.config, self.pools
+        refusal = self.queues["decode"].refusal()
+        if refusal is not None:
+            raise _refused(refusal)
         route = self.tracer.start_span("pdserve.route", context=ctx)
         hashes = block_hashes(ids, cfg.block_size)
         d_at = pools.decode_policy.place(hashes, len(ids), cfg.max_inflight_per_decode)
@@ -215,6 +224,11 @@ class Router:
         p_at = None
         overflow = False
         if d_at is not None and not local:
+            refusal = self.queues["prefill"].refusal()
+            if refusal is not None:
+                pools.decode_policy.finish(d_at)
+                route.end()
+                raise _refused(refusal)
             p_at = pools.prefill_policy.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill)
             # Every prefill worker at its cap: the decode worker prefills rather than refuse.
             overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
@@ -227,17 +241,29 @@ class Router:
             if d_at is not None:
                 pools.decode_policy.finish(d_at)
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cluster: every worker is at capacity; retry later")
-        return InFlight(
+        r = InFlight(
             rid, ids, params, ctx, d_at, pools.decodes[d_at.worker], p_at,
             None if p_at is None else pools.prefills[p_at.worker], IncrementalDetokenizer(self.tokenizer, params.stop),
             Stream(d_at.worker),
         )
+        self._enqueue(r, "decode" if local else "prefill")
+        return r
+
+    def _enqueue(self, r: InFlight, pool: str) -> None:
+        r.queued[pool] = time.monotonic()
+        self.queues[pool].enter()
+
+    def _dequeue(self, r: InFlight, pool: str, served: bool) -> None:
+        entered = r.queued.pop(pool, None)
+        if entered is not None:
+            self.queues[pool].leave(entered, time.monotonic(), served)
 
     async def _serve_remote(self, r: InFlight) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Disaggregated: prefill on a prefill worker (its first token goes to the client at once),
         hand the KV over to the decode worker, then relay the decode worker's tokens."""
         assert r.prefill is not None
         handle = await self.failover.prefill(r, lambda: self.calls.prefill(r))
+        self._dequeue(r, "prefill", served=True)
         r.pinned_on_prefill = True
         r.cached = handle.cached_prompt_tokens
         self.metrics.cached_prompt_tokens.inc(r.cached)
@@ -253,6 +279,7 @@ class Router:
         yield self._chunk(r, [handle.first_token], "")
 
         r.on_decode = True
+        self._enqueue(r, "decode")  # past its prefill: joins the decode queue whatever its length
         # A decode worker that fails before it has pulled: the same handle goes to another one
         # (the prefill worker still holds the blocks under its lease).
         start = await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
@@ -300,6 +327,7 @@ class Router:
                 raise item
             tokens, reason = item
             if stream_span is None:
+                self._dequeue(r, "decode", served=True)
                 first.end()
                 first_wait.observe(time.monotonic() - since)
                 stream_span = self.tracer.start_span("pdserve.stream", context=r.ctx,
@@ -364,6 +392,11 @@ class Router:
 
     async def drain_cleanups(self) -> None:
         await self._background.drain()
+
+
+def _refused(refusal: Refusal) -> RouterError:
+    """A pool's queue is full (`router.admission`): refused before any worker call, with a hint."""
+    return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, retry_after_ms=refusal.retry_after_ms)
 
 
 def _placement_attributes(p_at: Placement | None, d_at: Placement | None, local: bool) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class ServeConfig:
     transfer_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0
     placement: PlacementConfig = PlacementConfig()  # how the router places requests
+    max_queued_requests: int = 0  # per pool, admitted without a token yet (RouterConfig's; 0: unbounded)
     tracing: TracingConfig = TracingConfig()  # off by default; every process of the cluster uses it
     metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)
     # docs/security.md: keys and TLS of the gRPC and HTTP listeners, limits on each request.
@@ -49,6 +50,8 @@ class ServeConfig:
             raise ValueError(f"num_decode: {self.num_decode} workers; every cluster needs at least one decode worker")
         if self.cpu_threads_per_worker is not None and self.cpu_threads_per_worker < 1:
             raise ValueError(f"cpu_threads_per_worker: {self.cpu_threads_per_worker}; must be >= 1 (or None: shared out)")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests: {self.max_queued_requests}; must be >= 0 (0: unbounded)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

@@ -37,6 +37,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             load_factor=args.load_factor,
             max_local_prefill_tokens=args.max_local_prefill_tokens,
         ),
+        max_queued_requests=args.max_queued_requests,
         metrics_port=args.metrics_port,
         api_keys=api_keys_from_args(args, os.environ),
         tls=tls_config(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs),

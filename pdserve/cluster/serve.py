@@ -136,6 +136,7 @@ class Cluster:
                 vocab_size=mc.vocab_size,
                 block_size=cfg.engine.block_size,
                 placement=cfg.placement,
+                max_queued_requests=cfg.max_queued_requests,
             )
             router = Router(
                 router_cfg,
