@@ -31,7 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import context_of
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
-from router.admission import PoolQueue, Refusal
+from router.admission import PoolQueue, Refusal, retry_after_ms
 from router.background import Background
 from router.calls import WorkerCalls
 from router.config import RouterConfig
@@ -240,7 +240,10 @@ class Router:
         if d_at is None or (p_at is None and not local):
             if d_at is not None:
                 pools.decode_policy.finish(d_at)
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cluster: every worker is at capacity; retry later")
+            full = "decode" if d_at is None else "prefill"
+            hint = retry_after_ms(self.queues[full].recent_queue_s)
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{full} pool: every worker is at capacity; retry after {hint} ms", retry_after_ms=hint)
         r = InFlight(
             rid, ids, params, ctx, d_at, pools.decodes[d_at.worker], p_at,
             None if p_at is None else pools.prefills[p_at.worker], IncrementalDetokenizer(self.tokenizer, params.stop),

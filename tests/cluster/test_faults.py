@@ -111,7 +111,8 @@ def test_full_cluster_answers_resource_exhausted(start_in_process, wait_until):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[4, 5], sampling_params=greedy(4)), timeout=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "retry" in err.value.details()
+        hint = dict(err.value.trailing_metadata() or ())["retry-after-ms"]
+        assert err.value.details() == f"decode pool: every worker is at capacity; retry after {hint} ms"
         long_call.cancel()
         wait_until(lambda: c.blocks_in_use() == 0, 15, "blocks freed")
     finally:
