@@ -17,9 +17,23 @@ def table_rows() -> list[str]:
     return re.findall(r"^\| `([^`]+)/` \|", section, flags=re.M)
 
 
+def source_files() -> list[str]:
+    """The repository's files: git's list where this is a git checkout, else the tree less what
+    set-up and tests write (hidden folders, build metadata, caches)."""
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+        return listed.stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        skip = ("__pycache__", ".egg-info")
+        return [
+            str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+            if p.is_file() and not any(part.startswith(".") or part.endswith(skip) for part in p.relative_to(ROOT).parts)
+        ]
+
+
 def tracked_folders() -> set[str]:
     """Top-level folders with tracked files, and every first-party Python sub-package."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = source_files()
     folders = {f.split("/")[0] for f in files if "/" in f and not f.startswith(".")}
     packages = {
         str(Path(f).parent) for f in files
