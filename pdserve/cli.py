@@ -15,6 +15,7 @@ from types import ModuleType
 from pdserve.cluster.pools import PlacementError
 from pdserve.cluster.ports import PortInUseError
 from pdserve.engine.args import ATTENTION_BACKENDS, EngineArgs, engine_options
+from router.limits import InputLimits
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -104,17 +105,23 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
         help="network devices of the workers' KV transfers, as UCX_NET_DEVICES (default: lo for a local cluster, "
         "UCX's choice with --address); this network is not authenticated: keep it isolated",
     )
+    limits = InputLimits()  # the defaults live there, once
     p.add_argument(
-        "--max-request-bytes", type=int, default=4 * 2**20, metavar="N",
-        help="largest request body or gRPC message (default: 4 MiB)",
+        "--max-request-bytes", type=int, default=limits.max_request_bytes, metavar="N",
+        help=f"largest request body or gRPC message (default: {limits.max_request_bytes // 2**20} MiB)",
     )
     p.add_argument(
-        "--max-prompt-chars", type=int, default=1_000_000, metavar="N", help="longest prompt text (default: 1000000)"
+        "--max-prompt-chars", type=int, default=limits.max_prompt_chars, metavar="N",
+        help=f"longest prompt text (default: {limits.max_prompt_chars})",
     )
     p.add_argument(
-        "--max-stop-strings", type=int, default=16, metavar="N", help="stop strings per request (default: 16)"
+        "--max-stop-strings", type=int, default=limits.max_stop_strings, metavar="N",
+        help=f"stop strings per request (default: {limits.max_stop_strings})",
     )
-    p.add_argument("--max-stop-chars", type=int, default=256, metavar="N", help="longest stop string (default: 256)")
+    p.add_argument(
+        "--max-stop-chars", type=int, default=limits.max_stop_chars, metavar="N",
+        help=f"longest stop string (default: {limits.max_stop_chars})",
+    )
 
 
 def _add_client_security_args(p: argparse.ArgumentParser) -> None:
