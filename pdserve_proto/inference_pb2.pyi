@@ -194,3 +194,99 @@ class ClusterStats(_message.Message):
     placement: _containers.RepeatedCompositeFieldContainer[PlacementStats]
     down_workers: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[PlacementStats, _Mapping]]] = ..., down_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("worker_id", "role", "drain_timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    drain_timeout_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class RoleChange(_message.Message):
+    __slots__ = ("worker_id", "from_role", "to_role", "ok", "error", "drain_s", "switch_s", "probe_s", "epoch", "streams_moved", "started_at")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLE_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    PROBE_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    from_role: str
+    to_role: str
+    ok: bool
+    error: str
+    drain_s: float
+    switch_s: float
+    probe_s: float
+    epoch: int
+    streams_moved: int
+    started_at: float
+    def __init__(self, worker_id: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., probe_s: _Optional[float] = ..., epoch: _Optional[int] = ..., streams_moved: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("change",)
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    change: RoleChange
+    def __init__(self, change: _Optional[_Union[RoleChange, _Mapping]] = ...) -> None: ...
+
+class GetControllerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ControllerDecision(_message.Message):
+    __slots__ = ("t", "action", "reason", "prefill", "decode", "target_prefill", "target_decode", "flip_from", "count", "load_prefill", "load_decode")
+    T_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DECODE_FIELD_NUMBER: _ClassVar[int]
+    FLIP_FROM_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_DECODE_FIELD_NUMBER: _ClassVar[int]
+    t: float
+    action: str
+    reason: str
+    prefill: int
+    decode: int
+    target_prefill: int
+    target_decode: int
+    flip_from: str
+    count: int
+    load_prefill: float
+    load_decode: float
+    def __init__(self, t: _Optional[float] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., flip_from: _Optional[str] = ..., count: _Optional[int] = ..., load_prefill: _Optional[float] = ..., load_decode: _Optional[float] = ...) -> None: ...
+
+class ControllerState(_message.Message):
+    __slots__ = ("enabled", "prefill", "decode", "target_prefill", "target_decode", "interval_s", "flip_s", "decisions", "changes", "unhealthy")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DECODE_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    FLIP_S_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    prefill: int
+    decode: int
+    target_prefill: int
+    target_decode: int
+    interval_s: float
+    flip_s: float
+    decisions: _containers.RepeatedCompositeFieldContainer[ControllerDecision]
+    changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
+    unhealthy: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, enabled: _Optional[bool] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., interval_s: _Optional[float] = ..., flip_s: _Optional[float] = ..., decisions: _Optional[_Iterable[_Union[ControllerDecision, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., unhealthy: _Optional[_Iterable[str]] = ...) -> None: ...

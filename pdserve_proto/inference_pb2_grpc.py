@@ -146,6 +146,7 @@ class Inference:
 
 class AdminStub:
     """Operator view of the cluster: KV pools and transfers of every worker.
+    SetRole and GetController are the P:D controller's (docs/controller.md).
     """
 
     def __init__(self, channel):
@@ -159,14 +160,40 @@ class AdminStub:
                 request_serializer=pdserve__proto_dot_inference__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_inference__pb2.ClusterStats.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.Admin/SetRole',
+                request_serializer=pdserve__proto_dot_inference__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_inference__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
+        self.GetController = channel.unary_unary(
+                '/pdserve.v1.Admin/GetController',
+                request_serializer=pdserve__proto_dot_inference__pb2.GetControllerRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_inference__pb2.ControllerState.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Operator view of the cluster: KV pools and transfers of every worker.
+    SetRole and GetController are the P:D controller's (docs/controller.md).
     """
 
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRole(self, request, context):
+        """Flip one worker to the other pool in place: drain, switch role (weights, KV pool and prefix
+        cache kept), probe, rejoin. Returns when the flip is done or has failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetController(self, request, context):
+        """The controller's targets, its recent decisions with their reasons, and the flips so far.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -179,6 +206,16 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=pdserve__proto_dot_inference__pb2.GetStatsRequest.FromString,
                     response_serializer=pdserve__proto_dot_inference__pb2.ClusterStats.SerializeToString,
             ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve__proto_dot_inference__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve__proto_dot_inference__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'GetController': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetController,
+                    request_deserializer=pdserve__proto_dot_inference__pb2.GetControllerRequest.FromString,
+                    response_serializer=pdserve__proto_dot_inference__pb2.ControllerState.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.Admin', rpc_method_handlers)
@@ -189,6 +226,7 @@ def add_AdminServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Admin:
     """Operator view of the cluster: KV pools and transfers of every worker.
+    SetRole and GetController are the P:D controller's (docs/controller.md).
     """
 
     @staticmethod
@@ -208,6 +246,60 @@ class Admin:
             '/pdserve.v1.Admin/GetStats',
             pdserve__proto_dot_inference__pb2.GetStatsRequest.SerializeToString,
             pdserve__proto_dot_inference__pb2.ClusterStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/SetRole',
+            pdserve__proto_dot_inference__pb2.SetRoleRequest.SerializeToString,
+            pdserve__proto_dot_inference__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetController(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/GetController',
+            pdserve__proto_dot_inference__pb2.GetControllerRequest.SerializeToString,
+            pdserve__proto_dot_inference__pb2.ControllerState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,11 +76,13 @@ class KvEventBatch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., num_available: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_alive")
+    __slots__ = ("worker_id", "role", "engine_alive", "epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     engine_alive: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_alive: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
