@@ -98,3 +98,28 @@ class RouterMetrics:
             "pdserve_kv_link_test_bytes_per_second", "Start-up link self-test of each decode <- prefill KV link.",
             ["decode", "prefill"], registry=r,
         )
+        # The P:D split: kept current by the router whatever drives it (the controller, Admin.SetRole).
+        self.pool_workers = Gauge(
+            "pdserve_pool_workers", "Workers in placement now, by pool (a worker mid-flip is in neither).",
+            ["role"], registry=r,
+        )
+        self.pool_target = Gauge(
+            "pdserve_pool_target", "The P:D controller's target number of workers, by pool (0 without --controller).",
+            ["role"], registry=r,
+        )
+        self.role_changes = Counter(
+            "pdserve_role_changes",
+            "Role flips that finished, by the pool the worker left (from) and the one it joined (to).",
+            ["from", "to"], registry=r,
+        )
+        self.controller_decisions = Counter(
+            "pdserve_controller_decisions",
+            "The P:D controller's recorded decisions: flips, and holds that nearly were flips (action hold).",
+            ["action"], registry=r,
+        )
+        for role in ("prefill", "decode"):
+            self.pool_workers.labels(role)
+            self.pool_target.labels(role)
+            self.role_changes.labels(role, "decode" if role == "prefill" else "prefill")
+        for action in ("flip", "hold"):
+            self.controller_decisions.labels(action)
