@@ -99,7 +99,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_in_use", "running_requests", "waiting_requests", "pinned_requests", "blocks_pulled", "blocks_reused", "bytes_pulled", "transfers", "lease_expiries", "preemptions")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_in_use", "running_requests", "waiting_requests", "pinned_requests", "blocks_pulled", "blocks_reused", "bytes_pulled", "transfers", "lease_expiries", "preemptions", "checksum_failures")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class WorkerStats(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -130,7 +131,8 @@ class WorkerStats(_message.Message):
     transfers: int
     lease_expiries: int
     preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned_requests: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfers: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    checksum_failures: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned_requests: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfers: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., preemptions: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
 
 class PlacementStats(_message.Message):
     __slots__ = ("pool", "placed", "inflight", "load", "prompt_tokens", "cached_tokens", "predicted_cached_tokens", "off_home", "membership_changes", "last_remap_fraction", "index_entries", "index_gaps", "hit_rate", "max_load_ratio")

@@ -1,0 +1,87 @@
+"""Per-block checksums of KV blocks: the producer's, carried in the `KvHandle`, against the
+consumer's over the blocks a READ wrote, so that a request never decodes from KV that did not
+arrive as it was sent.
+
+A block's bytes are read as int64 words and cut into rows of up to 64 words (512 bytes); the
+checksum is ``sum_r (2r + 1) * rowsum_r`` modulo 2^64. Every weight is odd, so a change of any
+one word (a flipped byte, or any bytes within one aligned 8-byte word) changes it: ``delta * odd``
+is never 0 modulo 2^64 for a non-zero ``delta``. Rows weigh differently, so data moved between
+rows (a block shifted, halves swapped) changes it too; an all-zero block sums to 0, a stale
+block to its own old sum. It is an integrity check against faults (words swapped within one
+row go unseen), not a defence against someone forging blocks.
+
+Integer sums modulo 2^64 do not depend on the order of the additions, so the reduction gives
+the same result on any device, with any number of threads: a GPU producer and a CPU check agree.
+It runs on the pool's device as one pass over the blocks (row sums over contiguous memory, then
+a pass over the rows' sums, 1/64 of the data), and only one int64 per block comes back to the
+host. Consecutive block ids are taken as one slice of the pool (a view, no gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_ROW_WORDS = 64  # at most; the largest power of two up to this that divides a block's words
+_MASK = (1 << 64) - 1
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first id, count)`` of each run of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def _row_words(words: int) -> int:
+    c = 1
+    while c < _ROW_WORDS and words % (2 * c) == 0:
+        c *= 2
+    return c
+
+
+def block_words(pool: torch.Tensor) -> torch.Tensor:
+    """The pool as ``[blocks, words]`` int64 (a view: the same memory)."""
+    flat = pool.view(pool.shape[0], -1)  # a contiguous pool: never a copy
+    if flat.shape[1] * flat.element_size() % 8:
+        raise ValueError(
+            f"a KV block of {flat.shape[1] * flat.element_size()} bytes is not a whole number of int64 words"
+        )
+    return flat.view(torch.int64) if flat.dtype != torch.int64 else flat
+
+
+def block_checksums_tensor(pool: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """The blocks' checksums as an int64 tensor on the pool's device, in the order of block_ids.
+    On a GPU this only queues the work: reading the tensor waits for it."""
+    words = block_words(pool)
+    cols = _row_words(words.shape[1])
+    rows = words.shape[1] // cols
+    row_w = torch.arange(rows, dtype=torch.int64, device=words.device) * 2 + 1
+    out = []
+    for first, count in _runs(block_ids):
+        x = words[first : first + count].view(count, rows, cols)
+        out.append((x.sum(dim=2) * row_w).sum(dim=1))  # int64 arithmetic wraps: modulo 2^64
+    if not out:
+        return torch.zeros(0, dtype=torch.int64, device=words.device)
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def as_fixed64(checksums: torch.Tensor) -> list[int]:
+    """int64 checksums as the unsigned 64-bit integers a `KvHandle` carries (one small copy)."""
+    return [c & _MASK for c in checksums.tolist()]
+
+
+def block_checksums(pool: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
+    """The checksum of each block, unsigned 64-bit, in the order of block_ids."""
+    return as_fixed64(block_checksums_tensor(pool, block_ids))
+
+
+def mismatched(expected: Sequence[int], got: Sequence[int]) -> list[int]:
+    """Positions where two checksum lists differ (a length difference counts from the shorter's end)."""
+    bad = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
+    return bad + list(range(min(len(expected), len(got)), max(len(expected), len(got))))
