@@ -17,6 +17,7 @@ from pdserve_proto import worker_pb2
 from router.config import RouterConfig
 from router.handles import RouterError
 from router.inflight import InFlight
+from router.measured import PrefillTimes
 from router.policy import PrefillPolicy
 
 _T = TypeVar("_T")
@@ -24,12 +25,18 @@ _T = TypeVar("_T")
 
 class WorkerCalls:
     def __init__(
-        self, config: RouterConfig, tracer: trace.Tracer, metrics: RouterMetrics, prefill_policy: PrefillPolicy
+        self,
+        config: RouterConfig,
+        tracer: trace.Tracer,
+        metrics: RouterMetrics,
+        prefill_policy: PrefillPolicy,
+        prefill_times: PrefillTimes | None = None,
     ) -> None:
         self.config = config
         self.tracer = tracer
         self.metrics = metrics
         self.prefill_policy = prefill_policy
+        self.prefill_times = prefill_times  # each prefill's compute time, for the P:D controller's capacity fit
 
     async def prefill(self, r: InFlight) -> worker_pb2.PrefillResult:
         """The prefill call; the prefill pool learns what the worker really computed."""
@@ -51,6 +58,9 @@ class WorkerCalls:
                 span.set_attribute("pdserve.cached_tokens", cached_tokens)
             span.end()
         self.metrics.prefill_queue.observe(handle.queue_seconds)
+        if self.prefill_times is not None:
+            computed = len(r.ids) - handle.cached_prompt_tokens
+            self.prefill_times.add(r.p_at.worker, computed, time.monotonic() - sent - handle.queue_seconds)
         return handle
 
     async def start(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:

@@ -40,6 +40,7 @@ from router.errors import to_router_error
 from router.failover import Failover
 from router.handles import DecodeHandle, PrefillHandle, RouterError
 from router.inflight import InFlight, Stream, WorkerLost
+from router.load_signals import LoadSignals, watch_pool_sizes
 from router.parsing import parse_request
 from router.policy import DecodePolicy, Placement, PrefillPolicy, prefill_locally
 from router.pools import WorkerPools
@@ -68,10 +69,14 @@ class Router:
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.pools = WorkerPools(config, prefills, decodes)
+        self.load = LoadSignals(self.pools, config.block_size)  # what the P:D controller reads
+        watch_pool_sizes(self.metrics, self.pools)
         self.relay = TokenRelay(config, self.pools.decode_members.report_failure)
         self._background = Background()
         self.failover = Failover(config, self.pools, self.metrics, self._background)
-        self.calls = WorkerCalls(config, self.tracer, self.metrics, self.pools.prefill_policy)
+        self.calls = WorkerCalls(
+            config, self.tracer, self.metrics, self.pools.prefill_policy, self.load.prefill_times
+        )
         self._prefill_locations: Counter[str] = Counter()  # requests by where their prompt was prefilled
         # Admitted requests without a token yet, per pool: what bounded admission counts.
         self.queues = {pool: PoolQueue(pool, config.max_queued_requests) for pool in ("prefill", "decode")}
@@ -153,7 +158,7 @@ class Router:
         (`traceparent`), so the request's trace continues the client's. `fill_context`: without
         `max_tokens`, generate up to the end of the context (the OpenAI chat default)."""
         root = self.tracer.start_span("pdserve.generate", context=context_of(trace_context), kind=trace.SpanKind.SERVER)
-        observed = StreamMetrics(self.metrics, root)
+        observed = StreamMetrics(self.metrics, root, self.load.latency)
         try:
             # aclosing: a client that goes away closes the inner stream too, which frees the request.
             async with contextlib.aclosing(self._generate(request, root, fill_context)) as chunks:
@@ -176,6 +181,7 @@ class Router:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight")
         root.set_attributes({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(ids)})
         r = self._place(rid, ids, params, trace.set_span_in_context(root))
+        self.load.arrived(r, time.monotonic())  # demand at arrival, for the P:D controller
         where = "local" if r.local else "remote"
         self.metrics.prompt_tokens.inc(len(ids))
         self.metrics.prefill_location.labels(where).inc()

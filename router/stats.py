@@ -12,6 +12,7 @@ from opentelemetry import trace
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
 from router.handles import DecodeHandle, PrefillHandle, RouterError
+from router.measured import LatencyWindow
 from router.pools import WorkerPools
 
 
@@ -54,13 +55,17 @@ async def cluster_stats(pools: WorkerPools, placement: dict, timeout_s: float) -
 
 
 class StreamMetrics:
-    """Observes one request's stream of chunks into the router's metrics and its root span."""
+    """Observes one request's stream of chunks into the router's metrics, its root span and
+    (`window`, for the P:D controller) its TTFT and mean inter-token latency once it finishes."""
 
-    def __init__(self, metrics: RouterMetrics, root: trace.Span) -> None:
+    def __init__(self, metrics: RouterMetrics, root: trace.Span, window: LatencyWindow | None = None) -> None:
         self.m = metrics
         self.root = root
+        self.window = window
         self.arrived = self.last = time.monotonic()
         self.first = True
+        self.first_at = self.arrived
+        self.tokens = 0
         self.outcome = "cancelled"  # until the stream finishes or fails
         metrics.in_flight.inc()
 
@@ -68,15 +73,20 @@ class StreamMetrics:
         m, now, n = self.m, time.monotonic(), len(chunk.token_ids)
         if self.first:
             self.first = False
+            self.first_at = now
             m.ttft.observe(now - self.arrived)
             self.root.add_event("first token")
         elif n:
             for _ in range(n):  # a chunk of n tokens: n gaps of equal share
                 m.itl.observe((now - self.last) / n)
         self.last = now
+        self.tokens += n
         m.generation_tokens.inc(n)
         if chunk.finish_reason:
             self.outcome = chunk.finish_reason
+            if self.window is not None:
+                itl = (now - self.first_at) / (self.tokens - 1) if self.tokens > 1 else None
+                self.window.add(now, self.first_at - self.arrived, itl)
             self.root.set_attributes({
                 "pdserve.finish_reason": chunk.finish_reason,
                 "pdserve.completion_tokens": chunk.usage.completion_tokens,
