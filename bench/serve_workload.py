@@ -45,9 +45,13 @@ def synthetic(kind: str, n: int, seed: int, max_input: int, max_output: int, sca
     """n requests of the named shape; scale multiplies both medians (small machines use < 1)."""
     if kind not in SHAPES:
         raise ValueError(f"workload: unknown {kind!r}; one of {', '.join(SHAPES)} or trace:FILE")
+    return lognormal(SHAPES[kind], n, seed, max_input, max_output, scale)
+
+
+def lognormal(shape: Shape, n: int, seed: int, max_input: int, max_output: int, scale: float = 1.0) -> list[Request]:
+    """n requests whose lengths follow `shape`, both medians multiplied by scale."""
     if n < 1 or scale <= 0:
         raise ValueError("requests/scale: must be positive")
-    shape = SHAPES[kind]
     rng = np.random.default_rng(seed)
 
     def lengths(median: int, hi: int) -> np.ndarray:
@@ -56,6 +60,21 @@ def synthetic(kind: str, n: int, seed: int, max_input: int, max_output: int, sca
 
     ins, outs = lengths(shape.input_median, max_input), lengths(shape.output_median, max_output)
     return [Request(rng.integers(*_TOKEN_RANGE, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+def prefix_groups(
+    n: int, seed: int, groups: int, prefix_len: int, suffix: Shape, max_output: int, scale: float = 1.0
+) -> list[Request]:
+    """n requests, each a shared prefix of prefix_len tokens (one of `groups`, picked at random)
+    followed by its own suffix, lengths drawn from `suffix` (as `lognormal`): documents or system
+    prompts that many requests repeat, which a prefix cache serves once per worker."""
+    if groups < 1 or prefix_len < 1:
+        raise ValueError("groups/prefix_len: must be positive")
+    rng = np.random.default_rng(seed + 2)  # not the suffixes' stream: their lengths stay lognormal's
+    prefixes = [rng.integers(*_TOKEN_RANGE, max(1, round(prefix_len * scale))).tolist() for _ in range(groups)]
+    picks = rng.integers(0, groups, n)
+    tails = lognormal(suffix, n, seed, 1 << 30, max_output, scale)
+    return [Request(prefixes[int(g)] + t.prompt, t.output_len) for g, t in zip(picks, tails)]
 
 
 def from_trace(path: Path, n: int | None, max_input: int, max_output: int) -> list[Request]:
