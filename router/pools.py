@@ -72,6 +72,10 @@ class WorkerPools:
         """Workers out of placement because they stopped answering."""
         return self.prefill_members.down | self.decode_members.down
 
+    def busy(self, worker: str) -> int:
+        """Requests `worker` still serves (a prefill worker's until their KV is pulled)."""
+        return self._busy.get(worker, 0)
+
     def hold(self, r: InFlight, worker: str) -> None:
         r.busy.append(worker)
         self._busy[worker] = self._busy.get(worker, 0) + 1

@@ -15,6 +15,7 @@ from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import KvLayout, model_fingerprint
 from kv_transfer.transport import KvTransport
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.worker_host import WorkerHost
 from pdserve.engine.args import engine_options
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
@@ -82,7 +83,7 @@ def build_prefill(
     transport: KvTransport = build_agent(worker_id, engine, cfg.kv_net_devices)
     if wrap_transport is not None:
         transport = wrap_transport(transport)
-    return PrefillWorker(worker_id, engine, transport, PrefillConfig(lease_s=cfg.lease_s), tracer=tracer)
+    return PrefillWorker(worker_id, engine, transport, prefill_config(cfg), tracer=tracer)
 
 
 def build_decode(
@@ -92,7 +93,30 @@ def build_decode(
     transport: KvTransport = build_agent(worker_id, engine, cfg.kv_net_devices)
     if wrap_transport is not None:
         transport = wrap_transport(transport)
-    return DecodeWorker(worker_id, engine, transport, DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s), tracer)
+    return DecodeWorker(worker_id, engine, transport, decode_config(cfg), tracer)
+
+
+def build_host(
+    role: str,
+    worker_id: str,
+    cfg: ServeConfig,
+    tracer: trace.Tracer | None = None,
+    wrap_transport: WrapTransport | None = None,
+) -> WorkerHost:
+    """A worker of `role` in a host that can flip it to the other role in place."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role: {role!r} is neither prefill nor decode")
+    build = build_prefill if role == "prefill" else build_decode
+    worker = build(worker_id, cfg, tracer, wrap_transport)
+    return WorkerHost(worker, role, prefill_config(cfg), decode_config(cfg), tracer)  # type: ignore[arg-type]
+
+
+def prefill_config(cfg: ServeConfig) -> PrefillConfig:
+    return PrefillConfig(lease_s=cfg.lease_s)
+
+
+def decode_config(cfg: ServeConfig) -> DecodeConfig:
+    return DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s)
 
 
 def link_self_test(decode: DecodeWorker, prefill_agent_name: str) -> float:

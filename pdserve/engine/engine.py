@@ -11,14 +11,14 @@ import itertools
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
 from pdserve.engine.kv_sizing import cpu_kv_blocks, cuda_kv_blocks, step_activation_bytes
@@ -202,6 +202,27 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
+
+    def holds_requests(self) -> int:
+        """Requests this engine still holds in any state: running, waiting, pinned for a
+        transfer, or being imported. Zero: nothing but the prefix cache is in its KV pool."""
+        s = self.scheduler
+        return len(s.running) + len(s.waiting) + len(s.pinned) + len(s.importing) + (self._inflight is not None)
+
+    def switch_role(self, role: Role) -> None:
+        """Serve the other pool from now on (a P:D role flip), keeping the weights, the KV pool
+        and its prefix cache: only what the role decides changes (the scheduler's handling of a
+        finished prefill, overlapped decode, detokenizing). The engine must hold no request."""
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role: must be prefill, decode or both, not {role!r}")
+        held = self.holds_requests()
+        if held:
+            raise RuntimeError(f"switch_role: the engine still holds {held} requests; drain it first")
+        self.cfg = replace(self.cfg, role=role, detokenize=role != "decode")
+        self.scheduler.limits = replace(self.scheduler.limits, role=role)
+        self._overlap = role != "prefill" and (
+            self.cfg.overlap_decode if self.cfg.overlap_decode is not None else self.runner.has_decode_graphs
+        )
 
     # ----- the loop ------------------------------------------------------------------------
 

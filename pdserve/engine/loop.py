@@ -83,6 +83,11 @@ class EngineLoop:
     def wake(self) -> None:
         self._wake.set()
 
+    def request_stop(self) -> None:
+        """No step starts after this; callable under the loop's lock (`stop` joins the thread)."""
+        self._stop.set()
+        self._wake.set()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
