@@ -11,7 +11,10 @@ outbox that the router drains with `poll` — one call carries every request's t
 more steps, so relaying costs one round trip per step, not one per token.
 
 A transfer that fails is retried; if it keeps failing the prompt is recomputed here, so the
-request still completes, and tokens never come from KV that did not arrive whole.
+request still completes, and tokens never come from KV that did not arrive whole. Blocks whose
+checksum (`kv_transfer.checksum`, carried in the handle) differs after the READ are a failed
+transfer too: the producer has freed its copy on the READ's notice, so the prompt is recomputed
+at once, counted in ``checksum_failures``.
 
 `submit` adds a whole request to the engine (the engine's decode role runs a prompt added with
 `add_request` to completion, as recomputing does) and returns at once; all of its tokens, the
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
+from kv_transfer.checksum import block_checksums, mismatched
 from kv_transfer.compat import check_handle
 from kv_transfer.notice import pulled_notice
 from kv_transfer.transport import KvTransferError, KvTransport
@@ -35,7 +39,7 @@ from pdserve.engine.handover import ImportPlan
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
-from pdserve_proto import inference_pb2, worker_pb2
+from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 class DecodeConfig:
     transfer_timeout_s: float = 10.0
     transfer_attempts: int = 2  # then recompute the prompt locally
+    kv_checksum: bool = True  # check pulled blocks against the handle's checksums (when it has them)
 
 
 class DecodeWorker:
@@ -67,6 +72,7 @@ class DecodeWorker:
         self.bytes_pulled = 0
         self.transfers = 0
         self.transfer_failures = 0
+        self.checksum_failures = 0  # READs whose blocks were not the producer's: recomputed
         self.local_prefills = 0  # requests submitted whole, prefilled here
         self._importing: set[str] = set()
         self._cancelled: set[str] = set()
@@ -180,6 +186,11 @@ class DecodeWorker:
         else:
             self._recompute(prompt_token_ids, params, request_id, prefilled.first_token)
             return worker_pb2.DecodeStart(recomputed=True, transfer_retries=retries)
+        if not self._arrived_intact(handle, plan.pull_indices, local, request_id):
+            # Not READ again: the producer freed its copy on the READ's notice.
+            span.set_attribute("pdserve.checksum_failed", True)
+            self._recompute(prompt_token_ids, params, request_id, prefilled.first_token)
+            return worker_pb2.DecodeStart(recomputed=True, transfer_retries=retries)
         done = worker_pb2.DecodeStart(
             reused_tokens=plan.num_reused_tokens,
             pulled_blocks=stats.num_blocks,
@@ -198,6 +209,27 @@ class DecodeWorker:
             self.engine.commit_import(request_id, prefilled.first_token)
         self.loop.wake()
         return done
+
+    def _arrived_intact(
+        self, handle: kv_pb2.KvHandle, pull_indices: list[int], local: list[int], request_id: str
+    ) -> bool:
+        """Whether the blocks a READ wrote hold what the producer checksummed (true when the
+        check is off or the handle carries no checksums)."""
+        sent = list(handle.block_checksums)
+        if not self.config.kv_checksum or not sent or not local:
+            return True
+        if len(sent) == len(handle.block_ids):
+            bad = mismatched([sent[i] for i in pull_indices], block_checksums(self.engine.runner.kv_pool, local))
+        else:
+            bad = list(range(len(local)))
+        if not bad:
+            return True
+        self.checksum_failures += 1
+        log.warning(
+            "KV of %s from %s failed its checksum in %d of %d pulled blocks (%d checksums for %d blocks); recomputing",
+            *(request_id, handle.worker_id, len(bad), len(local), len(sent), len(handle.block_ids)),
+        )
+        return False
 
     def _recompute(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, first_token: int
@@ -250,6 +282,7 @@ class DecodeWorker:
                 blocks_reused=self.blocks_reused,
                 bytes_pulled=self.bytes_pulled,
                 transfers=self.transfers,
+                checksum_failures=self.checksum_failures,
                 **self.engine.load_stats(),
             )
 

@@ -4,6 +4,10 @@ A finished prefill stays pinned in the engine under a lease. The decode worker t
 blocks sends a ``pulled`` notice (`kv_transfer.notice`); the lease ends and the blocks are freed
 (they stay in the prefix cache). If nobody pulls before the deadline, the lease expires and the
 blocks are freed anyway, counted in ``lease_expiries``.
+
+With `PrefillConfig.kv_checksum` the handle also carries a checksum of every block
+(`kv_transfer.checksum`), computed on the pool's device once the KV is pinned; the decode worker
+checks the blocks it READ against them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
+from kv_transfer.checksum import block_checksums
 from kv_transfer.compat import PROTOCOL_VERSION
 from kv_transfer.notice import pulled_request
 from kv_transfer.transport import KvTransport
@@ -38,6 +43,7 @@ class PrefillCancelled(RuntimeError):
 @dataclass(frozen=True)
 class PrefillConfig:
     lease_s: float = 30.0
+    kv_checksum: bool = True  # a checksum per pinned block in the handle (costs a pass over the blocks)
 
 
 class PrefillWorker:
@@ -84,6 +90,9 @@ class PrefillWorker:
             pinned, queue_s = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span)
             span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
+            # Pinned blocks are written no more, so this runs outside the engine's lock; on a GPU
+            # it is ordered after the prefill's writes by the device's stream.
+            checksums = block_checksums(self.engine.runner.kv_pool, pinned.block_ids) if self.config.kv_checksum else []
         handle = kv_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,
             request_id=request_id,
@@ -94,6 +103,7 @@ class PrefillWorker:
             num_tokens=pinned.num_tokens,
             lease_deadline=self._lease_deadline(request_id),
             compat_hash=self.agent.compat_hash,
+            block_checksums=checksums,
         )
         return worker_pb2.PrefillResult(
             handle=handle,
