@@ -42,6 +42,11 @@ class ClusterCollector(Collector):
         )
         pulled_bytes = CounterMetricFamily("pdserve_kv_pulled_bytes", "KV bytes a decode worker READ.", labels=wl)
         transfers = CounterMetricFamily("pdserve_kv_transfers", "KV transfers a decode worker completed.", labels=wl)
+        checksums = CounterMetricFamily(
+            "pdserve_kv_checksum_failures",
+            "KV transfers whose blocks failed their checksum on the decode worker (the prompt was recomputed).",
+            labels=wl,
+        )
         count: dict[str, int] = {}
         for w in stats.workers:
             answered = w.role in ("prefill", "decode")
@@ -64,6 +69,7 @@ class ClusterCollector(Collector):
                 reused.add_metric(key, w.blocks_reused)
                 pulled_bytes.add_metric(key, w.bytes_pulled)
                 transfers.add_metric(key, w.transfers)
+                checksums.add_metric(key, w.checksum_failures)
         for role, n in sorted(count.items()):
             pools.add_metric([role], n)
         hit = GaugeMetricFamily(
@@ -74,7 +80,8 @@ class ClusterCollector(Collector):
             hit.add_metric([p.pool], p.hit_rate)
             for worker, n in sorted(p.placed.items()):
                 placed.add_metric([p.pool, worker], n)
-        yield from (up, pools, blocks, capacity, reqs, leases, preempt, pulled, reused, pulled_bytes, transfers, hit, placed)
+        yield from (up, pools, blocks, capacity, reqs, leases, preempt, pulled, reused, pulled_bytes, transfers)
+        yield from (checksums, hit, placed)
 
 
 def _role_from_id(worker_id: str) -> str:
