@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve_proto import inference_pb2, inference_pb2_grpc
 from router.auth import ApiKeys
+from router.control_plane import NO_FLIPS, ROLES, ControlPlane, pools_state
 from router.grpc_auth import ApiKeyInterceptor
 from router.handles import RouterError
 from router.limits import InputLimits, check_request
@@ -55,13 +56,40 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 
 class AdminServicer(inference_pb2_grpc.AdminServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, control: ControlPlane | None = None) -> None:
         self.router = router
+        self.control = control  # role flips and the P:D controller (None: this server has neither)
 
     async def GetStats(
         self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ClusterStats:
         return await self.router.cluster_stats()
+
+    async def SetRole(
+        self, request: inference_pb2.SetRoleRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.SetRoleResponse:
+        if request.role not in ROLES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {request.role!r} is neither prefill nor decode")
+        if not request.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id: required")
+        if request.drain_timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drain_timeout_s: must be >= 0 (0: the default)")
+        if self.control is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_FLIPS)
+        assert self.control is not None
+        try:
+            change = await self.control.set_role(request.worker_id, request.role, request.drain_timeout_s or None)
+        except RouterError as exc:
+            log.info("SetRole %s -> %s refused: %s %s", request.worker_id, request.role, exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+        return inference_pb2.SetRoleResponse(change=change)
+
+    async def GetController(
+        self, request: inference_pb2.GetControllerRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ControllerState:
+        if self.control is None:
+            return pools_state(self.router.prefill_policy, self.router.decode_policy)
+        return self.control.controller_state()
 
 
 async def start_grpc_server(
@@ -71,9 +99,11 @@ async def start_grpc_server(
     keys: ApiKeys = ApiKeys(),
     tls: CertificateFiles | None = None,
     limits: InputLimits = InputLimits(),
+    control: ControlPlane | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one). With
-    `keys`, calls need an API key (health checks excepted); with `tls`, the port speaks only TLS."""
+    `keys`, calls need an API key (health checks excepted); with `tls`, the port speaks only TLS;
+    `control` serves Admin.SetRole and Admin.GetController (None: no flips, no controller)."""
     options = [
         # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind too and
         # take half of the new connections. Off, a taken port is an error.
@@ -83,7 +113,7 @@ async def start_grpc_server(
     interceptors = [ApiKeyInterceptor(keys)] if keys.enabled else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router, limits), server)
-    inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router), server)
+    inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, control), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
 from router.auth import ApiKeys
 from router.limits import InputLimits
 from router.policy import PlacementConfig
 from router.tls import TlsConfig
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """`pdserve serve --controller`: the P:D controller moves workers between the pools
+    (docs/controller.md). The budget is the workers started (prefill + decode)."""
+
+    slo: Slo = field(default_factory=Slo)
+    perf_model: str | None = None  # a built-in name or a JSON file; None: the CPU model on CPU, else the GPU one
+    min_interval_s: float = 2.0  # the decision interval follows the measured flip time, never below this
+    window_s: float = 10.0  # arrival rates and latency percentiles over this much (at least an interval)
+
+    def __post_init__(self) -> None:
+        if self.min_interval_s <= 0:
+            raise ValueError(f"controller interval: {self.min_interval_s} s; must be > 0")
+        if self.window_s <= 0:
+            raise ValueError(f"controller window: {self.window_s} s; must be > 0")
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,7 @@ class ServeConfig:
     # transfers listen and connect on. None: loopback for a local cluster, UCX's choice (or the
     # UCX_NET_DEVICES of the environment) when joining one with ray_address.
     kv_net_devices: str | None = None
+    controller: ControllerSettings | None = None  # None: the split stays as started (Admin.SetRole still flips)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0:
@@ -58,3 +77,5 @@ class ServeConfig:
             raise ValueError(f"http_port: {self.http_port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port")
+        if self.controller is not None and self.num_prefill < 1:
+            raise ValueError("controller: needs a prefill pool to balance against the decode pool (--prefill >= 1)")

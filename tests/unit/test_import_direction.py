@@ -35,7 +35,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "pdserve.cluster": (
         "pdserve.engine", "pdserve.models", "router", "prefill_worker", "decode_worker", "kv_transfer",
-        "pdserve_proto", "pdserve.telemetry",
+        "pdserve_proto", "pdserve.telemetry", "pdserve.control",  # the live P:D controller and its role flips
     ),
     "pdserve.llm": ("pdserve.engine", "pdserve.models"),
     # The P:D controller and its simulator: the router's placement policies (driven as the
