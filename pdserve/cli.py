@@ -217,6 +217,11 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
     srv.add_argument(
+        "--kv-checksum", action=argparse.BooleanOptionalAction, default=True,
+        help="a checksum per KV block, checked by the decode worker after each transfer; a mismatch recomputes the "
+        "prompt (default: on; --no-kv-checksum saves a pass over each prompt's KV on both workers)",
+    )
+    srv.add_argument(
         "--placement-policy", choices=PLACEMENT_POLICIES, default="index",
         help="how prompts are placed on prefill workers: index (consistent-hash ring with bounded loads "
         "plus the workers' prefix caches, the default) or ring (without the prefix index); see docs/router.md",

@@ -47,6 +47,10 @@ class ServeConfig:
     cpu_threads_per_worker: int | None = None
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
+    # A checksum per KV block: computed by the prefill worker when it pins a prompt, checked by
+    # the decode worker after its READ, which recomputes the prompt on a mismatch
+    # (kv_transfer.checksum; what it costs: docs/benchmarks.md).
+    kv_checksum: bool = True
     startup_timeout_s: float = 300.0
     placement: PlacementConfig = PlacementConfig()  # how the router places requests
     max_queued_requests: int = 0  # per pool, admitted without a token yet (RouterConfig's; 0: unbounded)

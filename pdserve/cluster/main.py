@@ -31,6 +31,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ray_address=args.address,
         engine=EngineArgs.from_options(vars(args)),  # the engine flags' dests are its field names
         lease_s=args.lease_s,
+        kv_checksum=args.kv_checksum,
         cpu_threads_per_worker=args.cpu_threads,
         placement=PlacementConfig(
             policy=args.placement_policy,

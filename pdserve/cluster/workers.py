@@ -112,11 +112,11 @@ def build_host(
 
 
 def prefill_config(cfg: ServeConfig) -> PrefillConfig:
-    return PrefillConfig(lease_s=cfg.lease_s)
+    return PrefillConfig(kv_checksum=cfg.kv_checksum, lease_s=cfg.lease_s)
 
 
 def decode_config(cfg: ServeConfig) -> DecodeConfig:
-    return DecodeConfig(transfer_timeout_s=cfg.transfer_timeout_s)
+    return DecodeConfig(kv_checksum=cfg.kv_checksum, transfer_timeout_s=cfg.transfer_timeout_s)
 
 
 def link_self_test(decode: DecodeWorker, prefill_agent_name: str) -> float:
