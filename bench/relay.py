@@ -57,7 +57,7 @@ class SyntheticDecode:
 
         threading.Thread(target=loop, daemon=True).start()
 
-    def poll(self, wait_s: float, limit: int = 0) -> worker_pb2.TokenUpdates:
+    def poll(self, wait_s: float, router_id: str = "", limit: int = 0) -> worker_pb2.TokenUpdates:
         with self._cond:
             if not self._outbox:
                 self._cond.wait(wait_s)
@@ -77,7 +77,7 @@ async def drain(actor, per_token: bool) -> tuple[int, list[float], float]:
     t0 = time.perf_counter()
     while True:
         if per_token:
-            updates = await asyncio.wait_for(actor.poll.remote(0.05, 1), 5.0)
+            updates = await asyncio.wait_for(actor.poll.remote(0.05, "", 1), 5.0)
         else:
             updates = await handle.poll(0.05, 5.0)
         now = time.time()

@@ -8,7 +8,10 @@ matches the prompt's block hashes against this worker's own prefix cache, alloca
 the rest, READs only the missing blocks from the producer (which then frees its copy), and puts
 the request into the running batch. Generated tokens are collected per engine step into an
 outbox that the router drains with `poll` — one call carries every request's tokens of one or
-more steps, so relaying costs one round trip per step, not one per token.
+more steps, so relaying costs one round trip per step, not one per token. Each router that
+shares the worker has its own outbox (`decode_worker.outbox`): `start` and `submit` name the
+router, its `poll` takes only its own requests' tokens, and the requests of a router that stops
+polling for `router_lease_s` are aborted, their blocks freed.
 
 A transfer that fails is retried; if it keeps failing the prompt is recomputed here, so the
 request still completes, and tokens never come from KV that did not arrive whole. Blocks whose
@@ -26,10 +29,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
+from decode_worker.outbox import RouterOutboxes
 from kv_transfer.checksum import block_checksums, mismatched
 from kv_transfer.compat import check_handle
 from kv_transfer.notice import pulled_notice
@@ -49,6 +54,9 @@ class DecodeConfig:
     transfer_timeout_s: float = 10.0
     transfer_attempts: int = 2  # then recompute the prompt locally
     kv_checksum: bool = True  # check pulled blocks against the handle's checksums (when it has them)
+    # A router that neither polls nor starts a request for this long is taken for dead: its
+    # requests are aborted and their blocks freed. It polls every few tens of milliseconds.
+    router_lease_s: float = 15.0
 
 
 class DecodeWorker:
@@ -59,13 +67,15 @@ class DecodeWorker:
         agent: KvTransport,
         config: DecodeConfig = DecodeConfig(),
         tracer: trace.Tracer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.agent = agent
         self.config = config
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
-        self._outbox: list[worker_pb2.TokenUpdate] = []
+        self._clock = clock  # of the routers' leases
+        self._outboxes = RouterOutboxes(config.router_lease_s)  # guarded by _outbox_ready
         self._outbox_ready = threading.Condition(threading.Lock())
         self.blocks_pulled = 0
         self.blocks_reused = 0
@@ -77,7 +87,7 @@ class DecodeWorker:
         self._importing: set[str] = set()
         self._cancelled: set[str] = set()
         self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
-        self.loop = EngineLoop(engine, self._on_step, name=f"{worker_id}-loop")
+        self.loop = EngineLoop(engine, self._on_step, self._expire_routers, name=f"{worker_id}-loop")
 
     def start(
         self,
@@ -86,16 +96,18 @@ class DecodeWorker:
         request_id: str,
         prefilled: worker_pb2.PrefillResult,
         trace_context: TraceCarrier | None = None,
+        router_id: str = "",
     ) -> worker_pb2.DecodeStart:
-        """Take over a request prefilled elsewhere: pull the KV its handle names (or recompute
-        the prompt if the pull keeps failing) and decode on after its first token."""
+        """Take over a request prefilled elsewhere for `router_id` (whose `poll` gets its
+        tokens): pull the KV its handle names (or recompute the prompt if the pull keeps
+        failing) and decode on after its first token."""
         span = self._tracer.start_span(
             "pdserve.decode.import", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
                         "pdserve.prefill_worker_id": prefilled.handle.worker_id},
         )
         with span:
-            result = self._start(prompt_token_ids, params, request_id, prefilled, span)
+            result = self._start(prompt_token_ids, params, request_id, prefilled, span, router_id)
             span.set_attribute("pdserve.reused_tokens", result.reused_tokens)
             span.set_attribute("pdserve.pulled_blocks", result.pulled_blocks)
             span.set_attribute("pdserve.recomputed", result.recomputed)
@@ -107,9 +119,10 @@ class DecodeWorker:
         params: SamplingParams,
         request_id: str,
         trace_context: TraceCarrier | None = None,
+        router_id: str = "",
     ) -> worker_pb2.DecodeSubmit:
-        """Prefill and decode a request here. Returns once it is queued in the engine; its
-        tokens, the first included, come out through `poll`."""
+        """Prefill and decode a request here for `router_id`. Returns once it is queued in the
+        engine; its tokens, the first included, come out through that router's `poll`."""
         with self._tracer.start_span(
             "pdserve.decode.local_prefill", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
@@ -118,6 +131,7 @@ class DecodeWorker:
             with self.loop.lock:
                 cached = self.engine.cached_prompt_tokens(prompt_token_ids)
                 self.engine.add_request(list(prompt_token_ids), params, request_id)
+                self._register(router_id, request_id)
                 self.local_prefills += 1
             self.loop.wake()
             span.set_attribute("pdserve.cached_tokens", cached)
@@ -130,6 +144,7 @@ class DecodeWorker:
         request_id: str,
         prefilled: worker_pb2.PrefillResult,
         span: trace.Span,
+        router_id: str,
     ) -> worker_pb2.DecodeStart:
         handle = prefilled.handle
         check_handle(handle, self.agent.compat_hash)  # before a block is allocated or a byte read
@@ -138,6 +153,7 @@ class DecodeWorker:
             raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
         with self.loop.lock:
             plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
+            self._register(router_id, request_id)
             self._importing.add(request_id)
         try:
             return self._pull_and_commit(prompt_token_ids, params, request_id, prefilled, plan, span)
@@ -147,6 +163,7 @@ class DecodeWorker:
                 if request_id in self._cancelled:
                     self._cancelled.discard(request_id)
                     self.engine.abort(request_id)
+                    self._unregister(request_id)
 
     def _pull_and_commit(
         self,
@@ -250,15 +267,45 @@ class DecodeWorker:
                 # Its blocks are being written by a READ right now: free them once it has ended.
                 self._cancelled.add(request_id)
                 return True
+            self._unregister(request_id)
             return self.engine.abort(request_id)
 
-    def poll(self, timeout_s: float) -> worker_pb2.TokenUpdates:
-        """Every update since the last poll; waits up to timeout_s for the first one."""
+    def poll(self, timeout_s: float, router_id: str = "") -> worker_pb2.TokenUpdates:
+        """Every update of `router_id`'s requests since its last poll; waits up to timeout_s
+        for the first one. Each poll renews the router's lease."""
         with self._outbox_ready:
-            if not self._outbox:
-                self._outbox_ready.wait(timeout_s)
-            out, self._outbox = self._outbox, []
+            self._outboxes.touch(router_id, self._clock())
+            if not self._outboxes.has(router_id):
+                self._outbox_ready.wait_for(lambda: self._outboxes.has(router_id), timeout_s)
+            out = self._outboxes.take(router_id)
         return worker_pb2.TokenUpdates(updates=out)
+
+    @property
+    def router_lease_expiries(self) -> int:
+        """Routers whose lease ran out (taken for dead, their requests aborted)."""
+        return self._outboxes.expiries
+
+    def _register(self, router_id: str, request_id: str) -> None:
+        with self._outbox_ready:
+            self._outboxes.register(router_id, request_id, self._clock())
+
+    def _unregister(self, request_id: str) -> None:
+        with self._outbox_ready:
+            self._outboxes.forget(request_id)
+
+    def _expire_routers(self) -> None:
+        """The loop's tick (under the engine's lock): abort the requests of routers whose lease
+        ran out. The request's KV blocks go back to the pool."""
+        with self._outbox_ready:
+            requests = self._outboxes.expire(self._clock())
+            if requests:
+                self._outbox_ready.notify_all()  # a late poll of that router gets its aborts
+        for rid in requests:
+            log.warning("request %s: its router stopped polling for %gs; aborting it", rid, self.config.router_lease_s)
+            if rid in self._importing:
+                self._cancelled.add(rid)  # freed once its READ has ended
+            else:
+                self.engine.abort(rid)
 
     def kv_events(self, wait_s: float, full: bool = False) -> worker_pb2.KvEventBatch:
         """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
@@ -299,5 +346,5 @@ class DecodeWorker:
             for o in outputs
         ]
         with self._outbox_ready:
-            self._outbox.extend(updates)
-            self._outbox_ready.notify_all()
+            if self._outboxes.deliver(updates):
+                self._outbox_ready.notify_all()

@@ -86,3 +86,21 @@ class WorkerHealth(_message.Message):
     engine_alive: bool
     epoch: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ServeInfo(_message.Message):
+    __slots__ = ("model_dir", "block_size", "max_model_len", "vocab_size", "placement_policy", "load_factor", "max_local_prefill_tokens")
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_dir: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    placement_policy: str
+    load_factor: float
+    max_local_prefill_tokens: int
+    def __init__(self, model_dir: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., placement_policy: _Optional[str] = ..., load_factor: _Optional[float] = ..., max_local_prefill_tokens: _Optional[int] = ...) -> None: ...

@@ -6,6 +6,12 @@ async and takes a deadline; implementations turn worker-side failures into `Rout
 the gRPC status the client should see. `prefill` and `start` also take the
 W3C trace context of the router's span (`trace_context`), passed only when tracing is on;
 so does `submit`, which hands a whole request to a decode worker to prefill itself.
+
+A decode handle speaks for one router. Several routers may share the decode workers (`pdserve
+router`), so the contract is per router: `start` and `submit` tag the request with the handle's
+router, `poll` returns only that router's updates, and a worker aborts the requests of a router
+that has not polled for its lease (a dead router leaves nothing running). Prefill needs no tag:
+its KV is held under its own lease until pulled.
 """
 
 from __future__ import annotations
@@ -87,7 +93,9 @@ class DecodeHandle(Protocol):
 
     async def abort(self, request_id: str, timeout_s: float) -> None: ...
 
-    # Every token update since the last poll (long-poll up to wait_s).
+    # Every token update of this router's requests since its last poll (long-poll up to wait_s).
+    # Polling also renews the router's lease on the worker; a request whose router stops polling
+    # is aborted there. A router that polls again after that gets `finish_reason="abort"` for it.
     async def poll(self, wait_s: float, timeout_s: float) -> worker_pb2.TokenUpdates: ...
 
     # Liveness, apart from work: answered however busy the worker is (see worker.proto).

@@ -35,6 +35,7 @@ class WorkerActor:
         _configure_logging()
         self.role = role
         self.tracing = build_tracing(cfg.tracing, role, worker_id)
+        self._serve_cfg = cfg  # for `serve_info`
         self._prefill_worker = build_prefill(worker_id, cfg, self.tracing.tracer) if role == "prefill" else None
         self._decode_worker = build_decode(worker_id, cfg, self.tracing.tracer) if role == "decode" else None
         self.worker: PrefillWorker | DecodeWorker = self._prefill_worker or self._decode_worker  # type: ignore[assignment]
@@ -79,19 +80,25 @@ class WorkerActor:
         rid: str,
         prefilled: worker_pb2.PrefillResult,
         trace_context: TraceCarrier | None = None,
+        router_id: str = "",
     ) -> worker_pb2.DecodeStart:
-        return self._decode().start(ids, params, rid, prefilled, trace_context)
+        return self._decode().start(ids, params, rid, prefilled, trace_context, router_id)
 
     def submit(
-        self, ids: list[int], params: SamplingParams, rid: str, trace_context: TraceCarrier | None = None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        trace_context: TraceCarrier | None = None,
+        router_id: str = "",
     ) -> worker_pb2.DecodeSubmit:
-        return self._decode().submit(ids, params, rid, trace_context)
+        return self._decode().submit(ids, params, rid, trace_context, router_id)
 
     def abort(self, rid: str) -> bool:
         return self._decode().abort(rid)
 
-    def poll(self, wait_s: float) -> worker_pb2.TokenUpdates:
-        return self._decode().poll(wait_s)
+    def poll(self, wait_s: float, router_id: str = "") -> worker_pb2.TokenUpdates:
+        return self._decode().poll(wait_s, router_id)
 
     # ----- both ----------------------------------------------------------------------------
 
@@ -116,6 +123,20 @@ class WorkerActor:
         if self._decode_worker is None:
             raise TypeError(f"role: {self.worker.worker_id} is a {self.role} worker, not a decode worker")
         return self._decode_worker
+
+    # ----- routers that join running workers (`pdserve router`) ------------------------------
+
+    def serve_info(self) -> worker_pb2.ServeInfo:
+        engine, placement = self.worker.engine, self._serve_cfg.placement
+        return worker_pb2.ServeInfo(
+            model_dir=engine.cfg.model,
+            block_size=engine.cfg.block_size,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            placement_policy=placement.policy,
+            load_factor=placement.load_factor,
+            max_local_prefill_tokens=placement.max_local_prefill_tokens,
+        )
 
 
 def _configure_logging() -> None:

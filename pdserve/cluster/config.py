@@ -46,6 +46,9 @@ class ServeConfig:
     # because two engines running OpenMP on the same cores stall each other at every barrier.
     cpu_threads_per_worker: int | None = None
     lease_s: float = 30.0
+    # A decode worker aborts the requests of a router (`pdserve serve`'s or a `pdserve router`)
+    # that has not polled it for this long, and frees their KV blocks.
+    router_lease_s: float = 15.0
     transfer_timeout_s: float = 10.0
     # A checksum per KV block: computed by the prefill worker when it pins a prompt, checked by
     # the decode worker after its READ, which recomputes the prompt on a mismatch
@@ -73,6 +76,8 @@ class ServeConfig:
             raise ValueError(f"num_decode: {self.num_decode} workers; every cluster needs at least one decode worker")
         if self.cpu_threads_per_worker is not None and self.cpu_threads_per_worker < 1:
             raise ValueError(f"cpu_threads_per_worker: {self.cpu_threads_per_worker}; must be >= 1 (or None: shared out)")
+        if self.router_lease_s <= 0:
+            raise ValueError(f"router_lease_s: {self.router_lease_s}; a router's lease must be positive")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: {self.max_queued_requests}; must be >= 0 (0: unbounded)")
         if not 0 <= self.port < 65536:

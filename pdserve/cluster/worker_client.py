@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +34,11 @@ Invoker = Callable[..., Awaitable[Any]]
 # A prefill call gets the worker's own deadline plus this, so the worker's clearer timeout
 # error arrives before the router gives up on it.
 PREFILL_MARGIN_S = 5.0
+
+
+def new_router_id() -> str:
+    """A router's id, new at each start: the decode workers keep one outbox and lease per router."""
+    return f"router-{uuid.uuid4().hex[:16]}"
 
 
 class WorkerUnreachable(Exception):
@@ -64,12 +70,17 @@ class WorkerClient:
     A call past its deadline is not taken as the worker's death: a loaded worker answers work
     late. The client then asks the worker's health (`health_timeout_s`), which is answered
     apart from work; only a worker that fails that too is `worker_failed`. A busy one gives
-    DEADLINE_EXCEEDED for that call and stays in service."""
+    DEADLINE_EXCEEDED for that call and stays in service.
 
-    def __init__(self, worker_id: str, invoke: Invoker, health_timeout_s: float = 5.0) -> None:
+    A client speaks for one router, `router_id`: the decode calls that start a request carry it,
+    and `poll` returns only that router's tokens (routers sharing workers never take each
+    other's). "" is a router id like any other, for a client used alone."""
+
+    def __init__(self, worker_id: str, invoke: Invoker, health_timeout_s: float = 5.0, router_id: str = "") -> None:
         self.worker_id = worker_id
         self._invoke = invoke
         self.health_timeout_s = health_timeout_s
+        self.router_id = router_id
 
     async def _call(self, what: str, timeout_s: float, name: str, *args: Any) -> Any:
         try:
@@ -132,7 +143,7 @@ class WorkerClient:
         trace_context: TraceCarrier | None = None,
     ) -> worker_pb2.DecodeStart:
         return await self._call(
-            "decode start", timeout_s, "start", prompt_token_ids, params, request_id, prefilled, trace_context
+            "decode start", timeout_s, "start", prompt_token_ids, params, request_id, prefilled, trace_context, self.router_id
         )
 
     async def submit(
@@ -144,14 +155,14 @@ class WorkerClient:
         trace_context: TraceCarrier | None = None,
     ) -> worker_pb2.DecodeSubmit:
         return await self._call(
-            "decode submit", timeout_s, "submit", prompt_token_ids, params, request_id, trace_context
+            "decode submit", timeout_s, "submit", prompt_token_ids, params, request_id, trace_context, self.router_id
         )
 
     async def abort(self, request_id: str, timeout_s: float) -> None:
         await self._call("abort", timeout_s, "abort", request_id)
 
     async def poll(self, wait_s: float, timeout_s: float) -> worker_pb2.TokenUpdates:
-        return await self._call("poll", timeout_s, "poll", wait_s)
+        return await self._call("poll", timeout_s, "poll", wait_s, self.router_id)
 
     # ----- both ----------------------------------------------------------------------------
 

@@ -116,7 +116,9 @@ def prefill_config(cfg: ServeConfig) -> PrefillConfig:
 
 
 def decode_config(cfg: ServeConfig) -> DecodeConfig:
-    return DecodeConfig(kv_checksum=cfg.kv_checksum, transfer_timeout_s=cfg.transfer_timeout_s)
+    return DecodeConfig(
+        kv_checksum=cfg.kv_checksum, transfer_timeout_s=cfg.transfer_timeout_s, router_lease_s=cfg.router_lease_s
+    )
 
 
 def link_self_test(decode: DecodeWorker, prefill_agent_name: str) -> float:

@@ -76,7 +76,7 @@ class _BlockingWorker:
     def __init__(self) -> None:
         self.release_all = threading.Event()
 
-    def poll(self, wait_s: float) -> worker_pb2.TokenUpdates:
+    def poll(self, wait_s: float, router_id: str = "") -> worker_pb2.TokenUpdates:
         self.release_all.wait(10)
         return worker_pb2.TokenUpdates()
 
