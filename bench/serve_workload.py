@@ -63,7 +63,7 @@ def lognormal(shape: Shape, n: int, seed: int, max_input: int, max_output: int, 
 
 
 def prefix_groups(
-    n: int, seed: int, groups: int, prefix_len: int, suffix: Shape, max_output: int, scale: float = 1.0
+    n: int, seed: int, groups: int, prefix_len: int, suffix: Shape, max_suffix: int, max_output: int, scale: float = 1.0
 ) -> list[Request]:
     """n requests, each a shared prefix of prefix_len tokens (one of `groups`, picked at random)
     followed by its own suffix, lengths drawn from `suffix` (as `lognormal`): documents or system
@@ -73,7 +73,7 @@ def prefix_groups(
     rng = np.random.default_rng(seed + 2)  # not the suffixes' stream: their lengths stay lognormal's
     prefixes = [rng.integers(*_TOKEN_RANGE, max(1, round(prefix_len * scale))).tolist() for _ in range(groups)]
     picks = rng.integers(0, groups, n)
-    tails = lognormal(suffix, n, seed, 1 << 30, max_output, scale)
+    tails = lognormal(suffix, n, seed, max_suffix, max_output, scale)
     return [Request(prefixes[int(g)] + t.prompt, t.output_len) for g, t in zip(picks, tails)]
 
 

@@ -1,0 +1,141 @@
+"""`bench/gpu_serve.py`'s results: the JSON of one run and of one server, the table of them all and
+the latency-throughput plot. Pure apart from reading the output folder and writing the PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.report import markdown_table
+
+RUN_GLOB = "run__*.json"
+SERVER_GLOB = "server__*.json"
+
+
+def run_file(server: str, workload: str, rate: float) -> str:
+    return f"run__{server}__{workload}__{rate:g}.json"
+
+
+def server_file(server: str) -> str:
+    return f"server__{server}.json"
+
+
+def run_record(server: dict, workload: str, rate: float, summary: dict, extra: dict) -> dict:
+    """One run's JSON: the server (name, GPUs, start-up), the workload and offered rate, the
+    summary of `serve_metrics.summarize` and its figures per GPU."""
+    gpus = server["gpus"]
+    per_gpu = {k: round(summary[k] / gpus, 4) for k in ("goodput_req_s", "output_tok_s", "req_s")}
+    return {
+        "server": server["server"],
+        "gpus": gpus,
+        "startup_s": server.get("startup_s"),
+        "workload": workload,
+        "rate": rate,
+        **extra,
+        "summary": summary,
+        "per_gpu": per_gpu,
+    }
+
+
+def load(out: Path) -> tuple[list[dict], list[dict]]:
+    """The runs and the servers written in `out` (in name order)."""
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob(RUN_GLOB))]
+    servers = [json.loads(p.read_text()) for p in sorted(out.glob(SERVER_GLOB))]
+    return runs, servers
+
+
+def _order(names: Sequence[str], preferred: Sequence[str]) -> list[str]:
+    known = [n for n in preferred if n in names]
+    return known + sorted(n for n in set(names) if n not in known)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def runs_table(runs: Sequence[dict], workloads: Sequence[str] = (), servers: Sequence[str] = ()) -> str:
+    """One row per (workload, server, rate)."""
+    head = [
+        "workload", "server", "GPUs", "rate req/s", "ok/sent", "goodput req/s", "goodput req/s/GPU",
+        "output tok/s", "output tok/s/GPU", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+    ]  # fmt: skip
+    body = []
+    for w in _order([r["workload"] for r in runs], workloads):
+        for s in _order([r["server"] for r in runs if r["workload"] == w], servers):
+            for r in sorted((r for r in runs if r["workload"] == w and r["server"] == s), key=lambda r: r["rate"]):
+                m, g = r["summary"], r["per_gpu"]
+                body.append([
+                    w, s, str(r["gpus"]), f"{r['rate']:g}", f"{m['completed']}/{m['requests']}",
+                    f"{m['goodput_req_s']:.2f}", f"{g['goodput_req_s']:.2f}", f"{m['output_tok_s']:,.0f}",
+                    f"{g['output_tok_s']:,.0f}", _ms(m["ttft_ms"]["p50"]), _ms(m["ttft_ms"]["p99"]),
+                    _ms(m["itl_ms"]["p50"]), _ms(m["itl_ms"]["p99"]),
+                ])  # fmt: skip
+    return markdown_table(head, body)
+
+
+def servers_table(servers: Sequence[dict], order: Sequence[str] = ()) -> str:
+    """One row per server: GPUs, start-up time, and why it did not run, if it did not; rates
+    left out because an earlier rate was saturated."""
+    by_name = {s["server"]: s for s in servers}
+    body = []
+    for name in _order(list(by_name), order):
+        s = by_name[name]
+        start = "-" if s.get("startup_s") is None else f"{s['startup_s']:.1f}"
+        skipped = "; ".join(f"{w} above {r:g}/s" for w, r in sorted((s.get("saturated_at") or {}).items()))
+        status = "ok" if s.get("error") is None else f"failed: {s['error']}"
+        body.append([name, str(s["gpus"]), start, status, skipped or "-"])
+    return markdown_table(["server", "GPUs", "start-up s", "status", "rates not run (saturated)"], body)
+
+
+def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
+                workloads: Sequence[str] = (), order: Sequence[str] = ()) -> str:  # fmt: skip
+    slo = next((r["summary"]["slo"] for r in runs), None)
+    note = (
+        f"Goodput: requests/s that finished within TTFT <= {slo['ttft_ms']:g} ms and mean ITL <= {slo['itl_ms']:g} ms."
+        if slo else "No runs."
+    )  # fmt: skip
+    parts = [header, runs_table(runs, workloads, order), note, servers_table(servers, order)]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def plot(
+    runs: Sequence[dict], path: Path, title: str, workloads: Sequence[str] = (), order: Sequence[str] = ()
+) -> None:
+    """Goodput (top) and TTFT p99 (bottom, log scale, the SLO dashed) against the offered rate,
+    one line per server, one column per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = _order([r["workload"] for r in runs], workloads)
+    if not names:
+        raise ValueError("plot: no runs")
+    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.0), squeeze=False)
+    for col, w in enumerate(names):
+        top, bottom = axes[0][col], axes[1][col]
+        mine = [r for r in runs if r["workload"] == w]
+        for s in _order([r["server"] for r in mine], order):
+            pts = sorted((r for r in mine if r["server"] == s), key=lambda r: r["rate"])
+            xs = [r["rate"] for r in pts]
+            top.plot(xs, [r["summary"]["goodput_req_s"] for r in pts], marker="o", label=s)
+            ttft = [r["summary"]["ttft_ms"]["p99"] for r in pts]
+            bottom.plot(xs, [math.nan if v is None else v for v in ttft], marker="o", label=s)
+        hi = max(r["rate"] for r in mine)
+        top.plot([0, hi], [0, hi], color="grey", linestyle=":", linewidth=1, label="offered")
+        slo = mine[0]["summary"]["slo"]["ttft_ms"]
+        bottom.axhline(slo, color="red", linestyle="--", linewidth=1, label=f"TTFT SLO {slo:g} ms")
+        bottom.set_yscale("log")
+        top.set_title(w, fontsize=10)
+        top.set_ylabel("goodput (req/s within SLOs)")
+        bottom.set_ylabel("TTFT p99 (ms)")
+        bottom.set_xlabel("offered rate (req/s, Poisson)")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
