@@ -318,3 +318,11 @@ class _Sim:
 def simulate(reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig,
              progress: Callable[[float], None] | None = None) -> SimResult:
     return _Sim(reqs, model, cfg, progress).run()
+
+
+def simulate_with_times(
+    reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig
+) -> tuple[SimResult, list[RequestTimes]]:
+    """As `simulate`, with each request's times too (in trace order), to set beside a real run's."""
+    sim = _Sim(reqs, model, cfg, None)
+    return sim.run(), sim.times
