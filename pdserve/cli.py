@@ -100,11 +100,6 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
         help="the key of the Admin service (also PDSERVE_ADMIN_API_KEY); data keys are refused there, and with "
         "--api-key set but no admin key the Admin service is closed",
     )
-    p.add_argument(
-        "--kv-net-devices", default=None, metavar="DEVS",
-        help="network devices of the workers' KV transfers, as UCX_NET_DEVICES (default: lo for a local cluster, "
-        "UCX's choice with --address); this network is not authenticated: keep it isolated",
-    )
     limits = InputLimits()  # the defaults live there, once
     p.add_argument(
         "--max-request-bytes", type=int, default=limits.max_request_bytes, metavar="N",
@@ -121,6 +116,21 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-stop-chars", type=int, default=limits.max_stop_chars, metavar="N",
         help=f"longest stop string (default: {limits.max_stop_chars})",
+    )
+
+
+def _add_edge_args(p: argparse.ArgumentParser) -> None:
+    """The router's listeners and admission: `serve` and `router` take the same."""
+    p.add_argument(
+        "--max-queued-requests", type=int, default=0, metavar="N",
+        help="bounded admission: each pool (prefill, decode) holds at most N requests admitted but without a token "
+        "yet; more are refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a retry hint (default: 0, unbounded)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0 picks a free one)")
+    p.add_argument(
+        "--http-port", type=int, default=None, metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port",
     )
 
 
@@ -203,17 +213,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="conditional disaggregation: prefill a prompt on its decode worker when at most N of its tokens are "
         "missing from that worker's prefix cache (default: 0, always use the prefill pool)",
     )
-    srv.add_argument(
-        "--max-queued-requests", type=int, default=0, metavar="N",
-        help="bounded admission: each pool (prefill, decode) holds at most N requests admitted but without a token "
-        "yet; more are refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a retry hint (default: 0, unbounded)",
-    )
-    srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0 picks a free one)")
-    srv.add_argument(
-        "--http-port", type=int, default=None, metavar="PORT",
-        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port",
-    )
+    _add_edge_args(srv)
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
     srv.add_argument(
@@ -236,6 +236,35 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_telemetry_args(srv)
     _add_security_args(srv)
+    srv.add_argument(
+        "--kv-net-devices", default=None, metavar="DEVS",
+        help="network devices of the workers' KV transfers, as UCX_NET_DEVICES (default: lo for a local cluster, "
+        "UCX's choice with --address); this network is not authenticated: keep it isolated",
+    )
+    srv.add_argument(
+        "--router-lease-s", type=float, default=15.0, metavar="S",
+        help="a decode worker aborts the requests of a router (this one or a `pdserve router`) that has not polled "
+        "it for S seconds, freeing their KV blocks (default: 15)",
+    )
+
+    rtr = sub.add_parser(
+        "router",
+        help="another router for a running cluster: no single point of failure in front of the workers",
+        description="Join the worker pools that `pdserve serve` or deploy/ray/launch.sh started on the Ray cluster at "
+        "--address and serve the same gRPC, HTTP and metrics APIs in front of them. Run several behind a load "
+        "balancer: each finds the workers by name, learns their model and settings from them, and follows workers "
+        "that join or leave. A router that dies loses only its own streams; the workers abort its requests once it "
+        "has not polled them for --router-lease-s of `serve`. Ray's token must be at hand as for any Ray client "
+        "(RAY_AUTH_MODE=token with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH; docs/operations.md).",
+    )
+    rtr.add_argument("--address", required=True, metavar="RAY_ADDRESS", help="the Ray cluster the workers run on")
+    rtr.add_argument(
+        "--model", default=None, metavar="DIR",
+        help="the model directory on this host, for the tokenizer (default: the directory the workers report)",
+    )
+    _add_edge_args(rtr)
+    _add_telemetry_args(rtr)
+    _add_security_args(rtr)
 
     _add_control_parsers(sub)
 
@@ -348,6 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.cluster.main import serve_forever
 
             return serve_forever(args)
+        if args.command == "router":
+            from pdserve.cluster.main import route_forever
+
+            return route_forever(args)
         if args.command in ("simulate", "plan"):
             from pdserve.control import cli as control
 

@@ -1,4 +1,5 @@
-"""`pdserve serve`: run a cluster until SIGINT/SIGTERM."""
+"""`pdserve serve`: run a cluster until SIGINT/SIGTERM; `pdserve router`: one more router in front
+of a running cluster's workers, until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
+from typing import Any
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.listeners import listener_lines
@@ -25,32 +28,45 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         dtype=args.dtype,
         num_prefill=args.prefill,
         num_decode=args.decode,
-        host=args.host,
-        port=args.port,
-        http_port=args.http_port,
         ray_address=args.address,
         engine=EngineArgs.from_options(vars(args)),  # the engine flags' dests are its field names
         lease_s=args.lease_s,
         kv_checksum=args.kv_checksum,
+        router_lease_s=args.router_lease_s,
         cpu_threads_per_worker=args.cpu_threads,
         placement=PlacementConfig(
             policy=args.placement_policy,
             load_factor=args.load_factor,
             max_local_prefill_tokens=args.max_local_prefill_tokens,
         ),
-        max_queued_requests=args.max_queued_requests,
-        metrics_port=args.metrics_port,
-        api_keys=api_keys_from_args(args, os.environ),
-        tls=tls_config(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs),
-        limits=InputLimits(
+        kv_net_devices=args.kv_net_devices,
+        **edge_from_args(args),
+    )
+
+
+def router_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """`pdserve router`: its listeners' settings; the model and placement come from the workers."""
+    return ServeConfig(model=args.model, ray_address=args.address, **edge_from_args(args))
+
+
+def edge_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The router's listeners, admission, security and telemetry: the flags `serve` and `router` share."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "http_port": args.http_port,
+        "max_queued_requests": args.max_queued_requests,
+        "metrics_port": args.metrics_port,
+        "api_keys": api_keys_from_args(args, os.environ),
+        "tls": tls_config(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs),
+        "limits": InputLimits(
             max_request_bytes=args.max_request_bytes,
             max_prompt_chars=args.max_prompt_chars,
             max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars,
         ),
-        kv_net_devices=args.kv_net_devices,
-        tracing=TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
-    )
+        "tracing": TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
+    }
 
 
 def api_keys_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) -> ApiKeys:
@@ -93,4 +109,41 @@ async def _serve(cfg: ServeConfig, verbose: bool) -> None:
 
 def serve_forever(args: argparse.Namespace) -> int:
     asyncio.run(_serve(config_from_args(args), args.verbose))
+    return 0
+
+
+async def _route(cfg: ServeConfig) -> None:
+    from pdserve.cluster.join import JoinedRouter
+
+    joined = await JoinedRouter.start(cfg, progress=_say)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    model = joined.router.config.model_id
+    print(f"pdserve: router {joined.router_id} serving {model} on {joined.address}", flush=True)
+    if joined.http_port is not None:
+        scheme = "http" if cfg.tls is None else "https"
+        print(f"pdserve: OpenAI-compatible HTTP API on {scheme}://{cfg.host}:{joined.http_port}/v1", flush=True)
+    metrics_port = joined.telemetry.metrics_port
+    if metrics_port is not None:
+        print(f"pdserve: Prometheus metrics on http://{cfg.host}:{metrics_port}/metrics", flush=True)
+    for line in listener_lines(cfg, joined.port, joined.http_port, metrics_port, None):
+        if not line.startswith("listening: KV transfers"):  # a router moves no KV
+            print(f"pdserve: {line}", flush=True)
+    try:
+        await stop.wait()
+        print("pdserve: shutting down", flush=True)
+    finally:
+        await joined.stop()
+
+
+def route_forever(args: argparse.Namespace) -> int:
+    from pdserve.cluster.join import JoinError
+
+    try:
+        asyncio.run(_route(router_config_from_args(args)))
+    except JoinError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -24,7 +24,7 @@ from pdserve.cluster.pools import PlacementError, actor_resources, cluster_nodes
 from pdserve.cluster.ports import PortInUseError, check_ports
 from pdserve.cluster.progress import Progress, quiet, worker_ready_line, workers_line
 from pdserve.telemetry.endpoint import unanswered_warning
-from pdserve.cluster.worker_client import WorkerClient
+from pdserve.cluster.worker_client import WorkerClient, new_router_id
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.models.resolve import resolve_device, resolve_model
@@ -52,8 +52,10 @@ class Cluster:
         workers: dict[str, tuple[str, Any, Any]] | None = None,
         http: tuple[web.AppRunner, int] | None = None,
         telemetry: RouterTelemetry | None = None,
+        router_id: str = "",
     ) -> None:
         self.cfg = cfg
+        self.router_id = router_id  # what this router's decode calls and polls are tagged with
         self.router = router
         self.server = server
         self.port = port
@@ -130,6 +132,7 @@ class Cluster:
                     measured.append((pi.worker_id, gbps))
                 progress(worker_ready_line("decode", di, measured))
             mc = ModelConfig.from_dir(model_dir)
+            router_id = new_router_id()
             router_cfg = RouterConfig(
                 model_id=model_dir.name,
                 max_model_len=min(cfg.engine.max_model_len or mc.max_model_len, mc.max_model_len),
@@ -141,25 +144,13 @@ class Cluster:
             router = Router(
                 router_cfg,
                 load_tokenizer(model_dir),
-                [WorkerClient(i.worker_id, ray_invoker(a)) for i, a in zip(p_infos, prefills)],
-                [WorkerClient(i.worker_id, ray_invoker(a)) for i, a in zip(d_infos, decodes)],
+                [WorkerClient(i.worker_id, ray_invoker(a), router_id=router_id) for i, a in zip(p_infos, prefills)],
+                [WorkerClient(i.worker_id, ray_invoker(a), router_id=router_id) for i, a in zip(d_infos, decodes)],
                 tracer=telemetry.tracing.tracer,
                 metrics=telemetry.metrics,
             )
             await router.start()
-            try:
-                edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits}
-                server, port = await start_grpc_server(router, cfg.host, cfg.port, **edge)
-                http = None
-                if cfg.http_port is not None:
-                    http = await start_http_server(router, cfg.host, cfg.http_port, **edge)
-            except OSError as exc:
-                # Taken since the check at the start (a race): still one clear line.
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                raise PortInUseError(f"a port was taken while the cluster started: {exc.strerror or exc}") from exc
-            if cfg.metrics_port is not None:
-                telemetry.serve_metrics(cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop())
+            server, port, http = await start_edge(router, cfg, certs, telemetry)
         except BaseException:
             telemetry.stop()
             for a in actors:
@@ -171,7 +162,7 @@ class Cluster:
         log.info("pdserve serving %s on %s:%d (%s)", model_dir.name, cfg.host, port, shape)
         workers = {i.worker_id: ("prefill", a, i) for i, a in zip(p_infos, prefills)}
         workers |= {i.worker_id: ("decode", a, i) for i, a in zip(d_infos, decodes)}
-        return cls(cfg, router, server, port, actors, owns_ray, workers, http, telemetry)
+        return cls(cfg, router, server, port, actors, owns_ray, workers, http, telemetry, router_id)
 
     async def add_worker(self, role: str) -> str:
         """Start one more worker of `role`, link it with the other pool and let the router
@@ -192,10 +183,11 @@ class Cluster:
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
             links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
             await within(asyncio.gather(*links), 60)
+            client = WorkerClient(worker_id, ray_invoker(actor), router_id=self.router_id)
             if role == "prefill":
-                await self.router.add_prefill(WorkerClient(worker_id, ray_invoker(actor)))
+                await self.router.add_prefill(client)
             else:
-                await self.router.add_decode(WorkerClient(worker_id, ray_invoker(actor)))
+                await self.router.add_decode(client)
         except BaseException:
             ray.kill(actor)
             raise
@@ -248,6 +240,27 @@ class Cluster:
         for r in results:
             if isinstance(r, BaseException):
                 log.warning("flushing a worker's traces failed: %s", r)
+
+
+async def start_edge(
+    router: Router, cfg: ServeConfig, certs: CertificateFiles | None, telemetry: RouterTelemetry
+) -> tuple[grpc.aio.Server, int, tuple[web.AppRunner, int] | None]:
+    """The router's listeners: gRPC, and HTTP and /metrics where `cfg` asks for them. Returns the
+    gRPC server, its port and the HTTP runner with its port. `pdserve serve` and `pdserve router`."""
+    try:
+        edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits}
+        server, port = await start_grpc_server(router, cfg.host, cfg.port, **edge)
+        http = None
+        if cfg.http_port is not None:
+            http = await start_http_server(router, cfg.host, cfg.http_port, **edge)
+    except OSError as exc:
+        # Taken since the check at the start (a race): still one clear line.
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUseError(f"a port was taken while the router started: {exc.strerror or exc}") from exc
+    if cfg.metrics_port is not None:
+        telemetry.serve_metrics(cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop())
+    return server, port, http
 
 
 async def _agent_infos(actors: dict[str, Any], timeout_s: float) -> list[Any]:
