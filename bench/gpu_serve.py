@@ -273,7 +273,8 @@ def run_server(launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, ou
 
 
 def machine(device: str, gpus: int) -> dict:
-    info = {"date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "gpus": gpus}
+    info = {"date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "cores": os.cpu_count()}
+    info["gpus"] = gpus
     info["command"] = shlex.join([sys.executable, *sys.argv])
     if device == "cuda":
         try:
@@ -285,9 +286,15 @@ def machine(device: str, gpus: int) -> dict:
     return info
 
 
+def where(info: dict) -> str:
+    """The date and the machine: the card and how many, or the CPU."""
+    cards = info.get("cards")
+    machine_ = f"{cards[0]} x{info.get('gpus')}" if cards else f"CPU {info.get('cpu', '?')} ({info.get('cores')} cores)"
+    return f"{info.get('date_utc', '?')} UTC, {machine_}"
+
+
 def header(info: dict) -> str:
-    cards = info.get("cards") or [info.get("cpu", "?")]
-    return f"{info.get('date_utc', '?')} UTC, {cards[0]} x{info.get('gpus')}; `{info.get('command', '?')}`"
+    return f"{where(info)}; `{info.get('command', '?')}`"
 
 
 def write_report(out: Path, workloads: tuple[str, ...] = (), order: tuple[str, ...] = ()) -> str:
@@ -297,7 +304,7 @@ def write_report(out: Path, workloads: tuple[str, ...] = (), order: tuple[str, .
     (out / "table.md").write_text(text)
     if runs:
         try:
-            plot(runs, out / "serve-gpu.png", header(info)[:120] if info else "", workloads, order)
+            plot(runs, out / "serve-gpu.png", where(info) if info else "", workloads, order)
         except (ImportError, OSError, ValueError) as exc:
             print(f"gpu_serve: plot: {exc} (the table is complete)", file=sys.stderr)
     return text
@@ -323,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, default=4.0, help="requests per run: rate x this (default: 4)")
     p.add_argument("--requests", type=int, default=None, help="a fixed number of requests per run instead")
     p.add_argument("--scale", type=float, default=None, help="multiply the workloads' lengths (cpu default: 0.05)")
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-itl-ms", type=float, default=50.0, help="mean inter-token latency per request")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (default: 1000; cpu 3000)")
+    p.add_argument("--slo-itl-ms", type=float, default=None, help="mean ITL SLO per request (default: 50; cpu 250)")
     p.add_argument("--stop-below", type=float, default=0.25, help="skip higher rates once SLO attainment is below")
     p.add_argument("--max-model-len", type=int, default=None, help="context cap of every server (default: 8192)")
     p.add_argument("--seed", type=int, default=0)
@@ -385,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     scale = args.scale if args.scale is not None else (0.05 if cpu else 1.0)
     rates = parse_rates(args.rates, workloads, DEFAULT_RATES["cpu" if cpu else args.shape])
     max_len = args.max_model_len or (1024 if cpu else 8192)  # cpu: a KV pool sized for short requests
+    # A CPU decodes the default model at ~100 ms a token: the GPU SLOs would leave no goodput to compare.
+    slo = Slo(
+        (args.slo_ttft_ms or (3000.0 if cpu else 1000.0)) / 1000, (args.slo_itl_ms or (250.0 if cpu else 50.0)) / 1000
+    )
     need = max(WORKLOADS[w].max_len(scale) for w in workloads)
     if need > max_len:
         print(f"gpu_serve: --max-model-len {max_len} is below the longest request ({need} tokens)", file=sys.stderr)
@@ -406,11 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     info = machine(args.device, args.gpus) | {"model": model_info, "shape": None if cpu else args.shape}
-    info |= {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "plan": describe(plan, out)}
+    info |= {"slo": {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000}, "plan": describe(plan, out)}
     (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
     start = time.monotonic()
     st = Settings(
-        slo=Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000), duration_s=args.duration_s, requests=args.requests,
+        slo=slo, duration_s=args.duration_s, requests=args.requests,
         scale=scale, seed=args.seed, request_timeout_s=args.request_timeout_s,
         startup_timeout_s=args.startup_timeout_s, stop_below=args.stop_below, warmup=args.warmup,
         deadline=start + args.deadline_s if args.deadline_s else float("inf"),

@@ -133,6 +133,7 @@ def plot(
         bottom.set_ylabel("TTFT p99 (ms)")
         bottom.set_xlabel("offered rate (req/s, Poisson)")
         for ax in (top, bottom):
+            ax.set_xlim(left=0)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
