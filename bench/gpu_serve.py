@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context cap of every server (default: 8192)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests per workload sent before measuring")
-    p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument("--request-timeout-s", type=float, default=30.0, help="deadline of each request (default: 30)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--vllm-site", default=None, help="vLLM's site folder: its PYTHONPATH, alone")

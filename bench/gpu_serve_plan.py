@@ -45,7 +45,7 @@ WORKLOADS: dict[str, Workload] = {
     # RAG-like: a long retrieved context, a short answer; nearly fixed lengths.
     "long-prompt": Workload("long-prompt", Shape(3000, 150, sigma=0.1), max_input=3600, max_output=180),
     # Chat: means ~1000 prompt and ~200 output tokens, lognormal sigma 0.5.
-    "chat": Workload("chat", Shape(882, 176, sigma=0.5), max_input=4000, max_output=800),
+    "chat": Workload("chat", Shape(882, 176, sigma=0.5), max_input=4000, max_output=600),
     # 8 shared 2048-token prefixes (system prompts, documents), each request its own ~128-token
     # question and ~128-token answer: what a prefix cache (and cache-aware placement) is for.
     "prefix-sharing": Workload(

@@ -224,3 +224,21 @@ def test_random_model_dir_loads_in_pdserve_and_its_tokenizer_covers_the_vocabula
     assert tok.decode([5, 299]) == "t5 <|end_of_text|>" and tok.eos_token_id == 299
     ids = [i for i in out.token_ids if i < 298]
     assert tok.convert_tokens_to_ids(tok.decode(ids).split()) == ids
+
+
+def test_vllm_pd_proxy_asks_the_prefill_instance_for_one_token_and_hands_its_kv_to_decode():
+    from bench.vllm_pd_proxy import decode_body, prefill_body
+
+    body = {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 150,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    pre = prefill_body(body)
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and "stream_options" not in pre
+    assert pre["kv_transfer_params"]["do_remote_decode"] is True and pre["prompt"] == [1, 2, 3]
+    params = {"do_remote_prefill": True, "remote_block_ids": [4, 5], "remote_engine_id": "e"}
+    dec = decode_body(body, {"kv_transfer_params": params})
+    assert dec == body | {"kv_transfer_params": params} and body["max_tokens"] == 150  # the client's request untouched
