@@ -12,6 +12,7 @@ and every prompt is new to both (no prefix-cache hit changes how its prefill is 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import signal
@@ -113,22 +114,36 @@ def serve_and_compare(tmp_path: Path, device: str, dtype: str) -> None:
         with_timeout_stop(proc)
 
 
-def _check_openai(base: str, prompts: list[list[int]], expected: list, tok) -> None:
-    import openai
-
+def _openai_completion(base: str, prompt: list[int]) -> tuple[str, int, int, str]:
+    """Text, prompt tokens, completion tokens and finish reason of one greedy completion, asked
+    with the `openai` client (or, where it is not installed, the same JSON over plain HTTP)."""
+    extra = {"ignore_eos": True}
+    try:
+        import openai
+    except ImportError:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **extra}
+        models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=30))
+        req = urllib.request.Request(
+            base + "/v1/completions", json.dumps(body | {"model": models["data"][0]["id"]}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        c = json.load(urllib.request.urlopen(req, timeout=120))
+        u = c["usage"]
+        return c["choices"][0]["text"], u["prompt_tokens"], u["completion_tokens"], c["choices"][0]["finish_reason"]
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120.0, max_retries=0)
     model = client.models.list().data[0].id
+    c = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, extra_body=extra)
+    return c.choices[0].text, c.usage.prompt_tokens, c.usage.completion_tokens, c.choices[0].finish_reason
+
+
+def _check_openai(base: str, prompts: list[list[int]], expected: list, tok) -> None:
     for i, (p, exp) in enumerate(zip(prompts, expected)):
         assert len(exp.token_ids) == MAX_TOKENS
-        c = client.completions.create(
-            model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
-        )
-        text = c.choices[0].text
+        text, prompt_tokens, completion_tokens, finish = _openai_completion(base, p)
         got = tok.convert_tokens_to_ids(text.split())
         assert got == exp.token_ids, f"prompt {i} ({len(p)} tokens): served {got}, offline {exp.token_ids}"
         assert text == exp.text
-        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(p), MAX_TOKENS)
-        assert c.choices[0].finish_reason == "length"
+        assert (prompt_tokens, completion_tokens, finish) == (len(p), MAX_TOKENS, "length")
 
 
 def _check_grpc(address: str, prompts: list[list[int]], expected: list) -> None:
