@@ -58,7 +58,7 @@ from bench.gpu_serve_plan import (
     requests_per_run,
     select_servers,
 )
-from bench.gpu_serve_report import load, plot, report_text, run_file, run_record, server_file
+from bench.gpu_serve_report import load, plot, report_text, run_file, run_record, server_file, server_runs_glob
 from bench.report import cpu_name
 from bench.serve import LoadConfig, run_load, served_model
 from bench.serve_metrics import Slo, summarize
@@ -217,18 +217,21 @@ async def _drive(launch_: Launch, plan: Plan, st: Settings, out: Path, record: d
         reqs = [Request(r.prompt, min(r.output_len, 8)) for r in sample]
         await run_load(LoadConfig(launch_.url, model, None, 2, st.seed, st.request_timeout_s, False), reqs)
     for w in plan.workloads:
-        for rate in plan.rates[w]:
+        for k, rate in enumerate(plan.rates[w]):
+            # Each rate its own prompts (the same on every server): a rate must not find the
+            # previous rate's prompts in the prefix cache.
+            seed = st.seed + 7919 * k
             if why := alive():
                 raise RuntimeError(why)
             n = requests_per_run(rate, plan.duration_s, plan.requests)
             if time.monotonic() + n / rate > st.deadline:
                 record.setdefault("not_run", []).append(f"{w} at {rate:g}/s: past --deadline-s")
                 continue
-            reqs = WORKLOADS[w].requests(n, st.seed, st.scale)
-            cfg = LoadConfig(launch_.url, model, rate, None, st.seed, st.request_timeout_s, False)
+            reqs = WORKLOADS[w].requests(n, seed, st.scale)
+            cfg = LoadConfig(launch_.url, model, rate, None, seed, st.request_timeout_s, False)
             results, duration = await run_load(cfg, reqs)
             summary = summarize(results, duration, st.slo)
-            extra = {"requests_sent": n, "scale": st.scale, "seed": st.seed}
+            extra = {"requests_sent": n, "scale": st.scale, "seed": seed}
             run = run_record(record, w, rate, summary, extra)
             (out / run_file(record["server"], w, rate)).write_text(json.dumps(run, indent=1) + "\n")
             print(
@@ -249,6 +252,8 @@ def run_server(launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, ou
     record: dict = {"server": s.name, "gpus": s.gpus, "kind": s.kind, "url": launch_.url, "startup_s": None}
     record["processes"] = [{"name": p.name, "argv": list(p.argv), "env": p.env} for p in launch_.processes]
     record["error"] = vllm_missing(ctx) if s.is_vllm else None
+    for stale in out.glob(server_runs_glob(s.name)):
+        stale.unlink()  # an earlier invocation's runs of this server: the table shows this one's only
     srv = ServerRun(launch_, out / "logs")
     if record["error"] is None:
         t0 = time.monotonic()

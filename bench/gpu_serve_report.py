@@ -18,6 +18,10 @@ def run_file(server: str, workload: str, rate: float) -> str:
     return f"run__{server}__{workload}__{rate:g}.json"
 
 
+def server_runs_glob(server: str) -> str:
+    return f"run__{server}__*__*.json"
+
+
 def server_file(server: str) -> str:
     return f"server__{server}.json"
 

@@ -242,3 +242,22 @@ def test_vllm_pd_proxy_asks_the_prefill_instance_for_one_token_and_hands_its_kv_
     params = {"do_remote_prefill": True, "remote_block_ids": [4, 5], "remote_engine_id": "e"}
     dec = decode_body(body, {"kv_transfer_params": params})
     assert dec == body | {"kv_transfer_params": params} and body["max_tokens"] == 150  # the client's request untouched
+
+
+def test_a_server_that_cannot_start_is_a_one_line_failure_and_its_old_runs_go(tmp_path):
+    from bench.gpu_serve import Settings, run_server
+
+    ctx = LaunchContext(**(CTX.__dict__ | {"vllm_site": str(tmp_path / "no-site"), "vllm_python": sys.executable}))
+    lc = launch(Server("vllm-dp2", "vllm", 2), ctx, 9100)
+    stale = tmp_path / run_file("vllm-dp2", "chat", 4)
+    stale.write_text(json.dumps(_run("vllm-dp2", "chat", 4, 0.1)))
+    keep = tmp_path / run_file("vllm-dp4", "chat", 4)
+    keep.write_text("{}")
+    (tmp_path / "logs").mkdir()
+    plan = Plan((lc,), ("chat",), {"chat": (4.0,)}, 4.0, None, 1.0)
+    st = Settings(Slo(1.0, 0.05), 4.0, None, 1.0, 0, 30.0, 300.0, 0.25, 2, float("inf"))
+    rec = run_server(lc, plan, st, ctx, tmp_path)
+    assert rec["error"].startswith("vllm: not importable") and "\n" not in rec["error"]
+    assert rec["startup_s"] is None and not stale.exists() and keep.exists()
+    assert json.loads((tmp_path / server_file("vllm-dp2")).read_text())["error"] == rec["error"]
+    assert not list((tmp_path / "logs").iterdir())  # nothing was started
