@@ -112,7 +112,8 @@ class ServerRun:
                 f.write(f"$ {' '.join(f'{k}={shlex.quote(v)}' for k, v in p.env.items())} {shlex.join(p.argv)}\n")
                 f.flush()
                 popen = subprocess.Popen(
-                    p.argv, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    p.argv, env=env, cwd=REPO if p.in_repo else self.logs, stdout=f, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )  # fmt: skip
             self.running.append(Running(p, popen, log))

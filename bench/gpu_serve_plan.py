@@ -162,6 +162,9 @@ class Process:
     argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)  # set on top of the environment (PYTHONPATH replaced)
     health_url: str | None = None  # GET must answer 200 before the server counts as up
+    # Run from the checkout (pdserve) or from the log folder (vLLM: `python -m` puts the working
+    # directory first on sys.path, and this checkout's packages must not shadow vLLM's imports).
+    in_repo: bool = True
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,8 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
 
     if server.kind == "vllm":
         argv = vllm(port, ("--data-parallel-size", str(server.gpus)))
-        return Launch(server, (Process("server", argv, env | {"CUDA_VISIBLE_DEVICES": devices}, url + "/health"),), url)
+        proc = Process("server", argv, env | {"CUDA_VISIBLE_DEVICES": devices}, url + "/health", in_repo=False)
+        return Launch(server, (proc,), url)
     if server.kind == "vllm-pd":
         if len(extra_ports) < 4:
             raise ValueError("vllm-pd: needs 4 extra ports (prefill, decode, two NIXL side channels)")
@@ -237,9 +241,8 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
 
         def instance(name: str, gpu: int, p: int, side: int) -> Process:
             nixl = {"UCX_NET_DEVICES": "all", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
-            return Process(
-                name, vllm(p, kv), env | nixl | {"CUDA_VISIBLE_DEVICES": str(gpu)}, f"http://127.0.0.1:{p}/health"
-            )
+            env_ = env | nixl | {"CUDA_VISIBLE_DEVICES": str(gpu)}
+            return Process(name, vllm(p, kv), env_, f"http://127.0.0.1:{p}/health", in_repo=False)
 
         proxy = (ctx.python, str(Path(ctx.repo) / "bench" / "vllm_pd_proxy.py"), "--port", str(port))
         proxy += ("--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}")

@@ -69,7 +69,7 @@ def test_pdserve_command_and_environment():
 def test_vllm_gets_its_own_site_folder_alone():
     lc = launch(Server("vllm-dp2", "vllm", 2), CTX, 8200)
     (p,) = lc.processes
-    assert p.env["PYTHONPATH"] == "/sites/vllm"
+    assert p.env["PYTHONPATH"] == "/sites/vllm" and not p.in_repo  # not even the checkout as working directory
     assert {p.env[k] for k in ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE")} == {"0", "1"}
     argv = list(p.argv)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
