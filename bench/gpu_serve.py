@@ -382,6 +382,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    start = time.monotonic()  # --deadline-s counts from here, the model's writing included
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     workloads = tuple(args.workloads)
@@ -406,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     if need > max_len:
         print(f"gpu_serve: --max-model-len {max_len} is below the longest request ({need} tokens)", file=sys.stderr)
         return 2
+    if args.gpu_ids and len(args.gpu_ids) < args.gpus:
+        print(f"gpu_serve: --gpu-ids: {len(args.gpu_ids)} given for --gpus {args.gpus}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
     model, model_info = _model(args)
     ctx = LaunchContext(
         python=sys.executable, repo=str(REPO), model=model, device=args.device,
@@ -425,14 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args.device, args.gpus) | {"model": model_info, "shape": None if cpu else args.shape}
     info |= {"slo": {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000}, "plan": describe(plan, out)}
     (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-    start = time.monotonic()
     st = Settings(
         slo=slo, duration_s=args.duration_s, requests=args.requests,
         scale=scale, seed=args.seed, request_timeout_s=args.request_timeout_s,
         startup_timeout_s=args.startup_timeout_s, stop_below=args.stop_below, warmup=args.warmup,
         deadline=start + args.deadline_s if args.deadline_s else float("inf"),
     )  # fmt: skip
-    signal.signal(signal.SIGTERM, _on_sigterm)
     failed = []
     try:
         for lc in launches:
