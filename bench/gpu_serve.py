@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu_ids and len(args.gpu_ids) < args.gpus:
         print(f"gpu_serve: --gpu-ids: {len(args.gpu_ids)} given for --gpus {args.gpus}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    if not args.dry_run:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     model, model_info = _model(args)
     ctx = LaunchContext(
         python=sys.executable, repo=str(REPO), model=model, device=args.device,
