@@ -234,6 +234,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--cpu-threads", type=int, default=None, metavar="N",
         help="CPU workers: torch threads each (default: this host's cores shared out among the workers)",
     )
+    _add_controller_args(srv)
     _add_telemetry_args(srv)
     _add_security_args(srv)
     srv.add_argument(
@@ -292,6 +293,38 @@ def _build_parser() -> argparse.ArgumentParser:
         else:
             module.add_arguments(sp)
     return parser
+
+
+def _add_controller_args(p: argparse.ArgumentParser) -> None:
+    # The same names and defaults as `pdserve simulate`'s (pdserve.control.cli).
+    from pdserve.control.perf_model import DEFAULT_MODEL, builtin_models
+    from pdserve.control.policy import ControllerConfig
+    from pdserve.control.signals import Slo
+
+    slo, interval = Slo(), ControllerConfig.__dataclass_fields__["min_interval_s"].default
+    p.add_argument(
+        "--controller", action="store_true",
+        help="the P:D controller moves workers between the prefill and decode pools as the traffic changes, within "
+        "the workers started (docs/controller.md); Admin.GetController shows its decisions",
+    )
+    p.add_argument(
+        "--slo-ttft-ms", type=float, default=slo.ttft_ms, help=f"with --controller: TTFT SLO (default: {slo.ttft_ms:g})"
+    )
+    p.add_argument(
+        "--slo-itl-ms", type=float, default=slo.itl_ms,
+        help=f"with --controller: SLO on a request's mean inter-token latency (default: {slo.itl_ms:g})",
+    )
+    p.add_argument(
+        "--perf-model", default=None, metavar="NAME|FILE",
+        help=f"with --controller: the per-worker performance model it starts from and fits online: one of "
+        f"{', '.join(builtin_models())} or a JSON file written by `bench/engine.py --perf-model` (default: "
+        f"smollm2-135m-cpu on CPU, {DEFAULT_MODEL} on CUDA)",
+    )
+    p.add_argument(
+        "--controller-interval-s", type=float, default=interval, metavar="S",
+        help="with --controller: the shortest decision interval; above it the interval follows the measured flip "
+        f"time (default: {interval:g})",
+    )
 
 
 def _add_control_parsers(sub: argparse._SubParsersAction) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.control.policy import ControllerConfig
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
@@ -20,7 +21,8 @@ class ControllerSettings:
 
     slo: Slo = field(default_factory=Slo)
     perf_model: str | None = None  # a built-in name or a JSON file; None: the CPU model on CPU, else the GPU one
-    min_interval_s: float = 2.0  # the decision interval follows the measured flip time, never below this
+    # The decision interval follows the measured flip time, never below this.
+    min_interval_s: float = ControllerConfig.__dataclass_fields__["min_interval_s"].default
     window_s: float = 10.0  # arrival rates and latency percentiles over this much (at least an interval)
 
     def __post_init__(self) -> None:

@@ -10,9 +10,11 @@ import signal
 import sys
 from typing import Any
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.config import ControllerSettings, ServeConfig
 from pdserve.cluster.listeners import listener_lines
 from pdserve.cluster.serve import Cluster
+from pdserve.control.perf_model import load_perf_model
+from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
 from router.auth import ENV_VAR, ApiKeys, load_keys
@@ -40,6 +42,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             max_local_prefill_tokens=args.max_local_prefill_tokens,
         ),
         kv_net_devices=args.kv_net_devices,
+        controller=controller_from_args(args),
         **edge_from_args(args),
     )
 
@@ -67,6 +70,20 @@ def edge_from_args(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "tracing": TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
     }
+
+
+def controller_from_args(args: argparse.Namespace) -> ControllerSettings | None:
+    """--controller and its flags (None without it). The performance model is read here, so a
+    wrong name or file fails before any worker starts."""
+    if not args.controller:
+        return None
+    if args.perf_model is not None:
+        load_perf_model(args.perf_model)
+    return ControllerSettings(
+        slo=Slo(args.slo_ttft_ms, args.slo_itl_ms),
+        perf_model=args.perf_model,
+        min_interval_s=args.controller_interval_s,
+    )
 
 
 def api_keys_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) -> ApiKeys:

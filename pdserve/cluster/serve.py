@@ -18,6 +18,7 @@ from aiohttp import web
 
 from pdserve.cluster.actors import ray_invoker, remote_class
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.control_plane import ClusterControl, build_control_loop
 from pdserve.cluster.listeners import kv_net_devices
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.pools import PlacementError, actor_resources, cluster_nodes, unplaceable
@@ -65,6 +66,7 @@ class Cluster:
         self._retired: set[str] = set()  # ids of removed workers: never reused (Ray names linger)
         self._http_runner, self.http_port = http if http is not None else (None, None)
         self.telemetry = telemetry if telemetry is not None else RouterTelemetry.create(ServeConfig())
+        self.control = ClusterControl(router)  # Admin.SetRole / GetController (`attach_control`)
 
     @property
     def address(self) -> str:
@@ -150,7 +152,8 @@ class Cluster:
                 metrics=telemetry.metrics,
             )
             await router.start()
-            server, port, http = await start_edge(router, cfg, certs, telemetry)
+            control = ClusterControl(router)  # the flipper and the controller attach once the cluster exists
+            server, port, http = await start_edge(router, cfg, certs, telemetry, control)
         except BaseException:
             telemetry.stop()
             for a in actors:
@@ -162,7 +165,9 @@ class Cluster:
         log.info("pdserve serving %s on %s:%d (%s)", model_dir.name, cfg.host, port, shape)
         workers = {i.worker_id: ("prefill", a, i) for i, a in zip(p_infos, prefills)}
         workers |= {i.worker_id: ("decode", a, i) for i, a in zip(d_infos, decodes)}
-        return cls(cfg, router, server, port, actors, owns_ray, workers, http, telemetry, router_id)
+        cluster = cls(cfg, router, server, port, actors, owns_ray, workers, http, telemetry, router_id)
+        cluster.attach_control(control)
+        return cluster
 
     async def add_worker(self, role: str) -> str:
         """Start one more worker of `role`, link it with the other pool and let the router
@@ -209,7 +214,21 @@ class Cluster:
         log.info("worker %s left (%s)", worker_id, "drained" if drained else "drain timed out")
         return drained
 
+    def attach_control(self, control: ClusterControl) -> None:
+        """Give the Admin service's control plane this cluster's role flipper and, with
+        --controller, the P:D control loop, which starts now (the budget: the workers started)."""
+        control.flipper = getattr(self, "flipper", None)
+        settings = self.cfg.controller
+        if settings is not None:
+            control.loop = build_control_loop(
+                settings, self.router, control.flipper, len(self._workers), self.cfg.device,
+                self.telemetry.metrics, self.telemetry.tracing.tracer,
+            )  # fmt: skip
+        self.control = control
+        control.start()
+
     async def stop(self, grace_s: float = 2.0) -> None:
+        await self.control.stop()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         await self.server.stop(grace_s)
@@ -243,13 +262,17 @@ class Cluster:
 
 
 async def start_edge(
-    router: Router, cfg: ServeConfig, certs: CertificateFiles | None, telemetry: RouterTelemetry
+    router: Router,
+    cfg: ServeConfig,
+    certs: CertificateFiles | None,
+    telemetry: RouterTelemetry,
+    control: ClusterControl | None = None,
 ) -> tuple[grpc.aio.Server, int, tuple[web.AppRunner, int] | None]:
     """The router's listeners: gRPC, and HTTP and /metrics where `cfg` asks for them. Returns the
     gRPC server, its port and the HTTP runner with its port. `pdserve serve` and `pdserve router`."""
     try:
         edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits}
-        server, port = await start_grpc_server(router, cfg.host, cfg.port, **edge)
+        server, port = await start_grpc_server(router, cfg.host, cfg.port, control=control, **edge)
         http = None
         if cfg.http_port is not None:
             http = await start_http_server(router, cfg.host, cfg.http_port, **edge)
