@@ -319,3 +319,29 @@ def test_admin_set_role_and_get_controller_over_grpc():
             await bare.stop(0)
 
     asyncio.run(go())
+
+
+def test_the_controller_metrics_pass_promtool():
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    act = FakeActuator(["p0", "p1"], ["d0", "d1"])
+    loop, metrics, _, clock = make_loop(act, Script(act))
+    asyncio.run(ticks(loop, clock, 2))
+    metrics.role_changes.labels("decode", "prefill").inc()
+    text = generate_latest(metrics.registry).decode()
+    assert (
+        'pdserve_pool_target{role="prefill"}' in text
+        and 'pdserve_role_changes_total{from="decode",to="prefill"} 1.0' in text
+    )
+    root = Path(__file__).resolve().parents[2]
+    tool = shutil.which("promtool") or str(root / ".tools/prometheus/usr/bin/promtool")
+    assert Path(tool).exists(), "promtool not found: run the set-up command of the README (scripts/setup.sh)"
+    check = subprocess.run(
+        [tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60, check=False
+    )
+    problems = [line for line in (check.stdout + check.stderr).splitlines() if "pdserve_" in line]
+    assert check.returncode in (0, 3) and not problems, check.stdout + check.stderr
