@@ -11,16 +11,22 @@ from pdserve.control.perf_model import PerfModel
 
 
 class SimPrefill:
-    def __init__(self, name: str, model: PerfModel, cache_blocks: int, block_size: int) -> None:
+    """Steps as the engine does: each step takes the queued prompts in order up to a token
+    budget (`max_num_batched_tokens`), the last one chunked to fill it, and every prompt whose
+    last chunk is in the step gets its first token when the step ends."""
+
+    def __init__(self, name: str, model: PerfModel, cache_blocks: int, block_size: int, budget: int) -> None:
         self.name = name
         self.model = model
         self.block_size = block_size
+        self.budget = budget
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.cache_blocks = cache_blocks
         self.queue: deque[int] = deque()
         self.queued_tokens = 0.0
         self.busy = False
-        self.done = 0  # prefills since start or flip (the first ones run cold)
+        self.done = 0  # steps since start or flip (the first ones run cold)
+        self.todo: dict[int, tuple[int, int]] = {}  # request in a step -> (uncached tokens, computed so far)
 
     def hit_tokens(self, hashes: tuple[int, ...], num_tokens: int) -> int:
         """Leading prompt tokens cached here, as the engine counts them (whole blocks, never
@@ -39,10 +45,37 @@ class SimPrefill:
         while len(self.cache) > self.cache_blocks:
             self.cache.popitem(last=False)
 
-    def service_s(self, uncached: int) -> float:
+    def step(self, uncached: dict[int, int]) -> tuple[list[tuple[int, int, bool]], float]:
+        """The next step over the queue: [(request, tokens computed, whether its prompt is done)]
+        and its time. `uncached`: each queued request's uncached tokens, read when a step first
+        takes it (the cache may have changed while it queued)."""
+        chunks, left = [], self.budget
+        for i in self.queue:
+            if left <= 0:
+                break
+            if i not in self.todo:
+                self.todo[i] = (uncached[i], 0)
+            total, before = self.todo[i]
+            c = min(total - before, left)
+            chunks.append((i, before, c))
+            left -= c
         m = self.model
+        # One fixed cost a step; the n**2 term split over chunks so that a chunked prompt costs
+        # what it costs whole.
+        dt = m.p0 + sum(m.p1 * c + m.p2 * ((b + c) ** 2 - b * b) for _, b, c in chunks)
         cold = m.cold_factor if self.done < m.cold_steps else 1.0
-        return m.prefill_s(uncached) * cold
+        out = []
+        for i, b, c in chunks:
+            total, _ = self.todo[i]
+            self.todo[i] = (total, b + c)
+            out.append((i, c, b + c >= total))
+        return out, dt * cold
+
+    def finished(self, i: int) -> int:
+        """A request whose prompt is done leaves the queue's head; returns its uncached tokens."""
+        assert self.queue[0] == i
+        self.queue.popleft()
+        return self.todo.pop(i)[0]
 
     @property
     def idle(self) -> bool:

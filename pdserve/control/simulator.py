@@ -33,6 +33,9 @@ class SimConfig:
     drain_deadline_s: float = 5.0  # decode streams still running then move to other decode workers
     sample_s: float = 1.0  # timeline resolution in a static run
     window_s: float = 10.0  # arrival rates and latency percentiles over this window (at least an interval)
+    # A prefill worker's token budget per step: the engine's max_num_batched_tokens (its default;
+    # pdserve.control may not import the engine's arguments).
+    prefill_step_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.workers < 2:
@@ -50,7 +53,7 @@ class _Sim:
         p = cfg.prefill if cfg.prefill is not None else (cfg.start_prefill or cfg.workers // 2)
         names = [f"w{i}" for i in range(cfg.workers)]
         self.cache_blocks = model.kv_tokens // cfg.block_size
-        self.prefill = {n: SimPrefill(n, model, self.cache_blocks, cfg.block_size) for n in names[:p]}
+        self.prefill = {n: self.new_prefill(n) for n in names[:p]}
         self.decode = {n: SimDecode(n, model, 0.0) for n in names[p:]}
         pcfg = PlacementConfig(policy="ring")  # no KV events in the simulation: the ring keeps prefixes home
         self.pp = PrefillPolicy(pcfg, list(self.prefill), block_size=cfg.block_size)
@@ -71,6 +74,9 @@ class _Sim:
         if cfg.prefill is None:
             self.ctrl = Controller(ControllerConfig(workers=cfg.workers, slo=cfg.slo), flip_s=model.flip_s)
 
+    def new_prefill(self, name: str) -> SimPrefill:
+        return SimPrefill(name, self.model, self.cache_blocks, self.cfg.block_size, self.cfg.prefill_step_tokens)
+
     def push(self, t: float, kind: str, payload: object = None) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, payload))
 
@@ -90,23 +96,34 @@ class _Sim:
             self.start_prefill(w, now)
 
     def start_prefill(self, w: SimPrefill, now: float) -> None:
-        i = w.queue[0]
-        r = self.reqs[i]
-        unc = r.input_len - w.hit_tokens(r.hashes, r.input_len)  # the cache may have changed while queued
+        uncached, tokens = {}, 0
+        for i in w.queue:  # the prompts this step can reach: a budget's worth of uncached tokens
+            if tokens >= w.budget:
+                break
+            if i in w.todo:
+                total, before = w.todo[i]
+                tokens += total - before
+                continue
+            r = self.reqs[i]
+            uncached[i] = r.input_len - w.hit_tokens(r.hashes, r.input_len)  # the cache may have changed
+            tokens += uncached[i]
         w.busy = True
-        dt = w.service_s(unc)
-        self.capacity.prefill_sample(w.name, unc, dt)
-        self.push(now + dt, "prefilled", (w.name, i, unc))
+        chunks, dt = w.step(uncached)
+        if len(chunks) == 1 and chunks[0][2] and w.todo[chunks[0][0]][0] == chunks[0][1]:
+            self.capacity.prefill_sample(w.name, chunks[0][1], dt)  # one whole prompt: what prefill_s describes
+        self.push(now + dt, "prefilled", (w.name, [i for i, _, done in chunks if done]))
 
-    def prefilled(self, name: str, i: int, unc: int, now: float) -> None:
+    def prefilled(self, name: str, done: list[int], now: float) -> None:
         w = self.prefill[name]
-        r = self.reqs[w.queue.popleft()]
-        w.queued_tokens -= self.uncached.pop(i)
         w.busy, w.done = False, w.done + 1
-        w.store(r.hashes)
-        self.pp.finish(self.placed.pop(i), now, r.input_len - unc)
-        self.times[i].prefilled = now
-        self.waiting.append((i, r.input_len, float(r.output_len - 1)))
+        for i in done:
+            r = self.reqs[i]
+            unc = w.finished(i)
+            w.queued_tokens -= self.uncached.pop(i)
+            w.store(r.hashes)
+            self.pp.finish(self.placed.pop(i), now, r.input_len - unc)
+            self.times[i].prefilled = now
+            self.waiting.append((i, r.input_len, float(r.output_len - 1)))
         self.admit(now)
         if w.queue:
             self.start_prefill(w, now)
@@ -266,7 +283,7 @@ class _Sim:
             self.dp.add_worker(name)
             self.admit(now)
         else:
-            self.prefill[name] = SimPrefill(name, self.model, self.cache_blocks, self.cfg.block_size)
+            self.prefill[name] = self.new_prefill(name)
             self.pp.add_worker(name)
         self.sample(now, None)
 

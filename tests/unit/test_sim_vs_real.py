@@ -1,5 +1,6 @@
 """bench/sim_vs_real.py's pure parts: the trace it makes, the metrics of per-request samples, the
-comparison table; and the simulated side on a small trace (the real run is a benchmark)."""
+comparison table; the simulated side on a small trace (the real run is a benchmark); and the
+simulator's batched prefill step."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ from bench.sim_vs_real import (
 )
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
+from pdserve.control.sim_workers import SimPrefill
+from pdserve.control.simulator import SimConfig
 from pdserve.control.trace import SimRequest, load_trace
+from pdserve.engine.args import EngineArgs
 
 CPU = load_perf_model("smollm2-135m-cpu")
 
@@ -102,3 +106,48 @@ def test_the_simulated_side_follows_the_model():
     u1, u2 = prefill_utilization(reqs, CPU, 1), prefill_utilization(reqs, CPU, 2)
     assert u1 == pytest.approx(2 * u2) and 0 < u1 < 1
     json.dumps(one)  # what --json writes
+
+
+# ----- the simulator's prefill step, which this comparison made as the engine's --------------------
+
+
+def _worker(budget: int = 2048) -> SimPrefill:
+    return SimPrefill("p", CPU, cache_blocks=1000, block_size=16, budget=budget)
+
+
+def test_a_prefill_step_batches_queued_prompts_up_to_the_budget_and_chunks_the_last():
+    w = _worker()
+    w.queue.extend([0, 1, 2])
+    unc = {0: 1000, 1: 1500, 2: 300}
+    chunks, dt = w.step(unc)
+    assert chunks == [(0, 1000, True), (1, 1048, False)]
+    m = CPU
+    assert dt == pytest.approx(m.p0 + m.p1 * 2048 + m.p2 * (1000**2 + 1048**2))
+    assert w.finished(0) == 1000
+    chunks, dt = w.step(unc)
+    assert chunks == [(1, 452, True), (2, 300, True)]
+    assert dt == pytest.approx(m.p0 + m.p1 * 752 + m.p2 * (1500**2 - 1048**2 + 300**2))
+    assert [w.finished(1), w.finished(2)] == [1500, 300] and not w.queue and not w.todo
+
+
+def test_a_chunked_prompt_costs_what_it_costs_whole_plus_a_fixed_cost_a_step():
+    w = _worker()
+    w.queue.append(7)
+    total, steps = 0.0, 0
+    while w.queue:
+        chunks, dt = w.step({7: 5000})
+        total, steps = total + dt, steps + 1
+        if chunks[-1][2]:
+            w.finished(7)
+    assert steps == 3
+    assert total == pytest.approx(CPU.prefill_s(5000) + 2 * CPU.p0)
+
+
+def test_queued_short_prompts_share_one_step_in_the_simulator():
+    reqs = [SimRequest(0.0, 100, 2) for _ in range(10)]
+    r = simulated(reqs, CPU, (1, 1), Slo(100_000, 100_000))
+    step = lambda n: CPU.p0 + n * (CPU.p1 * 100 + CPU.p2 * 100**2)
+    # The first arrival starts a step alone; the nine queued behind it share the next one.
+    assert r["ttft_p50_ms"] == r["ttft_p90_ms"] == pytest.approx(1000 * (step(1) + step(9)), rel=1e-3)
+    assert r["ttft_p90_ms"] < 1000 * (10 * CPU.prefill_s(100) - 7 * CPU.p0)  # not ten prefills in a row
+    assert SimConfig(workers=2).prefill_step_tokens == EngineArgs().max_num_batched_tokens
