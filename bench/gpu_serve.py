@@ -397,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cpu = args.device == "cpu"
     scale = args.scale if args.scale is not None else (0.05 if cpu else 1.0)
-    rates = parse_rates(args.rates, workloads, DEFAULT_RATES["cpu" if cpu else args.shape])
+    per_gpus = 1.0 if cpu else args.gpus / 2  # the defaults are for 2 GPUs: 4 serve about twice the load
+    defaults = {w: tuple(r * per_gpus for r in rs) for w, rs in DEFAULT_RATES["cpu" if cpu else args.shape].items()}
+    rates = parse_rates(args.rates, workloads, defaults)
     max_len = args.max_model_len or (1024 if cpu else 8192)  # cpu: a KV pool sized for short requests
     # A CPU decodes the default model at ~100 ms a token: the GPU SLOs would leave no goodput to compare.
     slo = Slo(
