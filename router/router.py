@@ -281,8 +281,7 @@ class Router:
         if r.detok.add([handle.first_token]) is not None:
             reason = "stop"
         if reason:
-            await r.prefill.release(r.rid, self.config.control_timeout_s)
-            r.pinned_on_prefill = False
+            await self._release_prefill(r)
             yield self._chunk(r, [handle.first_token], reason)
             return
         yield self._chunk(r, [handle.first_token], "")
@@ -294,10 +293,21 @@ class Router:
         start = await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
         handed_over = time.monotonic()
         if start.recomputed:
-            await r.prefill.release(r.rid, self.config.control_timeout_s)
+            await self._release_prefill(r)
         r.pinned_on_prefill = False  # pulled: the prefill worker frees on the notification
         async for chunk in self._relay_tokens(r, handed_over, self.metrics.decode_wait):
             yield chunk
+
+    async def _release_prefill(self, r: InFlight) -> None:
+        """Free the request's KV on its prefill worker: nothing will pull it. A worker that has
+        died since it answered, or is too busy to answer now, costs the request nothing: a dead
+        worker's KV went with it, and a live one's lease frees it."""
+        assert r.prefill is not None
+        try:
+            await r.prefill.release(r.rid, self.config.control_timeout_s)
+        except RouterError as exc:
+            log.info("release of %s on %s: %s", r.rid, r.prefill.worker_id, exc.message)
+        r.pinned_on_prefill = False
 
     async def _serve_local(self, r: InFlight) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Colocated, or conditionally not disaggregated: the decode worker prefills the prompt

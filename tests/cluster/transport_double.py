@@ -1,6 +1,7 @@
 """A test double for `kv_transfer.transport.KvTransport`: wraps a worker's real transport and
-fails, drops or delays its reads, as a broken or slow link would. Handed to in-process workers
-through `build_decode(..., wrap_transport=...)`."""
+fails, drops or delays its reads, as a broken or slow link would, and fails every read from a
+peer marked dead, as a READ from a process that is gone does. Handed to in-process workers
+through `build_decode(..., wrap_transport=...)`; `arm` sets new faults on a running worker."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ class FaultyTransport:
         self._lock = threading.Lock()
         self.reads = 0  # every read asked for, faulty or not
         self.arm_corruption(corrupt_reads, corruption)
+        self.dead_agents: set[str] = set()  # peers whose process is gone: reads from them fail
+
+    def arm(self, fail_reads: int = 0, drop_reads: int = 0, delay_s: float = 0.0) -> None:
+        """Replace the faults still pending with these (all zero: a healthy link again)."""
+        with self._lock:
+            self._fail_left, self._drop_left, self.delay_s = fail_reads, drop_reads, delay_s
 
     def arm_corruption(self, corrupt_reads: int, corruption: Corruption = "flip") -> None:
         """Corrupt the next `corrupt_reads` reads that succeed (replacing any still pending)."""
@@ -67,6 +74,8 @@ class FaultyTransport:
     ) -> TransferStats:
         with self._lock:
             self.reads += 1
+            if remote_agent in self.dead_agents:  # before the counters: the armed faults stay pending
+                raise KvTransferError(f"injected: peer {remote_agent} is gone (connection reset)")
             fail, drop = self._fail_left > 0, self._fail_left == 0 and self._drop_left > 0
             self._fail_left -= fail
             self._drop_left -= drop

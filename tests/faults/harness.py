@@ -1,0 +1,483 @@
+"""Runs fault scenarios (tests/faults/scenarios.py) against a real cluster in this process: real
+engines on a tiny random-weight model, real NIXL transfers between them, the real router behind
+its real gRPC server, and clients calling it over gRPC. One cluster serves every scenario; a
+worker killed by a scenario is replaced afterwards through the router's add-worker path, as an
+operator would add one back.
+
+Faults come in through seams, each a test double and said so: the router's client of each
+worker (`Tap`: kills its worker at a chosen call of a chosen request, delays its token polls),
+each decode worker's KV transport (tests/cluster/transport_double.py: failed, dropped, slow
+READs, and READs from a dead peer), the prefill workers' lease, and the clients themselves
+(cancel mid-stream). A killed worker's engine stops and every call to it, in flight or later,
+fails at once as a dead Ray actor's does."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.worker_client import WorkerClient, WorkerUnreachable, local_invoker
+from pdserve.cluster.workers import build_decode, build_prefill
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.detokenizer import load_tokenizer
+from pdserve_proto import inference_pb2 as pb
+from pdserve_proto import inference_pb2_grpc as pbg
+from router.grpc_server import start_grpc_server
+from router.handles import RouterError
+from router.membership import MembershipConfig
+from router.router import Router, RouterConfig
+from tests.cluster.transport_double import FaultyTransport
+from tests.faults.invariants import Outcome, Reference, check_scenario
+from tests.faults.scenarios import KILLS, RequestSpec, Scenario
+from tests.tiny_models import build_tiny_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+BLOCKS_FREE_S = 5.0  # once idle, every block must be free within this (plus a short lease's length)
+NORMAL_LEASE_S = 10.0
+
+
+def make_tiny_model(out_dir: Path) -> Path:
+    """The tiny random-weight llama of tests/tiny_models.py, with the default model's tokenizer
+    beside it (its first 384 ids are the tiny vocabulary), so streams carry real text."""
+    from pdserve.models.default_model import default_model_dir
+
+    if not (out_dir / "config.json").is_file():
+        build_tiny_model("llama", out_dir)
+        for name in TOKENIZER_FILES:
+            shutil.copy(default_model_dir() / name, out_dir / name)
+    return out_dir
+
+
+class LoopThread:
+    """An asyncio loop on a thread. Its thread pool is large: every call to an in-process
+    worker runs on it, and a killed worker's calls may hold a thread until their deadline."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(ThreadPoolExecutor(64, thread_name_prefix="fault-calls"))
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="fault-loop")
+        self._thread.start()
+
+    def run(self, coro: Any, timeout: float = 120) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        self.loop.call_soon_threadsafe(fn)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+class Tap:
+    """Fault injection: the router's client of one worker. Fires the kill the cluster armed for
+    (method, request id) once, and delays token polls while the worker is slow."""
+
+    def __init__(self, client: WorkerClient, cluster: FaultCluster) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.worker_id = client.worker_id
+
+    async def _tapped(self, method: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        when, fault = self.cluster.armed_kills.pop((method, request_id), (None, None))
+        if when == "before":
+            self.cluster.kill(self.worker_id, fault)
+        result = await getattr(self.client, method)(*args, **kwargs)
+        if when is not None and when != "before":
+            self.cluster.kill(self.worker_id, fault)
+            if when == "during":  # it did the work, but its answer died with it
+                raise RouterError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{method}: ActorDiedError: {self.worker_id} was killed by the test",
+                    worker_failed=True,
+                )
+        return result
+
+    async def prefill(self, ids: list[int], params: SamplingParams, request_id: str, *a: Any, **kw: Any) -> Any:
+        return await self._tapped("prefill", request_id, ids, params, request_id, *a, **kw)
+
+    async def start(self, ids: list[int], params: SamplingParams, request_id: str, *a: Any, **kw: Any) -> Any:
+        return await self._tapped("start", request_id, ids, params, request_id, *a, **kw)
+
+    async def poll(self, *args: Any, **kwargs: Any) -> Any:
+        delay = self.cluster.poll_delay_s.get(self.worker_id, 0.0)
+        if delay:
+            await asyncio.sleep(delay)
+        return await self.client.poll(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    outcomes: list[Outcome]
+    references: list[Reference]
+    fired: dict[int, float] = field(default_factory=dict)  # fault index -> when it fired (monotonic)
+    violations: list[str] = field(default_factory=list)
+
+    def recovery_s(self, k: int) -> float | None:
+        """Seconds from fault k firing to its victim's next token: how long the fault held the
+        request up. None if it did not fire or the victim got no token after it."""
+        if k not in self.fired:
+            return None
+        out = self.outcomes[self.scenario.faults[k].victim]
+        later = [t for t in out.token_times if t >= self.fired[k]]
+        return later[0] - self.fired[k] if later else None
+
+
+class FaultCluster:
+    """Prefill and decode workers of the tiny model in this process behind the router and its
+    gRPC server, with the fault seams above. `run(scenario)` runs one scenario and `heal()`
+    puts the cluster back in shape for the next."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        num_prefill: int = 2,
+        num_decode: int = 2,
+        transfer_timeout_s: float = 0.25,
+        control_timeout_s: float = 10.0,
+    ) -> None:
+        self.model_dir = model_dir
+        self.cfg = ServeConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            num_prefill=num_prefill,
+            num_decode=num_decode,
+            engine=EngineArgs(num_kv_blocks=64),
+            cpu_threads_per_worker=1,
+            lease_s=NORMAL_LEASE_S,
+            transfer_timeout_s=transfer_timeout_s,
+        )
+        self.lt = LoopThread()
+        self.dead: set[str] = set()
+        self._killed: dict[str, asyncio.Event] = {}
+        # (method, request id) -> (when: "before" | "during" | "after" the call, the fault's index)
+        self.armed_kills: dict[tuple[str, str], tuple[str, int]] = {}
+        self.poll_delay_s: dict[str, float] = {}  # worker id -> seconds before each token poll reaches it
+        self.late_polls: dict[str, float] = {}  # worker id -> its next poll's answer comes this late, once
+        self.fired: dict[int, float] = {}
+        self._next_id = {"prefill": num_prefill, "decode": num_decode}
+        self._retired: list[Any] = []  # killed workers, their NIXL agents closed one heal later
+        self.workers: dict[str, Any] = {}
+        self.offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=1024)
+        self._references: dict[tuple, Reference] = {}
+        prefills = [self._build("prefill", f"prefill-{i}") for i in range(num_prefill)]
+        decodes = [self._build("decode", f"decode-{i}") for i in range(num_decode)]
+        for p in prefills:
+            for d in decodes:
+                self._link(p, d)
+        mc = ModelConfig.from_dir(model_dir)
+        self.vocab_size = mc.vocab_size
+        rc = RouterConfig(
+            model_id=model_dir.name,
+            max_model_len=mc.max_model_len,
+            vocab_size=mc.vocab_size,
+            # Control calls (token polls among them) get a long deadline: on a loaded 2-core host the
+            # router's loop can stall for seconds, and a poll answered past its deadline loses
+            # tokens (test_a_token_poll_answered_late_loses_no_token).
+            prefill_timeout_s=5.0,
+            decode_start_timeout_s=5.0,
+            token_timeout_s=1.0,
+            control_timeout_s=control_timeout_s,
+            poll_wait_s=0.02,
+            membership=MembershipConfig(wait_s=0.05, min_interval_s=0.0, timeout_s=2.0, max_failures=2, retry_s=0.02),
+        )
+        self.router = Router(
+            rc, load_tokenizer(model_dir), [self._client(p) for p in prefills], [self._client(d) for d in decodes]
+        )
+
+        async def start() -> Any:
+            await self.router.start()
+            return await start_grpc_server(self.router, "127.0.0.1", 0)
+
+        self.server, port = self.lt.run(start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pbg.InferenceStub(self.channel)
+        self.admin = pbg.AdminStub(self.channel)
+
+    # ----- workers ---------------------------------------------------------------------------
+
+    def _build(self, role: str, worker_id: str) -> Any:
+        if role == "prefill":
+            w = build_prefill(worker_id, self.cfg)
+        else:
+            w = build_decode(worker_id, self.cfg, wrap_transport=lambda t: FaultyTransport(t))
+        self.workers[worker_id] = w
+        return w
+
+    @staticmethod
+    def _link(p: Any, d: Any) -> None:
+        d.agent.connect(p.agent.info())
+        p.agent.connect(d.agent.info())
+
+    def _client(self, worker: Any) -> Tap:
+        return Tap(WorkerClient(worker.worker_id, self._invoker(worker)), self)
+
+    def _invoker(self, worker: Any) -> Callable[..., Any]:
+        invoke = local_invoker(worker)
+        wid = worker.worker_id
+
+        async def call(name: str, *args: Any) -> Any:
+            killed = self._killed.setdefault(wid, asyncio.Event())
+            if wid in self.dead:
+                raise WorkerUnreachable(f"ActorDiedError: {wid} was killed by the test")
+            work = asyncio.ensure_future(invoke(name, *args))
+            death = asyncio.ensure_future(killed.wait())
+            try:
+                await asyncio.wait({work, death}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                death.cancel()
+            if not work.done():  # killed while the call was in flight: it fails as Ray's would
+                work.cancel()
+                raise WorkerUnreachable(f"ActorDiedError: {wid} was killed by the test during {name}")
+            late = self.late_polls.pop(wid, 0.0) if name == "poll" else 0.0
+            if late:  # the worker has answered (its outbox is drained), the answer travels slowly
+                await asyncio.sleep(late)
+            return work.result()
+
+        return call
+
+    def kill(self, worker_id: str, fault: int | None = None) -> None:
+        """On the loop's thread: the worker dies. Its engine stops; calls to it fail; READs of
+        its KV fail."""
+        if worker_id in self.dead:
+            return
+        self.dead.add(worker_id)
+        if fault is not None:
+            self.fired.setdefault(fault, time.monotonic())
+        self._killed.setdefault(worker_id, asyncio.Event()).set()
+        w = self.workers[worker_id]
+        # Its engine stops on a thread: joining it here would stall the router's loop.
+        threading.Thread(target=w.close, name=f"kill-{worker_id}", daemon=True).start()
+        if worker_id.startswith("prefill"):
+            for d in self._live("decode"):
+                d.agent.dead_agents.add(w.agent.name)
+
+    def _live(self, role: str) -> list[Any]:
+        return [w for wid, w in self.workers.items() if wid.startswith(role) and wid not in self.dead]
+
+    def heal(self) -> None:
+        """Undo the scenario's faults: links healthy, leases and polls normal, and each killed
+        worker replaced by a new one (new id, cold cache) that joins through the add-worker path."""
+        for d in self._live("decode"):
+            d.agent.arm()
+            d.agent.dead_agents.clear()
+        for p in self._live("prefill"):
+            p.config = replace(p.config, lease_s=NORMAL_LEASE_S)
+        self.poll_delay_s.clear()
+        self.late_polls.clear()
+        self.armed_kills.clear()
+        for old in self._retired:  # killed a scenario ago: nothing of theirs is in flight now
+            old.agent.close()
+        self._retired = []
+        for wid in sorted(self.dead):
+            self.lt.run(self.router.drain(wid, 0.0))
+            self._retired.append(self.workers.pop(wid))
+            role = wid.split("-")[0]
+            new_id = f"{role}-{self._next_id[role]}"
+            self._next_id[role] += 1
+            w = self._build(role, new_id)
+            for peer in self._live("decode" if role == "prefill" else "prefill"):
+                self._link(*((w, peer) if role == "prefill" else (peer, w)))
+            add = self.router.add_prefill if role == "prefill" else self.router.add_decode
+            self.lt.run(add(self._client(w)))
+        self.dead.clear()
+        self._killed.clear()
+
+    def close(self) -> None:
+        self.channel.close()
+
+        async def stop() -> None:
+            await self.server.stop(1)
+            await self.router.drain_cleanups()
+            await self.router.stop()
+
+        self.lt.run(stop())
+        for w in [*self.workers.values(), *self._retired]:
+            w.close()
+            w.agent.close()
+        self.workers.clear()
+        self.lt.close()
+
+    # ----- one scenario ---------------------------------------------------------------------
+
+    def references(self, scenario: Scenario) -> list[Reference]:
+        """Each request's fault-free tokens and text, from the offline engine (cached)."""
+        keys = [_key(r) for r in scenario.requests]
+        missing = [(k, r) for k, r in zip(keys, scenario.requests) if k not in self._references]
+        if missing:
+            outs = self.offline.generate([list(r.prompt) for _, r in missing], [_params(r) for _, r in missing])
+            for (k, _), o in zip(missing, outs):
+                self._references[k] = Reference(tuple(o.token_ids), o.text, o.finish_reason or "")
+        return [self._references[k] for k in keys]
+
+    def run(self, scenario: Scenario) -> ScenarioResult:
+        refs = self.references(scenario)
+        self.fired = {}
+        self._arm(scenario)
+        t0 = time.monotonic()
+        outcomes = [Outcome() for _ in scenario.requests]
+        threads = [
+            threading.Thread(target=self._client_call, args=(scenario, i, outcomes[i], t0), daemon=True)
+            for i in range(len(scenario.requests))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(r.deadline_s for r in scenario.requests) + 10)
+        result = ScenarioResult(scenario, outcomes, refs, dict(self.fired))
+        result.violations = check_scenario(scenario, outcomes, refs)
+        if any(t.is_alive() for t in threads):
+            result.violations.append("a client call did not return within its deadline plus 10 s")
+        self.heal()
+        result.violations += self._check_idle(scenario)
+        return result
+
+    def _arm(self, scenario: Scenario) -> None:
+        for k, f in enumerate(scenario.faults):
+            rid = request_id(scenario, f.victim)
+            if f.kind in KILLS:
+                method = "prefill" if KILLS[f.kind] == "prefill" else "start"
+                when = (
+                    f.kind.split("_")[-1]
+                    if KILLS[f.kind] == "prefill"
+                    else {"decode_dies_before_pull": "before", "decode_dies_during_start": "during"}.get(f.kind)
+                )
+                if when is not None:
+                    self.armed_kills[(method, rid)] = (when, k)
+            elif f.kind == "transfer_fails":
+                for d in self._live("decode"):
+                    d.agent.arm(fail_reads=f.count)
+                self.fired[k] = time.monotonic()
+            elif f.kind == "transfer_dropped":
+                for d in self._live("decode"):
+                    d.agent.arm(drop_reads=f.count)
+                for p in self._live("prefill"):
+                    p.config = replace(p.config, lease_s=f.lease_s)
+                self.fired[k] = time.monotonic()
+            elif f.kind == "slow_decode":
+                slow = self._live("decode")[f.victim % len(self._live("decode"))]
+                slow.agent.arm(delay_s=f.delay_s)
+                self.poll_delay_s[slow.worker_id] = f.delay_s
+                self.fired[k] = time.monotonic()
+
+    def _client_call(self, scenario: Scenario, i: int, out: Outcome, t0: float) -> None:
+        spec = scenario.requests[i]
+        rid = request_id(scenario, i)
+        mid = [(k, f) for k, f in enumerate(scenario.faults) if f.victim == i and f.at]
+        delay = t0 + spec.start_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        request = pb.GenerateRequest(
+            prompt_token_ids=list(spec.prompt),
+            request_id=rid,
+            sampling_params=pb.SamplingParams(
+                max_tokens=spec.max_tokens,
+                temperature=spec.temperature,
+                ignore_eos=spec.ignore_eos,
+                **({"seed": spec.seed} if spec.seed is not None else {}),
+            ),
+        )
+        start = time.monotonic()
+        call = self.stub.Generate(request, timeout=spec.deadline_s)
+        try:
+            for chunk in call:
+                out.token_times.append(time.monotonic())
+                out.token_ids += chunk.token_ids
+                out.text += chunk.text
+                out.chunk_sizes.append(len(chunk.token_ids))
+                if chunk.finish_reason:
+                    out.finish_reason = chunk.finish_reason
+                    out.completion_tokens = chunk.usage.completion_tokens
+                for k, f in mid:
+                    if len(out.token_ids) >= f.at and k not in self.fired:
+                        if f.kind == "client_cancels" and not out.finish_reason:
+                            self.fired[k] = time.monotonic()
+                            out.cancelled_by_client = True
+                            call.cancel()
+                        elif f.kind == "decode_dies_mid_stream":
+                            self.lt.call(lambda k=k: self._kill_stream_worker(rid, k))
+                        elif f.kind == "late_poll":
+                            self.lt.call(lambda k=k, f=f: self._slow_answer(rid, k, f.delay_s))
+        except grpc.RpcError as exc:
+            out.code = exc.code().name
+            out.details = exc.details() or ""
+        out.wall_s = time.monotonic() - start
+
+    def _kill_stream_worker(self, rid: str, k: int) -> None:
+        stream = self.router._streams.get(rid)
+        if stream is not None and stream.worker is not None and k not in self.fired:
+            self.kill(stream.worker, k)
+
+    def _slow_answer(self, rid: str, k: int, delay_s: float) -> None:
+        stream = self.router._streams.get(rid)
+        if stream is not None and stream.worker is not None and k not in self.fired:
+            self.fired[k] = time.monotonic()
+            self.late_polls[stream.worker] = delay_s
+
+    def _check_idle(self, scenario: Scenario) -> list[str]:
+        """Once idle, every worker answers and holds no KV block, and none is out of placement."""
+        short_lease = max((f.lease_s for f in scenario.faults), default=0.0)
+        deadline = time.monotonic() + BLOCKS_FREE_S + short_lease
+        while True:
+            stats = self.admin.GetStats(pb.GetStatsRequest(), timeout=10)
+            held = {
+                w.worker_id: (w.role, w.kv_blocks_in_use)
+                for w in stats.workers
+                if w.role not in ("prefill", "decode") or w.kv_blocks_in_use
+            }
+            down = set(stats.down_workers)
+            if not held and not down:
+                return []
+            if time.monotonic() > deadline:
+                return [
+                    (
+                        f"idle after the scenario, {BLOCKS_FREE_S + short_lease:.1f}s on: KV blocks in use or "
+                        f"workers not answering {held}; out of placement {sorted(down)}"
+                    )
+                ]
+            time.sleep(0.02)
+
+
+def request_id(scenario: Scenario, i: int) -> str:
+    return f"s{scenario.seed}-r{i}"
+
+
+def _params(spec: RequestSpec) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=spec.max_tokens, temperature=spec.temperature, seed=spec.seed, ignore_eos=spec.ignore_eos
+    )
+
+
+def _key(spec: RequestSpec) -> tuple:
+    return spec.prompt, spec.max_tokens, spec.temperature, spec.seed, spec.ignore_eos
+
+
+def describe(result: ScenarioResult) -> str:
+    """The scenario and what each client saw, for a failure message."""
+    s = result.scenario
+    lines = [f"faults: {[f for f in s.faults]} (fired: {sorted(result.fired)})"]
+    for i, (spec, out) in enumerate(zip(s.requests, result.outcomes)):
+        lines.append(
+            f"  request {i}: {len(spec.prompt)} prompt tokens, max_tokens={spec.max_tokens}, "
+            f"T={spec.temperature}, deadline {spec.deadline_s}s -> {out.code} {out.details!r}, "
+            f"{len(out.token_ids)} tokens in {out.wall_s:.2f}s"
+        )
+    return "\n".join(lines)

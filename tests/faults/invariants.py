@@ -1,0 +1,92 @@
+"""What must hold after every fault scenario, as pure checks of what the clients saw against a
+fault-free reference. Each returns a list of violations (empty: it held), worded to be read
+next to the scenario that produced them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tests.faults.scenarios import Scenario
+
+# The statuses a request may end with under a fault: the cluster gave up cleanly.
+CLEAN_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"})
+DEADLINE_SLACK_S = 1.0  # past the deadline, for the client's own thread to see the end
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A fault-free run of one request (the offline engine, greedy or seeded)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class Outcome:
+    """What one client saw of its request."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    chunk_sizes: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each chunk
+    finish_reason: str = ""
+    completion_tokens: int = -1  # usage of the last chunk
+    code: str = "OK"  # the gRPC status it ended with
+    details: str = ""
+    cancelled_by_client: bool = False
+    wall_s: float = 0.0
+
+
+def check_outcome(scenario: Scenario, i: int, out: Outcome, ref: Reference) -> list[str]:
+    spec = scenario.requests[i]
+    where = f"request {i}"
+    bad: list[str] = []
+    if out.token_ids != list(ref.token_ids[: len(out.token_ids)]):
+        bad.append(
+            f"{where}: tokens {out.token_ids} are not a prefix of the fault-free {list(ref.token_ids)} "
+            f"(a token lost, repeated or wrong)"
+        )
+    if not ref.text.startswith(out.text):
+        bad.append(f"{where}: text {out.text!r} is not a prefix of the fault-free {ref.text!r}")
+    if any(n == 0 for n in out.chunk_sizes[:-1]):
+        bad.append(f"{where}: an empty chunk before the last: sizes {out.chunk_sizes}")
+    if out.wall_s > spec.deadline_s + DEADLINE_SLACK_S:
+        bad.append(f"{where}: ran {out.wall_s:.2f}s past its {spec.deadline_s}s deadline")
+    if out.code == "OK":
+        if out.token_ids != list(ref.token_ids):
+            bad.append(
+                f"{where}: finished with {len(out.token_ids)} tokens, the fault-free run has {len(ref.token_ids)}"
+            )
+        if out.text != ref.text:
+            bad.append(f"{where}: text {out.text!r} != fault-free {ref.text!r}")
+        if out.finish_reason != ref.finish_reason:
+            bad.append(f"{where}: finish_reason {out.finish_reason!r} != fault-free {ref.finish_reason!r}")
+        if out.completion_tokens != len(out.token_ids):
+            bad.append(
+                f"{where}: usage says {out.completion_tokens} completion tokens, the stream had {len(out.token_ids)}"
+            )
+        return bad
+    if out.code not in CLEAN_CODES:
+        bad.append(f"{where}: ended {out.code} ({out.details!r}), not one of {sorted(CLEAN_CODES)}")
+    if not out.details.strip():
+        bad.append(f"{where}: ended {out.code} without a message")
+    if out.code == "CANCELLED" and not out.cancelled_by_client:
+        bad.append(f"{where}: CANCELLED though the client did not cancel it ({out.details!r})")
+    if out.cancelled_by_client and out.code != "CANCELLED":
+        bad.append(f"{where}: the client cancelled it but it ended {out.code} ({out.details!r})")
+    if out.code == "DEADLINE_EXCEEDED" and not spec.tight and out.wall_s < spec.deadline_s and not scenario.may_fail(i):
+        bad.append(f"{where}: DEADLINE_EXCEEDED after {out.wall_s:.2f}s of its {spec.deadline_s}s ({out.details!r})")
+    if not scenario.may_fail(i):
+        bad.append(
+            f"{where}: failed {out.code} ({out.details!r}) though the cluster had a worker of each pool "
+            f"left and the deadline was {spec.deadline_s}s"
+        )
+    return bad
+
+
+def check_scenario(scenario: Scenario, outcomes: list[Outcome], refs: list[Reference]) -> list[str]:
+    bad: list[str] = []
+    for i, (out, ref) in enumerate(zip(outcomes, refs, strict=True)):
+        bad += check_outcome(scenario, i, out, ref)
+    return bad
