@@ -61,6 +61,17 @@ class TokenRelay:
                 if stream is not None and stream.worker == decode.worker_id:
                     stream.queue.put_nowait((list(u.token_ids), u.finish_reason))
 
+    def move_streams(self, worker: str, message: str) -> int:
+        """Every stream served by `worker` (alive, but leaving its pool) moves to another decode
+        worker, as a lost one's does. Returns how many."""
+        moved = 0
+        for stream in self.streams.values():
+            if stream.worker == worker:
+                stream.worker = None
+                stream.queue.put_nowait(WorkerLost(worker, message))
+                moved += 1
+        return moved
+
     def lose_streams(self, worker: str, message: str) -> None:
         """Every stream served by `worker` moves to another decode worker."""
         self._report_failure(worker, message)

@@ -128,6 +128,23 @@ class Router:
         self.pools.forget(worker_id)
         return drained
 
+    async def take_out(self, worker_id: str, drain_timeout_s: float, move_timeout_s: float = 30.0) -> tuple[bool, int]:
+        """Take a worker out of its pool for a role flip: no request is placed on it from now on,
+        and those it serves finish within `drain_timeout_s`. A decode worker's streams still
+        running then move to another decode worker, which resumes each from the tokens already
+        sent (the failover path: the client sees each token once). Returns (drained, streams
+        moved); the worker is forgotten either way and rejoins a pool with `add_prefill` or
+        `add_decode`."""
+        decode = worker_id in self.pools.decodes
+        drained = await self.pools.drain(worker_id, drain_timeout_s)
+        moved = 0
+        if not drained and decode:
+            moved = self.relay.move_streams(worker_id, f"decode worker {worker_id} is leaving its pool (role flip)")
+            drained = await self.pools.drain(worker_id, move_timeout_s)
+        await self.relay.unfollow(worker_id)
+        self.pools.forget(worker_id)
+        return drained, moved
+
     def placement_stats(self) -> dict:
         """See `router.stats.placement_stats`."""
         return placement_stats(self.pools, self._prefill_locations)
@@ -295,6 +312,8 @@ class Router:
         if start.recomputed:
             await self._release_prefill(r)
         r.pinned_on_prefill = False  # pulled: the prefill worker frees on the notification
+        assert r.p_at is not None
+        self.pools.let_go(r, r.p_at.worker)  # so draining the prefill worker waits no longer for this stream
         async for chunk in self._relay_tokens(r, handed_over, self.metrics.decode_wait):
             yield chunk
 

@@ -4,49 +4,34 @@ calls (release, stats, more prefills) go on concurrently."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import ray
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.worker_client import Invoker, WorkerUnreachable
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.telemetry.context import TraceCarrier
+from pdserve.cluster.worker_host import Role, WorkerHost
 from pdserve.telemetry.tracing import build_tracing
-from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
-
-if TYPE_CHECKING:  # built inside the actor's process only: the driver never loads an engine
-    from decode_worker.worker import DecodeWorker
-    from prefill_worker.worker import PrefillWorker
+from pdserve_proto import worker_pb2
 
 ACTOR_CONCURRENCY = 256
 
-Role = Literal["prefill", "decode"]
 
-
-class WorkerActor:
-    """Forwards each call to its worker; the router-facing methods are those of `WorkerClient`."""
+class WorkerActor(WorkerHost):
+    """A `WorkerHost` as a Ray actor: the same calls, with health checks in their own
+    concurrency group and the start-up link test."""
 
     def __init__(self, role: Role, worker_id: str, cfg: ServeConfig) -> None:
-        from pdserve.cluster.workers import build_decode, build_prefill
+        from pdserve.cluster.workers import build_decode, build_prefill, decode_config, prefill_config
 
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: {role!r} is neither prefill nor decode")
         _configure_logging()
-        self.role = role
         self.tracing = build_tracing(cfg.tracing, role, worker_id)
         self._serve_cfg = cfg  # for `serve_info`
-        self._prefill_worker = build_prefill(worker_id, cfg, self.tracing.tracer) if role == "prefill" else None
-        self._decode_worker = build_decode(worker_id, cfg, self.tracing.tracer) if role == "decode" else None
-        self.worker: PrefillWorker | DecodeWorker = self._prefill_worker or self._decode_worker  # type: ignore[assignment]
-
-    # ----- cluster set-up ------------------------------------------------------------------
-
-    def agent_info(self) -> kv_pb2.KvAgentInfo:
-        return self.worker.agent.info()
-
-    def connect(self, info: kv_pb2.KvAgentInfo) -> None:
-        self.worker.agent.connect(info)
+        build = build_prefill if role == "prefill" else build_decode
+        worker = build(worker_id, cfg, self.tracing.tracer)
+        super().__init__(worker, role, prefill_config(cfg), decode_config(cfg), self.tracing.tracer)
 
     def link_test(self, prefill_agent: str) -> float:
         from pdserve.cluster.workers import link_self_test
@@ -56,73 +41,11 @@ class WorkerActor:
     def flush_traces(self, timeout_s: float = 10.0) -> bool:
         return self.tracing.flush(timeout_s)
 
-    # ----- prefill -------------------------------------------------------------------------
-
-    def prefill(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        rid: str,
-        timeout_s: float,
-        trace_context: TraceCarrier | None = None,
-    ) -> worker_pb2.PrefillResult:
-        return self._prefill().prefill(ids, params, rid, timeout_s, trace_context)
-
-    def release(self, rid: str) -> bool:
-        return self._prefill().release(rid)
-
-    # ----- decode --------------------------------------------------------------------------
-
-    def start(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        rid: str,
-        prefilled: worker_pb2.PrefillResult,
-        trace_context: TraceCarrier | None = None,
-        router_id: str = "",
-    ) -> worker_pb2.DecodeStart:
-        return self._decode().start(ids, params, rid, prefilled, trace_context, router_id)
-
-    def submit(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        rid: str,
-        trace_context: TraceCarrier | None = None,
-        router_id: str = "",
-    ) -> worker_pb2.DecodeSubmit:
-        return self._decode().submit(ids, params, rid, trace_context, router_id)
-
-    def abort(self, rid: str) -> bool:
-        return self._decode().abort(rid)
-
-    def poll(self, wait_s: float, router_id: str = "") -> worker_pb2.TokenUpdates:
-        return self._decode().poll(wait_s, router_id)
-
-    # ----- both ----------------------------------------------------------------------------
-
     # Its own concurrency group: a health check never waits behind the work calls filling
     # the default group's threads, so a busy worker is never mistaken for a dead one.
     @ray.method(concurrency_group="health")
     def health(self) -> worker_pb2.WorkerHealth:
-        return self.worker.health()
-
-    def stats(self) -> inference_pb2.WorkerStats:
-        return self.worker.stats()
-
-    def kv_events(self, wait_s: float, full: bool) -> worker_pb2.KvEventBatch:
-        return self.worker.kv_events(wait_s, full)
-
-    def _prefill(self) -> PrefillWorker:
-        if self._prefill_worker is None:
-            raise TypeError(f"role: {self.worker.worker_id} is a {self.role} worker, not a prefill worker")
-        return self._prefill_worker
-
-    def _decode(self) -> DecodeWorker:
-        if self._decode_worker is None:
-            raise TypeError(f"role: {self.worker.worker_id} is a {self.role} worker, not a decode worker")
-        return self._decode_worker
+        return super().health()
 
     # ----- routers that join running workers (`pdserve router`) ------------------------------
 

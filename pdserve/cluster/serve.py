@@ -24,11 +24,13 @@ from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.pools import PlacementError, actor_resources, cluster_nodes, unplaceable
 from pdserve.cluster.ports import PortInUseError, check_ports
 from pdserve.cluster.progress import Progress, quiet, worker_ready_line, workers_line
-from pdserve.telemetry.endpoint import unanswered_warning
+from pdserve.cluster.role_flip import FlipConfig, RoleFlipper
 from pdserve.cluster.worker_client import WorkerClient, new_router_id
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.models.resolve import resolve_device, resolve_model
+from pdserve.telemetry.endpoint import unanswered_warning
+from pdserve_proto import inference_pb2, worker_pb2
 from router.auth import ApiKeys
 from router.deadline import within
 from router.grpc_server import start_grpc_server
@@ -67,6 +69,8 @@ class Cluster:
         self._http_runner, self.http_port = http if http is not None else (None, None)
         self.telemetry = telemetry if telemetry is not None else RouterTelemetry.create(ServeConfig())
         self.control = ClusterControl(router)  # Admin.SetRole / GetController (`attach_control`)
+        # Role flips (Admin.SetRole, the P:D controller): this cluster hosts the workers.
+        self.flipper = RoleFlipper(router, self, FlipConfig(), self.telemetry.tracing.tracer, self._flipped)
 
     @property
     def address(self) -> str:
@@ -213,6 +217,28 @@ class Cluster:
         ray.kill(actor)
         log.info("worker %s left (%s)", worker_id, "drained" if drained else "drain timed out")
         return drained
+
+    # ----- role flips (`RoleFlipper`'s hosts) -------------------------------------------------
+
+    async def switch(self, worker_id: str, role: str, timeout_s: float) -> worker_pb2.WorkerHealth:
+        _, actor, info = self._workers[worker_id]
+        health = await within(actor.switch_role.remote(role), timeout_s)
+        self._workers[worker_id] = (role, actor, info)
+        return health
+
+    async def link(self, worker_id: str, role: str, timeout_s: float) -> None:
+        _, actor, info = self._workers[worker_id]
+        peers = [(a, i) for w, (r, a, i) in self._workers.items() if r != role and w != worker_id]
+        links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
+        await within(asyncio.gather(*links), timeout_s)
+
+    def client(self, worker_id: str) -> WorkerClient:
+        _, actor, _ = self._workers[worker_id]
+        return WorkerClient(worker_id, ray_invoker(actor), router_id=self.router_id)
+
+    def _flipped(self, change: inference_pb2.RoleChange) -> None:
+        if change.ok:
+            self.telemetry.metrics.role_changes.labels(change.from_role, change.to_role).inc()
 
     def attach_control(self, control: ClusterControl) -> None:
         """Give the Admin service's control plane this cluster's role flipper and, with

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from kv_transfer.compat import KvCompatError
+from pdserve.cluster.worker_host import WrongRole
 from pdserve.engine.block_manager import NoFreeBlocksError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier
@@ -178,6 +179,10 @@ def _worker_error(exc: BaseException, what: str) -> RouterError:
     if isinstance(exc, KvCompatError):
         # The two workers disagree on the KV layout or protocol: a deployment fault, not the client's.
         return RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {short_reason(exc)}")
+    if isinstance(exc, WrongRole):
+        # A placement that reached the worker after it flipped: it has left this pool. The
+        # router treats it as gone from the pool and places the request on another worker.
+        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {short_reason(exc)}", worker_failed=True)
     if isinstance(exc, NoFreeBlocksError):
         log.info("%s: %s", what, exc)
         return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: no free KV blocks; retry later")
