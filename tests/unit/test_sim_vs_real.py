@@ -4,6 +4,7 @@ simulator's batched prefill step."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -32,6 +33,7 @@ from pdserve.control.trace import SimRequest, load_trace
 from pdserve.engine.args import EngineArgs
 
 CPU = load_perf_model("smollm2-135m-cpu")
+WARM = dataclasses.replace(CPU, cold_steps=0)  # no slow first step: exact step times
 
 
 def test_the_trace_is_seeded_within_its_bounds_and_reads_back_as_the_simulators(tmp_path):
@@ -112,7 +114,7 @@ def test_the_simulated_side_follows_the_model():
 
 
 def _worker(budget: int = 2048) -> SimPrefill:
-    return SimPrefill("p", CPU, cache_blocks=1000, block_size=16, budget=budget)
+    return SimPrefill("p", WARM, cache_blocks=1000, block_size=16, budget=budget)
 
 
 def test_a_prefill_step_batches_queued_prompts_up_to_the_budget_and_chunks_the_last():
@@ -121,7 +123,7 @@ def test_a_prefill_step_batches_queued_prompts_up_to_the_budget_and_chunks_the_l
     unc = {0: 1000, 1: 1500, 2: 300}
     chunks, dt = w.step(unc)
     assert chunks == [(0, 1000, True), (1, 1048, False)]
-    m = CPU
+    m = WARM
     assert dt == pytest.approx(m.p0 + m.p1 * 2048 + m.p2 * (1000**2 + 1048**2))
     assert w.finished(0) == 1000
     chunks, dt = w.step(unc)
@@ -140,14 +142,14 @@ def test_a_chunked_prompt_costs_what_it_costs_whole_plus_a_fixed_cost_a_step():
         if chunks[-1][2]:
             w.finished(7)
     assert steps == 3
-    assert total == pytest.approx(CPU.prefill_s(5000) + 2 * CPU.p0)
+    assert total == pytest.approx(WARM.prefill_s(5000) + 2 * WARM.p0)
 
 
 def test_queued_short_prompts_share_one_step_in_the_simulator():
     reqs = [SimRequest(0.0, 100, 2) for _ in range(10)]
-    r = simulated(reqs, CPU, (1, 1), Slo(100_000, 100_000))
-    step = lambda n: CPU.p0 + n * (CPU.p1 * 100 + CPU.p2 * 100**2)
+    r = simulated(reqs, WARM, (1, 1), Slo(100_000, 100_000))
+    step = lambda n: WARM.p0 + n * (WARM.p1 * 100 + WARM.p2 * 100**2)
     # The first arrival starts a step alone; the nine queued behind it share the next one.
     assert r["ttft_p50_ms"] == r["ttft_p90_ms"] == pytest.approx(1000 * (step(1) + step(9)), rel=1e-3)
-    assert r["ttft_p90_ms"] < 1000 * (10 * CPU.prefill_s(100) - 7 * CPU.p0)  # not ten prefills in a row
+    assert r["ttft_p90_ms"] < 1000 * (10 * WARM.prefill_s(100) - 7 * WARM.p0)  # not ten prefills in a row
     assert SimConfig(workers=2).prefill_step_tokens == EngineArgs().max_num_batched_tokens
