@@ -137,6 +137,9 @@ spec:
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
       env:
         {{- include "pdserve.commonEnv" $root | trim | nindent 8 }}
+        {{- with include "pdserve.rayAuthEnv" $root | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with include "pdserve.kvEnv" $root | trim }}
         {{- . | nindent 8 }}
         {{- end }}
