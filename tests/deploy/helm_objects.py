@@ -41,7 +41,19 @@ def router_script(objects: list[dict[str, Any]]) -> str:
     return container["args"][0]
 
 
-def serve_command(objects: list[dict[str, Any]]) -> str:
-    lines = [ln.strip() for ln in router_script(objects).splitlines() if ln.strip().startswith("exec pdserve serve")]
+def replica_script(objects: list[dict[str, Any]]) -> str:
+    """The start-up script of the routers beyond the first (ray start, then `exec pdserve router ...`)."""
+    container = one(objects, "Deployment", "-router-replica")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["/bin/bash", "-c"]
+    return container["args"][0]
+
+
+def exec_line(script: str, command: str) -> str:
+    """The script's one `exec pdserve <command> ...` line."""
+    lines = [ln.strip() for ln in script.splitlines() if ln.strip().startswith(f"exec pdserve {command} ")]
     assert len(lines) == 1
     return lines[0]
+
+
+def serve_command(objects: list[dict[str, Any]]) -> str:
+    return exec_line(router_script(objects), "serve")

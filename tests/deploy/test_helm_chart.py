@@ -11,7 +11,18 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import pytest
-from helm_objects import CHART_DIR, NAMESPACE, REPO, by_kind, one, render, router_script, serve_command
+from helm_objects import (
+    CHART_DIR,
+    NAMESPACE,
+    REPO,
+    by_kind,
+    exec_line,
+    one,
+    render,
+    replica_script,
+    router_script,
+    serve_command,
+)
 from kuberay_fields import raycluster_errors, service_monitor_errors
 
 pytestmark = pytest.mark.deploy
@@ -22,23 +33,46 @@ KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version() + ".0")
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "multi_gpu": {
-        "prefill": {"replicas": 2, "gpus": 4, "cpu": "32", "memory": "256Gi",
-                    "nodeSelector": {"gpu": "h100"},
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                        {"weight": 100, "podAffinityTerm": {
-                            "topologyKey": "kubernetes.io/hostname",
-                            "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "prefill"}}}}]}}},
+        "prefill": {
+            "replicas": 2,
+            "gpus": 4,
+            "cpu": "32",
+            "memory": "256Gi",
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "podAffinityTerm": {
+                                "topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "prefill"}},
+                            },
+                        }
+                    ]
+                }
+            },
+        },
         "decode": {"replicas": 3, "gpus": 8, "cpu": "64", "memory": "512Gi"},
-        "model": {"source": "pvc", "claimName": "models", "path": "llama-3.1-8b-instruct", "maxModelLen": 8192,
-                  "dtype": "bfloat16"},
+        "model": {
+            "source": "pvc",
+            "claimName": "models",
+            "path": "llama-3.1-8b-instruct",
+            "maxModelLen": 8192,
+            "dtype": "bfloat16",
+        },
         "shm": {"size": "64Gi"},
     },
     "rdma": {
         "rdma": {"enabled": True, "resourceName": "rdma/hca_shared_devices_a", "count": 2},
         "kv": {"ucxNetDevices": "mlx5_0:1", "extraEnv": [{"name": "UCX_IB_GID_INDEX", "value": "3"}]},
-        "model": {"source": "gguf", "claimName": "models", "path": "llama-3.2-1b.Q8_0.gguf",
-                  "cache": {"claimName": "pdserve-cache"}},
+        "model": {
+            "source": "gguf",
+            "claimName": "models",
+            "path": "llama-3.2-1b.Q8_0.gguf",
+            "cache": {"claimName": "pdserve-cache"},
+        },
     },
     "tls": {
         "tls": {"enabled": True, "secretName": "pdserve-tls", "clientCA": True},
@@ -51,11 +85,31 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "controller": {"enabled": True, "sloTtftMs": 300, "sloItlMs": 40},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
         "grafanaDashboard": {"enabled": True},
-        "model": {"source": "hub", "hubId": "Qwen/Qwen2.5-1.5B-Instruct", "cache": {"claimName": "pdserve-cache"},
-                  "hubTokenSecret": {"name": "hf", "key": "token"}},
+        "model": {
+            "source": "hub",
+            "hubId": "Qwen/Qwen2.5-1.5B-Instruct",
+            "cache": {"claimName": "pdserve-cache"},
+            "hubTokenSecret": {"name": "hf", "key": "token"},
+        },
     },
-    "colocated": {"prefill": {"replicas": 0}, "decode": {"replicas": 2, "gpus": 2},
-                  "podDisruptionBudget": {"enabled": False}, "networkPolicy": {"enabled": False}},
+    "routers": {
+        "router": {
+            "replicas": 3,
+            "extraArgs": ["--max-num-seqs", "128"],
+            "replicaExtraArgs": ["--max-queued-requests", "256"],
+        },
+        "rayAuth": {"secretName": "pdserve-ray"},
+        "tls": {"enabled": True, "secretName": "pdserve-tls"},
+        "apiKeys": {"secretName": "pdserve-keys", "adminSecretName": "pdserve-admin"},
+        "otel": {"endpoint": "otel-collector.observability:4317"},
+        "model": {"source": "pvc", "claimName": "models", "path": "llama-3.1-8b-instruct"},
+    },
+    "colocated": {
+        "prefill": {"replicas": 0},
+        "decode": {"replicas": 2, "gpus": 2},
+        "podDisruptionBudget": {"enabled": False},
+        "networkPolicy": {"enabled": False},
+    },
 }
 
 
@@ -66,6 +120,9 @@ def pod_specs(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for g in rc["spec"].get("workerGroupSpecs", []):
         specs[g["groupName"]] = g["template"]["spec"]
     specs["router"] = one(objects, "Deployment", "-router")["spec"]["template"]["spec"]
+    for dep in by_kind(objects, "Deployment"):
+        if dep["metadata"]["name"].endswith("-router-replica"):
+            specs["router-replica"] = dep["spec"]["template"]["spec"]
     return specs
 
 
@@ -123,8 +180,18 @@ def test_kuberay_field_check_catches_mistakes(chart: helm.Chart) -> None:
 
 def test_default_objects(chart: helm.Chart) -> None:
     kinds = sorted(o["kind"] for o in render(chart))
-    assert kinds == sorted(["RayCluster", "Deployment", "Service", "NetworkPolicy", "NetworkPolicy",
-                            "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget"])
+    assert kinds == sorted(
+        [
+            "RayCluster",
+            "Deployment",
+            "Service",
+            "NetworkPolicy",
+            "NetworkPolicy",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+        ]
+    )
 
 
 # ----- pools ---------------------------------------------------------------------------------
@@ -229,12 +296,17 @@ def test_router_service_ports(chart: helm.Chart) -> None:
     assert ports == {"grpc": (50051, "grpc"), "http": (8000, "http"), "metrics": (9400, "metrics")}
     dep = one(objects, "Deployment", "-router")
     assert dep["spec"]["replicas"] == 1
-    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
     cmd = shlex.split(serve_command(objects))
-    for flag, value in {"--port": "50051", "--http-port": "8000", "--metrics-port": "9400", "--address": "auto",
-                        "--device": "cuda"}.items():
+    for flag, value in {
+        "--port": "50051",
+        "--http-port": "8000",
+        "--metrics-port": "9400",
+        "--address": "auto",
+        "--device": "cuda",
+    }.items():
         assert cmd[cmd.index(flag) + 1] == value
 
 
@@ -282,10 +354,16 @@ def test_model_sources(chart: helm.Chart) -> None:
 def test_tls_api_keys_otel(chart: helm.Chart) -> None:
     objects = render(chart, VALUE_SETS["tls"])
     cmd = shlex.split(serve_command(objects))
-    expected = {"--ssl-certfile": "/etc/pdserve/tls/tls.crt", "--ssl-keyfile": "/etc/pdserve/tls/tls.key",
-                "--ssl-ca-certs": "/etc/pdserve/tls/ca.crt", "--api-key-file": "/etc/pdserve/api-keys/api-keys",
-                "--admin-api-key": "$PDSERVE_ADMIN_API_KEY", "--trace-exporter": "otlp-grpc",
-                "--trace-endpoint": "otel-collector.observability:4317", "--trace-sample-ratio": "0.1"}
+    expected = {
+        "--ssl-certfile": "/etc/pdserve/tls/tls.crt",
+        "--ssl-keyfile": "/etc/pdserve/tls/tls.key",
+        "--ssl-ca-certs": "/etc/pdserve/tls/ca.crt",
+        "--api-key-file": "/etc/pdserve/api-keys/api-keys",
+        "--admin-api-key": "$PDSERVE_ADMIN_API_KEY",
+        "--trace-exporter": "otlp-grpc",
+        "--trace-endpoint": "otel-collector.observability:4317",
+        "--trace-sample-ratio": "0.1",
+    }
     for flag, value in expected.items():
         assert cmd[cmd.index(flag) + 1] == value, flag
     spec = pod_specs(objects)["router"]
@@ -315,6 +393,137 @@ def test_extra_args_are_quoted(chart: helm.Chart) -> None:
     assert cmd[-4:] == extra
 
 
+# ----- router replicas -----------------------------------------------------------------------
+
+
+def router_pod_labels(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Deployment name -> its pods' labels, for every router Deployment."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in by_kind(objects, "Deployment")}
+
+
+def test_one_router_renders_no_replicas(chart: helm.Chart) -> None:
+    objects = render(chart)
+    assert [d["metadata"]["name"] for d in by_kind(objects, "Deployment")] == ["demo-pdserve-router"]
+    assert "exec pdserve router" not in json.dumps(objects)
+    router_pdb = one(objects, "PodDisruptionBudget", "-router")["spec"]
+    assert router_pdb["maxUnavailable"] == 1 and "minAvailable" not in router_pdb
+
+
+def test_router_replicas_deployment(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["routers"])
+    first = one(objects, "Deployment", "-router")
+    replicas = one(objects, "Deployment", "-router-replica")
+    # The first router still starts and owns the pools: one pod, one at a time.
+    assert first["spec"]["replicas"] == 1 and first["spec"]["strategy"] == {"type": "Recreate"}
+    assert replicas["spec"]["replicas"] == 2
+    script = replica_script(objects)
+    assert "ray start --address=demo-pdserve-head-svc:6379" in script
+    assert '--node-ip-address="$POD_IP" --num-cpus=0 --num-gpus=0' in script
+    assert script.index("ray health-check") < script.index("ray start") < script.index("exec pdserve router")
+    line = exec_line(script, "router")
+    assert line.startswith('exec pdserve router --host "$POD_IP"')
+    cmd = shlex.split(line)
+    serve = shlex.split(serve_command(objects))
+    assert cmd[cmd.index("--address") + 1] == "auto"
+    # The same edge as the first router: ports, TLS, API keys, admin key, traces.
+    for flag in (
+        "--port",
+        "--http-port",
+        "--metrics-port",
+        "--ssl-certfile",
+        "--ssl-keyfile",
+        "--api-key-file",
+        "--admin-api-key",
+        "--trace-exporter",
+        "--trace-endpoint",
+        "--trace-sample-ratio",
+    ):
+        assert cmd[cmd.index(flag) + 1] == serve[serve.index(flag) + 1], flag
+    assert cmd[cmd.index("--admin-api-key") + 1] == "$PDSERVE_ADMIN_API_KEY"
+    # Nothing only `pdserve serve` takes (`pdserve router` would refuse it): the workers say the rest.
+    for flag in ("--device", "--prefill", "--decode", "--placement-policy", "--dtype", "--model", "--max-num-seqs"):
+        assert flag not in cmd, flag
+    # Each Deployment gets its own extra flags.
+    assert cmd[cmd.index("--max-queued-requests") + 1] == "256" and "--max-queued-requests" not in serve
+    assert serve[serve.index("--max-num-seqs") + 1] == "128"
+
+    spec = replicas["spec"]["template"]["spec"]
+    first_spec = first["spec"]["template"]["spec"]
+    c, first_c = spec["containers"][0], first_spec["containers"][0]
+    assert not any(k.startswith("nvidia.com/") for k in c["resources"]["limits"])  # starts no worker
+    assert first_c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert c["ports"] == first_c["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe] == first_c[probe] and "pdserve.v1.Inference" in c[probe]["exec"]["command"][2]
+    assert c["volumeMounts"] == first_c["volumeMounts"] and spec["volumes"] == first_spec["volumes"]
+    env = env_of(c)
+    assert env["PDSERVE_ADMIN_API_KEY"] == {"secretKeyRef": {"name": "pdserve-admin", "key": "admin-api-key"}}
+
+
+def test_router_replica_probes_without_tls(chart: helm.Chart) -> None:
+    objects = render(chart, {"router": {"replicas": 2}})
+    c = one(objects, "Deployment", "-router-replica")["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": 50051, "service": "pdserve.v1.Inference"}
+    assert c["livenessProbe"]["failureThreshold"] == 6 and c["startupProbe"]["failureThreshold"] == 90
+
+
+def test_service_spreads_over_every_router(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["routers"])
+    selector = one(objects, "Service", "-router")["spec"]["selector"]
+    pods = router_pod_labels(objects)
+    assert set(pods) == {"demo-pdserve-router", "demo-pdserve-router-replica"}
+    for labels in pods.values():
+        assert selector.items() <= labels.items()
+    rc = one(objects, "RayCluster")["spec"]
+    ray_pods = [rc["headGroupSpec"]["template"]] + [g["template"] for g in rc["workerGroupSpecs"]]
+    assert not any(selector.items() <= t["metadata"]["labels"].items() for t in ray_pods)
+    # Each Deployment selects only its own pods (overlapping controllers fight over pods).
+    for dep in by_kind(objects, "Deployment"):
+        own = dep["spec"]["selector"]["matchLabels"]
+        matched = [name for name, labels in pods.items() if own.items() <= labels.items()]
+        assert matched == [dep["metadata"]["name"]]
+
+
+def test_router_replicas_pdb(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["routers"])
+    pdbs = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects, "PodDisruptionBudget")}
+    assert set(pdbs) == {"demo-pdserve-router", "demo-pdserve-prefill", "demo-pdserve-decode"}
+    router = pdbs["demo-pdserve-router"]
+    assert router["minAvailable"] == 1 and "maxUnavailable" not in router
+    for labels in router_pod_labels(objects).values():
+        assert router["selector"]["matchLabels"].items() <= labels.items()
+    # A pod under two budgets cannot be evicted at all: each router pod is under this one only.
+    for name, spec in pdbs.items():
+        if name != "demo-pdserve-router":
+            for labels in router_pod_labels(objects).values():
+                assert not spec["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_router_replicas_network_policy(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["routers"])
+    replica_labels = router_pod_labels(objects)["demo-pdserve-router-replica"]
+    router = one(objects, "NetworkPolicy", "-router")["spec"]
+    assert router["podSelector"]["matchLabels"].items() <= replica_labels.items()  # edge ports open to clients
+    assert sorted(p["port"] for p in router["ingress"][0]["ports"]) == [8000, 9400, 50051]
+    ray = one(objects, "NetworkPolicy", "-ray")["spec"]
+    (rule,) = ray["ingress"]
+    # The joining routers reach the head's GCS and the workers (actor calls) on any port.
+    assert any(p["podSelector"]["matchLabels"].items() <= replica_labels.items() for p in rule["from"])
+
+
+def test_ray_token_from_the_secret(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["routers"])
+    specs = pod_specs(objects)
+    assert set(specs) == {"ray-head", "prefill", "decode", "router", "router-replica"}
+    for comp, spec in specs.items():
+        env = env_of(spec["containers"][0])
+        assert env["RAY_AUTH_MODE"] == "token", comp
+        assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "pdserve-ray", "key": "auth_token"}}, comp
+    for spec in pod_specs(render(chart)).values():  # no token asked for: Ray as before
+        assert not any(k.startswith("RAY_AUTH") for k in env_of(spec["containers"][0]))
+
+
 # ----- policies, monitoring ------------------------------------------------------------------
 
 
@@ -341,7 +550,9 @@ def test_network_policy(chart: helm.Chart) -> None:
     assert open_rule["from"] == [{"namespaceSelector": {"matchLabels": {"name": "clients"}}}]
     assert "ports" not in cluster_rule  # Ray's ports are dynamic
     assert cluster_rule["from"][0]["podSelector"]["matchLabels"] == {
-        "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "demo"}
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": "demo",
+    }
     ray = one(objects, "NetworkPolicy", "-ray")["spec"]
     comps = next(e for e in ray["podSelector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component")
     assert sorted(comps["values"]) == ["decode", "prefill", "ray-head"]
@@ -378,11 +589,13 @@ def test_chart_notes(chart: helm.Chart) -> None:
 
 def test_dockerfile_matches_chart_and_package() -> None:
     dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
-    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.M)
+    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)
     assert ray_version is not None
     values = helm.values_from_yaml((CHART_DIR / "values.yaml").read_text())
     assert values["rayVersion"] == ray_version.group(1)
-    assert re.search(r'^FROM \$\{CUDA_IMAGE\}$', dockerfile, re.M) and "ARG CUDA_IMAGE=nvidia/cuda:" in dockerfile
+    assert (
+        re.search(r"^FROM \$\{CUDA_IMAGE\}$", dockerfile, re.MULTILINE) and "ARG CUDA_IMAGE=nvidia/cuda:" in dockerfile
+    )
     assert '".[gpu]"' in dockerfile and '"ray[default]==${RAY_VERSION}"' in dockerfile
     # Every package pyproject installs is copied into the build.
     import tomllib

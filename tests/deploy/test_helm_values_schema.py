@@ -18,8 +18,11 @@ HUB = {"source": "hub", "hubId": "Qwen/Qwen2.5-1.5B-Instruct", "cache": {"claimN
 REJECTED: dict[str, tuple[dict[str, Any], str]] = {
     "unknown top-level key": ({"prefil": {"replicas": 2}}, "additional properties 'prefil'"),
     "unknown pool key": ({"prefill": {"replica": 2}}, "'/prefill': additional properties 'replica'"),
-    "router replicas above 1": ({"router": {"replicas": 2}}, "/router/replicas"),
     "router replicas 0": ({"router": {"replicas": 0}}, "/router/replicas"),
+    "router replicas as a string": ({"router": {"replicas": "3"}}, "/router/replicas"),
+    "replica extra arg with a single quote": ({"router": {"replicaExtraArgs": ["it's"]}}, "/router/replicaExtraArgs/0"),
+    "ray auth secret not a DNS name": ({"rayAuth": {"secretName": "Ray_Token"}}, "/rayAuth/secretName"),
+    "ray auth empty key": ({"rayAuth": {"secretName": "ray", "key": ""}}, "/rayAuth/key"),
     "router gpus above 1": ({"router": {"gpus": 2}}, "/router/gpus"),
     "negative prefill replicas": ({"prefill": {"replicas": -1}}, "/prefill/replicas"),
     "no decode pod": ({"decode": {"replicas": 0}}, "/decode/replicas"),
@@ -32,15 +35,21 @@ REJECTED: dict[str, tuple[dict[str, Any], str]] = {
     "unknown model source": ({"model": {"source": "s3"}}, "/model/source"),
     "pvc source without claim": ({"model": {"source": "pvc", "path": "m"}}, "/model"),
     "pvc source without path": ({"model": {"source": "pvc", "claimName": "models"}}, "/model"),
-    "gguf source not a .gguf": ({"model": {"source": "gguf", "claimName": "m", "path": "x.bin",
-                                           "cache": {"claimName": "c"}}}, "/model/path"),
-    "gguf source without cache": ({"model": {"source": "gguf", "claimName": "m", "path": "x.gguf"}},
-                                  "/model/cache/claimName"),
+    "gguf source not a .gguf": (
+        {"model": {"source": "gguf", "claimName": "m", "path": "x.bin", "cache": {"claimName": "c"}}},
+        "/model/path",
+    ),
+    "gguf source without cache": (
+        {"model": {"source": "gguf", "claimName": "m", "path": "x.gguf"}},
+        "/model/cache/claimName",
+    ),
     "hub source without cache": ({"model": {"source": "hub", "hubId": "a/b"}}, "/model/cache/claimName"),
     "hub source without id": ({"model": {**HUB, "hubId": ""}}, "/model/hubId"),
     "hub id malformed": ({"model": {**HUB, "hubId": "not a hub id"}}, "/model/hubId"),
-    "claim name not a DNS name": ({"model": {"source": "pvc", "claimName": "My_Models", "path": "m"}},
-                                  "/model/claimName"),
+    "claim name not a DNS name": (
+        {"model": {"source": "pvc", "claimName": "My_Models", "path": "m"}},
+        "/model/claimName",
+    ),
     "unknown dtype": ({"model": {"dtype": "fp8"}}, "/model/dtype"),
     "negative max model len": ({"model": {"maxModelLen": -1}}, "/model/maxModelLen"),
     "rdma resource name malformed": ({"rdma": {"enabled": True, "resourceName": "rdma"}}, "/rdma/resourceName"),
@@ -62,8 +71,10 @@ REJECTED: dict[str, tuple[dict[str, Any], str]] = {
     "unknown pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     "ray version malformed": ({"rayVersion": "latest"}, "/rayVersion"),
     "pdb max unavailable 0": ({"podDisruptionBudget": {"maxUnavailable": 0}}, "/podDisruptionBudget/maxUnavailable"),
-    "scrape interval malformed": ({"serviceMonitor": {"enabled": True, "interval": "often"}},
-                                  "/serviceMonitor/interval"),
+    "scrape interval malformed": (
+        {"serviceMonitor": {"enabled": True, "interval": "often"}},
+        "/serviceMonitor/interval",
+    ),
 }
 
 
@@ -90,6 +101,8 @@ ACCEPTED: dict[str, dict[str, Any]] = {
     "controller with slos": {"controller": {"enabled": True, "sloTtftMs": 250.5, "sloItlMs": 30}},
     "ucx tls pinned": {"kv": {"ucxTls": "rc,cuda_copy,^tcp"}},
     "router gpu off": {"router": {"gpus": 0}},
+    "three routers": {"router": {"replicas": 3}},
+    "ray token": {"rayAuth": {"secretName": "pdserve-ray"}},
 }
 
 
