@@ -4,7 +4,8 @@ far the simulator's TTFT, ITL, end-to-end latency and goodput are from the real 
 
     python bench/sim_vs_real.py --split 1:1 [--reps 2] [--trace F.jsonl] [--perf-model NAME|FILE]
                                 [--json out.json]
-    python bench/sim_vs_real.py --real out.json --perf-model OTHER.json   (simulate again, no cluster)
+    python bench/sim_vs_real.py --real out.json [more.json ...] --perf-model OTHER.json
+                                (simulate again, repetitions of several runs together, no cluster)
 
 Without --trace a trace is made (Poisson arrivals, prompts log-uniform in [--input-min,
 --input-max], outputs uniform in [--output-min, --output-max]) and written next to --json.
@@ -188,6 +189,20 @@ def parse_split(text: str) -> tuple[int, int]:
     return split
 
 
+def merge_real(outputs: Sequence[dict]) -> tuple[Path, tuple[int, int], dict]:
+    """The repetitions of several --json outputs of one trace and split, as one run's."""
+    first = outputs[0]
+    for o in outputs[1:]:
+        if (o["trace"], o["split"], o["real"]["threads_per_worker"]) != (
+            first["trace"],
+            first["split"],
+            first["real"]["threads_per_worker"],
+        ):
+            raise ValueError("--real: the outputs differ in trace, split or threads per worker")
+    real = dict(first["real"], samples=[rep for o in outputs for rep in o["real"]["samples"]])
+    return Path(first["trace"]), tuple(first["split"]), real
+
+
 # ----- the simulator ----------------------------------------------------------------------------
 
 
@@ -297,7 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--split", default="1:1", help="static split P:D (default: 1:1)")
     p.add_argument("--trace", type=Path, default=None, help="a trace in the simulator's format (default: make one)")
-    p.add_argument("--real", type=Path, default=None, help="take the real runs from this --json output (no cluster)")
+    p.add_argument(
+        "--real",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="take the real runs from these --json outputs of one trace and split (no cluster)",
+    )
     p.add_argument("--reps", type=int, default=2, help="real repetitions (default: 2)")
     p.add_argument("--perf-model", default=CPU_MODEL, metavar="NAME|FILE", help=f"(default: {CPU_MODEL})")
     p.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
@@ -316,9 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     slo = Slo(a.slo_ttft_ms, a.slo_itl_ms)
     model = load_perf_model(a.perf_model)
-    if a.real is not None:
-        prev = json.loads(a.real.read_text())
-        trace, split, real = Path(prev["trace"]), tuple(prev["split"]), prev["real"]
+    if a.real:
+        trace, split, real = merge_real([json.loads(f.read_text()) for f in a.real])
     else:
         trace, split = _trace(a), parse_split(a.split)
     reqs = load_trace(trace)
@@ -327,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{model.name} predicts the prefill pool {100 * prefill_utilization(reqs, model, split[0]):.0f} % busy",
         file=sys.stderr,
     )
-    if a.real is None:
+    if not a.real:
         real = asyncio.run(real_runs(reqs, split, a))
     span = reqs[-1].t - reqs[0].t
     real_reps = [metrics([Sample(**s) for s in rep], span, slo) for rep in real["samples"]]

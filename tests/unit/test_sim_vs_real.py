@@ -17,6 +17,7 @@ from bench.sim_vs_real import (
     compare,
     error_pct,
     make_trace,
+    merge_real,
     metrics,
     parse_split,
     prefill_utilization,
@@ -86,6 +87,20 @@ def test_the_comparison_takes_the_real_median_and_its_range():
     assert "| itl_p50_ms | 100 | 100 | +0.0 % |" in md  # no range where the repetitions agree
     with pytest.raises(ValueError):
         compare([], sim)
+
+
+def test_real_runs_of_one_trace_and_split_merge_and_others_do_not():
+    def out(trace, split, reps):
+        return {
+            "trace": trace,
+            "split": split,
+            "real": {"threads_per_worker": 1, "samples": [[{"r": k}] for k in reps]},
+        }
+
+    trace, split, real = merge_real([out("t.jsonl", [1, 1], [0, 1]), out("t.jsonl", [1, 1], [2])])
+    assert (str(trace), split, real["samples"]) == ("t.jsonl", (1, 1), [[{"r": 0}], [{"r": 1}], [{"r": 2}]])
+    with pytest.raises(ValueError):
+        merge_real([out("t.jsonl", [1, 1], [0]), out("t.jsonl", [2, 1], [1])])
 
 
 def test_split_parsing():
