@@ -105,8 +105,9 @@ def write_trace(records: Sequence[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
-def prompts_for(reqs: Sequence[SimRequest], seed: int) -> list[list[int]]:
-    """Random token ids of each request's prompt length, one set per seed (per repetition)."""
+def prompts_for(reqs: Sequence[SimRequest], seed: int | str) -> list[list[int]]:
+    """Random token ids of each request's prompt length, one set per seed (per repetition).
+    Python seeds -n and n alike: give distinct non-negative ints, or a string."""
     rng = random.Random(seed)
     return [[rng.randrange(*_TOKEN_RANGE) for _ in range(r.input_len)] for r in reqs]
 
@@ -271,7 +272,7 @@ async def real_runs(reqs: Sequence[SimRequest], split: tuple[int, int], args: ar
     try:
         name = await served_model(url)
         # Warm-up: the first prefill and decode steps of a fresh engine run slow (allocation).
-        warm = prompts_for(reqs[: 2 * split[0]], seed=-1)
+        warm = prompts_for(reqs[: 2 * split[0]], seed="warm-up")  # no repetition's prompts
         warm_reqs = [SimRequest(0.0, len(p), 8) for p in warm]
         await replay(url, name, warm_reqs, warm, args.timeout)
         for rep in range(args.reps):

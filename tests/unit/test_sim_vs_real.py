@@ -59,6 +59,7 @@ def test_prompts_match_the_lengths_and_differ_between_repetitions():
     a, b = prompts_for(reqs, 0), prompts_for(reqs, 1)
     assert [len(p) for p in a] == [5, 40] and a == prompts_for(reqs, 0)
     assert a[1][:16] != b[1][:16]  # no shared first block: no prefix-cache hit across repetitions
+    assert prompts_for(reqs, "warm-up")[1][:16] not in (a[1][:16], b[1][:16])  # nor with the warm-up
 
 
 def test_metrics_percentiles_goodput_and_failures():
