@@ -10,12 +10,14 @@ transport (shared memory or TCP between processes on a host, NVLink or RDMA betw
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import torch
 
@@ -143,7 +145,8 @@ class KvTransferAgent:
         local = [(local_base + loc * bb, n * bb, self.device_id) for _, loc, n in runs]
         remote_descs = [(remote.pool_address + r * bb, n * bb, remote.device_id) for r, _, n in runs]
         start = time.perf_counter()
-        with self._lock:
+        what = f"READ of {len(remote_ids)} blocks from {remote_agent}"
+        with self._lock, _nixl_errors(what):
             handle = self._agent.initialize_xfer(
                 "READ",
                 self._agent.get_xfer_descs(local, self.memory_type),
@@ -152,25 +155,28 @@ class KvTransferAgent:
                 notify,
             )
         try:
-            with self._lock:
+            with self._lock, _nixl_errors(what):
                 state = self._agent.transfer(handle)
             deadline = start + timeout_s
             while state != "DONE":
                 if state == "ERR":
-                    raise KvTransferError(f"READ of {len(remote_ids)} blocks from {remote_agent} failed")
+                    raise KvTransferError(f"{what} failed")
                 now = time.perf_counter()
                 if now > deadline:
-                    raise KvTransferError(f"READ of {len(remote_ids)} blocks from {remote_agent} timed out after {timeout_s}s")
+                    raise KvTransferError(f"{what} timed out after {timeout_s}s")
                 # Spin for the first milliseconds (a GPU READ of a prompt's KV takes about that
                 # long, and even sleep(0) costs tens of microseconds of timer slack), then back
                 # off so a slow link does not burn a core.
                 if now - start > 0.005:
                     time.sleep(min(1e-3, (now - start) / 50))
-                with self._lock:
+                with self._lock, _nixl_errors(what):
                     state = self._agent.check_xfer_state(handle)
         finally:
-            with self._lock:
-                self._agent.release_xfer_handle(handle)
+            try:
+                with self._lock:
+                    self._agent.release_xfer_handle(handle)
+            except Exception as exc:  # noqa: BLE001 - the READ's own outcome is what the caller needs
+                log.warning("%s: releasing its transfer handle: %s", what, exc)
         seconds = time.perf_counter() - start
         return TransferStats(len(remote_ids), len(remote_ids) * bb, len(runs), seconds)
 
@@ -197,3 +203,15 @@ class KvTransferAgent:
             self._agent.remove_remote_agent(name)
         self._remotes.clear()
         self._agent.deregister_memory(self._registration)
+
+
+@contextlib.contextmanager
+def _nixl_errors(what: str) -> Iterator[None]:
+    """NIXL's own exceptions (a peer that went away: NIXL_ERR_REMOTE_DISCONNECT) as the transport's
+    KvTransferError, which the decode worker answers with a retry and then a recompute."""
+    try:
+        yield
+    except KvTransferError:
+        raise
+    except Exception as exc:
+        raise KvTransferError(f"{what}: {type(exc).__name__}: {exc}") from exc

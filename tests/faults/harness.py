@@ -194,7 +194,7 @@ class FaultCluster:
             # tokens (test_a_token_poll_answered_late_loses_no_token).
             prefill_timeout_s=5.0,
             decode_start_timeout_s=5.0,
-            token_timeout_s=1.0,
+            token_timeout_s=0.5,  # a slow worker's silence (slow_decode) passes it: the busy-not-dead path
             control_timeout_s=control_timeout_s,
             poll_wait_s=0.02,
             membership=MembershipConfig(wait_s=0.05, min_interval_s=0.0, timeout_s=2.0, max_failures=2, retry_s=0.02),
