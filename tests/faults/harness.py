@@ -7,7 +7,7 @@ operator would add one back.
 Faults come in through seams, each a test double and said so: the router's client of each
 worker (`Tap`: kills its worker at a chosen call of a chosen request, delays its token polls),
 each decode worker's KV transport (tests/cluster/transport_double.py: failed, dropped, slow
-READs, and READs from a dead peer), the prefill workers' lease, and the clients themselves
+and corrupted READs, and READs from a dead peer), the prefill workers' lease, and the clients themselves
 (cancel mid-stream). A killed worker's engine stops and every call to it, in flight or later,
 fails at once as a dead Ray actor's does."""
 
@@ -278,6 +278,7 @@ class FaultCluster:
         worker replaced by a new one (new id, cold cache) that joins through the add-worker path."""
         for d in self._live("decode"):
             d.agent.arm()
+            d.agent.arm_corruption(0)
             d.agent.dead_agents.clear()
         for p in self._live("prefill"):
             p.config = replace(p.config, lease_s=NORMAL_LEASE_S)
@@ -371,6 +372,10 @@ class FaultCluster:
                     d.agent.arm(drop_reads=f.count)
                 for p in self._live("prefill"):
                     p.config = replace(p.config, lease_s=f.lease_s)
+                self.fired[k] = time.monotonic()
+            elif f.kind == "transfer_corrupted":
+                for d in self._live("decode"):
+                    d.agent.arm_corruption(f.count, f.corruption)
                 self.fired[k] = time.monotonic()
             elif f.kind == "slow_decode":
                 slow = self._live("decode")[f.victim % len(self._live("decode"))]

@@ -18,6 +18,7 @@ FAULT_KINDS: dict[str, str] = {
     "decode_dies_mid_stream": "the decode worker serving the victim dies after `at` of its tokens",
     "transfer_fails": "the next `count` KV READs of every decode worker fail at once",
     "transfer_dropped": "a KV READ never ends (its deadline passes), under a short prefill lease",
+    "transfer_corrupted": "the next `count` KV READs of every decode worker land with a block changed (bit flip or zeros)",
     "client_cancels": "the client cancels the victim after `at` tokens",
     "slow_decode": "one decode worker reads KV slowly and answers its token polls late",
 }
@@ -54,6 +55,7 @@ class Fault:
     count: int = 0  # transfer_fails: reads that fail; transfer_dropped: reads that never end
     delay_s: float = 0.0  # slow_decode: seconds added to each READ and each token poll
     lease_s: float = 0.0  # transfer_dropped: the prefill workers' lease during the scenario
+    corruption: str = ""  # transfer_corrupted: "flip" (one bit) or "zero" (the whole block)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def _fault(rng: random.Random, n: int, requests: list[RequestSpec]) -> Fault:
         return Fault(kind, victim, count=rng.randint(1, 2))
     if kind == "transfer_dropped":
         return Fault(kind, victim, count=1, lease_s=round(rng.uniform(0.3, 1.0), 2))
+    if kind == "transfer_corrupted":
+        return Fault(kind, victim, count=rng.randint(1, 2), corruption=rng.choice(["flip", "zero"]))
     if kind == "slow_decode":
         return Fault(kind, victim, delay_s=round(rng.uniform(0.05, 0.6), 2))
     return Fault(kind, victim)
