@@ -47,6 +47,7 @@ from pdserve import LLM, SamplingParams
 SHAPES: dict[str, dict[str, Any]] = {
     "1b": {  # Llama-3.2-1B
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",  # transformers (a tokenizer load, vLLM) reads the config by it
         "hidden_size": 2048,
         "intermediate_size": 8192,
         "num_hidden_layers": 16,
@@ -71,6 +72,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "8b": {  # Llama-3-8B (3.1 rope scaling)
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",  # transformers (a tokenizer load, vLLM) reads the config by it
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
@@ -540,7 +542,10 @@ def write_perf_model(args: argparse.Namespace) -> None:
         if args.device == "cuda":
             shape = args.shapes[0]
             (Path(tmp) / "config.json").write_text(json.dumps(SHAPES[shape]))
-            llm = LLM(tmp, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=MAX_MODEL_LEN)
+            llm = LLM(
+                tmp, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=MAX_MODEL_LEN,
+                max_num_batched_tokens=max(PREFILL_TOKENS, 8192), max_num_seqs=256,  # each measured step whole
+            )
             name = f"{shape}-{torch.cuda.get_device_name().split()[1].lower()}"
         else:
             llm, name = LLM(None, device="cpu"), "smollm2-135m-cpu"

@@ -3,8 +3,8 @@
 Starts a cluster of one prefill and one decode worker through Ray (`--device cpu` or `cuda`, one
 GPU each), keeps a few streams running, and flips the prefill worker to decode and back
 `--flips` times. Each flip's phases come from the flipper's own record (`RoleChange`). The
-baseline in the same run is what the flip replaces: starting a fresh worker (`Cluster.add_worker`,
-model load included) and stopping it.
+baseline in the same run is what the flip replaces: stopping the worker and starting a fresh one
+in its place (`Cluster.remove_worker`, `Cluster.add_worker`: model load and links included).
 
     python bench/flip_time.py --device cpu [--flips 4] [--model DIR] [--json out.json]
     python bench/flip_time.py --device cuda --dtype bfloat16 --model DIR
@@ -76,10 +76,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(f"flip failed: {change.error}")
                 changes.append(change)
                 await asyncio.sleep(args.pause_s)
+        _print_flips(changes)  # before the baseline, which may fail on its own
+        # The baseline: what moving a worker costs without the flip, stopping it and starting a
+        # new one in its place (model load and links included). On a GPU machine it takes the
+        # stopped worker's GPU.
+        await cluster.remove_worker("prefill-0")
         t = time.monotonic()
-        added = await cluster.add_worker("prefill")
+        await cluster.add_worker("prefill")
         add_s = time.monotonic() - t
-        await cluster.remove_worker(added)
     finally:
         stop.set()
         for c in clients:
@@ -88,6 +92,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": _device_name(args.device), "start_s": started_s, "add_worker_s": add_s, "errors": errors,
             "flips": [{"to": c.to_role, "drain_s": c.drain_s, "switch_s": c.switch_s, "probe_s": c.probe_s,
                        "streams_moved": c.streams_moved} for c in changes]}
+
+
+def _print_flips(changes: list[Any]) -> None:
+    for c in changes:
+        print(f"flip {c.from_role}->{c.to_role}: drain {c.drain_s:.3f} s, switch {c.switch_s:.3f} s, "
+              f"probe {c.probe_s:.3f} s, {c.streams_moved} streams moved", flush=True)
 
 
 def _device_name(device: str) -> str:
@@ -110,7 +120,7 @@ def table(result: dict[str, Any]) -> str:
         src = "prefill" if to == "decode" else "decode"
         rows.append(f"| {src} -> {to} | {len(fs)} | {med['drain_s']:.3f} | {med['switch_s']:.3f} | "
                     f"{med['probe_s']:.3f} | {total:.3f} |")
-    rows.append(f"| baseline: add a fresh worker (model load, links) | 1 | | | | {result['add_worker_s']:.3f} |")
+    rows.append(f"| baseline: a fresh worker in its place (model load, links) | 1 | | | | {result['add_worker_s']:.3f} |")
     return "\n".join(rows)
 
 

@@ -5,8 +5,9 @@ context, fitted by least squares over medians (a shared machine is noisy).
     python bench/engine.py --device cpu --perf-model pdserve/control/models/smollm2-135m-cpu.json
     python bench/engine.py --device cuda --shapes 8b --perf-model FILE.json
 
-The flip time is not measured here (the role flip is not built): the file carries an estimate
-and says so in `source`.
+The flip time is not measured here: the file carries an estimate and says so in `source`;
+`python bench/flip_time.py --perf-model FILE` replaces it with a measured one. On CPU, measure
+with one torch thread (`OMP_NUM_THREADS=1`), as each worker of a two-worker cluster gets.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def measure(llm: LLM, name: str, device: str, reps: int, bar: Any = None) -> Per
             + ", ".join(f"{t} tok {s * 1e3:.1f} ms" for t, s in prefill.items())
             + "; decode step medians "
             + ", ".join(f"b{b} ctx{c} {s * 1e3:.1f} ms" for (b, c), s in decode.items())
-            + ". flip_s is an estimate (the role flip is not built yet)."
+            + ". flip_s is an estimate (bench/flip_time.py --perf-model measures it)."
         ),
     )
 
