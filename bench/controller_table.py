@@ -4,16 +4,22 @@ pools against the load over time.
 
     python bench/controller_table.py --out-dir ctl-results [--workers 8,32] [--kinds phase,sine,bursts,constant]
         [--slo-ttft-ms 1000] [--slo-itl-ms 30] [--perf-model llama3-8b-h100] [--plot docs/img/controller_phase.png]
+        [--reuse-statics]
 
 Traces are written by bench/controller_traces.py's generator into --out-dir (one per kind and
 size, seed 0), with the rate scaled to the size; the same files replay with `pdserve plan`.
+With --reuse-statics, a static sweep already in --out-dir for the same trace (its SHA-256),
+performance model and SLOs is kept and only the controller is simulated again: the static
+splits do not depend on the policy, and at 32 workers they are 31 of the 32 simulations.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -21,7 +27,7 @@ if __package__ in (None, ""):
 
 from bench.controller_traces import generate
 from pdserve.control.cli import plan
-from pdserve.control.perf_model import load_perf_model
+from pdserve.control.perf_model import PerfModel, load_perf_model
 from pdserve.control.signals import Slo
 from pdserve.control.trace import load_trace
 
@@ -30,6 +36,33 @@ def write_trace(path: Path, kind: str, workers: int, duration: float, period: fl
     with path.open("w") as f:
         for r in generate(kind, workers, duration, period, rate, seed=0):
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+
+def reused_statics(path: Path, sha: str, model: PerfModel, workers: int, slo: Slo) -> dict | None:
+    """The earlier result at `path` if it swept every static split of the same trace, model and SLOs."""
+    if not path.exists():
+        return None
+    r = json.loads(path.read_text())
+    same = (
+        r.get("trace_sha256") == sha
+        and r.get("perf_model") == model.name
+        and r.get("workers") == workers
+        and (r.get("slo_ttft_ms"), r.get("slo_itl_ms")) == (slo.ttft_ms, slo.itl_ms)
+    )
+    return r if same and len(r.get("statics", ())) == workers - 1 else None
+
+
+def controller_only(reqs: list, model: PerfModel, workers: int, slo: Slo, earlier: dict, bar) -> dict:
+    """The controller simulated again beside the earlier static sweep (as `plan` reports it)."""
+    from pdserve.control.simulator import SimConfig, simulate
+
+    ctrl = simulate(reqs, model, SimConfig(workers=workers, slo=slo), lambda f: bar(f))
+    best = earlier["best_static"]
+    return {
+        **earlier,
+        "controller": ctrl.as_dict(),
+        "controller_gain": round(ctrl.goodput_rps / best["goodput_rps"], 3) if best["goodput_rps"] else None,
+    }
 
 
 def table(rows: list[dict]) -> str:
@@ -43,18 +76,28 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         b, c = r["best_static"], r["controller"]
-        lines.append(f"| {r['kind']} | {r['workers']} | {b['prefill']}P:{b['decode']}D | {b['goodput_rps']} "
-                     f"({b['slo_attainment']:.3f}) | {c['goodput_rps']} ({c['slo_attainment']:.3f}) | "
-                     f"**{r['controller_gain']}x** | {c['role_changes']} | {c['reversals']} |")
+        lines.append(
+            f"| {r['kind']} | {r['workers']} | {b['prefill']}P:{b['decode']}D | {b['goodput_rps']} "
+            f"({b['slo_attainment']:.3f}) | {c['goodput_rps']} ({c['slo_attainment']:.3f}) | "
+            f"**{r['controller_gain']}x** | {c['role_changes']} | {c['reversals']} |"
+        )
     for n in sorted({r["workers"] for r in rows}):
         group = [r for r in rows if r["workers"] == n]
-        lines += ["", f"Every static split, {n} workers: goodput rps (SLO attainment); static splits make no role changes.",
-                  "", "| split | " + " | ".join(r["kind"] for r in group) + " |", "|---" * (len(group) + 1) + "|"]
+        lines += [
+            "",
+            f"Every static split, {n} workers: goodput rps (SLO attainment); static splits make no role changes.",
+            "",
+            "| split | " + " | ".join(r["kind"] for r in group) + " |",
+            "|---" * (len(group) + 1) + "|",
+        ]
         for i in range(n - 1):
             cells = [f"{r['statics'][i]['goodput_rps']} ({r['statics'][i]['slo_attainment']:.3f})" for r in group]
             lines.append(f"| {i + 1}P:{n - i - 1}D | " + " | ".join(cells) + " |")
-        lines.append("| controller | " + " | ".join(
-            f"{r['controller']['goodput_rps']} ({r['controller']['slo_attainment']:.3f})" for r in group) + " |")
+        lines.append(
+            "| controller | "
+            + " | ".join(f"{r['controller']['goodput_rps']} ({r['controller']['slo_attainment']:.3f})" for r in group)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -95,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-itl-ms", type=float, default=30.0)
     p.add_argument("--perf-model", default="llama3-8b-h100")
     p.add_argument("--plot", type=Path, default=None, help="PNG of the first kind at the first size")
+    p.add_argument(
+        "--reuse-statics",
+        action="store_true",
+        help="keep a static sweep already in --out-dir for the same trace, model and SLOs",
+    )
     a = p.parse_args(argv)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     durations = {int(k): float(v) for k, v in (x.split(":") for x in a.duration.split(","))}
@@ -107,15 +155,40 @@ def main(argv: list[str] | None = None) -> int:
             trace = a.out_dir / f"{kind}-{n}.jsonl"
             write_trace(trace, kind, n, durations.get(n, 600.0), a.period, a.rate_per_worker)
             reqs = load_trace(trace)
+            sha = hashlib.sha256(trace.read_bytes()).hexdigest()
             label = f"{kind} {n}"
-            result = plan(reqs, model, n, slo, lambda total, desc, label=label: tqdm(
-                total=total, desc=f"{label}: {desc}", file=sys.stderr, unit="req", leave=False))
-            result.update(kind=kind, trace=str(trace))
+            earlier = reused_statics(a.out_dir / f"{kind}-{n}.json", sha, model, n, slo) if a.reuse_statics else None
+            t0 = time.monotonic()
+            if earlier is None:
+                result = plan(
+                    reqs,
+                    model,
+                    n,
+                    slo,
+                    lambda total, desc, label=label: tqdm(
+                        total=total, desc=f"{label}: {desc}", file=sys.stderr, unit="req", leave=False
+                    ),
+                )
+            else:
+                with tqdm(total=100, desc=f"{label}: controller", file=sys.stderr, leave=False) as bar:
+                    result = controller_only(reqs, model, n, slo, earlier, lambda f: bar.update(int(100 * f) - bar.n))
+            result.update(
+                kind=kind,
+                trace=str(trace),
+                trace_sha256=sha,
+                wall_s=round(time.monotonic() - t0, 1),
+                statics_reused=earlier is not None,
+            )
             (a.out_dir / f"{kind}-{n}.json").write_text(json.dumps(result))
             c, b = result["controller"], result["best_static"]
-            print(f"{kind} {n}: best static {b['prefill']}P:{b['decode']}D {b['goodput_rps']} rps, "
-                  f"controller {c['goodput_rps']} rps ({result['controller_gain']}x), "
-                  f"{c['role_changes']} changes, {c['reversals']} reversals", file=sys.stderr, flush=True)
+            print(
+                f"{kind} {n}: best static {b['prefill']}P:{b['decode']}D {b['goodput_rps']} rps, "
+                f"controller {c['goodput_rps']} rps ({result['controller_gain']}x), "
+                f"{c['role_changes']} changes, {c['reversals']} reversals "
+                f"({result['wall_s']} s{', statics reused' if earlier else ''})",
+                file=sys.stderr,
+                flush=True,
+            )
             rows.append(result)
             if a.plot is not None and len(rows) == 1:
                 plot(result, a.plot, f"{kind} trace, {n} workers, {model.name}: controller")
