@@ -13,7 +13,13 @@ Stable by construction:
   in the same direction waits an interval, one in the opposite direction the dwell time;
 - at most one change in flight; a change moves up to `max_step` workers (a quarter of the
   budget, at least one), the survivors' load predicted for all of them together;
-- the decision interval follows the measured flip time (`interval_s`).
+- the decision interval follows the measured flip time (`interval_s`);
+- a move weighs its own cost (`pays`): while its workers drain and switch (the measured flip
+  time) the donor pool is already smaller and the receiver not yet larger, so a move is made
+  only if, over the time the demand that calls for it is expected to go on, the load-time it
+  saves beats that. How long a demand goes on is measured: the durations of the past stretches
+  in which the same pool (else the other) wanted workers; before there are any, a stretch is
+  expected to last as long again as it has lasted so far. A burst over before its move pays back moves nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ControllerConfig:
     backlog_s: float = 10.0  # queued prefill tokens count as demand to clear within this time
     lead: bool = True  # plan for the arrival rates projected one interval + flip ahead (their trend)
     step_fraction: float = 0.25  # a change moves at most this share of the budget (at least one worker)
+    weigh_cost: bool = True  # a move must pay back its drain and switch over the demand's expected rest
 
     def __post_init__(self) -> None:
         if self.min_prefill < 0 or self.min_decode < 1 or self.workers < self.min_prefill + self.min_decode:
@@ -71,6 +78,8 @@ class Controller:
         self._streak: tuple[Role | None, int] = (None, 0)
         self._prev: Signals | None = None
         self._slope = (0.0, 0.0, 0.0)  # EWMA of d/dt of the three arrival rates
+        self._wanting: tuple[Role, float] | None = None  # the donor a move is wanted from, since when
+        self._lasted: dict[Role, float] = {}  # EWMA of how long past stretches wanting that donor lasted
 
     @property
     def interval_s(self) -> float:
@@ -100,7 +109,11 @@ class Controller:
         """Where the SLO is measurably missed the prediction was low: read the pool at least as
         loaded as the miss says (measured p90 / SLO), so a wrong model cannot hide a miss."""
         slo = self.cfg.slo
-        p = max(now.prefill, s.ttft_p90_ms / slo.ttft_ms) if s.ttft_p90_ms and s.ttft_p90_ms > slo.ttft_ms else now.prefill
+        p = (
+            max(now.prefill, s.ttft_p90_ms / slo.ttft_ms)
+            if s.ttft_p90_ms and s.ttft_p90_ms > slo.ttft_ms
+            else now.prefill
+        )
         d = max(now.decode, s.itl_p90_ms / slo.itl_ms) if s.itl_p90_ms and s.itl_p90_ms > slo.itl_ms else now.decode
         return Loads(p, d)
 
@@ -130,6 +143,40 @@ class Controller:
         p, q, o = (min(2 * r, max(0.5 * r, r + g * lead)) for r, g in zip(rates, self._slope))
         return replace(s, arriving_prompt_tokens_s=p, arriving_requests_s=q, arriving_output_tokens_s=o)
 
+    def expected_rest(self, donor: Role, now: float) -> float:
+        """How much longer the demand wanting workers from `donor` is expected to go on: the past
+        stretches' mean duration less this one's age (those wanting the other pool's workers when
+        none wanted this one's yet); with none, or once this one has outlasted them, as long again
+        as it has lasted (the median guess knowing only its age)."""
+        assert self._wanting is not None and self._wanting[0] is donor
+        age = now - self._wanting[1]
+        lasted = self._lasted.get(donor, self._lasted.get(donor.other))
+        return lasted - age if lasted is not None and age < lasted else age
+
+    def pays(self, rest: float, now: Loads, after: Loads, donor: Role) -> bool:
+        """Whether the move lowers the larger load, integrated over `rest` seconds, by the margin:
+        for the flip time the donor runs at its smaller size while the receiver waits unchanged,
+        then both run at `after`. With an unbounded rest this is the plain hysteresis test."""
+        t = self.flip_s
+        if rest <= t:
+            return False
+        receiver_now, donor_after = (
+            (now.decode, after.prefill) if donor is Role.PREFILL else (now.prefill, after.decode)
+        )
+        during = max(receiver_now, donor_after)
+        return t * during + (rest - t) * after.worst <= (1 - self.cfg.hysteresis) * rest * now.worst
+
+    def _track_wanting(self, donor: Role | None, now: float) -> None:
+        """A stretch wanting `donor`'s workers ends when the other pool is wanted: its duration is
+        the persistence the next such stretch is expected to have."""
+        if self._wanting is not None and donor is not None and donor is not self._wanting[0]:
+            old, since = self._wanting
+            d = now - since
+            self._lasted[old] = d if old not in self._lasted else 0.5 * self._lasted[old] + 0.5 * d
+            self._wanting = None
+        if donor is not None and self._wanting is None:
+            self._wanting = (donor, now)
+
     def decide(self, s: Signals, m: PerfModel) -> Decision:
         c = self.cfg
         s = self.ahead(s)
@@ -137,8 +184,15 @@ class Controller:
         tp, td = self.target(s, m)
         raw = self.loads(s, m, p, d)
         now = self.measured(s, raw)
-        base = {"t": s.now, "prefill": p, "decode": d, "target_prefill": tp, "target_decode": td,
-                "load_prefill": now.prefill, "load_decode": now.decode}
+        base = {
+            "t": s.now,
+            "prefill": p,
+            "decode": d,
+            "target_prefill": tp,
+            "target_decode": td,
+            "load_prefill": now.prefill,
+            "load_decode": now.decode,
+        }
         if tp == p:
             self._streak = (None, 0)
             return Decision(action="hold", reason="at the target split", **base)
@@ -156,19 +210,29 @@ class Controller:
         def hold(reason: str) -> Decision:
             return Decision(action="hold", reason=reason, close=True, **base)
 
+        # Undoing the last flip needs twice the margin: measurement noise alone must not do it.
+        margin = c.hysteresis * (2 if self._last_flip_from is not None and donor is not self._last_flip_from else 1)
+        wanted = now.worst >= c.act_above and after.worst <= now.worst * (1 - margin)
+        self._track_wanting(donor if wanted else None, s.now)
         if s.change_in_flight:
             return hold("a change is in flight")
         if now.worst < c.act_above:
             self._streak = (None, 0)
             return hold(f"both pools below {c.act_above:.2f} of their limits")
-        # Undoing the last flip needs twice the margin: measurement noise alone must not do it.
-        margin = c.hysteresis * (2 if self._last_flip_from is not None and donor is not self._last_flip_from else 1)
         if after.worst > now.worst * (1 - margin):
             self._streak = (None, 0)
             return hold(
                 f"flip {k} {donor.value}->{donor.other.value} would leave the larger load at {after.worst:.2f} "
                 f"(now {now.worst:.2f}): under the {margin:.0%} hysteresis"
             )
+        if c.weigh_cost:
+            rest = self.expected_rest(donor, s.now)
+            if not self.pays(rest, now, after, donor):
+                self._streak = (None, 0)
+                return hold(
+                    f"flip {k} {donor.value}->{donor.other.value} would not pay back its {self.flip_s:.1f} s "
+                    f"drain and switch within the {rest:.1f} s the demand is expected to go on"
+                )
         if self._last_flip_t is not None:
             dwell = self.dwell_s if donor is not self._last_flip_from else self.interval_s
             if s.now - self._last_flip_t < dwell:
