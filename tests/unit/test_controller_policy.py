@@ -20,10 +20,16 @@ def signals(now: float, p: int, d: int, prompt_req_s: float, decode_req_s: float
     does not depend on the split (as the controller measures it)."""
     seqs = int(decode_req_s * OUTPUT * 0.03)
     return Signals(
-        now=now, prefill_workers=p, decode_workers=d,
-        arriving_prompt_tokens_s=prompt_req_s * PROMPT, arriving_requests_s=max(prompt_req_s, decode_req_s),
-        arriving_output_tokens_s=decode_req_s * OUTPUT, queued_prefill_tokens=0.0,
-        decode_seqs=seqs, decode_context_tokens=seqs * (PROMPT + OUTPUT / 2), decode_kv_use=0.5,
+        now=now,
+        prefill_workers=p,
+        decode_workers=d,
+        arriving_prompt_tokens_s=prompt_req_s * PROMPT,
+        arriving_requests_s=max(prompt_req_s, decode_req_s),
+        arriving_output_tokens_s=decode_req_s * OUTPUT,
+        queued_prefill_tokens=0.0,
+        decode_seqs=seqs,
+        decode_context_tokens=seqs * (PROMPT + OUTPUT / 2),
+        decode_kv_use=0.5,
         change_in_flight=in_flight,
     )
 
@@ -87,7 +93,9 @@ def test_scale_down_predicts_the_survivors_load_and_2_to_1_does_not_oscillate():
     assert ctrl.target(s, MODEL) == (1, 2)
     # Around this point the two splits are within a few per cent: noise must not flip them.
     rng = random.Random(0)
-    p, d, flips = run(ctrl, 1, 2, lambda i: (prompt_req * rng.uniform(0.95, 1.05), decode_req * rng.uniform(0.95, 1.05)), 300)
+    p, d, flips = run(
+        ctrl, 1, 2, lambda i: (prompt_req * rng.uniform(0.95, 1.05), decode_req * rng.uniform(0.95, 1.05)), 300
+    )
     assert flips == [] and (p, d) == (1, 2)
 
 
@@ -156,3 +164,82 @@ def test_warm_samples_do_move_the_estimate():
             cap.prefill_sample(w, PROMPT, 3 * MODEL.prefill_s(PROMPT))
     assert cap.scales()[0] == 3.0
     assert ctrl.target(s, cap.estimate())[0] > ctrl.target(s, MODEL)[0]
+
+
+def controller_with(workers: int, flip_s: float, **kw) -> Controller:
+    return Controller(ControllerConfig(workers=workers, slo=Slo(2000, 100), **kw), flip_s=flip_s)
+
+
+def run_burst(ctrl: Controller, burst_at: int, burst_len: int, intervals: int, p: int = 2, d: int = 6):
+    """Decode-heavy load, with a prompt-heavy burst of `burst_len` intervals from `burst_at`."""
+    load = lambda i: (60.0, 10.0) if burst_at <= i < burst_at + burst_len else (5.0, 60.0)
+    return run(ctrl, p, d, load, intervals)
+
+
+def test_a_burst_shorter_than_a_flips_payback_moves_nothing():
+    # A slow flip (30 s: drain and switch) and a prompt-heavy burst of two intervals: the burst is
+    # over before a move made for it would pay back.
+    ctrl = controller_with(8, flip_s=30.0)
+    _, _, flips = run_burst(ctrl, burst_at=20, burst_len=2, intervals=60)
+    assert flips == [], f"moved for a burst shorter than the payback: {flips}"
+    # The control: the same burst without weighing the move's cost does move workers.
+    naive = controller_with(8, flip_s=30.0, weigh_cost=False)
+    _, _, naive_flips = run_burst(naive, burst_at=20, burst_len=2, intervals=60)
+    assert any(role is Role.DECODE for _, role in naive_flips), naive_flips
+
+
+def test_a_sustained_phase_change_moves_within_a_bounded_number_of_intervals():
+    # With nothing known of how long demand lasts, a change must have lasted the move's payback
+    # time; with the interval the flip time, that is a few intervals, not the phase's length.
+    ctrl = controller_with(8, flip_s=30.0)
+    step_at = 20
+    load = lambda i: (5.0, 60.0) if i < step_at else (60.0, 10.0)
+    _, _, flips = run(ctrl, 2, 6, load, 200)
+    moves = [i for i, role in flips if role is Role.DECODE and i >= step_at]
+    assert moves, f"a sustained change never moved: {flips}"
+    assert moves[0] - step_at <= 6, f"first move {moves[0] - step_at} intervals after the change"
+    # The naive controller moves at its confirmation streak; weighing the cost costs a few intervals.
+    naive = controller_with(8, flip_s=30.0, weigh_cost=False)
+    _, _, naive_flips = run(naive, 2, 6, load, 200)
+    first_naive = min(i for i, role in naive_flips if role is Role.DECODE and i >= step_at)
+    assert moves[0] - first_naive <= 4
+
+
+def test_a_measured_burst_length_stops_moves_late_in_the_next_burst():
+    # The first burst (6 intervals) is long enough to move for; it teaches how long demand for
+    # prefill workers lasts here. Late in the next one (its last interval: less than a flip
+    # left of the measured length) no move pays back, where early in it one does.
+    ctrl = controller_with(8, flip_s=10.0)
+    _, _, flips = run_burst(ctrl, burst_at=20, burst_len=6, intervals=60)
+    assert any(role is Role.DECODE for _, role in flips)
+    assert abs(ctrl._lasted[Role.DECODE] - 6 * ctrl.interval_s) <= ctrl.interval_s
+    early, late = [], []
+    for i in range(6):  # the next burst, on the split from before it (the moves not applied)
+        dec = ctrl.decide(signals(600.0 + i * ctrl.interval_s, 2, 6, 60.0, 10.0), MODEL)
+        (early if i < 2 else late).append(dec)
+    assert not any("pay back" in dec.reason for dec in early), [dec.reason for dec in early]
+    assert all(dec.action == "hold" for dec in late[-1:]) and "pay back" in late[-1].reason, late[-1].reason
+    assert any(dec.action == "flip" for dec in early)
+    # Without the measured length (a new controller), the same late signals are judged by their
+    # age alone: the move waits out the payback first, then late in the burst it is made.
+    fresh = controller_with(8, flip_s=10.0)
+    decs = [fresh.decide(signals(600.0 + i * 10.0, 2, 6, 60.0, 10.0), MODEL) for i in range(6)]
+    assert "pay back" in decs[0].reason and decs[-1].action == "flip"
+
+
+def test_a_move_pays_only_over_a_rest_longer_than_its_flip():
+    ctrl = controller_with(8, flip_s=10.0)
+    from pdserve.control.policy import Loads
+
+    now, after = Loads(2.0, 0.3), Loads(1.0, 0.6)
+    assert not ctrl.pays(10.0, now, after, Role.DECODE)  # over before the flip is done
+    # Break-even: T W + (R - T) A = (1 - m) R W  <=>  R = T (W - A) / ((1 - m) W - A)
+    m = ctrl.cfg.hysteresis
+    r_star = 10.0 * (2.0 - 1.0) / ((1 - m) * 2.0 - 1.0)
+    assert not ctrl.pays(r_star * 0.95, now, after, Role.DECODE)
+    assert ctrl.pays(r_star * 1.05, now, after, Role.DECODE)
+    # Over a long rest it is the plain hysteresis test.
+    assert ctrl.pays(1e9, now, Loads(1.6, 0.6), Role.DECODE)
+    assert not ctrl.pays(1e9, now, Loads(1.8, 0.6), Role.DECODE)
+    # A move that overloads the donor while it drains costs that too.
+    assert not ctrl.pays(r_star * 1.05, now, Loads(1.0, 3.0), Role.DECODE)
