@@ -174,6 +174,7 @@ class FaultCluster:
         self.late_polls: dict[str, float] = {}  # worker id -> its next poll's answer comes this late, once
         self.fired: dict[int, float] = {}
         self._next_id = {"prefill": num_prefill, "decode": num_decode}
+        self._runs = 0
         self._retired: list[Any] = []  # killed workers, their NIXL agents closed one heal later
         self.workers: dict[str, Any] = {}
         self.offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=1024)
@@ -331,6 +332,7 @@ class FaultCluster:
 
     def run(self, scenario: Scenario) -> ScenarioResult:
         refs = self.references(scenario)
+        self._runs += 1
         self.fired = {}
         self._arm(scenario)
         t0 = time.monotonic()
@@ -351,9 +353,13 @@ class FaultCluster:
         result.violations += self._check_idle(scenario)
         return result
 
+    def request_id(self, scenario: Scenario, i: int) -> str:
+        """Unique per run: the same seed may run twice on one cluster."""
+        return f"s{scenario.seed}-{self._runs}-r{i}"
+
     def _arm(self, scenario: Scenario) -> None:
         for k, f in enumerate(scenario.faults):
-            rid = request_id(scenario, f.victim)
+            rid = self.request_id(scenario, f.victim)
             if f.kind in KILLS:
                 method = "prefill" if KILLS[f.kind] == "prefill" else "start"
                 when = (
@@ -385,7 +391,7 @@ class FaultCluster:
 
     def _client_call(self, scenario: Scenario, i: int, out: Outcome, t0: float) -> None:
         spec = scenario.requests[i]
-        rid = request_id(scenario, i)
+        rid = self.request_id(scenario, i)
         mid = [(k, f) for k, f in enumerate(scenario.faults) if f.victim == i and f.at]
         delay = t0 + spec.start_s - time.monotonic()
         if delay > 0:
@@ -459,10 +465,6 @@ class FaultCluster:
                     )
                 ]
             time.sleep(0.02)
-
-
-def request_id(scenario: Scenario, i: int) -> str:
-    return f"s{scenario.seed}-r{i}"
 
 
 def _params(spec: RequestSpec) -> SamplingParams:
