@@ -57,7 +57,9 @@ class SyntheticDecode:
 
         threading.Thread(target=loop, daemon=True).start()
 
-    def poll(self, wait_s: float, router_id: str = "", limit: int = 0) -> worker_pb2.TokenUpdates:
+    def poll(
+        self, wait_s: float, router_id: str = "", acked: int | None = None, limit: int = 0
+    ) -> worker_pb2.TokenUpdates:
         with self._cond:
             if not self._outbox:
                 self._cond.wait(wait_s)

@@ -8,6 +8,11 @@ started a request for `lease_s` is taken for dead: `expire` ends its lease and h
 requests for the worker to abort, so a router that died leaves no request decoding, and no KV
 block held, behind it. Should it poll again after all, it finds an `abort` update for each of
 those requests and its streams end.
+
+Updates are numbered per router (`TokenUpdate.seq`). A poll that passes the last number it
+received (`acked`) gets every update after it and leaves them in the outbox until a later poll
+acknowledges them: an answer lost on its way (a poll past its deadline) is sent again, and no
+token is lost. A poll without `acked` takes what is there, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class RouterOutboxes:
         self._boxes: dict[str, list[worker_pb2.TokenUpdate]] = {}  # router id -> updates not yet polled
         self._seen: dict[str, float] = {}  # router id -> last poll or start (clock time); live routers only
         self._expired: OrderedDict[str, None] = OrderedDict()  # routers whose lease ran out, oldest first
+        self._seq: dict[str, int] = {}  # router id -> number of its last update
         self.expiries = 0  # routers whose lease ran out
 
     def register(self, router_id: str, request_id: str, now: float) -> None:
@@ -56,19 +62,31 @@ class RouterOutboxes:
                 continue
             if u.finish_reason:
                 del self._owner[u.request_id]
-            self._boxes[router].append(u)
+            self._append(router, u)
             landed = True
         return landed
 
-    def has(self, router_id: str) -> bool:
-        return bool(self._boxes.get(router_id))
+    def _append(self, router: str, u: worker_pb2.TokenUpdate) -> None:
+        u.seq = self._seq[router] = self._seq.get(router, 0) + 1
+        self._boxes[router].append(u)
 
-    def take(self, router_id: str) -> list[worker_pb2.TokenUpdate]:
-        """Every update waiting for `router_id`, leaving its outbox empty."""
-        out = self._boxes.get(router_id, [])
-        if out:
-            self._boxes[router_id] = []
-        return out
+    def has(self, router_id: str, acked: int | None = None) -> bool:
+        box = self._boxes.get(router_id)
+        return bool(box) and (acked is None or box[-1].seq > acked)
+
+    def take(self, router_id: str, acked: int | None = None) -> list[worker_pb2.TokenUpdate]:
+        """The updates waiting for `router_id`. Without `acked`, all of them, leaving its outbox
+        empty; with it, those numbered after `acked`, which stay until a poll acknowledges them
+        (the ones up to `acked` are dropped)."""
+        box = self._boxes.get(router_id, [])
+        if acked is None:
+            if box:
+                self._boxes[router_id] = []
+            return box
+        keep = [u for u in box if u.seq > acked]
+        if len(keep) != len(box):
+            self._boxes[router_id] = keep
+        return list(keep)
 
     def expire(self, now: float) -> list[str]:
         """End the lease of every router silent for `lease_s`; return the ids of their
@@ -86,10 +104,11 @@ class RouterOutboxes:
             self.expiries += 1
         for rid in requests:
             router = self._owner.pop(rid)
-            self._boxes[router].append(worker_pb2.TokenUpdate(request_id=rid, finish_reason="abort"))
+            self._append(router, worker_pb2.TokenUpdate(request_id=rid, finish_reason="abort"))
         while len(self._expired) > MAX_EXPIRED_ROUTERS:
             oldest, _ = self._expired.popitem(last=False)
             self._boxes.pop(oldest, None)
+            self._seq.pop(oldest, None)
         return requests
 
     def routers(self) -> list[str]:

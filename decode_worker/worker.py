@@ -270,14 +270,15 @@ class DecodeWorker:
             self._unregister(request_id)
             return self.engine.abort(request_id)
 
-    def poll(self, timeout_s: float, router_id: str = "") -> worker_pb2.TokenUpdates:
-        """Every update of `router_id`'s requests since its last poll; waits up to timeout_s
-        for the first one. Each poll renews the router's lease."""
+    def poll(self, timeout_s: float, router_id: str = "", acked: int | None = None) -> worker_pb2.TokenUpdates:
+        """The updates of `router_id`'s requests after `acked` (the last number the router
+        received; None: every update since its last poll); waits up to timeout_s for the first
+        one. Each poll renews the router's lease."""
         with self._outbox_ready:
             self._outboxes.touch(router_id, self._clock())
-            if not self._outboxes.has(router_id):
-                self._outbox_ready.wait_for(lambda: self._outboxes.has(router_id), timeout_s)
-            out = self._outboxes.take(router_id)
+            if not self._outboxes.has(router_id, acked):
+                self._outbox_ready.wait_for(lambda: self._outboxes.has(router_id, acked), timeout_s)
+            out = self._outboxes.take(router_id, acked)
         return worker_pb2.TokenUpdates(updates=out)
 
     @property

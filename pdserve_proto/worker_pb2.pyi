@@ -44,14 +44,16 @@ class DecodeSubmit(_message.Message):
     def __init__(self, cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "seq")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    seq: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class TokenUpdates(_message.Message):
     __slots__ = ("updates",)

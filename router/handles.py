@@ -96,7 +96,9 @@ class DecodeHandle(Protocol):
     # Every token update of this router's requests since its last poll (long-poll up to wait_s).
     # Polling also renews the router's lease on the worker; a request whose router stops polling
     # is aborted there. A router that polls again after that gets `finish_reason="abort"` for it.
-    async def poll(self, wait_s: float, timeout_s: float) -> worker_pb2.TokenUpdates: ...
+    # `acked`: the `seq` of the last update received; the worker sends every later one, again
+    # if an answer was lost (see worker.proto `TokenUpdate.seq`). None: take what is there.
+    async def poll(self, wait_s: float, timeout_s: float, acked: int | None = None) -> worker_pb2.TokenUpdates: ...
 
     # Liveness, apart from work: answered however busy the worker is (see worker.proto).
     async def health(self, timeout_s: float) -> worker_pb2.WorkerHealth: ...

@@ -39,9 +39,10 @@ class TokenRelay:
         """Move one decode worker's token updates to the streams waiting for them."""
         cfg = self.config
         failures = 0
+        acked = 0  # the last update received: a poll whose answer is lost gets it all again
         while True:
             try:
-                updates = await decode.poll(cfg.poll_wait_s, cfg.control_timeout_s + cfg.poll_wait_s)
+                updates = await decode.poll(cfg.poll_wait_s, cfg.control_timeout_s + cfg.poll_wait_s, acked)
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -57,6 +58,10 @@ class TokenRelay:
                 await asyncio.sleep(min(0.05 * failures, 1.0))
                 continue
             for u in updates.updates:
+                if u.seq:
+                    if u.seq <= acked:
+                        continue  # sent again: this relay has it already
+                    acked = u.seq
                 stream = self.streams.get(u.request_id)
                 if stream is not None and stream.worker == decode.worker_id:
                     stream.queue.put_nowait((list(u.token_ids), u.finish_reason))

@@ -162,8 +162,8 @@ class WorkerClient:
     async def abort(self, request_id: str, timeout_s: float) -> None:
         await self._call("abort", timeout_s, "abort", request_id)
 
-    async def poll(self, wait_s: float, timeout_s: float) -> worker_pb2.TokenUpdates:
-        return await self._call("poll", timeout_s, "poll", wait_s, self.router_id)
+    async def poll(self, wait_s: float, timeout_s: float, acked: int | None = None) -> worker_pb2.TokenUpdates:
+        return await self._call("poll", timeout_s, "poll", wait_s, self.router_id, acked)
 
     # ----- both ----------------------------------------------------------------------------
 

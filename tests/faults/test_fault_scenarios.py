@@ -44,14 +44,6 @@ def test_the_invariants_catch_a_lost_token(fault_cluster: FaultCluster):
     assert any("not a prefix" in v for v in check_outcome(result.scenario, 0, out, result.references[0]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a token poll whose answer reaches the router after the poll's deadline is dropped with the tokens "
-        "in it (the worker has already emptied its outbox): the stream goes on without them. Needs token "
-        "updates the worker keeps until the router acknowledges them, or a token index to detect the gap."
-    ),
-)
 def test_a_token_poll_answered_late_loses_no_token(fault_model_dir):
     c = FaultCluster(fault_model_dir, control_timeout_s=0.5)  # a poll's deadline: 0.5 s + its wait
     try:

@@ -76,7 +76,7 @@ class _BlockingWorker:
     def __init__(self) -> None:
         self.release_all = threading.Event()
 
-    def poll(self, wait_s: float, router_id: str = "") -> worker_pb2.TokenUpdates:
+    def poll(self, wait_s: float, router_id: str = "", acked: int | None = None) -> worker_pb2.TokenUpdates:
         self.release_all.wait(10)
         return worker_pb2.TokenUpdates()
 
@@ -143,7 +143,7 @@ class _SlowDecode:
         self._due.append((time.monotonic() + self.delay_s, rid))
         return worker_pb2.DecodeSubmit()
 
-    async def poll(self, wait_s, timeout_s) -> worker_pb2.TokenUpdates:
+    async def poll(self, wait_s, timeout_s, acked=None) -> worker_pb2.TokenUpdates:
         await asyncio.sleep(wait_s)
         now = time.monotonic()
         ready = [rid for at, rid in self._due if at <= now]

@@ -83,3 +83,26 @@ def test_forget_drops_an_aborted_request():
 def test_the_lease_must_be_positive():
     with pytest.raises(ValueError, match="lease_s"):
         RouterOutboxes(lease_s=0)
+
+
+def test_updates_stay_until_acknowledged_so_a_lost_answer_is_sent_again():
+    box = RouterOutboxes(lease_s=10.0)
+    box.register("r", "a", now=0.0)
+    box.deliver([TokenUpdate(request_id="a", token_ids=[1]), TokenUpdate(request_id="a", token_ids=[2])])
+    first = box.take("r", acked=0)
+    assert [(u.seq, list(u.token_ids)) for u in first] == [(1, [1]), (2, [2])]
+    # That answer never reached the router: it polls again with what it had, and gets both again.
+    assert [u.seq for u in box.take("r", acked=0)] == [1, 2]
+    box.deliver([TokenUpdate(request_id="a", token_ids=[3], finish_reason="length")])
+    assert box.has("r", acked=2) and not box.has("r", acked=3)
+    assert [(u.seq, u.finish_reason) for u in box.take("r", acked=2)] == [(3, "length")]
+    assert box.take("r", acked=3) == [] and not box.has("r")  # acknowledged: dropped
+
+
+def test_numbers_go_on_per_router_and_a_poll_without_acked_takes_everything():
+    box = RouterOutboxes(lease_s=10.0)
+    box.register("r1", "a", now=0.0)
+    box.register("r2", "b", now=0.0)
+    box.deliver([TokenUpdate(request_id="b", token_ids=[9]), TokenUpdate(request_id="a", token_ids=[1])])
+    assert [u.seq for u in box.take("r1")] == [1] and box.take("r1") == []
+    assert [u.seq for u in box.take("r2", acked=0)] == [1]

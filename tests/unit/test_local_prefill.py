@@ -99,7 +99,7 @@ class FakeDecode:
         self.calls.append(("abort", rid))
         self.live.pop(rid, None)
 
-    async def poll(self, wait_s, timeout_s) -> worker_pb2.TokenUpdates:
+    async def poll(self, wait_s, timeout_s, acked=None) -> worker_pb2.TokenUpdates:
         await asyncio.sleep(0.005)
         out = worker_pb2.TokenUpdates()
         if not self.emitting.is_set():

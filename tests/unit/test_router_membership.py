@@ -69,7 +69,7 @@ class IdleDecode:
     async def abort(self, rid, timeout_s) -> None:
         pass
 
-    async def poll(self, wait_s, timeout_s) -> worker_pb2.TokenUpdates:
+    async def poll(self, wait_s, timeout_s, acked=None) -> worker_pb2.TokenUpdates:
         await asyncio.sleep(wait_s)
         return worker_pb2.TokenUpdates()
 
