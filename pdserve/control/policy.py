@@ -19,7 +19,8 @@ Stable by construction:
   only if, over the time the demand that calls for it is expected to go on, the load-time it
   saves beats that. How long a demand goes on is measured: the durations of the past stretches
   in which the same pool (else the other) wanted workers; before there are any, a stretch is
-  expected to last as long again as it has lasted so far. A burst over before its move pays back moves nothing.
+  expected to last as long again as it has lasted so far. A burst over before its move pays
+  back moves nothing.
 """
 
 from __future__ import annotations
