@@ -76,7 +76,9 @@ class Failover:
 
     async def hand_over(self, r: InFlight, call: Callable[[], Awaitable[_T]]) -> _T:
         """`call` (a start or submit on `r.decode`); if the decode worker fails it before taking
-        the request, the same call on another decode worker."""
+        the request, the same call on another decode worker. Whatever the failed worker had sent
+        for the request before its call failed is dropped: the next one starts from the same
+        point, and the client sees each token once."""
         while True:
             try:
                 return await call()
@@ -84,6 +86,8 @@ class Failover:
                 if not exc.worker_failed:
                     raise
                 self.move_decode(r, exc, "handover")
+                if dropped := r.stream.discard_queued():
+                    log.info("request %s: dropped %d updates of the failed decode worker", r.rid, dropped)
 
     async def resume(
         self, r: InFlight, lost: RouterError, submit: Callable[[list[int], SamplingParams], Awaitable[object]]

@@ -24,6 +24,16 @@ class Stream:
         # The decode worker whose tokens it takes; any other's are stale. None: between workers.
         self.worker: str | None = worker
 
+    def discard_queued(self) -> int:
+        """Drop what is queued and not yet read: tokens a decode worker sent before the call that
+        handed it the request failed. The next worker starts over from the same point, so they
+        would come twice. Returns how many items were dropped."""
+        n = 0
+        while not self.queue.empty():
+            self.queue.get_nowait()
+            n += 1
+        return n
+
 
 class WorkerLost(RouterError):
     """The decode worker serving a stream stopped answering: the stream moves elsewhere."""
