@@ -101,7 +101,10 @@ def make_loop(act: FakeActuator | None, source: Any, min_interval_s: float = 2.0
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     clock = Clock()
-    ctrl = Controller(ControllerConfig(workers=4, slo=Slo(), min_interval_s=min_interval_s), flip_s=MODEL.flip_s)
+    # The loop's mechanics, not the policy's: without weighing a move's cost (tested in
+    # test_controller_policy.py), a sustained load flips after `confirm` intervals.
+    cfg = ControllerConfig(workers=4, slo=Slo(), min_interval_s=min_interval_s, weigh_cost=False)
+    ctrl = Controller(cfg, flip_s=MODEL.flip_s)
     loop = ControlLoop(
         ctrl, CapacityModel(MODEL), act, source, metrics, provider.get_tracer("test"), window_s=10.0, clock=clock,
         wall=lambda: 1.8e9 + clock.t,
