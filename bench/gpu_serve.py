@@ -133,7 +133,7 @@ class ServerRun:
         while True:
             if why := self.dead():
                 raise RuntimeError(why)
-            if all(_http_ok(u) for u in urls):
+            if all(http_ok(u) for u in urls):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not healthy after {timeout_s:.0f} s (see {self.logs})")
@@ -160,7 +160,7 @@ class ServerRun:
         self.running.clear()
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2.0) as resp:
             return resp.status == 200

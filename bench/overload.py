@@ -25,20 +25,18 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_serve import free_port, http_ok
 from bench.serve import LoadConfig, run_load, served_model
 from bench.serve_metrics import RequestResult
 from bench.serve_workload import Request
@@ -217,20 +215,6 @@ def title(pid: int) -> str:
 # ----- the server --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 @dataclass
 class Server:
     """`pdserve serve` in its own session; stop() kills it and every process it started."""
@@ -250,7 +234,7 @@ class Server:
         while True:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"pdserve serve exited with code {self.popen.returncode} (see {self.log})")
-            if _http_ok(self.url + "/v1/models"):
+            if http_ok(self.url + "/v1/models"):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve serve not serving after {timeout_s:g} s (see {self.log})")
