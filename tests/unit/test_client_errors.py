@@ -49,6 +49,18 @@ def test_no_free_blocks_from_a_ray_worker_reaches_the_client_without_ray_interna
     assert not err.value.worker_failed
 
 
+def test_a_call_for_the_role_a_worker_left_moves_the_request_elsewhere():
+    from pdserve.cluster.worker_host import WrongRole
+
+    async def flipped(name: str, *args: object) -> object:
+        raise _ray_wrapped(WrongRole("role: p0 is a decode worker (epoch 1), not a prefill worker"))
+
+    with pytest.raises(RouterError) as err:
+        asyncio.run(WorkerClient("p0", flipped).prefill([1, 2, 3], None, "r1", 5.0))  # type: ignore[arg-type]
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.worker_failed
+    assert "epoch 1" in err.value.message and "\x1b[" not in err.value.message
+
+
 def test_an_unexpected_error_names_its_type_not_its_host():
     err = to_router_error(_ray_wrapped(RuntimeError("engine loop stopped")), "prefill")
     assert err.code == grpc.StatusCode.UNAVAILABLE
