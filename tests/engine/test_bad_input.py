@@ -138,3 +138,17 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm, check_blocks
     assert alone == batched
     other_seed = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=12, temperature=1.0, seed=99))[0].token_ids
     assert other_seed != alone
+
+
+def test_a_role_switch_is_refused_while_the_engine_holds_a_request_and_names_the_role(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="^role:"):
+        engine.switch_role("router")
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="holds 1 requests"):
+        engine.switch_role("prefill")
+    assert engine.cfg.role != "prefill"
+    engine.abort(rid)
+    engine.switch_role("prefill")
+    assert engine.cfg.role == "prefill" and engine.scheduler.limits.role == "prefill" and engine.cfg.detokenize
+    engine.switch_role("both")  # back as the other tests of this module expect
