@@ -6,7 +6,8 @@ warm samples). Shapes:
   causal attention);
 - one decode step of a batch of b sequences holding c context tokens in all:
   `step_s(b, c) = d0 + d1 * b + d2 * c` (weights read once per step, per-sequence work, KV read);
-- a role flip (drain excluded: switch and probe) takes `flip_s`.
+- a role flip (drain excluded: switch and probe) takes `flip_s`;
+- a worker added to the cluster (`--max-workers`) starts in `start_s`: model load, KV pool, links.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ class PerfModel:
     cold_steps: int = 0  # after a start or a flip, this many steps/prefills run slow...
     cold_factor: float = 1.0  # ...by this factor (caches, allocator, graph capture)
     source: str = ""  # where the figures come from
+    # A new worker's start (actor, model load, KV pool, links) until it serves. Files without it
+    # get a minute: a guess on the slow side, so an add is not made on a start assumed cheap.
+    start_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if min(self.p0, self.p1, self.p2, self.d0, self.d1, self.d2, self.flip_s) < 0:
+        if min(self.p0, self.p1, self.p2, self.d0, self.d1, self.d2, self.flip_s, self.start_s) < 0:
             raise ValueError("perf model: costs must be >= 0")
         if self.p1 <= 0 or self.d0 + self.d1 <= 0:
             raise ValueError("perf model: p1 and d0 + d1 must be > 0")
