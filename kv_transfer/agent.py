@@ -2,8 +2,9 @@
 READs of block lists from other workers.
 
 The pool is registered as one region at start-up. A read turns block ids into descriptors of
-contiguous runs (one per run of consecutive ids on both sides, split so several are in flight),
-posts one NIXL READ with a notification for the producer, and waits with a deadline. Host
+contiguous runs (one per run of consecutive ids on both sides), shares them out to a few NIXL
+READs of about equal bytes that are in flight together, waits for all of them with one deadline,
+and then the producer gets one notification. Host
 memory (DRAM) on CPU and device memory (VRAM) on GPU go through the same code; UCX picks the
 transport (shared memory or TCP between processes on a host, NVLink or RDMA between GPUs).
 """
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
-from kv_transfer.descriptors import coalesce, split_large
+from kv_transfer.descriptors import coalesce, plan_reads, split_large
 from kv_transfer.transport import KvTransferError, TransferStats
 from pdserve_proto import kv_pb2
 
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 
 # Runs longer than this are split so that UCX can work on several descriptors at once.
 MAX_BLOCKS_PER_DESCRIPTOR = 256
+# READs posted together for one block list (bench/kv_transfer.py --variants inflightN compares).
+DEFAULT_READS_IN_FLIGHT = 4
+# A block list is not split into READs of fewer bytes than this: each READ costs its own
+# post, polls and handle, which only pays off when there is enough data to overlap.
+MIN_READ_BYTES = 8 << 20
 
 
 def _nixl_api():
@@ -58,17 +64,22 @@ class KvTransferAgent:
         layout: KvLayout,
         progress_thread: bool = False,
         net_devices: str | None = None,
+        reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
     ) -> None:
         """net_devices: the network devices UCX may listen and connect on ("lo" keeps the KV
         side channel on loopback); None leaves UCX's choice. UCX reads it from the environment
         only (NIXL's `ucx_devices` parameter does not restrict its listeners), so it is set for
-        this process, which hosts one worker."""
+        this process, which hosts one worker. reads_in_flight: how many NIXL READs one block list
+        is shared out to (1: a single READ of all its descriptors)."""
+        if isinstance(reads_in_flight, bool) or not isinstance(reads_in_flight, int) or reads_in_flight < 1:
+            raise ValueError(f"reads_in_flight: must be an integer >= 1, got {reads_in_flight!r}")
         if net_devices is not None:
             os.environ["UCX_NET_DEVICES"] = net_devices
         api = _nixl_api()
         self.worker_id = worker_id
         self.name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
         self.layout = layout
+        self.reads_in_flight = reads_in_flight
         self.compat_hash = layout.compat_hash()
         self.pool = pool
         self.block_bytes = pool[0].numel() * pool.element_size()
@@ -133,52 +144,74 @@ class KvTransferAgent:
         if remote is None:
             raise KvTransferError(f"agent_name: not connected to {remote_agent!r}")
         if not remote_ids:
-            with self._lock:
+            with self._lock, _nixl_errors(f"notifying {remote_agent}"):
                 self._agent.send_notif(remote_agent, notify)
             return TransferStats(0, 0, 0, 0.0)
         for r in remote_ids:
             if not 0 <= r < remote.num_blocks:
                 raise KvTransferError(f"block_ids: remote block {r} outside the producer's pool of {remote.num_blocks}")
-        runs = split_large(coalesce(remote_ids, local_ids), MAX_BLOCKS_PER_DESCRIPTOR)
+        groups = self.plan(remote_ids, local_ids)
         bb = self.block_bytes
         local_base = self.pool.data_ptr()
-        local = [(local_base + loc * bb, n * bb, self.device_id) for _, loc, n in runs]
-        remote_descs = [(remote.pool_address + r * bb, n * bb, remote.device_id) for r, _, n in runs]
+        # One READ carries the notification itself; several must all be DONE before the producer
+        # hears of it (it frees the blocks on the notice), so it is sent after the last one.
+        notify_after = len(groups) > 1
         start = time.perf_counter()
         what = f"READ of {len(remote_ids)} blocks from {remote_agent}"
-        with self._lock, _nixl_errors(what):
-            handle = self._agent.initialize_xfer(
-                "READ",
-                self._agent.get_xfer_descs(local, self.memory_type),
-                self._agent.get_xfer_descs(remote_descs, remote.memory_type),
-                remote_agent,
-                notify,
-            )
+        handles: list[object] = []
+        states: list[str] = []
         try:
-            with self._lock, _nixl_errors(what):
-                state = self._agent.transfer(handle)
+            for runs in groups:
+                local = [(local_base + loc * bb, n * bb, self.device_id) for _, loc, n in runs]
+                remote_descs = [(remote.pool_address + r * bb, n * bb, remote.device_id) for r, _, n in runs]
+                with self._lock, _nixl_errors(what):
+                    handle = self._agent.initialize_xfer(
+                        "READ",
+                        self._agent.get_xfer_descs(local, self.memory_type),
+                        self._agent.get_xfer_descs(remote_descs, remote.memory_type),
+                        remote_agent,
+                        b"" if notify_after else notify,
+                    )
+                    handles.append(handle)
+                    states.append(self._agent.transfer(handle))
+                if states[-1] == "ERR":
+                    raise KvTransferError(f"{what} failed (READ {len(handles)} of {len(groups)})")
+            pending = list(range(len(handles)))  # states[j] is the state of handles[pending[j]]
             deadline = start + timeout_s
-            while state != "DONE":
-                if state == "ERR":
-                    raise KvTransferError(f"{what} failed")
+            while True:
+                for i, state in zip(pending, states):
+                    if state == "ERR":
+                        raise KvTransferError(f"{what} failed (READ {i + 1} of {len(handles)})")
+                pending = [i for i, state in zip(pending, states) if state != "DONE"]
+                if not pending:
+                    break
                 now = time.perf_counter()
                 if now > deadline:
-                    raise KvTransferError(f"{what} timed out after {timeout_s}s")
+                    raise KvTransferError(f"{what} timed out after {timeout_s}s ({len(pending)} of {len(handles)} READs unfinished)")
                 # Spin for the first milliseconds (a GPU READ of a prompt's KV takes about that
                 # long, and even sleep(0) costs tens of microseconds of timer slack), then back
                 # off so a slow link does not burn a core.
                 if now - start > 0.005:
                     time.sleep(min(1e-3, (now - start) / 50))
                 with self._lock, _nixl_errors(what):
-                    state = self._agent.check_xfer_state(handle)
+                    states = [self._agent.check_xfer_state(handles[i]) for i in pending]
+            if notify_after and notify:
+                with self._lock, _nixl_errors(f"notifying {remote_agent} after the {what}"):
+                    self._agent.send_notif(remote_agent, notify)
         finally:
-            try:
-                with self._lock:
-                    self._agent.release_xfer_handle(handle)
-            except Exception as exc:  # noqa: BLE001 - the READ's own outcome is what the caller needs
-                log.warning("%s: releasing its transfer handle: %s", what, exc)
+            for handle in handles:
+                try:
+                    with self._lock:
+                        self._agent.release_xfer_handle(handle)
+                except Exception as exc:  # noqa: BLE001 - the READ's own outcome is what the caller needs
+                    log.warning("%s: releasing its transfer handle: %s", what, exc)
         seconds = time.perf_counter() - start
-        return TransferStats(len(remote_ids), len(remote_ids) * bb, len(runs), seconds)
+        return TransferStats(len(remote_ids), len(remote_ids) * bb, sum(len(g) for g in groups), seconds)
+
+    def plan(self, remote_ids: list[int], local_ids: list[int]) -> list[list[tuple[int, int, int]]]:
+        """The READs a block list becomes: per READ, its descriptors as (remote, local, blocks)."""
+        runs = split_large(coalesce(remote_ids, local_ids), MAX_BLOCKS_PER_DESCRIPTOR)
+        return plan_reads(runs, self.reads_in_flight, max(1, MIN_READ_BYTES // self.block_bytes))
 
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call, from every peer."""

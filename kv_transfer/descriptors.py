@@ -28,3 +28,33 @@ def split_large(runs: list[tuple[int, int, int]], max_blocks: int) -> list[tuple
         for off in range(0, n, max_blocks):
             out.append((r + off, loc + off, min(max_blocks, n - off)))
     return out
+
+
+def plan_reads(
+    runs: list[tuple[int, int, int]], reads: int, min_blocks_per_read: int = 1
+) -> list[list[tuple[int, int, int]]]:
+    """Share runs out to at most ``reads`` READs of nearly equal block counts (blocks are all one
+    size, so equal counts are equal bytes), in order, cutting a run where a READ's share ends.
+    Fewer READs when each would get less than ``min_blocks_per_read`` blocks; never an empty one."""
+    if reads < 1:
+        raise ValueError(f"reads: must be >= 1, got {reads}")
+    total = sum(n for _, _, n in runs)
+    if total == 0:
+        return []
+    k = max(1, min(reads, total // max(1, min_blocks_per_read)))
+    share, extra = divmod(total, k)
+    groups: list[list[tuple[int, int, int]]] = []
+    group: list[tuple[int, int, int]] = []
+    room = share + (extra > 0)
+    for r, loc, n in runs:
+        while n > 0:
+            take = min(n, room)
+            group.append((r, loc, take))
+            r, loc, n, room = r + take, loc + take, n - take, room - take
+            if room == 0:
+                groups.append(group)
+                group = []
+                room = share + (len(groups) < extra)
+    if group:
+        groups.append(group)
+    return groups
