@@ -8,6 +8,22 @@ warm samples). Shapes:
   `step_s(b, c) = d0 + d1 * b + d2 * c` (weights read once per step, per-sequence work, KV read);
 - a role flip (drain excluded: switch and probe) takes `flip_s`;
 - a worker added to the cluster (`--max-workers`) starts in `start_s`: model load, KV pool, links.
+
+What serving costs beyond the engine's steps (measured on a real cluster by
+`bench/serve_overheads.py`; zero where not measured):
+- `request_s` per request, between its arrival and its first token on top of `prefill_s`
+  (the HTTP front end, placement, the prefill call's round trip);
+- the KV hand-over, from the first token to the decode worker's first step (pinning, checksums,
+  the READ, the start call): `handover_s + handover_token_s * prompt_tokens`;
+- the decode loop's cost beyond `step_s` (the outbox, relay polls answered by the worker):
+  `step_extra_s` a step plus `step_extra_seq_s` a sequence in it;
+- `router_cpu_s_per_token`: CPU seconds the router's process spends a streamed token (HTTP
+  streaming, relay long polls, detokenizing): load on the host's cores, not a delay.
+
+Host model: workers that share a host's cores slow each other once more are busy than there
+are cores. `share_slowdown` is measured (`bench/core_sharing.py`): pairs (busy single-thread
+engines per core, factor on their step times), interpolated linearly, extrapolated from the last
+two. Empty: every worker owns its device (a GPU), and the simulator's `cores` does not apply.
 """
 
 from __future__ import annotations
@@ -38,20 +54,56 @@ class PerfModel:
     # A new worker's start (actor, model load, KV pool, links) until it serves. Files without it
     # get a minute: a guess on the slow side, so an add is not made on a start assumed cheap.
     start_s: float = 60.0
+    request_s: float = 0.0  # per request, beyond prefill_s, before its first token
+    handover_s: float = 0.0  # first token to the decode worker's first step: fixed part...
+    handover_token_s: float = 0.0  # ...and per prompt token
+    step_extra_s: float = 0.0  # a served decode step beyond step_s: per step...
+    step_extra_seq_s: float = 0.0  # ...and per sequence in it
+    router_cpu_s_per_token: float = 0.0  # host CPU the router spends a streamed token
+    share_slowdown: tuple[tuple[float, float], ...] = ()  # (busy engines per core, step-time factor)
 
     def __post_init__(self) -> None:
-        if min(self.p0, self.p1, self.p2, self.d0, self.d1, self.d2, self.flip_s, self.start_s) < 0:
-            raise ValueError("perf model: costs must be >= 0")
+        costs = ("p0", "p1", "p2", "d0", "d1", "d2", "flip_s", "start_s", "request_s", "handover_s",
+                 "handover_token_s", "step_extra_s", "step_extra_seq_s", "router_cpu_s_per_token")
+        for k in costs:
+            if getattr(self, k) < 0:
+                raise ValueError(f"perf model: {k} must be >= 0, got {getattr(self, k)}")
         if self.p1 <= 0 or self.d0 + self.d1 <= 0:
             raise ValueError("perf model: p1 and d0 + d1 must be > 0")
         if self.kv_tokens < 1 or self.max_num_seqs < 1 or self.cold_factor < 1:
             raise ValueError("perf model: kv_tokens, max_num_seqs >= 1 and cold_factor >= 1")
+        table = tuple((float(x), float(y)) for x, y in self.share_slowdown)  # JSON gives lists
+        object.__setattr__(self, "share_slowdown", table)
+        if table:
+            xs = [x for x, _ in table]
+            if len(table) < 2 or xs != sorted(set(xs)) or xs[0] < 0 or min(y for _, y in table) < 1:
+                raise ValueError("perf model: share_slowdown needs >= 2 points, engines per core increasing from >= 0, "
+                                 "slowdowns >= 1")
 
     def prefill_s(self, tokens: float) -> float:
         return self.p0 + self.p1 * tokens + self.p2 * tokens * tokens
 
     def step_s(self, batch: float, context_tokens: float) -> float:
         return self.d0 + self.d1 * batch + self.d2 * context_tokens
+
+    def served_step_s(self, batch: float, context_tokens: float) -> float:
+        """A decode step as a serving worker runs it: the engine step and the loop around it."""
+        return self.step_s(batch, context_tokens) + self.step_extra_s + self.step_extra_seq_s * batch
+
+    def handover_time_s(self, prompt_tokens: float) -> float:
+        return self.handover_s + self.handover_token_s * prompt_tokens
+
+    def slowdown(self, engines_per_core: float) -> float:
+        """The factor on step times of busy engines sharing a host, `engines_per_core` of them
+        (fractional: the router's load counts as part of an engine); 1 without a table."""
+        t = self.share_slowdown
+        if not t or engines_per_core <= t[0][0]:
+            return 1.0 if not t else t[0][1]
+        for (x0, y0), (x1, y1) in zip(t, t[1:]):
+            if engines_per_core <= x1:
+                return y0 + (y1 - y0) * (engines_per_core - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = t[-2], t[-1]
+        return max(y1, y1 + (y1 - y0) * (engines_per_core - x1) / (x1 - x0))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
