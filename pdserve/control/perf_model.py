@@ -28,6 +28,7 @@ two. Empty: every worker owns its device (a GPU), and the simulator's `cores` do
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,7 +100,7 @@ class PerfModel:
         t = self.share_slowdown
         if not t or engines_per_core <= t[0][0]:
             return 1.0 if not t else t[0][1]
-        for (x0, y0), (x1, y1) in zip(t, t[1:]):
+        for (x0, y0), (x1, y1) in itertools.pairwise(t):
             if engines_per_core <= x1:
                 return y0 + (y1 - y0) * (engines_per_core - x0) / (x1 - x0)
         (x0, y0), (x1, y1) = t[-2], t[-1]
