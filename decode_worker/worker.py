@@ -19,6 +19,14 @@ checksum (`kv_transfer.checksum`, carried in the handle) differs after the READ 
 transfer too: the producer has freed its copy on the READ's notice, so the prompt is recomputed
 at once, counted in ``checksum_failures``.
 
+`prefetch` (`--kv-transfer-overlap`) comes before `start`, while the prompt is still being
+prefilled: the blocks are allocated at once, and the blocks the prefill worker announces as final
+(`progress` notices, taken from the transport in the loop's tick) are READ on a thread of the
+request's own (`decode_worker.prefetch`). `start` then claims it and reads only what is still
+missing, so the transfer left after the prefill is about one chunk's blocks. Whatever the
+prefetch did not READ, or READ from blocks the handle does not name, `start` reads as before, with
+the same retry, recompute and checksum check (over every pulled block, prefetched or not).
+
 `submit` adds a whole request to the engine (the engine's decode role runs a prompt added with
 `add_request` to completion, as recomputing does) and returns at once; all of its tokens, the
 first included, come out through the same outbox and `poll`.
@@ -35,12 +43,14 @@ from dataclasses import asdict, dataclass
 from opentelemetry import trace
 
 from decode_worker.outbox import RouterOutboxes
+from decode_worker.prefetch import Prefetch
 from kv_transfer.checksum import block_checksums, mismatched
 from kv_transfer.compat import check_handle
-from kv_transfer.notice import pulled_notice
+from kv_transfer.notice import progress_of, pulled_notice
 from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import ImportPlan
+from pdserve.engine.hashing import block_hashes
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
@@ -57,6 +67,9 @@ class DecodeConfig:
     # A router that neither polls nor starts a request for this long is taken for dead: its
     # requests are aborted and their blocks freed. It polls every few tens of milliseconds.
     router_lease_s: float = 15.0
+    # A prefetch (`--kv-transfer-overlap`) that no `start` claims within this long is given up,
+    # its blocks freed: longer than any prefill the router waits for.
+    prefetch_timeout_s: float = 120.0
 
 
 class DecodeWorker:
@@ -84,10 +97,13 @@ class DecodeWorker:
         self.transfer_failures = 0
         self.checksum_failures = 0  # READs whose blocks were not the producer's: recomputed
         self.local_prefills = 0  # requests submitted whole, prefilled here
+        self.blocks_prefetched = 0  # of blocks_pulled, READ while their prompt was being prefilled
+        self.prefetch_expiries = 0  # prefetches no start claimed in time
         self._importing: set[str] = set()
         self._cancelled: set[str] = set()
+        self._prefetches: dict[str, Prefetch] = {}  # unclaimed prefetches, by request id
         self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
-        self.loop = EngineLoop(engine, self._on_step, self._expire_routers, name=f"{worker_id}-loop")
+        self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
 
     def start(
         self,
@@ -112,6 +128,58 @@ class DecodeWorker:
             span.set_attribute("pdserve.pulled_blocks", result.pulled_blocks)
             span.set_attribute("pdserve.recomputed", result.recomputed)
         return result
+
+    def prefetch(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        router_id: str = "",
+    ) -> worker_pb2.DecodePrefetch:
+        """Get ready to pull the KV of a prompt still being prefilled for `router_id`: allocate
+        its blocks and READ those the prefill worker announces as final, until `start` takes
+        over. Returns at once, with the agent the prefill worker must send its progress to."""
+        hashes = block_hashes(list(prompt_token_ids), self.engine.cfg.block_size)  # the handle's are checked at start
+        with self.loop.lock:
+            plan = self.engine.begin_import(prompt_token_ids, params, request_id, hashes)
+            self._register(router_id, request_id)
+            self._importing.add(request_id)
+            p = Prefetch(request_id, plan, time.monotonic() + self.config.prefetch_timeout_s)
+            self._prefetches[request_id] = p
+        p.thread = threading.Thread(target=self._run_prefetch, args=(p,), name=f"{self.worker_id}-prefetch", daemon=True)
+        p.thread.start()
+        return worker_pb2.DecodePrefetch(agent_name=self.agent.name, reused_tokens=plan.num_reused_tokens)
+
+    def _run_prefetch(self, p: Prefetch) -> None:
+        """The prefetch's thread: READ each batch of announced blocks until `start` claims it
+        (or it is cancelled, expires, or a READ fails); then, unless claimed, give the import up."""
+        rid = p.request_id
+        try:
+            while (batch := p.next_batch(time.monotonic())) is not None:
+                remote = p.remote_ids(batch)
+                local = [p.plan.block_ids[i] for i in batch]
+                assert p.source is not None  # bound by the notice that announced the batch
+                try:
+                    stats = self.agent.read(p.source, remote, local, b"", self.config.transfer_timeout_s)
+                except KvTransferError as exc:
+                    self.transfer_failures += 1
+                    log.warning("KV prefetch for %s failed; the hand-over reads the rest: %s", rid, exc)
+                    p.fail()
+                    break
+                p.done(batch, remote, stats.num_bytes)
+            p.wait_settled()
+        finally:
+            with self.loop.lock:
+                if not p.claimed:  # else `start` owns the import now
+                    self._prefetches.pop(rid, None)
+                    self._importing.discard(rid)
+                    self._cancelled.discard(rid)
+                    self.engine.abort(rid)
+                    self._unregister(rid)
+                    if not p.cancelled:
+                        self.prefetch_expiries += 1
+                        log.warning("prefetch of %s: no hand-over within %gs; its blocks are freed",
+                                    rid, self.config.prefetch_timeout_s)
 
     def submit(
         self,
@@ -152,11 +220,19 @@ class DecodeWorker:
         if margin < self.config.transfer_timeout_s:
             raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
         with self.loop.lock:
-            plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
-            self._register(router_id, request_id)
-            self._importing.add(request_id)
+            prefetch = self._prefetches.pop(request_id, None)
+            if prefetch is not None:
+                prefetch.claim()  # no READ of it starts from now on
+            else:
+                plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
+                self._register(router_id, request_id)
+                self._importing.add(request_id)
         try:
-            return self._pull_and_commit(prompt_token_ids, params, request_id, prefilled, plan, span)
+            pulled: dict[int, int] = {}
+            if prefetch is not None:
+                plan, pulled = self._take_over(prefetch, prompt_token_ids, params, request_id, handle)
+                span.set_attribute("pdserve.prefetched_blocks", len(pulled))
+            return self._pull_and_commit(prompt_token_ids, params, request_id, prefilled, plan, span, pulled)
         finally:
             with self.loop.lock:
                 self._importing.discard(request_id)
@@ -164,6 +240,27 @@ class DecodeWorker:
                     self._cancelled.discard(request_id)
                     self.engine.abort(request_id)
                     self._unregister(request_id)
+
+    def _take_over(
+        self,
+        prefetch: Prefetch,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        handle: kv_pb2.KvHandle,
+    ) -> tuple[ImportPlan, dict[int, int]]:
+        """A claimed prefetch's import plan and the blocks it READ that the handle still names
+        there; a prefetch from another producer (the prefill was retried elsewhere) is given up
+        and the import begins afresh."""
+        if prefetch.thread is not None:
+            prefetch.thread.join()  # its READ in flight ends within transfer_timeout_s
+        own = block_hashes(list(prompt_token_ids), self.engine.cfg.block_size)
+        if prefetch.source in (None, handle.agent_name) and list(handle.block_hashes) == own:
+            return prefetch.plan, prefetch.still_pulled(list(handle.block_ids))
+        with self.loop.lock:
+            self.engine.abort(request_id)
+            plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
+        return plan, {}
 
     def _pull_and_commit(
         self,
@@ -173,10 +270,16 @@ class DecodeWorker:
         prefilled: worker_pb2.PrefillResult,
         plan: ImportPlan,
         span: trace.Span,
+        prefetched: dict[int, int] | None = None,
     ) -> worker_pb2.DecodeStart:
+        """READ the blocks of `plan` not in `prefetched` (prompt block index -> the producer
+        block already READ into it), with the `pulled` notice; check every pulled block's
+        checksum; commit."""
         handle = prefilled.handle
-        remote = [handle.block_ids[i] for i in plan.pull_indices]
-        local = [plan.block_ids[i] for i in plan.pull_indices]
+        prefetched = prefetched or {}
+        todo = [i for i in plan.pull_indices if i not in prefetched]
+        remote = [handle.block_ids[i] for i in todo]
+        local = [plan.block_ids[i] for i in todo]
         parent = trace.set_span_in_context(span)
         retries = 0
         for attempt in range(1, self.config.transfer_attempts + 1):
@@ -203,25 +306,29 @@ class DecodeWorker:
         else:
             self._recompute(prompt_token_ids, params, request_id, prefilled.first_token)
             return worker_pb2.DecodeStart(recomputed=True, transfer_retries=retries)
-        if not self._arrived_intact(handle, plan.pull_indices, local, request_id):
+        all_local = [plan.block_ids[i] for i in plan.pull_indices]
+        if not self._arrived_intact(handle, plan.pull_indices, all_local, request_id):
             # Not READ again: the producer freed its copy on the READ's notice.
             span.set_attribute("pdserve.checksum_failed", True)
             self._recompute(prompt_token_ids, params, request_id, prefilled.first_token)
             return worker_pb2.DecodeStart(recomputed=True, transfer_retries=retries)
+        early_bytes = len(prefetched) * self.agent.block_bytes
         done = worker_pb2.DecodeStart(
             reused_tokens=plan.num_reused_tokens,
-            pulled_blocks=stats.num_blocks,
+            pulled_blocks=stats.num_blocks + len(prefetched),
             recomputed=False,
-            transfer_bytes=stats.num_bytes,
-            transfer_seconds=stats.seconds,
+            transfer_bytes=stats.num_bytes + early_bytes,
+            transfer_seconds=stats.seconds,  # the READ after the prefill; the prefetched ones overlapped it
             transfer_retries=retries,
+            prefetched_blocks=len(prefetched),
         )
         with self.loop.lock:
             if request_id in self._cancelled:
                 return done
-            self.blocks_pulled += stats.num_blocks
+            self.blocks_pulled += stats.num_blocks + len(prefetched)
+            self.blocks_prefetched += len(prefetched)
             self.blocks_reused += len(plan.block_ids) - len(plan.pull_indices)
-            self.bytes_pulled += stats.num_bytes
+            self.bytes_pulled += stats.num_bytes + early_bytes
             self.transfers += 1
             self.engine.commit_import(request_id, prefilled.first_token)
         self.loop.wake()
@@ -265,7 +372,7 @@ class DecodeWorker:
         with self.loop.lock:
             if request_id in self._importing:
                 # Its blocks are being written by a READ right now: free them once it has ended.
-                self._cancelled.add(request_id)
+                self._defer_abort(request_id)
                 return True
             self._unregister(request_id)
             return self.engine.abort(request_id)
@@ -304,9 +411,31 @@ class DecodeWorker:
         for rid in requests:
             log.warning("request %s: its router stopped polling for %gs; aborting it", rid, self.config.router_lease_s)
             if rid in self._importing:
-                self._cancelled.add(rid)  # freed once its READ has ended
+                self._defer_abort(rid)  # freed once its READ has ended
             else:
                 self.engine.abort(rid)
+
+    def _defer_abort(self, request_id: str) -> None:
+        """Abort an import once its READ has ended (under the engine's lock): by whoever owns
+        it, `start` or an unclaimed prefetch's thread, which this wakes."""
+        self._cancelled.add(request_id)
+        prefetch = self._prefetches.get(request_id)
+        if prefetch is not None:
+            prefetch.cancel()
+
+    def _tick(self) -> None:
+        """The loop's tick (under the engine's lock)."""
+        self._expire_routers()
+        if self._prefetches:
+            self._take_progress()
+
+    def _take_progress(self) -> None:
+        """Hand the prefill workers' progress notices to the prefetches they are about."""
+        for notice in self.agent.notifications():
+            progress = progress_of(notice)
+            prefetch = None if progress is None else self._prefetches.get(progress.request_id)
+            if prefetch is not None:
+                prefetch.announce(progress)
 
     def kv_events(self, wait_s: float, full: bool = False) -> worker_pb2.KvEventBatch:
         """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
@@ -335,6 +464,9 @@ class DecodeWorker:
             )
 
     def close(self) -> None:
+        with self.loop.lock:
+            for prefetch in self._prefetches.values():
+                prefetch.cancel()
         self.loop.stop()
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:

@@ -45,7 +45,9 @@ class KvTransport(Protocol):
         self, remote_agent: str, remote_ids: list[int], local_ids: list[int], notify: bytes, timeout_s: float
     ) -> TransferStats:
         """Copy remote blocks into local blocks; the producer gets `notify` when it is done.
-        Raises KvTransferError when the READ fails or misses its deadline."""
+        With no blocks, only `notify` is sent (how the producer's progress notices travel,
+        `kv_transfer.notice.send_notice`). Raises KvTransferError when the READ fails or misses
+        its deadline."""
         ...
 
     def notifications(self) -> list[bytes]:

@@ -222,6 +222,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "prompt (default: on; --no-kv-checksum saves a pass over each prompt's KV on both workers)",
     )
     srv.add_argument(
+        "--kv-transfer-overlap", action="store_true",
+        help="the decode worker pulls a prompt's KV chunk by chunk while the prompt is still being prefilled, so "
+        "that little is left to move after the prefill (default: off; see docs/architecture.md)",
+    )
+    srv.add_argument(
         "--placement-policy", choices=PLACEMENT_POLICIES, default="index",
         help="how prompts are placed on prefill workers: index (consistent-hash ring with bounded loads "
         "plus the workers' prefix caches, the default) or ring (without the prefix index); see docs/router.md",

@@ -30,6 +30,18 @@ class KvHandle(_message.Message):
     block_checksums: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., compat_hash: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class KvProgress(_message.Message):
+    __slots__ = ("request_id", "agent_name", "first_block", "block_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    agent_name: str
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class KvAgentInfo(_message.Message):
     __slots__ = ("protocol_version", "worker_id", "agent_name", "agent_metadata", "compat_hash", "pool_address", "block_bytes", "num_blocks", "device_id", "memory_type")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -22,20 +22,30 @@ class PrefillResult(_message.Message):
     def __init__(self, handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeStart(_message.Message):
-    __slots__ = ("reused_tokens", "pulled_blocks", "recomputed", "transfer_bytes", "transfer_seconds", "transfer_retries")
+    __slots__ = ("reused_tokens", "pulled_blocks", "recomputed", "transfer_bytes", "transfer_seconds", "transfer_retries", "prefetched_blocks")
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     reused_tokens: int
     pulled_blocks: int
     recomputed: bool
     transfer_bytes: int
     transfer_seconds: float
     transfer_retries: int
-    def __init__(self, reused_tokens: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., recomputed: _Optional[bool] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transfer_retries: _Optional[int] = ...) -> None: ...
+    prefetched_blocks: int
+    def __init__(self, reused_tokens: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., recomputed: _Optional[bool] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transfer_retries: _Optional[int] = ..., prefetched_blocks: _Optional[int] = ...) -> None: ...
+
+class DecodePrefetch(_message.Message):
+    __slots__ = ("agent_name", "reused_tokens")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    reused_tokens: int
+    def __init__(self, agent_name: _Optional[str] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeSubmit(_message.Message):
     __slots__ = ("cached_prompt_tokens",)
@@ -90,7 +100,7 @@ class WorkerHealth(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ServeInfo(_message.Message):
-    __slots__ = ("model_dir", "block_size", "max_model_len", "vocab_size", "placement_policy", "load_factor", "max_local_prefill_tokens")
+    __slots__ = ("model_dir", "block_size", "max_model_len", "vocab_size", "placement_policy", "load_factor", "max_local_prefill_tokens", "kv_transfer_overlap")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +108,7 @@ class ServeInfo(_message.Message):
     PLACEMENT_POLICY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MAX_LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     block_size: int
     max_model_len: int
@@ -105,4 +116,5 @@ class ServeInfo(_message.Message):
     placement_policy: str
     load_factor: float
     max_local_prefill_tokens: int
-    def __init__(self, model_dir: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., placement_policy: _Optional[str] = ..., load_factor: _Optional[float] = ..., max_local_prefill_tokens: _Optional[int] = ...) -> None: ...
+    kv_transfer_overlap: bool
+    def __init__(self, model_dir: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., placement_policy: _Optional[str] = ..., load_factor: _Optional[float] = ..., max_local_prefill_tokens: _Optional[int] = ..., kv_transfer_overlap: _Optional[bool] = ...) -> None: ...

@@ -8,6 +8,12 @@ blocks are freed anyway, counted in ``lease_expiries``.
 With `PrefillConfig.kv_checksum` the handle also carries a checksum of every block
 (`kv_transfer.checksum`), computed on the pool's device once the KV is pinned; the decode worker
 checks the blocks it READ against them.
+
+A prefill given `progress_to` (a decode worker's agent, `--kv-transfer-overlap`) tells that agent
+after each engine step which of the prompt's blocks have become final (`kv_transfer.notice`'s
+``progress`` notice), so it can READ them while later chunks compute. Blocks announced are lent
+(`prefill_worker.progress`): they stay intact until the request's KV is pulled, released or its
+lease expires, even if the request is preempted or aborted meanwhile.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from opentelemetry import trace
 
 from kv_transfer.checksum import block_checksums
 from kv_transfer.compat import PROTOCOL_VERSION
-from kv_transfer.notice import pulled_request
-from kv_transfer.transport import KvTransport
+from kv_transfer.notice import progress_notice, pulled_request, send_notice
+from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
 from pdserve.engine.loop import EngineLoop
@@ -32,6 +38,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 from prefill_worker.leases import LeaseTable
+from prefill_worker.progress import ProgressBook
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,7 @@ class PrefillCancelled(RuntimeError):
 class PrefillConfig:
     lease_s: float = 30.0
     kv_checksum: bool = True  # a checksum per pinned block in the handle (costs a pass over the blocks)
+    notice_timeout_s: float = 2.0  # sending one progress notice to a decode worker
 
 
 class PrefillWorker:
@@ -62,6 +70,7 @@ class PrefillWorker:
         self.config = config
         self._clock = clock
         self._leases = LeaseTable()
+        self._progress = ProgressBook()  # requests whose progress goes to a decode worker; lent blocks
         self._pending: dict[str, Future[PinnedKv]] = {}
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
         # Request id -> when it was added (ns). When one is first seen out of the waiting queue,
@@ -80,14 +89,17 @@ class PrefillWorker:
         request_id: str,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
+        progress_to: str = "",
     ) -> worker_pb2.PrefillResult:
+        """Prefill a prompt to its first token and lend out its KV. `progress_to`: a decode
+        worker's agent that gets a notice each time more of the prompt's blocks are final."""
         span = self._tracer.start_span(
             "pdserve.prefill.worker", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
                         "pdserve.prompt_tokens": len(prompt_token_ids)},
         )
         with span:
-            pinned, queue_s = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span)
+            pinned, queue_s = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span, progress_to)
             span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
             # Pinned blocks are written no more, so this runs outside the engine's lock; on a GPU
@@ -114,13 +126,16 @@ class PrefillWorker:
         )
 
     def _run_prefill(
-        self, ids: list[int], params: SamplingParams, request_id: str, timeout_s: float, span: trace.Span
+        self, ids: list[int], params: SamplingParams, request_id: str, timeout_s: float, span: trace.Span,
+        progress_to: str = "",
     ) -> tuple[PinnedKv, float]:
         """The prompt's pinned KV once prefilled, and the seconds it waited in the queue."""
         fut: Future[PinnedKv] = Future()
         traced = span.is_recording()
         with self.loop.lock:
             self.engine.add_request(ids, params, request_id)
+            if progress_to:
+                self._progress.follow(request_id, progress_to)
             self._pending[request_id] = fut
             self._queued_at[request_id] = time.time_ns()
         self.loop.wake()
@@ -152,7 +167,9 @@ class PrefillWorker:
             fut = self._pending.pop(request_id, None)
             if fut is not None and not fut.done():
                 fut.set_exception(PrefillCancelled(f"request {request_id} was cancelled"))
-            return self.engine.release(request_id) or self.engine.abort(request_id)
+            freed = self.engine.release(request_id) or self.engine.abort(request_id)
+            self.engine.return_blocks(self._progress.drop(request_id))
+            return freed
 
     def health(self) -> worker_pb2.WorkerHealth:
         """Answered without the engine's lock: a busy worker is as healthy as an idle one."""
@@ -191,7 +208,7 @@ class PrefillWorker:
                 continue
             fut = self._pending.pop(out.request_id, None)
             if fut is None:
-                self.engine.release(out.request_id)  # its caller went away
+                self._free(out.request_id)  # its caller went away
                 continue
             self._leases.grant(out.request_id, self._clock() + self.config.lease_s)
             fut.set_result(self.engine.pinned_kv(out.request_id))
@@ -207,11 +224,40 @@ class PrefillWorker:
         for msg in self.agent.notifications():
             rid = pulled_request(msg)
             if rid is not None and self._leases.end(rid):
-                self.engine.release(rid)
+                self._free(rid)
         for rid in self._leases.expired(self._clock()):
             self.lease_expiries += 1
             log.warning("lease of %s expired before its KV was pulled; freeing its blocks", rid)
-            self.engine.release(rid)
+            self._free(rid)
+        if len(self._progress):
+            self._publish_progress()
+
+    def _free(self, request_id: str) -> None:
+        """A pinned request's KV is no longer needed: its blocks and any lent for it go back."""
+        self.engine.release(request_id)
+        self.engine.return_blocks(self._progress.drop(request_id))
+
+    def _publish_progress(self) -> None:
+        """Tell each followed request's decode worker which more of its blocks are final."""
+        due = []
+        for rid in self._progress.requests():
+            final = self.engine.final_prompt_blocks(rid)
+            progress = None if final is None else self._progress.advance(rid, final, self.agent.name)
+            if progress is not None:
+                due.append(progress)
+        if not due:
+            return
+        # A READ is not ordered with the device's stream: the step's KV writes must have ended.
+        self.engine.runner.wait_device()
+        for progress in due:
+            self.engine.lend_blocks(list(progress.block_ids))
+            consumer = self._progress.consumer(progress.request_id)
+            try:
+                send_notice(self.agent, consumer, progress_notice(progress), self.config.notice_timeout_s)
+            except KvTransferError as exc:
+                # The consumer reads what it lacks from the handle instead.
+                log.warning("progress of %s to %s: %s; sending no more", progress.request_id, consumer, exc)
+                self._progress.mute(progress.request_id)
 
     def _lease_deadline(self, request_id: str) -> float:
         with self.loop.lock:

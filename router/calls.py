@@ -4,6 +4,7 @@ its own client span, with what it measured recorded in the router's metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -22,6 +23,8 @@ from router.policy import PrefillPolicy
 
 _T = TypeVar("_T")
 
+log = logging.getLogger(__name__)
+
 
 class WorkerCalls:
     def __init__(
@@ -38,15 +41,19 @@ class WorkerCalls:
         self.prefill_policy = prefill_policy
         self.prefill_times = prefill_times  # each prefill's compute time, for the P:D controller's capacity fit
 
-    async def prefill(self, r: InFlight) -> worker_pb2.PrefillResult:
-        """The prefill call; the prefill pool learns what the worker really computed."""
+    async def prefill(self, r: InFlight, progress_to: str = "") -> worker_pb2.PrefillResult:
+        """The prefill call; the prefill pool learns what the worker really computed.
+        `progress_to`: the decode worker's agent that prefetches the KV (none: not passed)."""
         assert r.prefill is not None and r.p_at is not None
         span = self.tracer.start_span("pdserve.prefill", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.p_at.worker})
         sent = time.monotonic()
         handle = None
         try:
-            handle = await r.prefill.prefill(r.ids, r.params, r.rid, self.config.prefill_timeout_s, **traced(span))
+            more = {"progress_to": progress_to} if progress_to else {}
+            handle = await r.prefill.prefill(
+                r.ids, r.params, r.rid, self.config.prefill_timeout_s, **traced(span), **more
+            )
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
@@ -86,6 +93,23 @@ class WorkerCalls:
         if start.recomputed:
             m.recomputes.inc()
         return start
+
+    async def prefetch(self, r: InFlight) -> str:
+        """`--kv-transfer-overlap`: ask the decode worker to pull the prompt's KV while it is
+        being prefilled. Its agent name, for the prefill call; "" when the worker cannot (no
+        `prefetch`, no free blocks, a failed call): the hand-over then pulls everything, as
+        without overlap."""
+        prefetch = getattr(r.decode, "prefetch", None)
+        if prefetch is None:
+            return ""
+        r.prefetching = True  # from the call on the worker may hold it, whatever the call's outcome
+        try:
+            answer = await hand_over(r, prefetch(r.ids, r.params, r.rid, self.config.control_timeout_s))
+        except RouterError as exc:
+            log.info("request %s: no KV prefetch on %s (%s); the hand-over pulls it all", r.rid, r.d_at.worker,
+                     exc.message)
+            return ""
+        return answer.agent_name
 
     async def submit(self, r: InFlight, ids: list[int], params: SamplingParams) -> worker_pb2.DecodeSubmit:
         """Put the whole request on its decode worker, to prefill `ids` there and decode."""

@@ -33,3 +33,6 @@ class RouterConfig:
     max_prefill_attempts: int = 3
     max_decode_attempts: int = 3
     relay_failures_to_fail: int = 3  # failed polls in a row before a decode worker's streams move
+    # `--kv-transfer-overlap`: the decode worker pulls a prompt's KV chunk by chunk while it is
+    # still being prefilled (`DecodeHandle.prefetch`), so little is left to move after its end.
+    kv_transfer_overlap: bool = False

@@ -52,7 +52,10 @@ class PrefillHandle(Protocol):
         request_id: str,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
+        progress_to: str = "",
     ) -> worker_pb2.PrefillResult: ...
+    # `progress_to` (`--kv-transfer-overlap`; passed only when set): a decode worker's agent,
+    # from its `prefetch`, that the worker tells as the prompt's blocks become final.
 
     async def release(self, request_id: str, timeout_s: float) -> None: ...
 
@@ -78,6 +81,13 @@ class DecodeHandle(Protocol):
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
     ) -> worker_pb2.DecodeStart: ...
+
+    # `--kv-transfer-overlap`: get ready to pull the KV of a prompt still being prefilled (its
+    # blocks are allocated, and READ as the prefill worker announces them); the `start` that
+    # follows reads only what is still missing. Optional: the router overlaps nothing without it.
+    async def prefetch(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
+    ) -> worker_pb2.DecodePrefetch: ...
 
     # Prefill and decode the whole request on this worker (colocated serving, or a prompt short
     # enough for conditional disaggregation to keep it here). Returns once the worker has queued

@@ -64,6 +64,7 @@ class InFlight:
     cached: int = 0  # prompt tokens served from a prefix cache
     pinned_on_prefill: bool = False  # the prefill worker holds its KV until released or pulled
     on_decode: bool = False  # the decode worker may hold it: cleanup aborts it there
+    prefetching: bool = False  # the decode worker may hold a prefetch of its KV: cleanup aborts it there
     hand_over: asyncio.Task | None = None  # a start/submit call still running
     queued: dict[str, float] = field(default_factory=dict)  # pool -> when it joined that pool's queue
     open_spans: list[trace.Span] = field(default_factory=list)

@@ -288,7 +288,10 @@ class Router:
         """Disaggregated: prefill on a prefill worker (its first token goes to the client at once),
         hand the KV over to the decode worker, then relay the decode worker's tokens."""
         assert r.prefill is not None
-        handle = await self.failover.prefill(r, lambda: self.calls.prefill(r))
+        # Overlap: the decode worker allocates the blocks now and READs them chunk by chunk as the
+        # prefill worker announces them final; the hand-over below then moves only the rest.
+        progress_to = await self.calls.prefetch(r) if self.config.kv_transfer_overlap else ""
+        handle = await self.failover.prefill(r, lambda: self.calls.prefill(r, progress_to))
         self._dequeue(r, "prefill", served=True)
         r.pinned_on_prefill = True
         r.cached = handle.cached_prompt_tokens
@@ -299,6 +302,8 @@ class Router:
             reason = "stop"
         if reason:
             await self._release_prefill(r)
+            if r.prefetching:
+                await self._abort_prefetch(r)
             yield self._chunk(r, [handle.first_token], reason)
             return
         yield self._chunk(r, [handle.first_token], "")
@@ -308,6 +313,7 @@ class Router:
         # A decode worker that fails before it has pulled: the same handle goes to another one
         # (the prefill worker still holds the blocks under its lease).
         start = await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
+        r.prefetching = False  # the start took it over (or another decode worker has the request)
         handed_over = time.monotonic()
         if start.recomputed:
             await self._release_prefill(r)
@@ -327,6 +333,14 @@ class Router:
         except RouterError as exc:
             log.info("release of %s on %s: %s", r.rid, r.prefill.worker_id, exc.message)
         r.pinned_on_prefill = False
+
+    async def _abort_prefetch(self, r: InFlight) -> None:
+        """The request ended at its first token: free the blocks its decode worker prefetched."""
+        try:
+            await r.decode.abort(r.rid, self.config.control_timeout_s)
+        except RouterError as exc:
+            log.info("abort of the prefetch of %s on %s: %s", r.rid, r.d_at.worker, exc.message)
+        r.prefetching = False
 
     async def _serve_local(self, r: InFlight) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Colocated, or conditionally not disaggregated: the decode worker prefills the prompt
@@ -418,7 +432,7 @@ class Router:
             t = self.config.control_timeout_s
             release = r.prefill is not None and (r.pinned_on_prefill or not r.on_decode)
             results = await asyncio.gather(
-                r.decode.abort(r.rid, t) if r.on_decode else asyncio.sleep(0),
+                r.decode.abort(r.rid, t) if r.on_decode or r.prefetching else asyncio.sleep(0),
                 r.prefill.release(r.rid, t) if release and r.prefill is not None else asyncio.sleep(0),
                 return_exceptions=True,
             )

@@ -59,6 +59,7 @@ class WorkerActor(WorkerHost):
             placement_policy=placement.policy,
             load_factor=placement.load_factor,
             max_local_prefill_tokens=placement.max_local_prefill_tokens,
+            kv_transfer_overlap=self._serve_cfg.kv_transfer_overlap,
         )
 
 

@@ -56,6 +56,9 @@ class ServeConfig:
     # the decode worker after its READ, which recomputes the prompt on a mismatch
     # (kv_transfer.checksum; what it costs: docs/benchmarks.md).
     kv_checksum: bool = True
+    # The decode worker pulls a prompt's KV chunk by chunk while the prompt is still being
+    # prefilled (RouterConfig.kv_transfer_overlap); off by default.
+    kv_transfer_overlap: bool = False
     startup_timeout_s: float = 300.0
     placement: PlacementConfig = PlacementConfig()  # how the router places requests
     max_queued_requests: int = 0  # per pool, admitted without a token yet (RouterConfig's; 0: unbounded)

@@ -86,6 +86,7 @@ def router_config(info: worker_pb2.ServeInfo, max_queued_requests: int) -> Route
             max_local_prefill_tokens=info.max_local_prefill_tokens,
         ),
         max_queued_requests=max_queued_requests,
+        kv_transfer_overlap=info.kv_transfer_overlap,
     )
 
 

@@ -34,6 +34,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         engine=EngineArgs.from_options(vars(args)),  # the engine flags' dests are its field names
         lease_s=args.lease_s,
         kv_checksum=args.kv_checksum,
+        kv_transfer_overlap=args.kv_transfer_overlap,
         router_lease_s=args.router_lease_s,
         cpu_threads_per_worker=args.cpu_threads,
         placement=PlacementConfig(

@@ -146,6 +146,7 @@ class Cluster:
                 block_size=cfg.engine.block_size,
                 placement=cfg.placement,
                 max_queued_requests=cfg.max_queued_requests,
+                kv_transfer_overlap=cfg.kv_transfer_overlap,
             )
             router = Router(
                 router_cfg,

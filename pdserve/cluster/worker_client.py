@@ -123,10 +123,11 @@ class WorkerClient:
         request_id: str,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
+        progress_to: str = "",
     ) -> worker_pb2.PrefillResult:
         return await self._call(
             "prefill", timeout_s + PREFILL_MARGIN_S, "prefill",
-            prompt_token_ids, params, request_id, timeout_s, trace_context,
+            prompt_token_ids, params, request_id, timeout_s, trace_context, progress_to,
         )
 
     async def release(self, request_id: str, timeout_s: float) -> None:
@@ -145,6 +146,13 @@ class WorkerClient:
     ) -> worker_pb2.DecodeStart:
         return await self._call(
             "decode start", timeout_s, "start", prompt_token_ids, params, request_id, prefilled, trace_context, self.router_id
+        )
+
+    async def prefetch(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
+    ) -> worker_pb2.DecodePrefetch:
+        return await self._call(
+            "decode prefetch", timeout_s, "prefetch", prompt_token_ids, params, request_id, self.router_id
         )
 
     async def submit(

@@ -132,8 +132,9 @@ class WorkerHost:
         rid: str,
         timeout_s: float,
         trace_context: TraceCarrier | None = None,
+        progress_to: str = "",
     ) -> worker_pb2.PrefillResult:
-        return self._prefill().prefill(ids, params, rid, timeout_s, trace_context)
+        return self._prefill().prefill(ids, params, rid, timeout_s, trace_context, progress_to)
 
     def release(self, rid: str) -> bool:
         return self._prefill().release(rid)
@@ -150,6 +151,9 @@ class WorkerHost:
         *rest: Any,
     ) -> worker_pb2.DecodeStart:
         return self._decode().start(ids, params, rid, prefilled, *rest)
+
+    def prefetch(self, ids: list[int], params: SamplingParams, rid: str, *rest: Any) -> worker_pb2.DecodePrefetch:
+        return self._decode().prefetch(ids, params, rid, *rest)
 
     def submit(self, ids: list[int], params: SamplingParams, rid: str, *rest: Any) -> worker_pb2.DecodeSubmit:
         return self._decode().submit(ids, params, rid, *rest)

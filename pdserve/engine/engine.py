@@ -157,6 +157,19 @@ class LLMEngine:
         """Prefill role: where a finished request's KV sits, for building a transfer handle."""
         return handover.pinned_kv(self.scheduler, request_id, self.cfg.block_size)
 
+    def final_prompt_blocks(self, request_id: str) -> list[int] | None:
+        """Prefill role: the prompt's blocks whose KV is already final, in prompt order (see
+        `handover.final_prompt_blocks`); None when the engine does not hold the request."""
+        return handover.final_prompt_blocks(self.scheduler, request_id, self.cfg.block_size)
+
+    def lend_blocks(self, block_ids: list[int]) -> None:
+        """Take a reference on blocks another worker is reading, so that neither a preemption
+        nor an abort of their request frees them for reuse before `return_blocks`."""
+        self.blocks.acquire(block_ids)
+
+    def return_blocks(self, block_ids: list[int]) -> None:
+        self.blocks.release(block_ids)
+
     def begin_import(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, block_hashes: list[int]
     ) -> ImportPlan:

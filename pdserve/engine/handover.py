@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.scheduler import Scheduler, admissible_prefix
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,22 @@ def pinned_kv(scheduler: Scheduler, request_id: str, block_size: int) -> PinnedK
         num_cached_tokens=seq.num_cached_tokens,
         finish_reason=seq.finish_reason,
     )
+
+
+def final_prompt_blocks(scheduler: Scheduler, request_id: str, block_size: int) -> list[int] | None:
+    """Prefill role: the prompt's blocks whose KV is final (every layer written), in prompt
+    order: all of them once the request is pinned, else its full prompt blocks computed so far
+    (chunked prefill finishes a chunk's blocks in one step). None when the engine does not hold
+    the request. On a device the last step's writes may still be running (`wait_device`)."""
+    seq = scheduler.find(request_id)
+    if seq is None:
+        return None
+    n_prompt_blocks = -(-seq.num_prompt_tokens // block_size)
+    if seq.status is SeqStatus.PINNED:
+        return list(seq.block_ids[:n_prompt_blocks])
+    if seq.status is not SeqStatus.RUNNING:
+        return []  # waiting: admitted not yet, or preempted (its blocks were released)
+    return list(seq.block_ids[: min(seq.num_computed_tokens, seq.num_prompt_tokens) // block_size])
 
 
 def check_block_hashes(seq: Sequence, hashes: list[int], block_size: int) -> None:
