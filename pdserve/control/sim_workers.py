@@ -1,6 +1,7 @@
 """The simulator's workers: a prefill worker (FIFO, prefix cache as an LRU of block hashes)
 and a decode worker (continuous batching, advanced as a fluid between batch changes so that a
-step costs no event). Both take their times from a `PerfModel`."""
+step costs no event). Both take their times from a `PerfModel`, stretched by `stretch`: the host
+model's factor while workers share too few cores (1 when each owns its device)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ class SimPrefill:
         self.busy = False
         self.done = 0  # steps since start or flip (the first ones run cold)
         self.todo: dict[int, tuple[int, int]] = {}  # request in a step -> (uncached tokens, computed so far)
+        self.stretch = 1.0
+        self.work_left = 0.0  # of the step running: its time at stretch 1, still to go...
+        self.last = 0.0  # ...as of this time
+        self.version = 0  # bumps when the step's end moves: an end event of an older one is stale
+        self.ending: list[int] = []  # requests whose prompt the running step finishes
 
     def hit_tokens(self, hashes: tuple[int, ...], num_tokens: int) -> int:
         """Leading prompt tokens cached here, as the engine counts them (whole blocks, never
@@ -71,6 +77,22 @@ class SimPrefill:
             out.append((i, c, b + c >= total))
         return out, dt * cold
 
+    def begin(self, now: float, work: float) -> float:
+        """A step of `work` seconds (at stretch 1) starts; returns when it ends at this stretch."""
+        self.work_left, self.last = work, now
+        self.version += 1
+        return now + work * self.stretch
+
+    def restretch(self, now: float, stretch: float) -> float | None:
+        """The host's factor changes: the running step's end moves (returned), or None if idle."""
+        if not self.busy:
+            self.stretch = stretch
+            return None
+        self.work_left = max(0.0, self.work_left - (now - self.last) / self.stretch)
+        self.last, self.stretch = now, stretch
+        self.version += 1
+        return now + self.work_left * stretch
+
     def finished(self, i: int) -> int:
         """A request whose prompt is done leaves the queue's head; returns its uncached tokens."""
         assert self.queue[0] == i
@@ -99,6 +121,7 @@ class SimDecode:
         self.reserved = 0  # KV tokens reserved: prompt + output of every sequence
         self.steps = 0.0
         self.version = 0  # bumps on every change: a completion event of an older one is stale
+        self.stretch = 1.0
 
     @property
     def batch(self) -> int:
@@ -111,7 +134,13 @@ class SimDecode:
     def step_s(self) -> float:
         m = self.model
         cold = m.cold_factor if self.steps < m.cold_steps else 1.0
-        return m.step_s(self.batch, self.context) * cold
+        return m.served_step_s(self.batch, self.context) * cold * self.stretch
+
+    def restretch(self, now: float, stretch: float) -> None:
+        """The host's factor changes: tokens so far at the old one, the next at the new one."""
+        self.advance(now)
+        self.stretch = stretch
+        self.version += 1
 
     def advance(self, now: float) -> None:
         if self.admitted and now > self.last:
