@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""The mixed step: a prefill chunk beside running decodes, against its parts in the same run.
+
+A colocated worker (and a decode worker prefilling locally) runs steps that carry a chunk of a
+new prompt together with one token of every running sequence. The decodes' inter-token latency
+is then the whole mixed step. This measures, on one engine with the serving defaults
+(chunked prefill at `--chunk` tokens a step, CUDA graphs for decode-only steps, the 1B shape
+of bench/engine.py with random weights):
+
+* decode-only step at batch B (every sequence decoding, context ~`--context`);
+* prefill-only step of one `--chunk`-token prompt (no decodes running);
+* mixed step: the same prompt added while the B sequences decode: the first step after it;
+
+each synchronized and timed alone, median of `--reps`. The baseline in the same run is the sum
+of the parts (prefill-only + decode-only): a mixed step at or below it costs nothing for being
+mixed; above it is what mixing adds (the decodes leave their graph, attention over two shapes).
+With `--profile`, a kernel breakdown of one mixed and one prefill-only step.
+
+    python bench/mixed_step.py --device cuda [--batches 16,64] [--chunk 2048] [--context 3000] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine import SHAPES, _kernel_breakdown, _random_prompt, _sync
+from bench.report import markdown_table
+from pdserve import LLM, SamplingParams
+
+# A few-MB model of the same family: only to check this script without a GPU.
+TINY = {**SHAPES["1b"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+SHAPE_CONFIGS = {**SHAPES, "tiny": TINY}
+
+
+def start_decodes(llm: LLM, batch: int, context: int, rng: random.Random) -> list[str]:
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(_random_prompt(rng, context, vocab), params) for _ in range(batch)]
+    started: set[str] = set()
+    while len(started) < batch:
+        for out in engine.step():
+            started.add(out.request_id)
+    for _ in range(3):
+        engine.step()
+    return ids
+
+
+def stop(llm: LLM, ids: list[str]) -> None:
+    for rid in ids:
+        llm.engine.abort(rid)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+
+
+def timed_step(llm: LLM, device: str) -> tuple[float, list]:
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = llm.engine.step()
+    _sync(device)
+    return time.perf_counter() - t0, outs
+
+
+def measure(llm: LLM, batch: int, chunk: int, context: int, reps: int, device: str, rng: random.Random) -> dict:
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    prefill = []
+    for _ in range(reps + 2):
+        rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
+        dt, outs = timed_step(llm, device)
+        assert [o.request_id for o in outs] == [rid], "the prefill-only step carried something else"
+        engine.release(rid)
+        prefill.append(dt)
+    ids = start_decodes(llm, batch, context, rng)
+    decode, mixed = [], []
+    for _ in range(reps + 2):
+        dt, outs = timed_step(llm, device)
+        assert len(outs) == batch, f"expected a decode-only step of {batch}, got {len(outs)}"
+        decode.append(dt)
+        rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
+        dt, outs = timed_step(llm, device)
+        got = {o.request_id for o in outs}
+        assert rid in got and len(outs) == batch + 1, "the mixed step did not carry the chunk and every decode"
+        engine.release(rid)
+        mixed.append(dt)
+    stop(llm, ids)
+    p, d, m = (statistics.median(x[2:]) for x in (prefill, decode, mixed))
+    return {"batch": batch, "chunk": chunk, "prefill_ms": p * 1e3, "decode_ms": d * 1e3, "mixed_ms": m * 1e3,
+            "mixed_over_parts": m / (p + d)}
+
+
+def profile_mixed(llm: LLM, batch: int, chunk: int, context: int, rng: random.Random) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    out = []
+    ids = start_decodes(llm, batch, context, rng)
+    rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, _ = timed_step(llm, "cuda")
+    engine.release(rid)
+    out.append(_kernel_breakdown(prof, 1, f"mixed step: chunk {chunk} + {batch} decodes", wall, 12))
+    stop(llm, ids)
+    rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, _ = timed_step(llm, "cuda")
+    engine.release(rid)
+    out.append(_kernel_breakdown(prof, 1, f"prefill-only step: chunk {chunk}", wall, 12))
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPE_CONFIGS))
+    ap.add_argument("--batches", default="16,64", help="running decodes beside the chunk")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens a step (the serving default)")
+    ap.add_argument("--context", type=int, default=3000, help="the decoding sequences' prompt length")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here")
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(SHAPE_CONFIGS[args.shape]))
+        llm = LLM(
+            tmp, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", load_format="dummy",
+            max_model_len=8192, max_num_seqs=max(batches) + 1, max_num_batched_tokens=args.chunk + max(batches),
+            cuda_graph_max_batch=max(batches), enable_prefix_caching=False,
+        )
+        rows = [measure(llm, b, args.chunk, args.context, args.reps, args.device, rng) for b in batches]
+        prof = profile_mixed(llm, max(batches), args.chunk, args.context, rng) if args.profile else ""
+    card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"{card}, {args.shape}, chunk {args.chunk}, decode context ~{args.context}")
+    print(markdown_table(
+        ["decodes", "prefill-only ms", "decode-only ms", "mixed ms", "mixed / (prefill + decode)"],
+        [[str(r["batch"]), f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}", f"{r['mixed_ms']:.2f}",
+          f"{r['mixed_over_parts']:.2f}x"] for r in rows],
+    ))
+    if prof:
+        print(prof)
+    if args.json:
+        args.json.write_text(json.dumps({"card": card, "rows": rows, "profile": prof}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
