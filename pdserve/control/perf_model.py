@@ -17,8 +17,9 @@ What serving costs beyond the engine's steps (measured on a real cluster by
   the READ, the start call): `handover_s + handover_token_s * prompt_tokens`;
 - the decode loop's cost beyond `step_s` (the outbox, relay polls answered by the worker):
   `step_extra_s` a step plus `step_extra_seq_s` a sequence in it;
-- `router_cpu_s_per_token`: CPU seconds the router's process spends a streamed token (HTTP
-  streaming, relay long polls, detokenizing): load on the host's cores, not a delay.
+- `serve_cpu_s_per_token`: CPU seconds the serving path spends a streamed token outside the
+  engine's steps (the router's process: HTTP streaming, relay long polls, detokenizing; the
+  workers' relay and Ray's processes): load on the host's cores, not a delay.
 
 Host model: workers that share a host's cores slow each other once more are busy than there
 are cores. `share_slowdown` is measured (`bench/core_sharing.py`): pairs (busy single-thread
@@ -60,12 +61,12 @@ class PerfModel:
     handover_token_s: float = 0.0  # ...and per prompt token
     step_extra_s: float = 0.0  # a served decode step beyond step_s: per step...
     step_extra_seq_s: float = 0.0  # ...and per sequence in it
-    router_cpu_s_per_token: float = 0.0  # host CPU the router spends a streamed token
+    serve_cpu_s_per_token: float = 0.0  # host CPU a streamed token costs outside the engine
     share_slowdown: tuple[tuple[float, float], ...] = ()  # (busy engines per core, step-time factor)
 
     def __post_init__(self) -> None:
         costs = ("p0", "p1", "p2", "d0", "d1", "d2", "flip_s", "start_s", "request_s", "handover_s",
-                 "handover_token_s", "step_extra_s", "step_extra_seq_s", "router_cpu_s_per_token")
+                 "handover_token_s", "step_extra_s", "step_extra_seq_s", "serve_cpu_s_per_token")
         for k in costs:
             if getattr(self, k) < 0:
                 raise ValueError(f"perf model: {k} must be >= 0, got {getattr(self, k)}")
