@@ -45,6 +45,21 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--controller", action="store_true", help="the P:D controller chooses the split")
     p.add_argument("--start-prefill", type=int, default=None, help="with --controller: prefill workers at the start "
                    "(default: half)")
+    p.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help="with --controller: it may also add workers (each after the model's start_s) up to N in all, "
+                   "and remove them again down to --workers (default: --workers, a fixed budget)")
+
+
+def max_workers_from_args(args: argparse.Namespace) -> int | None:
+    """--max-workers, checked against --controller and --workers (the error names the flag)."""
+    n = args.max_workers
+    if n is None:
+        return None
+    if not args.controller:
+        raise ValueError("--max-workers: only with --controller (it adds and removes workers through the policy)")
+    if n < args.workers:
+        raise ValueError(f"--max-workers: {n} is below --workers ({args.workers}); it must be at least the workers started")
+    return n
 
 
 def _setup(args: argparse.Namespace) -> tuple[list[SimRequest], PerfModel, Slo]:
@@ -78,17 +93,23 @@ def run_simulate(args: argparse.Namespace) -> int:
     from pdserve.control.simulator import SimConfig
 
     reqs, model, slo = _setup(args)
-    cfg = SimConfig(workers=args.workers, prefill=args.prefill, start_prefill=args.start_prefill, slo=slo)
+    cfg = SimConfig(workers=args.workers, prefill=args.prefill, start_prefill=args.start_prefill, slo=slo,
+                    max_workers=max_workers_from_args(args))
     with _bar(args, len(reqs), "simulate") as bar:
         result = _run(reqs, model, cfg, bar)
     d = result.as_dict()
     d.update(trace=str(args.trace), workers=args.workers, perf_model=model.name,
              mode="controller" if args.controller else f"static {args.prefill}P:{args.workers - args.prefill}D")
+    if cfg.max_workers is not None:
+        held = [r["prefill"] + r["decode"] for r in result.timeline]
+        d.update(max_workers=cfg.max_workers, most_workers_serving=max(held, default=args.workers),
+                 workers_added=sum(1 for x in result.decisions if x["action"] == "add"),
+                 workers_removed=sum(1 for x in result.decisions if x["action"] == "remove"))
     if args.json:
         print(json.dumps(d))
     else:
         print(f"{d['mode']}, {args.workers} workers, {model.name}, SLO TTFT {slo.ttft_ms:g} ms / ITL {slo.itl_ms:g} ms")
-        for k in SUMMARY:
+        for k in SUMMARY + (("workers_added", "workers_removed", "most_workers_serving") if "max_workers" in d else ()):
             print(f"  {k}: {d[k]}")
     return 0
 

@@ -20,7 +20,13 @@ Stable by construction:
   saves beats that. How long a demand goes on is measured: the durations of the past stretches
   in which the same pool (else the other) wanted workers; before there are any, a stretch is
   expected to last as long again as it has lasted so far. A burst over before its move pays
-  back moves nothing.
+  back moves nothing;
+- with a ceiling above the budget (`max_workers`), a worker is added to a pool only when no flip
+  helps (a flip costs far less than a start), the larger load is over its limit (`add_above`)
+  and an added worker lowers it by the margin, weighed like a flip with the measured start time;
+  one leaves (never below the budget) only once the pools would stay below `remove_below`
+  without it, the lull has lasted `remove_after_starts` start times and the dwell has passed
+  since the last change.
 """
 
 from __future__ import annotations
@@ -49,12 +55,27 @@ class ControllerConfig:
     lead: bool = True  # plan for the arrival rates projected one interval + flip ahead (their trend)
     step_fraction: float = 0.25  # a change moves at most this share of the budget (at least one worker)
     weigh_cost: bool = True  # a move must pay back its drain and switch over the demand's expected rest
+    # Adding and removing workers (`--max-workers`): the budget is the floor, this the ceiling.
+    max_workers: int | None = None  # None: the budget (no worker is added)
+    add_above: float = 1.0  # a worker is added only while the larger pool load is over this
+    remove_below: float = 0.5  # ...and removed only if both pools stay below this without it
+    remove_after_starts: float = 2.0  # ...after a lull of this many start times (a re-add costs one)
 
     def __post_init__(self) -> None:
         if self.min_prefill < 0 or self.min_decode < 1 or self.workers < self.min_prefill + self.min_decode:
             raise ValueError("controller: workers >= min_prefill + min_decode, min_decode >= 1")
         if not 0 < self.headroom <= 1 or not 0 <= self.hysteresis < 1 or self.confirm < 1:
             raise ValueError("controller: 0 < headroom <= 1, 0 <= hysteresis < 1, confirm >= 1")
+        if self.max_workers is not None and self.max_workers < self.workers:
+            raise ValueError(
+                f"max_workers: {self.max_workers} is below the {self.workers} workers started; it must be >= them"
+            )
+        if not 0 < self.remove_below < self.add_above:
+            raise ValueError("controller: 0 < remove_below < add_above")
+
+    @property
+    def ceiling(self) -> int:
+        return self.workers if self.max_workers is None else self.max_workers
 
 
 @dataclass(frozen=True)
@@ -71,9 +92,15 @@ class Controller:
     """Holds what stability needs to remember (last flip, the proposal streak, the flip time
     measured) and decides once per interval: `decide(signals, model)`."""
 
-    def __init__(self, cfg: ControllerConfig, flip_s: float) -> None:
+    def __init__(self, cfg: ControllerConfig, flip_s: float, start_s: float = 60.0) -> None:
         self.cfg = cfg
         self.flip_s = flip_s
+        self.start_s = start_s  # a new worker's start (model load, links); the perf model's, then measured
+        self._last_scale: tuple[str, float] | None = None  # the last add or remove, and when
+        self._scale_streak: tuple[Role | None, int] = (None, 0)  # the pool an add was proposed for
+        self._over_since: float | None = None  # since when the larger load is over `add_above`
+        self._over_lasted: float | None = None  # EWMA of how long past overloads lasted
+        self._low_since: float | None = None  # since when a worker could go (a removal keeps both below)
         self._last_flip_t: float | None = None
         self._last_flip_from: Role | None = None
         self._streak: tuple[Role | None, int] = (None, 0)
@@ -97,6 +124,10 @@ class Controller:
     def observe_flip(self, seconds: float) -> None:
         """A flip took `seconds` (drain, switch, probe): the interval follows it (EWMA)."""
         self.flip_s = 0.5 * self.flip_s + 0.5 * seconds
+
+    def observe_start(self, seconds: float) -> None:
+        """An added worker took `seconds` to start and join: later adds weigh that (EWMA)."""
+        self.start_s = 0.5 * self.start_s + 0.5 * seconds
 
     def loads(self, s: Signals, m: PerfModel, prefill: int, decode: int) -> Loads:
         c = self.cfg
@@ -194,37 +225,48 @@ class Controller:
             "load_prefill": now.prefill,
             "load_decode": now.decode,
         }
+        flip, helps = self._flip(s, m, raw, now, base)
+        if c.ceiling == c.workers and s.held <= c.workers:
+            return flip  # no worker may be added or removed: flips only
+        self._track_scaling(s, m, now)
+        if helps or s.change_in_flight:
+            return flip  # a flip is made or coming: it costs far less than a start
+        scaled = self._scale(s, m, raw, now, base)
+        return flip if scaled is None else scaled
+
+    def _flip(self, s: Signals, m: PerfModel, raw: Loads, now: Loads, base: dict) -> tuple[Decision, bool]:
+        """The flip decision, and whether a flip helps (made, or held only for the confirmation,
+        the dwell or a change in flight): an add is considered only where none does."""
+        c = self.cfg
+        p, d = s.prefill_workers, s.decode_workers
+        tp = base["target_prefill"]
         if tp == p:
             self._streak = (None, 0)
-            return Decision(action="hold", reason="at the target split", **base)
+            return Decision(action="hold", reason="at the target split", **base), False
         donor = Role.PREFILL if tp < p else Role.DECODE
         k = min(abs(tp - p), self.max_step)
         ap, ad = (p - k, d + k) if donor is Role.PREFILL else (p + k, d - k)
-        after = self.loads(s, m, ap, ad)
-        # The receiver's measured excess carries over, scaled to its new size.
-        if donor is Role.PREFILL and raw.decode > 0:
-            after = Loads(after.prefill, after.decode * now.decode / raw.decode)
-        elif donor is Role.DECODE and raw.prefill > 0:
-            after = Loads(after.prefill * now.prefill / raw.prefill, after.decode)
-        base.update(after_prefill=after.prefill, after_decode=after.decode, flip_from=donor, count=k)
+        after = self._carry_excess(self.loads(s, m, ap, ad), raw, now, donor.other)
+        base = {**base, "after_prefill": after.prefill, "after_decode": after.decode, "flip_from": donor, "count": k}
 
-        def hold(reason: str) -> Decision:
-            return Decision(action="hold", reason=reason, close=True, **base)
+        def hold(reason: str, helps: bool) -> tuple[Decision, bool]:
+            return Decision(action="hold", reason=reason, close=True, **base), helps
 
         # Undoing the last flip needs twice the margin: measurement noise alone must not do it.
         margin = c.hysteresis * (2 if self._last_flip_from is not None and donor is not self._last_flip_from else 1)
         wanted = now.worst >= c.act_above and after.worst <= now.worst * (1 - margin)
         self._track_wanting(donor if wanted else None, s.now)
         if s.change_in_flight:
-            return hold("a change is in flight")
+            return hold("a change is in flight", True)
         if now.worst < c.act_above:
             self._streak = (None, 0)
-            return hold(f"both pools below {c.act_above:.2f} of their limits")
+            return hold(f"both pools below {c.act_above:.2f} of their limits", False)
         if after.worst > now.worst * (1 - margin):
             self._streak = (None, 0)
             return hold(
                 f"flip {k} {donor.value}->{donor.other.value} would leave the larger load at {after.worst:.2f} "
-                f"(now {now.worst:.2f}): under the {margin:.0%} hysteresis"
+                f"(now {now.worst:.2f}): under the {margin:.0%} hysteresis",
+                False,
             )
         if c.weigh_cost:
             rest = self.expected_rest(donor, s.now)
@@ -232,17 +274,18 @@ class Controller:
                 self._streak = (None, 0)
                 return hold(
                     f"flip {k} {donor.value}->{donor.other.value} would not pay back its {self.flip_s:.1f} s "
-                    f"drain and switch within the {rest:.1f} s the demand is expected to go on"
+                    f"drain and switch within the {rest:.1f} s the demand is expected to go on",
+                    False,
                 )
         if self._last_flip_t is not None:
             dwell = self.dwell_s if donor is not self._last_flip_from else self.interval_s
             if s.now - self._last_flip_t < dwell:
-                return hold(f"dwell: {dwell - (s.now - self._last_flip_t):.1f} s left since the last flip")
+                return hold(f"dwell: {dwell - (s.now - self._last_flip_t):.1f} s left since the last flip", True)
         role, count = self._streak
         count = count + 1 if role is donor else 1
         self._streak = (donor, count)
         if count < c.confirm:
-            return hold(f"flip {donor.value}->{donor.other.value} proposed {count}/{c.confirm} intervals")
+            return hold(f"flip {donor.value}->{donor.other.value} proposed {count}/{c.confirm} intervals", True)
         self._streak = (None, 0)
         self._last_flip_t = s.now
         self._last_flip_from = donor
@@ -251,4 +294,150 @@ class Controller:
             reason=f"larger pool load {now.worst:.2f} -> {after.worst:.2f} "
             f"(prefill {now.prefill:.2f}->{after.prefill:.2f}, decode {now.decode:.2f}->{after.decode:.2f})",
             **base,
+        ), True
+
+    @staticmethod
+    def _carry_excess(after: Loads, raw: Loads, now: Loads, receiver: Role) -> Loads:
+        """The receiver's measured excess (a missed SLO read over the model) carries over, scaled
+        to its new size."""
+        if receiver is Role.DECODE and raw.decode > 0:
+            return Loads(after.prefill, after.decode * now.decode / raw.decode)
+        if receiver is Role.PREFILL and raw.prefill > 0:
+            return Loads(after.prefill * now.prefill / raw.prefill, after.decode)
+        return after
+
+    # ----- adding and removing workers (max_workers above the budget) --------------------------
+
+    def _removal(self, s: Signals, m: PerfModel) -> tuple[Loads, Role] | None:
+        """The pool that would lose a worker with the least effect, and the loads then."""
+        c = self.cfg
+        p, d = s.prefill_workers, s.decode_workers
+        cands = []
+        if p - 1 >= c.min_prefill:
+            cands.append((self.loads(s, m, p - 1, d), Role.PREFILL))
+        if d - 1 >= c.min_decode:
+            cands.append((self.loads(s, m, p, d - 1), Role.DECODE))
+        return min(cands, key=lambda x: (x[0].worst, x[1] is Role.PREFILL), default=None)
+
+    def _track_scaling(self, s: Signals, m: PerfModel, now: Loads) -> None:
+        """The overload's and the lull's stretches: how long the larger load has been over
+        `add_above` (and how long past overloads lasted), and how long a worker could have gone."""
+        if now.worst >= self.cfg.add_above:
+            if self._over_since is None:
+                self._over_since = s.now
+        elif self._over_since is not None:
+            d = s.now - self._over_since
+            self._over_lasted = d if self._over_lasted is None else 0.5 * self._over_lasted + 0.5 * d
+            self._over_since = None
+        removal = self._removal(s, m) if s.held > self.cfg.workers else None
+        if removal is not None and removal[0].worst <= self.cfg.remove_below and now.worst < self.cfg.act_above:
+            if self._low_since is None:
+                self._low_since = s.now
+        else:
+            self._low_since = None
+
+    def overload_rest(self, now: float) -> float:
+        """How much longer the overload is expected to go on: as `expected_rest`, from the past
+        overloads' mean duration, else its age."""
+        assert self._over_since is not None
+        age = now - self._over_since
+        lasted = self._over_lasted
+        return lasted - age if lasted is not None and age < lasted else age
+
+    def add_pays(self, rest: float, now: Loads, after: Loads) -> bool:
+        """`pays` for workers added (started together): while they start nothing changes, then
+        the pools run at `after`; over `rest` seconds the load-time must beat the margin."""
+        t = self.start_s
+        if rest <= t:
+            return False
+        return t * now.worst + (rest - t) * after.worst <= (1 - self.cfg.hysteresis) * rest * now.worst
+
+    def _adds(self, s: Signals, m: PerfModel, raw: Loads, now: Loads) -> list[tuple[Loads, Role]]:
+        """The workers to add, in order, and the loads with each joined: up to the ceiling, each
+        to the pool it lowers the larger load most, stopping once under `add_above`.
+        Judged together, and started together: a load needing several workers is not held because
+        one alone misses the margin, nor served one start time after another."""
+        c = self.cfg
+        p, d, out = s.prefill_workers, s.decode_workers, []
+        for _ in range(c.ceiling - s.held):
+            cands = [
+                (self._carry_excess(self.loads(s, m, p + 1, d), raw, now, Role.PREFILL), Role.PREFILL),
+                (self._carry_excess(self.loads(s, m, p, d + 1), raw, now, Role.DECODE), Role.DECODE),
+            ]
+            after, pool = min(cands, key=lambda x: (x[0].worst, x[1] is Role.PREFILL))
+            out.append((after, pool))
+            p, d = (p + 1, d) if pool is Role.PREFILL else (p, d + 1)
+            if after.worst < c.add_above:
+                break
+        return out
+
+    def _scale(self, s: Signals, m: PerfModel, raw: Loads, now: Loads, base: dict) -> Decision | None:
+        """An add or a removal (or a hold that nearly was one), where no flip helps; None: neither
+        is near."""
+        c = self.cfg
+        since = None if self._last_scale is None else s.now - self._last_scale[1]
+        if now.worst >= c.add_above and s.held < c.ceiling:
+            adds = self._adds(s, m, raw, now)
+            after, k = adds[-1][0], len(adds)
+            kp = sum(1 for _, r in adds if r is Role.PREFILL)
+            pool = Role.PREFILL if 2 * kp >= k else Role.DECODE  # the pool most of them join
+            # The split after the adds is the target: the mechanism starts the difference.
+            info = {**base, "target_prefill": s.prefill_workers + kp, "target_decode": s.decode_workers + k - kp,
+                    "after_prefill": after.prefill, "after_decode": after.decode, "pool": pool, "count": k}
+
+            def hold(reason: str, streak: bool = False) -> Decision:
+                if not streak:
+                    self._scale_streak = (None, 0)
+                return Decision(action="hold", reason=reason, close=True, **info)
+
+            if after.worst > now.worst * (1 - c.hysteresis):
+                return hold(
+                    f"add {k} would leave the larger load at {after.worst:.2f} (now {now.worst:.2f}): "
+                    f"under the {c.hysteresis:.0%} hysteresis"
+                )
+            rest = self.overload_rest(s.now)
+            if c.weigh_cost and not self.add_pays(rest, now, after):
+                return hold(
+                    f"add {k} would not pay back its {self.start_s:.1f} s start within the {rest:.1f} s "
+                    "the overload is expected to go on"
+                )
+            if self._last_scale is not None and self._last_scale[0] == "remove" and since < self.dwell_s:
+                return hold(f"dwell: {self.dwell_s - since:.1f} s left since the last removal")
+            role, count = self._scale_streak
+            count = count + 1 if role is pool else 1
+            self._scale_streak = (pool, count)
+            if count < c.confirm:
+                return hold(f"add {k} proposed {count}/{c.confirm} intervals", streak=True)
+            self._scale_streak = (None, 0)
+            self._last_scale = ("add", s.now)
+            return Decision(
+                action="add",
+                reason=f"no flip helps; larger pool load {now.worst:.2f} -> {after.worst:.2f} with {kp} more "
+                f"prefill and {k - kp} more decode worker(s) ({s.held + k} of at most {c.ceiling})",
+                **info,
+            )
+        self._scale_streak = (None, 0)
+        if self._low_since is None:
+            return None
+        removal = self._removal(s, m)
+        assert removal is not None
+        after, pool = removal
+        info = {**base, "after_prefill": after.prefill, "after_decode": after.decode, "pool": pool, "count": 1}
+        lull, wait = s.now - self._low_since, c.remove_after_starts * self.start_s
+        if lull < wait:
+            return None  # a long wait is not a close call: nothing recorded
+        changes = [t for t in (self._last_flip_t, self._last_scale and self._last_scale[1]) if t is not None]
+        last = max(changes, default=None)
+        if last is not None and s.now - last < self.dwell_s:
+            return Decision(
+                action="hold", reason=f"dwell: {self.dwell_s - (s.now - last):.1f} s left since the last change",
+                close=True, **info,
+            )
+        self._last_scale = ("remove", s.now)
+        self._low_since = None
+        return Decision(
+            action="remove",
+            reason=f"both pools below {c.remove_below:.2f} without a {pool.value} worker for {lull:.0f} s "
+            f"(larger load {now.worst:.2f} -> {after.worst:.2f}; {s.held - 1} workers, at least {c.workers})",
+            **info,
         )

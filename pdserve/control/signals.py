@@ -44,11 +44,18 @@ class Signals:
     # arrival to the prefill's end (a wait for a decode slot is the decode pool's, in decode_seqs).
     ttft_p90_ms: float | None = None
     itl_p90_ms: float | None = None
-    change_in_flight: bool = False  # a flip is draining, switching or probing
+    change_in_flight: bool = False  # a flip is draining, switching or probing, or a worker starting or leaving
+    # Workers the cluster holds, in placement or not (mid-flip, starting, unhealthy); None: those
+    # in placement. Workers are added up to `ControllerConfig.max_workers`, removed down to its budget.
+    total_workers: int | None = None
 
     @property
     def workers(self) -> int:
         return self.prefill_workers + self.decode_workers
+
+    @property
+    def held(self) -> int:
+        return self.workers if self.total_workers is None else self.total_workers
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ class Decision:
     and to the metrics (`pdserve_pool_target{role}`, `pdserve_role_changes_total{from,to}`)."""
 
     t: float
-    action: str  # "flip" | "hold"
+    action: str  # "flip" | "add" | "remove" | "hold"
     reason: str
     prefill: int  # the pools now
     decode: int
@@ -69,9 +76,11 @@ class Decision:
     load_decode: float = 0.0
     after_prefill: float = 0.0  # ... and after the flip considered
     after_decode: float = 0.0
-    close: bool = False  # a hold that nearly was a flip (recorded; plain holds are not)
+    close: bool = False  # a hold that nearly was a change (recorded; plain holds are not)
+    pool: Role | None = None  # with action "add" / "remove": the pool a worker joins or leaves
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["flip_from"] = None if self.flip_from is None else self.flip_from.value
+        d["pool"] = None if self.pool is None else self.pool.value
         return d
