@@ -207,10 +207,15 @@ def merge_real(outputs: Sequence[dict]) -> tuple[Path, tuple[int, int], dict]:
 # ----- the simulator ----------------------------------------------------------------------------
 
 
-def simulated(reqs: Sequence[SimRequest], model: PerfModel, split: tuple[int, int], slo: Slo) -> dict[str, float]:
+def simulated(
+    reqs: Sequence[SimRequest], model: PerfModel, split: tuple[int, int], slo: Slo, cores: int | None = None
+) -> dict[str, float]:
+    """The simulator's metrics; `cores`: the host the workers and the router shared (the model's
+    host model), None for a worker a core."""
     from pdserve.control.simulator import SimConfig, simulate_with_times
 
-    _, times = simulate_with_times(reqs, model, SimConfig(workers=sum(split), prefill=split[0], slo=slo))
+    cfg = SimConfig(workers=sum(split), prefill=split[0], slo=slo, cores=cores)
+    _, times = simulate_with_times(reqs, model, cfg)
     samples = []
     for t, r in zip(times, reqs):
         if t.first is None or t.done is None:
@@ -336,6 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, seconds (default: 300)")
     p.add_argument("--json", type=Path, default=None, help="write the runs and the table here")
+    p.add_argument(
+        "--cores",
+        type=int,
+        default=None,
+        help="host cores the simulated workers and router share (default: the real run's, where the perf "
+        "model has a share_slowdown table; 0: a core per worker, no host model)",
+    )
     a = p.parse_args(argv)
     slo = Slo(a.slo_ttft_ms, a.slo_itl_ms)
     model = load_perf_model(a.perf_model)
@@ -349,11 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{model.name} predicts the prefill pool {100 * prefill_utilization(reqs, model, split[0]):.0f} % busy",
         file=sys.stderr,
     )
-    if not a.real:
+    real_cores = os.cpu_count()
+    if a.real:
+        real_cores = json.loads(a.real[0].read_text()).get("cpu_count", real_cores)
+    else:
         real = asyncio.run(real_runs(reqs, split, a))
+    cores = a.cores if a.cores is not None else (real_cores if model.share_slowdown else 0)
     span = reqs[-1].t - reqs[0].t
     real_reps = [metrics([Sample(**s) for s in rep], span, slo) for rep in real["samples"]]
-    sim = simulated(reqs, model, split, slo)
+    sim = simulated(reqs, model, split, slo, cores or None)
     rows = compare(real_reps, sim)
     out = {
         "trace": str(trace),
@@ -361,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         "perf_model": model.name,
         "slo_ttft_ms": slo.ttft_ms,
         "slo_itl_ms": slo.itl_ms,
-        "cpu_count": os.cpu_count(),
+        "cpu_count": real_cores,
+        "sim_cores": cores or None,
         "real": real,
         "real_reps": real_reps,
         "sim": sim,
@@ -371,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps(out) + "\n")
     print(
         f"{split[0]}P:{split[1]}D, {len(real_reps)} real runs ({real['threads_per_worker']} torch threads a worker), "
-        f"simulated with {model.name}; SLO TTFT {slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms"
+        f"simulated with {model.name} ({f'{cores} cores shared' if cores else 'a core a worker'}); "
+        f"SLO TTFT {slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms"
     )
     print(table(rows))
     return 0

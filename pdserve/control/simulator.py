@@ -36,23 +36,26 @@ class SimConfig:
     # A prefill worker's token budget per step: the engine's max_num_batched_tokens (its default;
     # pdserve.control may not import the engine's arguments).
     prefill_step_tokens: int = 2048
-    # With the controller: workers it may add (each after the model's start_s) up to this many, and
-    # remove down to `workers` (None: `workers`, a fixed budget).
-    max_workers: int | None = None
+    # Host cores the workers and the router share (the model's share_slowdown stretches steps when
+    # more are busy than there are cores); None: every worker owns its device.
+    cores: int | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 2:
             raise ValueError("workers: a disaggregated cluster needs >= 2")
         if self.prefill is not None and not 1 <= self.prefill <= self.workers - 1:
             raise ValueError(f"prefill: must be 1..{self.workers - 1}")
-        if self.max_workers is not None and self.max_workers < self.workers:
-            raise ValueError(f"max_workers: {self.max_workers} is below workers ({self.workers}); it must be >= them")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores: must be >= 1, got {self.cores}")
 
 
 class _Sim:
     def __init__(self, reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig,
                  progress: Callable[[float], None] | None) -> None:
         self.reqs, self.model, self.cfg, self.progress = reqs, model, cfg, progress
+        if cfg.cores is not None and not model.share_slowdown:
+            raise ValueError(f"cores: perf model {model.name} has no share_slowdown (its workers own their devices)")
+        self.stretch = 1.0  # the host model's factor now (1 without one)
         self.heap: list = []
         self.seq = itertools.count()
         p = cfg.prefill if cfg.prefill is not None else (cfg.start_prefill or cfg.workers // 2)
@@ -69,9 +72,6 @@ class _Sim:
         self.waiting: deque[tuple[int, int, float]] = deque()  # (request, context, tokens left) for a decode slot
         self.draining: dict[str, tuple[Role, float]] = {}  # worker -> (role it leaves, drain start)
         self.switching: set[str] = set()
-        self.starting: dict[str, Role] = {}  # added workers until their start is done
-        self.removing: set[str] = set()  # draining to leave the cluster (not to flip)
-        self.next_name = cfg.workers
         self.arrivals: deque[tuple[float, int, int, int]] = deque()  # (t, uncached, prompt, output) in the window
         self.recent: deque[tuple[float, float, float | None]] = deque()  # (t, ttft, itl) finished
         self.timeline: list[dict] = []
@@ -80,8 +80,7 @@ class _Sim:
         self.capacity = CapacityModel(model)
         self.ctrl = None
         if cfg.prefill is None:
-            ccfg = ControllerConfig(workers=cfg.workers, slo=cfg.slo, max_workers=cfg.max_workers)
-            self.ctrl = Controller(ccfg, flip_s=model.flip_s, start_s=model.start_s)
+            self.ctrl = Controller(ControllerConfig(workers=cfg.workers, slo=cfg.slo), flip_s=model.flip_s)
 
     def new_prefill(self, name: str) -> SimPrefill:
         return SimPrefill(name, self.model, self.cache_blocks, self.cfg.block_size, self.cfg.prefill_step_tokens)
@@ -120,26 +119,44 @@ class _Sim:
         chunks, dt = w.step(uncached)
         if len(chunks) == 1 and chunks[0][2] and w.todo[chunks[0][0]][0] == chunks[0][1]:
             self.capacity.prefill_sample(w.name, chunks[0][1], dt)  # one whole prompt: what prefill_s describes
-        self.push(now + dt, "prefilled", (w.name, [i for i, _, done in chunks if done]))
+        w.ending = [i for i, _, done in chunks if done]
+        self.push(w.begin(now, dt), "prefilled", (w.name, w.version))
 
-    def prefilled(self, name: str, done: list[int], now: float) -> None:
+    def prefilled(self, name: str, version: int, now: float) -> None:
         w = self.prefill[name]
+        if w.version != version:
+            return  # stale: the host's stretch moved the step's end
         w.busy, w.done = False, w.done + 1
-        for i in done:
+        m = self.model
+        for i in w.ending:
             r = self.reqs[i]
             unc = w.finished(i)
             w.queued_tokens -= self.uncached.pop(i)
             w.store(r.hashes)
             self.pp.finish(self.placed.pop(i), now, r.input_len - unc)
+            # The router streams the prefill's token at once, then hands the KV over; both are
+            # work on the host's CPU, stretched as the steps are.
             self.times[i].prefilled = now
-            self.waiting.append((i, r.input_len, float(r.output_len - 1)))
-        self.admit(now)
+            self.times[i].first = now + m.request_s * self.stretch
+            handover = m.handover_time_s(r.input_len) if r.output_len > 1 else 0.0
+            self.push(now + (m.request_s + handover) * self.stretch, "handed", i)
+        w.ending = []
         if w.queue:
             self.start_prefill(w, now)
         elif name in self.draining:
             self.drained(name, now)
 
     # ----- decode -------------------------------------------------------------------------
+
+    def handed(self, i: int, now: float) -> None:
+        """The KV is on the decode side: the request takes a decode slot, or waits for one."""
+        r = self.reqs[i]
+        self.waiting.append((i, r.input_len, float(r.output_len - 1)))
+        self.admit(now)
+        if self.waiting and self.waiting[-1][0] == i:
+            # No slot: the router places the decode side at arrival and refuses while that pool
+            # is full, so a client's first token comes no earlier than a slot (set on admission).
+            self.times[i].first = None
 
     def admit(self, now: float) -> None:
         """Hand waiting sequences to decode workers, first come first served."""
@@ -217,7 +234,6 @@ class _Sim:
             ttft_p90_ms=1000 * ttfts[int(0.9 * len(ttfts))] if ttfts else None,
             itl_p90_ms=1000 * itls[int(0.9 * len(itls))] if itls else None,
             change_in_flight=self.in_flight(),
-            total_workers=len(self.prefill) + len(self.decode) + len(self.switching) + len(self.starting),
         )
 
     def tick(self, now: float) -> None:
@@ -225,16 +241,8 @@ class _Sim:
         interval = self.ctrl.interval_s
         s = self.signals(now, max(interval, self.cfg.window_s))
         d = self.ctrl.decide(s, self.capacity.estimate())
-        if d.action != "hold" or d.close:
+        if d.action == "flip" or d.close:
             self.decisions.append(d)
-        if d.action == "add":  # the difference to the target split, started together
-            for pool, k in ((Role.PREFILL, d.target_prefill - d.prefill), (Role.DECODE, d.target_decode - d.decode)):
-                for _ in range(k):
-                    self.add(pool, now)
-        if d.action == "remove" and d.pool is not None:
-            w = self.pick(d.pool)
-            if w is not None:
-                self.retire(w, d.pool, now)
         if d.action == "flip" and d.flip_from is not None:
             for _ in range(d.count):
                 w = self.pick(d.flip_from)
@@ -245,33 +253,7 @@ class _Sim:
             self.push(now + interval, "tick")
 
     def in_flight(self) -> bool:
-        return bool(self.draining or self.switching or self.starting)
-
-    def add(self, pool: Role, now: float) -> None:
-        """A new worker joins `pool` cold once the model's start time has passed."""
-        name = f"w{self.next_name}"
-        self.next_name += 1
-        self.starting[name] = pool
-        self.push(now + self.model.start_s, "started", name)
-
-    def started(self, name: str, now: float) -> None:
-        pool = self.starting.pop(name)
-        self.capacity.started(name)
-        assert self.ctrl is not None
-        self.ctrl.observe_start(self.model.start_s)
-        if pool is Role.DECODE:
-            self.decode[name] = SimDecode(name, self.model, now)
-            self.dp.add_worker(name)
-            self.admit(now)
-        else:
-            self.prefill[name] = self.new_prefill(name)
-            self.pp.add_worker(name)
-        self.sample(now, None)
-
-    def retire(self, name: str, pool: Role, now: float) -> None:
-        """Out of placement now; drained as for a flip, then gone."""
-        self.removing.add(name)
-        self.flip(name, pool.other, now, record=False)
+        return bool(self.draining or self.switching)
 
     def pick(self, donor: Role) -> str | None:
         if donor is Role.PREFILL:
@@ -280,19 +262,11 @@ class _Sim:
             cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
         return min(cands)[1] if len(cands) > 1 else None
 
-    def pick(self, donor: Role) -> str | None:
-        if donor is Role.PREFILL:
-            cands = [(w.queued_tokens, n) for n, w in self.prefill.items() if n not in self.draining]
-        else:
-            cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
-        return min(cands)[1] if len(cands) > 1 else None
-
-    def flip(self, name: str, to: Role, now: float, record: bool = True) -> None:
+    def flip(self, name: str, to: Role, now: float) -> None:
         """Out of placement now; drained, then switched (flip_s), then in the other pool."""
         leaving = to.other
         self.draining[name] = (leaving, now)
-        if record:
-            self.flips.append((now, leaving))
+        self.flips.append((now, leaving))
         if leaving is Role.PREFILL:
             self.pp.remove_worker(name)
             if self.prefill[name].idle:
@@ -321,11 +295,6 @@ class _Sim:
     def drained(self, name: str, now: float) -> None:
         leaving, _ = self.draining[name]
         (self.prefill if leaving is Role.PREFILL else self.decode).pop(name)
-        if name in self.removing:  # it leaves the cluster
-            self.removing.discard(name)
-            self.draining.pop(name)
-            self.sample(now, None)
-            return
         self.switching.add(name)
         self.push(now + self.model.flip_s, "switched", name)
 
@@ -343,6 +312,25 @@ class _Sim:
             self.prefill[name] = self.new_prefill(name)
             self.pp.add_worker(name)
         self.sample(now, None)
+
+    # ----- the host ---------------------------------------------------------------------------
+
+    def restretch(self, now: float) -> None:
+        """Workers sharing `cores`: the busy ones, and the serving path's CPU (router, relay) for
+        the tokens streamed now as a fraction of an engine, set the factor on every step time."""
+        busy = sum(1 for w in self.prefill.values() if w.busy) + sum(1 for w in self.decode.values() if w.batch)
+        tokens_s = sum(w.batch / w.step_s() for w in self.decode.values() if w.batch)
+        assert self.cfg.cores is not None
+        s = self.stretch = self.model.slowdown((busy + tokens_s * self.model.serve_cpu_s_per_token) / self.cfg.cores)
+        for w in self.prefill.values():
+            if abs(w.stretch - s) > 1e-9:
+                end = w.restretch(now, s)
+                if end is not None:
+                    self.push(end, "prefilled", (w.name, w.version))
+        for d in self.decode.values():
+            if abs(d.stretch - s) > 1e-9:
+                d.restretch(now, s)
+                self.schedule(d, now)
 
     # ----- the loop ---------------------------------------------------------------------------
 
@@ -367,8 +355,8 @@ class _Sim:
             "prefilled": lambda now, p: self.prefilled(*p, now),
             "decoded": lambda now, p: self.decoded(*p, now),
             "deadline": lambda now, p: self.deadline(p, now),
+            "handed": lambda now, p: self.handed(p, now),
             "switched": lambda now, p: self.switched(p, now),
-            "started": lambda now, p: self.started(p, now),
             "tick": lambda now, p: self.tick(now),
         }
         last_report = 0
@@ -386,6 +374,8 @@ class _Sim:
                     self.push(now + self.cfg.sample_s, "sample")
             else:
                 handlers[kind](now, payload)
+            if self.cfg.cores is not None:
+                self.restretch(now)
         dwell = self.ctrl.dwell_s if self.ctrl is not None else 0.0
         return summarize(self.times, self.reqs, self.cfg.slo, self.flips, dwell, self.timeline, self.decisions)
 
