@@ -39,6 +39,9 @@ class SimConfig:
     # Host cores the workers and the router share (the model's share_slowdown stretches steps when
     # more are busy than there are cores); None: every worker owns its device.
     cores: int | None = None
+    # With the controller: workers it may add (each after the model's start_s) up to this many, and
+    # remove down to `workers` (None: `workers`, a fixed budget).
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 2:
@@ -47,6 +50,8 @@ class SimConfig:
             raise ValueError(f"prefill: must be 1..{self.workers - 1}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores: must be >= 1, got {self.cores}")
+        if self.max_workers is not None and self.max_workers < self.workers:
+            raise ValueError(f"max_workers: {self.max_workers} is below workers ({self.workers}); it must be >= them")
 
 
 class _Sim:
@@ -72,6 +77,9 @@ class _Sim:
         self.waiting: deque[tuple[int, int, float]] = deque()  # (request, context, tokens left) for a decode slot
         self.draining: dict[str, tuple[Role, float]] = {}  # worker -> (role it leaves, drain start)
         self.switching: set[str] = set()
+        self.starting: dict[str, Role] = {}  # added workers until their start is done
+        self.removing: set[str] = set()  # draining to leave the cluster (not to flip)
+        self.next_name = cfg.workers
         self.arrivals: deque[tuple[float, int, int, int]] = deque()  # (t, uncached, prompt, output) in the window
         self.recent: deque[tuple[float, float, float | None]] = deque()  # (t, ttft, itl) finished
         self.timeline: list[dict] = []
@@ -80,7 +88,8 @@ class _Sim:
         self.capacity = CapacityModel(model)
         self.ctrl = None
         if cfg.prefill is None:
-            self.ctrl = Controller(ControllerConfig(workers=cfg.workers, slo=cfg.slo), flip_s=model.flip_s)
+            ccfg = ControllerConfig(workers=cfg.workers, slo=cfg.slo, max_workers=cfg.max_workers)
+            self.ctrl = Controller(ccfg, flip_s=model.flip_s, start_s=model.start_s)
 
     def new_prefill(self, name: str) -> SimPrefill:
         return SimPrefill(name, self.model, self.cache_blocks, self.cfg.block_size, self.cfg.prefill_step_tokens)
@@ -234,6 +243,7 @@ class _Sim:
             ttft_p90_ms=1000 * ttfts[int(0.9 * len(ttfts))] if ttfts else None,
             itl_p90_ms=1000 * itls[int(0.9 * len(itls))] if itls else None,
             change_in_flight=self.in_flight(),
+            total_workers=len(self.prefill) + len(self.decode) + len(self.switching) + len(self.starting),
         )
 
     def tick(self, now: float) -> None:
@@ -241,8 +251,16 @@ class _Sim:
         interval = self.ctrl.interval_s
         s = self.signals(now, max(interval, self.cfg.window_s))
         d = self.ctrl.decide(s, self.capacity.estimate())
-        if d.action == "flip" or d.close:
+        if d.action != "hold" or d.close:
             self.decisions.append(d)
+        if d.action == "add":  # the difference to the target split, started together
+            for pool, k in ((Role.PREFILL, d.target_prefill - d.prefill), (Role.DECODE, d.target_decode - d.decode)):
+                for _ in range(k):
+                    self.add(pool, now)
+        if d.action == "remove" and d.pool is not None:
+            w = self.pick(d.pool)
+            if w is not None:
+                self.retire(w, d.pool, now)
         if d.action == "flip" and d.flip_from is not None:
             for _ in range(d.count):
                 w = self.pick(d.flip_from)
@@ -253,7 +271,33 @@ class _Sim:
             self.push(now + interval, "tick")
 
     def in_flight(self) -> bool:
-        return bool(self.draining or self.switching)
+        return bool(self.draining or self.switching or self.starting)
+
+    def add(self, pool: Role, now: float) -> None:
+        """A new worker joins `pool` cold once the model's start time has passed."""
+        name = f"w{self.next_name}"
+        self.next_name += 1
+        self.starting[name] = pool
+        self.push(now + self.model.start_s, "started", name)
+
+    def started(self, name: str, now: float) -> None:
+        pool = self.starting.pop(name)
+        self.capacity.started(name)
+        assert self.ctrl is not None
+        self.ctrl.observe_start(self.model.start_s)
+        if pool is Role.DECODE:
+            self.decode[name] = SimDecode(name, self.model, now)
+            self.dp.add_worker(name)
+            self.admit(now)
+        else:
+            self.prefill[name] = self.new_prefill(name)
+            self.pp.add_worker(name)
+        self.sample(now, None)
+
+    def retire(self, name: str, pool: Role, now: float) -> None:
+        """Out of placement now; drained as for a flip, then gone."""
+        self.removing.add(name)
+        self.flip(name, pool.other, now, record=False)
 
     def pick(self, donor: Role) -> str | None:
         if donor is Role.PREFILL:
@@ -262,11 +306,19 @@ class _Sim:
             cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
         return min(cands)[1] if len(cands) > 1 else None
 
-    def flip(self, name: str, to: Role, now: float) -> None:
+    def pick(self, donor: Role) -> str | None:
+        if donor is Role.PREFILL:
+            cands = [(w.queued_tokens, n) for n, w in self.prefill.items() if n not in self.draining]
+        else:
+            cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
+        return min(cands)[1] if len(cands) > 1 else None
+
+    def flip(self, name: str, to: Role, now: float, record: bool = True) -> None:
         """Out of placement now; drained, then switched (flip_s), then in the other pool."""
         leaving = to.other
         self.draining[name] = (leaving, now)
-        self.flips.append((now, leaving))
+        if record:
+            self.flips.append((now, leaving))
         if leaving is Role.PREFILL:
             self.pp.remove_worker(name)
             if self.prefill[name].idle:
@@ -295,6 +347,11 @@ class _Sim:
     def drained(self, name: str, now: float) -> None:
         leaving, _ = self.draining[name]
         (self.prefill if leaving is Role.PREFILL else self.decode).pop(name)
+        if name in self.removing:  # it leaves the cluster
+            self.removing.discard(name)
+            self.draining.pop(name)
+            self.sample(now, None)
+            return
         self.switching.add(name)
         self.push(now + self.model.flip_s, "switched", name)
 
@@ -357,6 +414,7 @@ class _Sim:
             "deadline": lambda now, p: self.deadline(p, now),
             "handed": lambda now, p: self.handed(p, now),
             "switched": lambda now, p: self.switched(p, now),
+            "started": lambda now, p: self.started(p, now),
             "tick": lambda now, p: self.tick(now),
         }
         last_report = 0
