@@ -1,8 +1,14 @@
 """Runs fault scenarios (tests/faults/scenarios.py) against a real cluster in this process: real
-engines on a tiny random-weight model, real NIXL transfers between them, the real router behind
-its real gRPC server, and clients calling it over gRPC. One cluster serves every scenario; a
-worker killed by a scenario is replaced afterwards through the router's add-worker path, as an
-operator would add one back.
+engines on a tiny random-weight model, real NIXL transfers between them, two real routers, each
+behind its own real gRPC server, and clients calling them over gRPC. One cluster serves every
+scenario; a worker killed by a scenario is replaced afterwards through each router's add-worker
+path, as an operator would add one back, and a killed router by a new one.
+
+The two routers are replicas as `pdserve router --address` makes them (pdserve/cluster/join.py):
+each has its own id and its own clients of every worker, so each decode worker keeps an outbox
+and a lease per router. A router dies as a SIGKILL would have it: from that moment none of its
+calls reaches a worker, its gRPC server stops (its clients get UNAVAILABLE) and its tasks stop;
+what it had started on the workers is left to their leases.
 
 Faults come in through seams, each a test double and said so: the router's client of each
 worker (`Tap`: kills its worker at a chosen call of a chosen request, delays its token polls),
@@ -27,7 +33,7 @@ import grpc
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.worker_client import WorkerClient, WorkerUnreachable, local_invoker
+from pdserve.cluster.worker_client import WorkerClient, WorkerUnreachable, local_invoker, new_router_id
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.config import ModelConfig
@@ -40,12 +46,16 @@ from router.membership import MembershipConfig
 from router.router import Router, RouterConfig
 from tests.cluster.transport_double import FaultyTransport
 from tests.faults.invariants import Outcome, Reference, check_scenario
-from tests.faults.scenarios import KILLS, RequestSpec, Scenario
+from tests.faults.scenarios import KILLS, ROUTER_DIES, ROUTERS, RequestSpec, Scenario, router_of
 from tests.tiny_models import build_tiny_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 BLOCKS_FREE_S = 5.0  # once idle, every block must be free within this (plus a short lease's length)
 NORMAL_LEASE_S = 10.0
+# The decode workers' lease on each router: a dead router's requests are aborted this long after
+# its last poll (a server's is 15 s; short here so that scenarios stay short). Live routers poll
+# every few tens of milliseconds.
+ROUTER_LEASE_S = 2.0
 
 
 def make_tiny_model(out_dir: Path) -> Path:
@@ -83,19 +93,29 @@ class LoopThread:
 
 
 class Tap:
-    """Fault injection: the router's client of one worker. Fires the kill the cluster armed for
-    (method, request id) once, and delays token polls while the worker is slow."""
+    """Fault injection: one router's client of one worker. Fires the kill the cluster armed for
+    (method, request id) once, and delays token polls while the worker is slow. A router death
+    armed for the call fires before it (the call never leaves) or once it has answered (the
+    answer reaches nobody): the router's handling of the request stops there for good."""
 
-    def __init__(self, client: WorkerClient, cluster: FaultCluster) -> None:
+    def __init__(self, client: WorkerClient, cluster: FaultCluster, replica: RouterReplica) -> None:
         self.client = client
         self.cluster = cluster
+        self.replica = replica
         self.worker_id = client.worker_id
 
+    async def _router_dies(self, method: str, request_id: str, when: str) -> None:
+        fault = self.cluster.armed_router_kills.pop((method, request_id, when), None)
+        if fault is not None and self.cluster.kill_router(self.replica, fault):
+            await asyncio.Event().wait()  # frozen: the server's stop cancels this request's task
+
     async def _tapped(self, method: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        await self._router_dies(method, request_id, "before")
         when, fault = self.cluster.armed_kills.pop((method, request_id), (None, None))
         if when == "before":
             self.cluster.kill(self.worker_id, fault)
         result = await getattr(self.client, method)(*args, **kwargs)
+        await self._router_dies(method, request_id, "after")
         if when is not None and when != "before":
             self.cluster.kill(self.worker_id, fault)
             if when == "during":  # it did the work, but its answer died with it
@@ -112,6 +132,9 @@ class Tap:
     async def start(self, ids: list[int], params: SamplingParams, request_id: str, *a: Any, **kw: Any) -> Any:
         return await self._tapped("start", request_id, ids, params, request_id, *a, **kw)
 
+    async def submit(self, ids: list[int], params: SamplingParams, request_id: str, *a: Any, **kw: Any) -> Any:
+        return await self._tapped("submit", request_id, ids, params, request_id, *a, **kw)
+
     async def poll(self, *args: Any, **kwargs: Any) -> Any:
         delay = self.cluster.poll_delay_s.get(self.worker_id, 0.0)
         if delay:
@@ -120,6 +143,22 @@ class Tap:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
+
+
+@dataclass
+class RouterReplica:
+    """One router of the cluster: its own id, its clients of every worker, its gRPC server and a
+    channel to it. `dead` once killed: its invokers refuse every call from then on."""
+
+    slot: int  # which requests it serves: those with router_of(i) == slot
+    router_id: str
+    router: Router | None = None
+    server: Any = None
+    channel: grpc.Channel | None = None
+    stub: pbg.InferenceStub | None = None
+    admin: pbg.AdminStub | None = None
+    dead: bool = False
+    stopped: Future | None = None  # its server's and tasks' stop, once killed
 
 
 @dataclass
@@ -141,8 +180,8 @@ class ScenarioResult:
 
 
 class FaultCluster:
-    """Prefill and decode workers of the tiny model in this process behind the router and its
-    gRPC server, with the fault seams above. `run(scenario)` runs one scenario and `heal()`
+    """Prefill and decode workers of the tiny model in this process behind two routers, each with
+    its own gRPC server, with the fault seams above. `run(scenario)` runs one scenario and `heal()`
     puts the cluster back in shape for the next."""
 
     def __init__(
@@ -164,12 +203,15 @@ class FaultCluster:
             cpu_threads_per_worker=1,
             lease_s=NORMAL_LEASE_S,
             transfer_timeout_s=transfer_timeout_s,
+            router_lease_s=ROUTER_LEASE_S,
         )
         self.lt = LoopThread()
         self.dead: set[str] = set()
         self._killed: dict[str, asyncio.Event] = {}
         # (method, request id) -> (when: "before" | "during" | "after" the call, the fault's index)
         self.armed_kills: dict[tuple[str, str], tuple[str, int]] = {}
+        # (method, request id, "before" | "after" the call) -> the router_dies fault's index
+        self.armed_router_kills: dict[tuple[str, str, str], int] = {}
         self.poll_delay_s: dict[str, float] = {}  # worker id -> seconds before each token poll reaches it
         self.late_polls: dict[str, float] = {}  # worker id -> its next poll's answer comes this late, once
         self.fired: dict[int, float] = {}
@@ -186,7 +228,8 @@ class FaultCluster:
                 self._link(p, d)
         mc = ModelConfig.from_dir(model_dir)
         self.vocab_size = mc.vocab_size
-        rc = RouterConfig(
+        self.tokenizer = load_tokenizer(model_dir)
+        self.router_config = RouterConfig(
             model_id=model_dir.name,
             max_model_len=mc.max_model_len,
             vocab_size=mc.vocab_size,
@@ -200,18 +243,66 @@ class FaultCluster:
             poll_wait_s=0.02,
             membership=MembershipConfig(wait_s=0.05, min_interval_s=0.0, timeout_s=2.0, max_failures=2, retry_s=0.02),
         )
-        self.router = Router(
-            rc, load_tokenizer(model_dir), [self._client(p) for p in prefills], [self._client(d) for d in decodes]
-        )
+        self.routers = [self._start_router(slot) for slot in range(ROUTERS)]
+
+    @property
+    def router(self) -> Router:
+        """The first router (tests that want one)."""
+        router = self.routers[0].router
+        assert router is not None
+        return router
+
+    @property
+    def admin(self) -> pbg.AdminStub:
+        admin = self.routers[0].admin
+        assert admin is not None
+        return admin
+
+    # ----- routers ---------------------------------------------------------------------------
+
+    def _start_router(self, slot: int) -> RouterReplica:
+        """A router over the live workers, as `pdserve router` joins them: a new id, its own
+        clients of each worker, its own gRPC server."""
+        replica = RouterReplica(slot, new_router_id())
+        live = [w for wid, w in self.workers.items() if wid not in self.dead]
+        prefills = [self._client(w, replica) for w in live if w.worker_id.startswith("prefill")]
+        decodes = [self._client(w, replica) for w in live if w.worker_id.startswith("decode")]
+        router = Router(self.router_config, self.tokenizer, prefills, decodes)
 
         async def start() -> Any:
-            await self.router.start()
-            return await start_grpc_server(self.router, "127.0.0.1", 0)
+            await router.start()
+            return await start_grpc_server(router, "127.0.0.1", 0)
 
-        self.server, port = self.lt.run(start())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = pbg.InferenceStub(self.channel)
-        self.admin = pbg.AdminStub(self.channel)
+        replica.router = router
+        replica.server, port = self.lt.run(start())
+        replica.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        replica.stub = pbg.InferenceStub(replica.channel)
+        replica.admin = pbg.AdminStub(replica.channel)
+        return replica
+
+    def kill_router(self, replica: RouterReplica, fault: int) -> bool:
+        """On the loop's thread: the router dies, as under SIGKILL. None of its calls reaches a
+        worker from now on (its invokers refuse them at once), its gRPC server stops (every call
+        on it ends UNAVAILABLE, later ones cannot connect) and its relay and membership tasks
+        stop. Nothing is aborted or released for it: its requests are the workers' to reap.
+        False if it was dead already."""
+        if replica.dead:
+            return False
+        replica.dead = True
+        self.fired.setdefault(fault, time.monotonic())
+        router, server = replica.router, replica.server
+        assert router is not None
+
+        async def stop() -> None:
+            await server.stop(None)
+            await router.stop()
+
+        replica.stopped = asyncio.run_coroutine_threadsafe(stop(), self.lt.loop)
+        return True
+
+    def _kill_router_of(self, i: int, k: int) -> None:
+        if k not in self.fired:
+            self.kill_router(self.routers[router_of(i)], k)
 
     # ----- workers ---------------------------------------------------------------------------
 
@@ -228,14 +319,17 @@ class FaultCluster:
         d.agent.connect(p.agent.info())
         p.agent.connect(d.agent.info())
 
-    def _client(self, worker: Any) -> Tap:
-        return Tap(WorkerClient(worker.worker_id, self._invoker(worker)), self)
+    def _client(self, worker: Any, replica: RouterReplica) -> Tap:
+        client = WorkerClient(worker.worker_id, self._invoker(worker, replica), router_id=replica.router_id)
+        return Tap(client, self, replica)
 
-    def _invoker(self, worker: Any) -> Callable[..., Any]:
+    def _invoker(self, worker: Any, replica: RouterReplica) -> Callable[..., Any]:
         invoke = local_invoker(worker)
         wid = worker.worker_id
 
         async def call(name: str, *args: Any) -> Any:
+            if replica.dead:  # a dead router sends nothing
+                raise WorkerUnreachable(f"router {replica.router_id} was killed by the test; {name} not sent")
             killed = self._killed.setdefault(wid, asyncio.Event())
             if wid in self.dead:
                 raise WorkerUnreachable(f"ActorDiedError: {wid} was killed by the test")
@@ -275,8 +369,9 @@ class FaultCluster:
         return [w for wid, w in self.workers.items() if wid.startswith(role) and wid not in self.dead]
 
     def heal(self) -> None:
-        """Undo the scenario's faults: links healthy, leases and polls normal, and each killed
-        worker replaced by a new one (new id, cold cache) that joins through the add-worker path."""
+        """Undo the scenario's faults: links healthy, leases and polls normal, each killed
+        worker replaced by a new one (new id, cold cache) that joins each router through the
+        add-worker path, and a killed router by a new one (new id) over the workers."""
         for d in self._live("decode"):
             d.agent.arm()
             d.agent.arm_corruption(0)
@@ -286,11 +381,15 @@ class FaultCluster:
         self.poll_delay_s.clear()
         self.late_polls.clear()
         self.armed_kills.clear()
+        self.armed_router_kills.clear()
         for old in self._retired:  # killed a scenario ago: nothing of theirs is in flight now
             old.agent.close()
         self._retired = []
+        live = [r for r in self.routers if not r.dead]
         for wid in sorted(self.dead):
-            self.lt.run(self.router.drain(wid, 0.0))
+            for r in live:
+                assert r.router is not None
+                self.lt.run(r.router.drain(wid, 0.0))
             self._retired.append(self.workers.pop(wid))
             role = wid.split("-")[0]
             new_id = f"{role}-{self._next_id[role]}"
@@ -298,20 +397,28 @@ class FaultCluster:
             w = self._build(role, new_id)
             for peer in self._live("decode" if role == "prefill" else "prefill"):
                 self._link(*((w, peer) if role == "prefill" else (peer, w)))
-            add = self.router.add_prefill if role == "prefill" else self.router.add_decode
-            self.lt.run(add(self._client(w)))
+            for r in live:
+                assert r.router is not None
+                add = r.router.add_prefill if role == "prefill" else r.router.add_decode
+                self.lt.run(add(self._client(w, r)))
         self.dead.clear()
         self._killed.clear()
+        for slot, r in enumerate(self.routers):
+            if r.dead:
+                assert r.stopped is not None and r.channel is not None
+                r.stopped.result(30)
+                r.channel.close()
+                self.routers[slot] = self._start_router(slot)
 
     def close(self) -> None:
-        self.channel.close()
-
-        async def stop() -> None:
-            await self.server.stop(1)
-            await self.router.drain_cleanups()
-            await self.router.stop()
-
-        self.lt.run(stop())
+        for r in self.routers:
+            assert r.router is not None and r.channel is not None
+            r.channel.close()
+            if r.dead:
+                if r.stopped is not None:
+                    r.stopped.result(30)
+                continue
+            self.lt.run(_stop_router(r.server, r.router))
         for w in [*self.workers.values(), *self._retired]:
             w.close()
             w.agent.close()
@@ -341,10 +448,17 @@ class FaultCluster:
             threading.Thread(target=self._client_call, args=(scenario, i, outcomes[i], t0), daemon=True)
             for i in range(len(scenario.requests))
         ]
-        for t in threads:
+        timers = [
+            threading.Timer(f.delay_s, self.lt.call, args=(lambda i=f.victim, k=k: self._kill_router_of(i, k),))
+            for k, f in enumerate(scenario.faults)
+            if f.kind == ROUTER_DIES and f.point == "timer"
+        ]
+        for t in [*threads, *timers]:
             t.start()
         for t in threads:
             t.join(max(r.deadline_s for r in scenario.requests) + 10)
+        for timer in timers:
+            timer.cancel()
         result = ScenarioResult(scenario, outcomes, refs, dict(self.fired))
         result.violations = check_scenario(scenario, outcomes, refs)
         if any(t.is_alive() for t in threads):
@@ -379,6 +493,17 @@ class FaultCluster:
                 for p in self._live("prefill"):
                     p.config = replace(p.config, lease_s=f.lease_s)
                 self.fired[k] = time.monotonic()
+            elif f.kind == ROUTER_DIES:
+                # What a dead router had prefilled is held until the prefill lease ends.
+                for p in self._live("prefill"):
+                    p.config = replace(p.config, lease_s=min(p.config.lease_s, f.lease_s))
+                calls = {
+                    "before_prefill": [("prefill", "before"), ("submit", "before")],
+                    "after_prefill": [("prefill", "after"), ("submit", "after")],
+                    "after_start": [("start", "after"), ("submit", "after")],
+                }.get(f.point, [])  # mid_stream and timer fire from the client and a timer
+                for method, when in calls:
+                    self.armed_router_kills[(method, rid, when)] = k
             elif f.kind == "transfer_corrupted":
                 for d in self._live("decode"):
                     d.agent.arm_corruption(f.count, f.corruption)
@@ -407,7 +532,9 @@ class FaultCluster:
             ),
         )
         start = time.monotonic()
-        call = self.stub.Generate(request, timeout=spec.deadline_s)
+        stub = self.routers[router_of(i)].stub
+        assert stub is not None
+        call = stub.Generate(request, timeout=spec.deadline_s)
         try:
             for chunk in call:
                 out.token_times.append(time.monotonic())
@@ -427,25 +554,42 @@ class FaultCluster:
                             self.lt.call(lambda k=k: self._kill_stream_worker(rid, k))
                         elif f.kind == "late_poll":
                             self.lt.call(lambda k=k, f=f: self._slow_answer(rid, k, f.delay_s))
+                        elif f.kind == ROUTER_DIES:
+                            self.lt.call(lambda k=k: self._kill_router_of(i, k))
         except grpc.RpcError as exc:
             out.code = exc.code().name
             out.details = exc.details() or ""
         out.wall_s = time.monotonic() - start
+        # The victim's router dies at the latest when its call ends (its point never came: it
+        # finished early, or was prefilled where no armed call went), so every drawn death happens.
+        for k, f in enumerate(scenario.faults):
+            if f.kind == ROUTER_DIES and f.victim == i:
+                self.lt.call(lambda k=k: self._kill_router_of(i, k))
+
+    def _stream(self, rid: str) -> Any:
+        """The request's stream on whichever live router serves it."""
+        for r in self.routers:
+            if r.router is not None and not r.dead and rid in r.router._streams:
+                return r.router._streams[rid]
+        return None
 
     def _kill_stream_worker(self, rid: str, k: int) -> None:
-        stream = self.router._streams.get(rid)
+        stream = self._stream(rid)
         if stream is not None and stream.worker is not None and k not in self.fired:
             self.kill(stream.worker, k)
 
     def _slow_answer(self, rid: str, k: int, delay_s: float) -> None:
-        stream = self.router._streams.get(rid)
+        stream = self._stream(rid)
         if stream is not None and stream.worker is not None and k not in self.fired:
             self.fired[k] = time.monotonic()
             self.late_polls[stream.worker] = delay_s
 
     def _check_idle(self, scenario: Scenario) -> list[str]:
-        """Once idle, every worker answers and holds no KV block, and none is out of placement."""
-        short_lease = max((f.lease_s for f in scenario.faults), default=0.0)
+        """Once idle, every worker answers and holds no KV block, and no router has one out of
+        placement. A lease the scenario shortened, and a dead router's lease on the decode
+        workers, may hold blocks that long."""
+        routers_died = any(f.kind == ROUTER_DIES for f in scenario.faults)
+        short_lease = max([f.lease_s for f in scenario.faults] + [ROUTER_LEASE_S] * routers_died, default=0.0)
         deadline = time.monotonic() + BLOCKS_FREE_S + short_lease
         while True:
             stats = self.admin.GetStats(pb.GetStatsRequest(), timeout=10)
@@ -455,6 +599,9 @@ class FaultCluster:
                 if w.role not in ("prefill", "decode") or w.kv_blocks_in_use
             }
             down = set(stats.down_workers)
+            for r in self.routers[1:]:
+                assert r.admin is not None
+                down |= set(r.admin.GetStats(pb.GetStatsRequest(), timeout=10).down_workers)
             if not held and not down:
                 return []
             if time.monotonic() > deadline:
@@ -465,6 +612,12 @@ class FaultCluster:
                     )
                 ]
             time.sleep(0.02)
+
+
+async def _stop_router(server: Any, router: Router) -> None:
+    await server.stop(1)
+    await router.drain_cleanups()
+    await router.stop()
 
 
 def _params(spec: RequestSpec) -> SamplingParams:

@@ -71,6 +71,14 @@ def check_outcome(scenario: Scenario, i: int, out: Outcome, ref: Reference) -> l
         bad.append(f"{where}: ended {out.code} ({out.details!r}), not one of {sorted(CLEAN_CODES)}")
     if not out.details.strip():
         bad.append(f"{where}: ended {out.code} without a message")
+    if scenario.on_dead_router(i):  # its router's connection broke, unless it ran out of time first
+        allowed = {
+            "UNAVAILABLE",
+            *(["DEADLINE_EXCEEDED"] if spec.tight else []),
+            *(["CANCELLED"] if out.cancelled_by_client else []),
+        }
+        if out.code not in allowed:
+            bad.append(f"{where}: its router died, yet it ended {out.code} ({out.details!r}), not UNAVAILABLE")
     if out.code == "CANCELLED" and not out.cancelled_by_client:
         bad.append(f"{where}: CANCELLED though the client did not cancel it ({out.details!r})")
     if out.cancelled_by_client and out.code != "CANCELLED":

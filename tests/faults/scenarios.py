@@ -1,5 +1,6 @@
-"""Fault scenarios drawn from a seed: a handful of requests and one or two faults at points of
-those requests. Pure: the same seed gives the same scenario on any machine, so a seed that
+"""Fault scenarios drawn from a seed: a handful of requests, sent through two routers, and one
+or two faults at points of those requests, and in about one scenario in ten a router's death
+besides. Pure: the same seed gives the same scenario on any machine, so a seed that
 breaks an invariant is the whole bug report (`rerun_command`)."""
 
 from __future__ import annotations
@@ -21,7 +22,22 @@ FAULT_KINDS: dict[str, str] = {
     "transfer_corrupted": "the next `count` KV READs of every decode worker land with a block changed (bit flip or zeros)",
     "client_cancels": "the client cancels the victim after `at` tokens",
     "slow_decode": "one decode worker reads KV slowly and answers its token polls late",
+    "router_dies": "the victim's router dies at `point` (as a SIGKILL would): its clients get UNAVAILABLE",
 }
+ROUTER_DIES = "router_dies"
+# Drawn apart from the other kinds, from a generator of its own, so the scenario every other
+# seed draws (requests and faults) is the one it drew before routers could die.
+DRAWN_KINDS = tuple(k for k in FAULT_KINDS if k != ROUTER_DIES)
+ROUTER_DEATH_P = 0.1  # of scenarios that add a router death to their faults
+# Where in the victim's life its router dies: as its prefill (or local submit) reaches the
+# router's client, once the prefill has answered, once the hand-over (or submit) has answered,
+# after `at` of its tokens, or `delay_s` after the scenario starts, wherever the victim is then.
+ROUTER_DEATH_POINTS = ("before_prefill", "after_prefill", "after_start", "mid_stream", "timer")
+ROUTERS = 2  # request i is sent to router i % ROUTERS
+# The prefill workers' lease in a scenario where a router dies: a dead router's prefilled
+# request holds its blocks until then (shorter than a server's, so the scenario stays short,
+# and still far longer than a hand-over takes).
+ROUTER_DEATH_PREFILL_LEASE_S = 3.0
 KILLS = {k: k.split("_", 1)[0] for k in FAULT_KINDS if "_dies_" in k}  # kind -> pool whose worker dies
 MID_STREAM = ("decode_dies_mid_stream", "client_cancels")
 # Not drawn: a known bug, pinned by an xfail test (test_a_token_poll_answered_late_loses_no_token).
@@ -53,9 +69,10 @@ class Fault:
     victim: int  # index of the request it is aimed at
     at: int = 0  # mid-stream kinds: after this many of the victim's tokens
     count: int = 0  # transfer_fails: reads that fail; transfer_dropped: reads that never end
-    delay_s: float = 0.0  # slow_decode: seconds added to each READ and each token poll
-    lease_s: float = 0.0  # transfer_dropped: the prefill workers' lease during the scenario
+    delay_s: float = 0.0  # slow_decode: seconds added to each READ and each token poll; router_dies at "timer": when
+    lease_s: float = 0.0  # transfer_dropped, router_dies: the prefill workers' lease during the scenario
     corruption: str = ""  # transfer_corrupted: "flip" (one bit) or "zero" (the whole block)
+    point: str = ""  # router_dies: one of ROUTER_DEATH_POINTS
 
 
 @dataclass(frozen=True)
@@ -67,11 +84,19 @@ class Scenario:
     def kills(self, pool: str) -> int:
         return sum(KILLS.get(f.kind) == pool for f in self.faults)
 
+    def dead_routers(self) -> set[int]:
+        return {router_of(f.victim) for f in self.faults if f.kind == ROUTER_DIES}
+
+    def on_dead_router(self, i: int) -> bool:
+        """Request i was sent to the router that dies: it may end UNAVAILABLE, as a SIGKILL
+        leaves it (or with its tokens, if it finished first)."""
+        return router_of(i) in self.dead_routers()
+
     def may_fail(self, i: int) -> bool:
         """Whether request i may end with an error status rather than its tokens. Nothing else
         excuses a failure: one dead worker of a pool of two must cost no request."""
         spec = self.requests[i]
-        if spec.tight:
+        if spec.tight or self.on_dead_router(i):
             return True
         if any(f.kind == "client_cancels" and f.victim == i for f in self.faults):
             return True
@@ -103,11 +128,31 @@ def draw(seed: int, vocab_size: int, max_faults: int = 2) -> Scenario:
             )
         )
     faults = [_fault(rng, len(requests), requests) for _ in range(1 if rng.random() < 0.7 else max_faults)]
+    router = random.Random(f"router-death-{seed}")  # str seeds hash the same on every machine
+    if router.random() < ROUTER_DEATH_P:
+        faults.append(_router_death(router, requests))
     return Scenario(seed, tuple(requests), tuple(faults))
 
 
+def router_of(i: int) -> int:
+    return i % ROUTERS
+
+
+def _router_death(rng: random.Random, requests: list[RequestSpec]) -> Fault:
+    victim = rng.randrange(len(requests))
+    point = rng.choice(ROUTER_DEATH_POINTS)
+    return Fault(
+        ROUTER_DIES,
+        victim,
+        at=rng.randint(1, requests[victim].max_tokens - 2) if point == "mid_stream" else 0,
+        delay_s=round(rng.uniform(0.0, 0.4), 3) if point == "timer" else 0.0,
+        lease_s=ROUTER_DEATH_PREFILL_LEASE_S,
+        point=point,
+    )
+
+
 def _fault(rng: random.Random, n: int, requests: list[RequestSpec]) -> Fault:
-    kind = rng.choice(list(FAULT_KINDS))
+    kind = rng.choice(DRAWN_KINDS)
     victim = rng.randrange(n)
     if kind in MID_STREAM:
         return Fault(kind, victim, at=rng.randint(1, requests[victim].max_tokens - 2))
