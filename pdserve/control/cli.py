@@ -34,6 +34,10 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--perf-model", default=DEFAULT_MODEL, metavar="NAME|FILE",
                    help=f"per-worker performance model: one of {', '.join(builtin_models())} or a JSON file "
                    f"written by `bench/engine.py --perf-model` (default: {DEFAULT_MODEL})")
+    p.add_argument("--cores", type=int, default=None, metavar="N",
+                   help="host cores the workers and the router share: steps stretch by the perf model's measured "
+                   "share_slowdown when more workers are busy than cores (CPU models; default: every worker owns "
+                   "its device)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -94,7 +98,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     reqs, model, slo = _setup(args)
     cfg = SimConfig(workers=args.workers, prefill=args.prefill, start_prefill=args.start_prefill, slo=slo,
-                    max_workers=max_workers_from_args(args))
+                    max_workers=max_workers_from_args(args), cores=args.cores)
     with _bar(args, len(reqs), "simulate") as bar:
         result = _run(reqs, model, cfg, bar)
     d = result.as_dict()
@@ -115,17 +119,17 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def plan(reqs: list[SimRequest], model: PerfModel, workers: int, slo: Slo,
-         bar_for: Callable[[int, str], object]) -> dict:
+         bar_for: Callable[[int, str], object], cores: int | None = None) -> dict:
     """Every static split and the controller on one trace: the best static, and the gain."""
     from pdserve.control.simulator import SimConfig
 
     statics = []
     for p in range(1, workers):
         with bar_for(len(reqs), f"static {p}P:{workers - p}D") as bar:
-            r = _run(reqs, model, SimConfig(workers=workers, prefill=p, slo=slo), bar)
+            r = _run(reqs, model, SimConfig(workers=workers, prefill=p, slo=slo, cores=cores), bar)
         statics.append({"prefill": p, "decode": workers - p, **r.as_dict(timeline=False)})
     with bar_for(len(reqs), "controller") as bar:
-        ctrl = _run(reqs, model, SimConfig(workers=workers, slo=slo), bar)
+        ctrl = _run(reqs, model, SimConfig(workers=workers, slo=slo, cores=cores), bar)
     best = max(statics, key=lambda r: (r["goodput_rps"], r["slo_attainment"]))
     return {
         "workers": workers, "perf_model": model.name, "slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms,
@@ -136,7 +140,7 @@ def plan(reqs: list[SimRequest], model: PerfModel, workers: int, slo: Slo,
 
 def run_plan(args: argparse.Namespace) -> int:
     reqs, model, slo = _setup(args)
-    out = plan(reqs, model, args.workers, slo, lambda n, desc: _bar(args, n, desc))
+    out = plan(reqs, model, args.workers, slo, lambda n, desc: _bar(args, n, desc), args.cores)
     out["trace"] = str(args.trace)
     if args.json:
         print(json.dumps(out))

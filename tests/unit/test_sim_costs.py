@@ -167,3 +167,21 @@ def test_cores_need_a_model_with_a_measured_table():
         times(BASE, [SimRequest(0.0, 64, 4)], cores=2)
     with pytest.raises(ValueError, match="cores"):
         SimConfig(workers=2, prefill=1, cores=0)
+
+
+def test_pdserve_simulate_takes_cores_for_a_model_with_the_table(tmp_path, capsys):
+    from pdserve.cli import main
+
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"t": 0.5 * i, "input_len": 128, "output_len": 16}) + "\n" for i in range(12)))
+    m = tmp_path / "m.json"
+    m.write_text(dataclasses.replace(BASE, share_slowdown=SHARING).to_json())
+    args = ["simulate", "--trace", str(f), "--workers", "3", "--prefill", "2", "--json", "--quiet", "--perf-model", str(m)]
+    assert main(args) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert main([*args, "--cores", "1"]) == 0
+    shared = json.loads(capsys.readouterr().out)
+    assert shared["completed"] == own["completed"] == 12
+    assert shared["itl_p50_ms"] > own["itl_p50_ms"]  # three workers on one core
+    assert main([*args[:-1], "llama3-8b-h100", "--cores", "2"]) == 2  # a GPU model: its workers own their devices
+    assert "cores" in capsys.readouterr().err
