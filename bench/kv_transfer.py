@@ -44,7 +44,9 @@ consumer while it polls its READ, the producer in its 1 ms notification poll; no
 ``prog-thread-delay`` (the progress thread kept, but with NIXL's ``pthrDelay`` at 100 us instead
 of the 0 that ``nixl_agent`` hard-codes, so it sleeps in ``poll()`` instead of spinning) and
 ``err-none`` (UCX backend parameter ``ucx_error_handling_mode=none``, which admits UCX's
-shared-memory transports), or '+'-joined combinations. ``shipped`` is kv_transfer unmodified and
+shared-memory transports), ``inflightN`` (the consumer's agent shares each block list out to N
+READs in flight, ``reads_in_flight=N``; ``inflight1`` is one READ of all descriptors), or
+'+'-joined combinations. ``shipped`` is kv_transfer unmodified and
 is always run first. Each pair also reports the CPU use of an idle process holding an agent.
 
 UCX is asked to log its transport choice (``UCX_LOG_LEVEL=info``, ``UCX_PROTO_INFO=y`` into a
@@ -54,6 +56,7 @@ lanes and the protocol UCX picked for the READ (``ucp_get``) are printed with th
     python bench/kv_transfer.py --device cpu [--reps 5] [--sizes 64,256,1024] [--json out.json]
     python bench/kv_transfer.py --device cpu --sizes 256 --variants shipped,no-prog-thread,prog-thread-delay,err-none
     python bench/kv_transfer.py --device cuda [--gpus 0,1] [--variants shipped,prog-thread-delay]
+    python bench/kv_transfer.py --device cuda --sizes 256,1024 --variants shipped,inflight1,inflight2,inflight4,inflight8
 """
 
 from __future__ import annotations
@@ -83,8 +86,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cpu_name, markdown_table, write_json  # noqa: E402
-
+from bench.report import cpu_name, markdown_table, write_json
 from kv_transfer.compat import KvLayout
 from kv_transfer.descriptors import coalesce, split_large
 from pdserve.engine.hashing import HASH_VERSION
@@ -99,6 +101,8 @@ MAX_RUN = 32  # fragmented free lists: runs of 1..MAX_RUN blocks
 VERIFY_CHUNK = 64  # blocks compared per gather when verifying
 READ_TIMEOUT_S = 120.0
 VARIANT_OPTIONS = ("prog-thread", "no-prog-thread", "prog-thread-delay", "err-none", "desc16", "desc32", "desc64", "desc128")
+# "inflightN": the consumer's agent shares each block list out to N READs in flight (1: one READ).
+INFLIGHT = re.compile(r"inflight([1-9][0-9]*)")
 PROG_THREAD_DELAY_US = 100  # "prog-thread-delay": NIXL rounds it up to a 1 ms poll() timeout
 IDLE_CPU_WINDOW_S = 0.5
 
@@ -214,10 +218,22 @@ def _sync(device: torch.device) -> None:
 
 def variant_options(variant: str) -> set[str]:
     opts = set() if variant == "shipped" else set(variant.split("+"))
-    unknown = opts - set(VARIANT_OPTIONS)
-    if unknown or ("no-prog-thread" in opts and "prog-thread-delay" in opts):
-        raise ValueError(f"variant {variant!r}: 'shipped' or a '+'-joined set of {', '.join(VARIANT_OPTIONS)}")
+    unknown = {o for o in opts - set(VARIANT_OPTIONS) if not INFLIGHT.fullmatch(o)}
+    if unknown or ("no-prog-thread" in opts and "prog-thread-delay" in opts) or len(inflight_options(opts)) > 1:
+        raise ValueError(
+            f"variant {variant!r}: 'shipped' or a '+'-joined set of {', '.join(VARIANT_OPTIONS)} and one inflightN"
+        )
     return opts
+
+
+def inflight_options(opts: set[str]) -> set[str]:
+    return {o for o in opts if INFLIGHT.fullmatch(o)}
+
+
+def reads_in_flight(variant: str) -> int | None:
+    """The consumer agent's reads_in_flight for a variant; None: kv_transfer's default."""
+    found = inflight_options(variant_options(variant))
+    return int(INFLIGHT.fullmatch(found.pop()).group(1)) if found else None
 
 
 def patch_agent_variant(variant: str) -> None:
@@ -233,8 +249,8 @@ def patch_agent_variant(variant: str) -> None:
         if opt.startswith("desc"):
             # Cap descriptors at N blocks: one long run becomes several descriptors in flight.
             agent_mod.MAX_BLOCKS_PER_DESCRIPTOR = int(opt[4:])
-    if opts <= {o for o in VARIANT_OPTIONS if o.startswith("desc")}:
-        return
+    if opts <= {o for o in VARIANT_OPTIONS if o.startswith("desc")} | inflight_options(opts):
+        return  # inflightN is a constructor argument (reads_in_flight), set by the consumer
 
     real = agent_mod._nixl_api()
     if "prog-thread-delay" in opts:
@@ -511,7 +527,9 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
     peer.send(("agent",))
     remote_info = kv_pb2.KvAgentInfo.FromString(_expect(peer, "info"))
     t0 = time.perf_counter()
-    agent = KvTransferAgent("bench-consumer", pool, bench_layout())
+    k = reads_in_flight(cfg["variant"])
+    agent = KvTransferAgent("bench-consumer", pool, bench_layout(), **({} if k is None else {"reads_in_flight": k}))
+    info["reads_in_flight"] = agent.reads_in_flight
     agent.connect(remote_info)
     info["agent_setup_s"] = time.perf_counter() - t0
     info["consumer_idle_cpu"] = cpu_use(IDLE_CPU_WINDOW_S)
@@ -524,7 +542,11 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
         n = case["blocks"]
         remote_ids, local_ids = block_lists(case["pattern"], n, pool_blocks, seed)
         samples, inner = [], []
-        ndesc = num_descriptors(remote_ids, local_ids)
+        if case["kind"] == "nixl":
+            nreads = len(agent.plan(remote_ids, local_ids))
+            ndesc = sum(len(g) for g in agent.plan(remote_ids, local_ids))
+        else:  # the raw diagnostic posts one READ
+            nreads, ndesc = 1, num_descriptors(remote_ids, local_ids)
         for i in range(warmup + reps):
             clear(pool, local_ids)
             _sync(device)
@@ -547,7 +569,7 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
                 if stats is not None:
                     inner.append(stats.seconds)
         extra = {"read_internal_gbps": n * BLOCK_BYTES / statistics.median(inner) / 1e9} if inner else {}
-        record(case, samples, n * BLOCK_BYTES, ndesc, **extra)
+        record(case, samples, n * BLOCK_BYTES, ndesc, reads=nreads, **extra)
     peer.send(("stop", reads))
     info["producer_notifications"], info["producer_idle_cpu"] = _expect(peer, "stopped")
     info["reads"] = reads
@@ -707,7 +729,7 @@ def build_table(rows: list[dict[str, Any]], device: str) -> list[TableRow]:
             case=r["label"].rsplit(",", 1)[0],
             blocks=r["blocks"],
             mib=r["bytes"] / 2**20,
-            descriptors="" if r["descriptors"] is None else str(r["descriptors"]),
+            descriptors="" if r["descriptors"] is None else f"{r['descriptors']} in {r.get('reads', 1)} READ(s)",
             gbps=r["gbps"],
             spread=f"{r['gbps_min']:.2f}-{r['gbps_max']:.2f}",
         )

@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 
 # Runs longer than this are split so that UCX can work on several descriptors at once.
 MAX_BLOCKS_PER_DESCRIPTOR = 256
-# READs posted together for one block list (bench/kv_transfer.py --variants inflightN compares).
-DEFAULT_READS_IN_FLIGHT = 4
+# READs posted together for one block list. One until a measurement shows more pays: on CPU
+# (cma, one copy at a time) 2-8 made no difference within the noise; GPU links are compared by
+# bench/kv_transfer.py --variants inflight1,inflight2,inflight4,inflight8.
+DEFAULT_READS_IN_FLIGHT = 1
 # A block list is not split into READs of fewer bytes than this: each READ costs its own
 # post, polls and handle, which only pays off when there is enough data to overlap.
 MIN_READ_BYTES = 8 << 20
