@@ -145,6 +145,9 @@ def main() -> None:
             tmp, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", load_format="dummy",
             max_model_len=8192, max_num_seqs=max(batches) + 1, max_num_batched_tokens=args.chunk + max(batches),
             cuda_graph_max_batch=max(batches), enable_prefix_caching=False,
+            # Each step's outputs come back from that step (not the next one), so a step can be
+            # timed and checked alone.
+            overlap_decode=False,
         )
         rows = [measure(llm, b, args.chunk, args.context, args.reps, args.device, rng) for b in batches]
         prof = profile_mixed(llm, max(batches), args.chunk, args.context, rng) if args.profile else ""
