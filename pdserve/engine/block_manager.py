@@ -5,7 +5,9 @@ Every block is in exactly one state:
   * cached   - ref_count == 0 but holds a registered full-block hash, reusable by a prefix hit,
   * free     - ref_count == 0 and no hash.
 Allocation takes free blocks first and only then evicts cached ones, least recently used first,
-so a freed prompt stays reusable for as long as memory allows.
+so a freed prompt stays reusable for as long as memory allows. Which free blocks it takes is the
+free list's policy (`pdserve.engine.free_blocks`): runs of consecutive ids where it can, so a
+sequence's KV moves between workers in few transfer descriptors.
 
 With events enabled, every hash that enters or leaves the prefix cache is recorded so a router
 can keep an index of which worker holds which prefix (`KvEventLog`).
@@ -14,9 +16,11 @@ can keep an index of which worker holds which prefix (`KvEventLog`).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from pdserve.engine.free_blocks import FreeBlocks, RunFreeBlocks
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -102,7 +106,13 @@ class KvEventLog:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        free_list: Callable[[Iterable[int]], FreeBlocks] = RunFreeBlocks,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks: must be >= 1")
         self.num_blocks = num_blocks
@@ -111,7 +121,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: FreeBlocks = free_list(range(num_blocks))
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.events: KvEventLog | None = None
 
@@ -178,24 +188,25 @@ class BlockManager:
                     raise AssertionError(f"block {b} has no references and holds no cached data")
             self._ref_counts[b] += 1
 
-    def allocate(self, n: int) -> list[int]:
-        """n fresh blocks with one reference each; evicts cached blocks LRU-first if needed."""
+    def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
+        """n fresh blocks with one reference each; evicts cached blocks LRU-first if needed.
+        ``after`` (the caller's last block) and ``room`` (the blocks it expects to take in all,
+        these n included) let a growing sequence continue in consecutive ids where they are free."""
         if n > self.num_available:
             raise NoFreeBlocksError(f"need {n} KV blocks, only {self.num_available} available")
-        out: list[int] = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._cached_lru.popitem(last=False)
-                self._forget_hash(b)
-            self._ref_counts[b] = 1
+        out = self._free.take(min(n, len(self._free)), after, room)
+        for _ in range(n - len(out)):
+            b, _ = self._cached_lru.popitem(last=False)
+            self._forget_hash(b)
             out.append(b)
+        for b in out:
+            self._ref_counts[b] = 1
         return out
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block. Released in reverse so a sequence's tail is evicted
         before its head: the head is the part other requests are most likely to share."""
+        freed: list[int] = []
         for b in reversed(block_ids):
             rc = self._ref_counts[b]
             if rc <= 0:
@@ -205,7 +216,9 @@ class BlockManager:
                 if self._block_hash[b] is not None:
                     self._cached_lru[b] = None
                 else:
-                    self._free.append(b)
+                    freed.append(b)
+        if freed:
+            self._free.put(freed)
 
     def register(self, block_id: int, block_hash: int) -> None:
         """Record that a full, computed block holds the prefix identified by ``block_hash``."""
@@ -219,9 +232,9 @@ class BlockManager:
             self.events.record(block_hash, True)
 
     def reset_prefix_cache(self) -> None:
-        for b in list(self._cached_lru):
+        for b in self._cached_lru:
             self._forget_hash(b)
-            self._free.append(b)
+        self._free.put(list(self._cached_lru))
         self._cached_lru.clear()
 
     def _forget_hash(self, block_id: int) -> None:

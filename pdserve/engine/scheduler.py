@@ -121,7 +121,8 @@ class Scheduler:
             return True
         if extra > self.blocks.num_available:
             return False
-        seq.block_ids.extend(self.blocks.allocate(extra))
+        # Continuing after its last block keeps a chunked prompt in few runs (transfer descriptors).
+        seq.block_ids.extend(self.blocks.allocate(extra, after=seq.block_ids[-1] if seq.block_ids else None))
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
@@ -143,7 +144,9 @@ class Scheduler:
         if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
             seq.num_cached_tokens = len(hits) * bs
         if need > 0:
-            seq.block_ids.extend(self.blocks.allocate(need))
+            # Room for the whole prompt, so its later chunks can follow on in consecutive ids.
+            room = self.blocks.blocks_needed(seq.num_tokens) - len(seq.block_ids)
+            seq.block_ids.extend(self.blocks.allocate(need, after=seq.block_ids[-1] if seq.block_ids else None, room=room))
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Free-list policy under churn: transfer descriptors per prompt, and what allocation costs.
+
+A prefill worker's and a decode worker's ``BlockManager`` (prefix cache off: this is about free
+lists) serve the same stream of requests, once with each free list of
+``pdserve.engine.free_blocks``: ``fifo`` (first freed, first reused) and ``runs`` (the engine's).
+The prefill side allocates a prompt chunk by chunk (as the scheduler's chunked prefill does: after
+the sequence's last block, with room for the whole prompt) and frees it once the decode side has pulled it; the decode side allocates
+the whole prompt at import, grows one block at a time while it decodes, then frees everything.
+Prompt and output lengths are random (fixed seed); requests arrive at a fixed rate (about 85 % of
+what the decode pool can hold by default; ``--arrive-every 0`` queues them all at once, and both
+pools run full), are admitted while blocks last, and blocks are freed in another order than they
+were taken.
+
+For every prompt after the warm-up, the transfer descriptors its KV needs are counted exactly as
+``kv_transfer`` builds them (runs consecutive on both sides, ``split_large`` at
+``MAX_BLOCKS_PER_DESCRIPTOR``). Allocation cost is the wall time inside ``allocate`` and
+``release`` over the whole run, per block handed out (CPU timings: noisy on a shared machine).
+
+    python bench/block_churn.py [--requests 3000] [--pool-blocks 8192] [--arrive-every 3] [--seed 0] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import cpu_name, markdown_table, write_json
+from kv_transfer.agent import MAX_BLOCKS_PER_DESCRIPTOR
+from kv_transfer.descriptors import coalesce, split_large
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.free_blocks import FifoFreeBlocks, FreeBlocks, RunFreeBlocks
+
+FREE_LISTS: dict[str, Callable[[Iterable[int]], FreeBlocks]] = {"fifo": FifoFreeBlocks, "runs": RunFreeBlocks}
+
+
+@dataclass(frozen=True)
+class ChurnConfig:
+    pool_blocks: int = 8192
+    requests: int = 3000
+    warmup: int = 300  # prompts not counted: the pools start empty and unfragmented
+    prompt_blocks: tuple[int, int] = (4, 256)  # 64 to 4096 tokens at 16 per block
+    output_blocks: tuple[int, int] = (1, 64)
+    chunk_blocks: int = 32  # a chunked-prefill step: 512 tokens
+    max_prefills: int = 4  # prompts being prefilled at once
+    grow_every: int = 4  # a decoding sequence takes a block every this many steps
+    arrive_every: int = 3  # a request arrives every this many steps (0: all at once, pools saturated)
+    seed: int = 0
+
+
+@dataclass
+class Timer:
+    seconds: float = 0.0
+    calls: int = 0
+
+    def run(self, fn: Callable[..., object], *args: object, **kw: object) -> object:
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+@dataclass
+class ChurnResult:
+    free_list: str
+    descriptors: list[int] = field(default_factory=list)
+    blocks_allocated: int = 0
+    alloc: Timer = field(default_factory=Timer)
+    release: Timer = field(default_factory=Timer)
+
+
+def simulate(cfg: ChurnConfig, free_list: str) -> ChurnResult:
+    rng = random.Random(cfg.seed)  # the same requests for every free list
+    make = FREE_LISTS[free_list]
+    pre = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=False, free_list=make)
+    dec = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=False, free_list=make)
+    res = ChurnResult(free_list)
+
+    def alloc(bm: BlockManager, n: int, after: int | None, room: int = 0) -> list[int]:
+        res.blocks_allocated += n
+        return res.alloc.run(bm.allocate, n, after=after, room=room)  # type: ignore[return-value]
+
+    queue = [
+        (rng.randint(*cfg.prompt_blocks), rng.randint(*cfg.output_blocks)) for _ in range(cfg.requests)
+    ]
+    queue.reverse()
+    prefilling: list[tuple[int, int, list[int]]] = []  # (prompt blocks, output blocks, blocks so far)
+    pinned: list[tuple[int, list[int]]] = []  # (output blocks, prompt blocks on the prefill side)
+    decoding: list[list] = []  # [blocks still to grow, block ids]
+    done = step = 0
+    while queue or prefilling or pinned or decoding:
+        step += 1
+        if step > 100 * cfg.requests:
+            raise RuntimeError(f"{free_list}: the simulation made no progress")
+        # Prefill: admit while blocks last, then one chunk per prompt in progress.
+        arrived = cfg.requests if cfg.arrive_every == 0 else step // cfg.arrive_every
+        while (
+            queue
+            and cfg.requests - len(queue) < arrived
+            and len(prefilling) < cfg.max_prefills
+            and pre.num_available >= queue[-1][0]
+        ):
+            n, out = queue.pop()
+            prefilling.append((n, out, []))
+        for i, (n, out, ids) in enumerate(prefilling):
+            take = min(cfg.chunk_blocks, n - len(ids), pre.num_available)
+            if take:
+                ids.extend(alloc(pre, take, ids[-1] if ids else None, n - len(ids)))
+        for item in [p for p in prefilling if len(p[2]) == p[0]]:
+            prefilling.remove(item)
+            pinned.append((item[1], item[2]))
+        # Hand-over: the decode side imports the whole prompt at once, if it has the blocks for
+        # it and for every decoding sequence's growth (the engine would preempt instead).
+        reserved = sum(seq[0] for seq in decoding)
+        while pinned and dec.num_available - reserved >= len(pinned[0][1]) + pinned[0][0]:
+            out, remote = pinned.pop(0)
+            local = alloc(dec, len(remote), None)
+            done += 1
+            if done > cfg.warmup:
+                res.descriptors.append(len(split_large(coalesce(remote, local), MAX_BLOCKS_PER_DESCRIPTOR)))
+            res.release.run(pre.release, remote)
+            decoding.append([out, local])
+            reserved += out
+        # Decode: grow, and free the finished sequences.
+        for seq in list(decoding):
+            if seq[0] == 0:
+                decoding.remove(seq)
+                res.release.run(dec.release, seq[1])
+            elif step % cfg.grow_every == 0:
+                seq[1].extend(alloc(dec, 1, seq[1][-1]))
+                seq[0] -= 1
+    for bm in (pre, dec):
+        if bm.check_integrity().in_use:
+            raise RuntimeError(f"{free_list}: blocks still in use after the run")
+    return res
+
+
+def summarize(res: ChurnResult) -> dict[str, float | int | str]:
+    d = sorted(res.descriptors)
+    return {
+        "free_list": res.free_list,
+        "prompts": len(d),
+        "descriptors_mean": statistics.fmean(d),
+        "descriptors_median": statistics.median(d),
+        "descriptors_p90": d[int(0.9 * (len(d) - 1))],
+        "descriptors_max": d[-1],
+        "one_descriptor_share": sum(1 for x in d if x == 1) / len(d),
+        "alloc_us_per_call": 1e6 * res.alloc.seconds / res.alloc.calls,
+        "release_us_per_call": 1e6 * res.release.seconds / res.release.calls,
+        "us_per_block": 1e6 * (res.alloc.seconds + res.release.seconds) / res.blocks_allocated,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=ChurnConfig.requests)
+    ap.add_argument("--pool-blocks", type=int, default=ChurnConfig.pool_blocks)
+    ap.add_argument("--seed", type=int, default=ChurnConfig.seed)
+    ap.add_argument(
+        "--arrive-every",
+        type=int,
+        default=ChurnConfig.arrive_every,
+        help="steps between arrivals (0: every request queued at the start, both pools saturated)",
+    )
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    args = ap.parse_args()
+    if args.requests <= ChurnConfig.warmup:
+        ap.error(f"--requests must be above the warm-up of {ChurnConfig.warmup}")
+    if args.pool_blocks < ChurnConfig.prompt_blocks[1] + ChurnConfig.output_blocks[1]:
+        ap.error("--pool-blocks must hold at least one longest request")
+    if args.arrive_every < 0:
+        ap.error("--arrive-every must be >= 0")
+    cfg = ChurnConfig(pool_blocks=args.pool_blocks, requests=args.requests, seed=args.seed, arrive_every=args.arrive_every)
+    rows = [summarize(simulate(cfg, name)) for name in FREE_LISTS]
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "cpu": f"{cpu_name()} ({os.cpu_count()} cores)",
+        "config": asdict(cfg),
+    }
+    for k, v in info.items():
+        print(f"{k}: {v}")
+    head = ["free list", "prompts", "descriptors mean", "median", "p90", "max", "1 descriptor",
+            "allocate µs/call", "release µs/call", "µs per block"]
+    body = [
+        [
+            str(r["free_list"]), str(r["prompts"]), f"{r['descriptors_mean']:.1f}", f"{r['descriptors_median']:g}",
+            str(r["descriptors_p90"]), str(r["descriptors_max"]), f"{100 * r['one_descriptor_share']:.0f} %",
+            f"{r['alloc_us_per_call']:.2f}", f"{r['release_us_per_call']:.2f}", f"{r['us_per_block']:.3f}",
+        ]
+        for r in rows
+    ]
+    print()
+    print(markdown_table(head, body))
+    if args.json is not None:
+        write_json(args.json, json.dumps({"info": info, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
