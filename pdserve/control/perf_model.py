@@ -11,15 +11,19 @@ warm samples). Shapes:
 
 What serving costs beyond the engine's steps (measured on a real cluster by
 `bench/serve_overheads.py`; zero where not measured):
-- `request_s` per request, between its arrival and its first token on top of `prefill_s`
-  (the HTTP front end, placement, the prefill call's round trip);
-- the KV hand-over, from the first token to the decode worker's first step (pinning, checksums,
-  the READ, the start call): `handover_s + handover_token_s * prompt_tokens`;
+- `request_s + request_token_s * prompt_tokens` per request, between its arrival and its first
+  token on top of `prefill_s` (the HTTP front end, placement, the prefill call's round trip,
+  pinning and checksumming the prompt's blocks);
+- the KV hand-over, from the first token to the decode worker's first step (the start call,
+  the READ, checksums): `handover_s + handover_token_s * prompt_tokens`; with
+  `handover_waits_prefill_step` it starts only once the prefill worker's running step is over
+  (measured on CPU: the READ makes no progress while the prefill worker computes);
 - the decode loop's cost beyond `step_s` (the outbox, relay polls answered by the worker):
   `step_extra_s` a step plus `step_extra_seq_s` a sequence in it;
 - `serve_cpu_s_per_token`: CPU seconds the serving path spends a streamed token outside the
   engine's steps (the router's process: HTTP streaming, relay long polls, detokenizing; the
-  workers' relay and Ray's processes): load on the host's cores, not a delay.
+  workers' relay and Ray's processes): load on the host's cores, not a delay;
+- `background_cores`: cores the cluster's processes use while idle (Ray's, the workers' loops).
 
 Host model: workers that share a host's cores slow each other once more are busy than there
 are cores. `share_slowdown` is measured (`bench/core_sharing.py`): pairs (busy single-thread
@@ -56,17 +60,21 @@ class PerfModel:
     # A new worker's start (actor, model load, KV pool, links) until it serves. Files without it
     # get a minute: a guess on the slow side, so an add is not made on a start assumed cheap.
     start_s: float = 60.0
-    request_s: float = 0.0  # per request, beyond prefill_s, before its first token
+    request_s: float = 0.0  # per request, beyond prefill_s, before its first token: fixed part...
+    request_token_s: float = 0.0  # ...and per prompt token
     handover_s: float = 0.0  # first token to the decode worker's first step: fixed part...
     handover_token_s: float = 0.0  # ...and per prompt token
+    handover_waits_prefill_step: bool = False  # the hand-over starts once the prefill worker's step ends
     step_extra_s: float = 0.0  # a served decode step beyond step_s: per step...
     step_extra_seq_s: float = 0.0  # ...and per sequence in it
     serve_cpu_s_per_token: float = 0.0  # host CPU a streamed token costs outside the engine
+    background_cores: float = 0.0  # host CPU the cluster uses while idle
     share_slowdown: tuple[tuple[float, float], ...] = ()  # (busy engines per core, step-time factor)
 
     def __post_init__(self) -> None:
-        costs = ("p0", "p1", "p2", "d0", "d1", "d2", "flip_s", "start_s", "request_s", "handover_s",
-                 "handover_token_s", "step_extra_s", "step_extra_seq_s", "serve_cpu_s_per_token")
+        costs = ("p0", "p1", "p2", "d0", "d1", "d2", "flip_s", "start_s", "request_s", "request_token_s",
+                 "handover_s", "handover_token_s", "step_extra_s", "step_extra_seq_s", "serve_cpu_s_per_token",
+                 "background_cores")
         for k in costs:
             if getattr(self, k) < 0:
                 raise ValueError(f"perf model: {k} must be >= 0, got {getattr(self, k)}")
@@ -91,6 +99,9 @@ class PerfModel:
     def served_step_s(self, batch: float, context_tokens: float) -> float:
         """A decode step as a serving worker runs it: the engine step and the loop around it."""
         return self.step_s(batch, context_tokens) + self.step_extra_s + self.step_extra_seq_s * batch
+
+    def request_time_s(self, prompt_tokens: float) -> float:
+        return self.request_s + self.request_token_s * prompt_tokens
 
     def handover_time_s(self, prompt_tokens: float) -> float:
         return self.handover_s + self.handover_token_s * prompt_tokens

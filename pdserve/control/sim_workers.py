@@ -33,6 +33,7 @@ class SimPrefill:
         self.last = 0.0  # ...as of this time
         self.version = 0  # bumps when the step's end moves: an end event of an older one is stale
         self.ending: list[int] = []  # requests whose prompt the running step finishes
+        self.held: list[tuple[int, float]] = []  # (request, its first token): hand-overs waiting for this step
 
     def hit_tokens(self, hashes: tuple[int, ...], num_tokens: int) -> int:
         """Leading prompt tokens cached here, as the engine counts them (whole blocks, never

@@ -137,6 +137,9 @@ class _Sim:
             return  # stale: the host's stretch moved the step's end
         w.busy, w.done = False, w.done + 1
         m = self.model
+        for i, first in w.held:  # hand-overs that waited for this step
+            self.push(max(now, first) + m.handover_time_s(self.reqs[i].input_len) * self.stretch, "handed", i)
+        w.held = []
         for i in w.ending:
             r = self.reqs[i]
             unc = w.finished(i)
@@ -146,9 +149,13 @@ class _Sim:
             # The router streams the prefill's token at once, then hands the KV over; both are
             # work on the host's CPU, stretched as the steps are.
             self.times[i].prefilled = now
-            self.times[i].first = now + m.request_s * self.stretch
-            handover = m.handover_time_s(r.input_len) if r.output_len > 1 else 0.0
-            self.push(now + (m.request_s + handover) * self.stretch, "handed", i)
+            first = self.times[i].first = now + m.request_time_s(r.input_len) * self.stretch
+            if r.output_len <= 1:
+                self.push(first, "handed", i)
+            elif m.handover_waits_prefill_step and w.queue:
+                w.held.append((i, first))  # the next step starts now: the hand-over waits for its end
+            else:
+                self.push(first + m.handover_time_s(r.input_len) * self.stretch, "handed", i)
         w.ending = []
         if w.queue:
             self.start_prefill(w, now)
@@ -373,12 +380,13 @@ class _Sim:
     # ----- the host ---------------------------------------------------------------------------
 
     def restretch(self, now: float) -> None:
-        """Workers sharing `cores`: the busy ones, and the serving path's CPU (router, relay) for
-        the tokens streamed now as a fraction of an engine, set the factor on every step time."""
+        """Workers sharing `cores`: the busy ones, the cluster's idle load and the serving path's
+        CPU (router, relay) for the tokens streamed now, as engines, set the factor on every step."""
         busy = sum(1 for w in self.prefill.values() if w.busy) + sum(1 for w in self.decode.values() if w.batch)
         tokens_s = sum(w.batch / w.step_s() for w in self.decode.values() if w.batch)
         assert self.cfg.cores is not None
-        s = self.stretch = self.model.slowdown((busy + tokens_s * self.model.serve_cpu_s_per_token) / self.cfg.cores)
+        m = self.model
+        s = self.stretch = m.slowdown((busy + m.background_cores + tokens_s * m.serve_cpu_s_per_token) / self.cfg.cores)
         for w in self.prefill.values():
             if abs(w.stretch - s) > 1e-9:
                 end = w.restretch(now, s)

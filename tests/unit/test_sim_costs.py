@@ -107,6 +107,29 @@ def test_the_first_token_comes_at_the_prefill_plus_request_s_and_the_handover_de
     assert t0.done - t0.first == pytest.approx(decode_s(BASE, 300, 20), rel=1e-6)
 
 
+def test_the_request_cost_grows_with_the_prompt():
+    m = dataclasses.replace(BASE, request_s=0.01, request_token_s=2e-4)
+    assert m.request_time_s(500) == pytest.approx(0.11)
+    (t,) = times(m, [SimRequest(0.0, 500, 4)])
+    assert t.first - t.prefilled == pytest.approx(0.11)
+
+
+def test_a_handover_waits_for_the_prefill_step_that_started_as_its_own_ended():
+    m = dataclasses.replace(BASE, handover_s=0.05)
+    waits = dataclasses.replace(m, handover_waits_prefill_step=True)
+    # b arrives while a prefills: a's step ends, b's starts at once; a's hand-over waits for it.
+    a, b = SimRequest(0.0, 256, 10), SimRequest(0.1, 512, 1)  # b: no decode, a decodes alone
+    free = times(m, [a, b])
+    held = times(waits, [a, b])
+    assert held[1].prefilled == pytest.approx(m.prefill_s(256) + m.prefill_s(512))
+    assert held[0].first == pytest.approx(free[0].first)  # its first token is not held
+    decode_start = lambda t, r: t.done - decode_s(m, r.input_len, r.output_len)
+    assert decode_start(free[0], a) == pytest.approx(free[0].first + 0.05, rel=1e-6)
+    assert decode_start(held[0], a) == pytest.approx(held[1].prefilled + 0.05, rel=1e-6)
+    (alone,) = times(waits, [a])  # nothing behind it: no wait
+    assert decode_start(alone, a) == pytest.approx(alone.first + 0.05, rel=1e-6)
+
+
 def test_a_request_without_a_decode_slot_gets_its_first_token_when_one_frees():
     m = dataclasses.replace(BASE, max_num_seqs=1, handover_s=0.1)
     a, b = SimRequest(0.0, 64, 30), SimRequest(0.0, 64, 30)
@@ -149,6 +172,14 @@ def test_the_routers_cpu_per_token_loads_the_cores_of_a_busy_host():
     assert itl(busy) == pytest.approx(step * (1 + 0.02 / step), rel=0.05)
     (own,) = times(loaded, r, cores=None)
     assert itl(own) == pytest.approx(step, rel=0.02)  # no host model: the router costs nothing
+
+
+def test_the_clusters_idle_load_counts_on_the_cores():
+    m = dataclasses.replace(BASE, share_slowdown=SHARING)
+    r = [SimRequest(0.0, 256, 2)]
+    assert times(m, r, cores=1)[0].prefilled == pytest.approx(m.prefill_s(256))
+    idle = dataclasses.replace(m, background_cores=0.5)  # half a core busy besides the one engine
+    assert times(idle, r, cores=1)[0].prefilled == pytest.approx(1.5 * m.prefill_s(256))
 
 
 def test_the_handover_on_a_busy_host_stretches_as_the_steps_do():
