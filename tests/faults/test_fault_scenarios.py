@@ -1,5 +1,6 @@
 """The randomized fault suite: scenarios drawn from seeds (tests/faults/scenarios.py), each a few
-requests and one or two faults at points of them, run against a real in-process cluster
+requests sent through two routers and one or two faults at points of them (a router's death
+among them), run against a real in-process cluster
 (tests/faults/harness.py). After each, the invariants of tests/faults/invariants.py must hold:
 every request has exactly the tokens and text of a fault-free run or ends with a clean status
 and a message, within its deadline; and once idle, no worker holds a KV block and none is out
@@ -13,10 +14,13 @@ of placement.
 from __future__ import annotations
 
 import os
+import time
 
+import grpc
 import pytest
 
-from tests.faults.harness import FaultCluster, describe
+from pdserve_proto import inference_pb2 as pb
+from tests.faults.harness import ROUTER_LEASE_S, FaultCluster, describe
 from tests.faults.scenarios import LATE_POLL, Fault, RequestSpec, Scenario, draw, rerun_command, scenario_seeds
 
 pytestmark = pytest.mark.cluster
@@ -61,3 +65,50 @@ def test_a_token_poll_answered_late_loses_no_token(fault_model_dir):
         assert not result.violations, "\n".join(result.violations)
     finally:
         c.close()
+
+
+def test_a_dead_routers_stream_is_aborted_by_the_decode_workers_lease(fault_cluster: FaultCluster):
+    """A stream far longer than the lease, its router killed after 3 tokens: the decode worker
+    aborts it once the router's lease runs out (a late poll by that router would find the
+    abort), and every block is free within the lease and a margin, long before the stream
+    could have finished; the other router serves on."""
+    c = fault_cluster
+    dead, alive = c.routers
+    rid = f"orphan-{time.monotonic_ns()}"
+    long = pb.GenerateRequest(
+        prompt_token_ids=list(range(40, 70)),
+        request_id=rid,
+        sampling_params=pb.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True),
+    )
+    assert dead.stub is not None and alive.admin is not None
+    call = dead.stub.Generate(long, timeout=60)
+    tokens = 0
+    with pytest.raises(grpc.RpcError) as ended:
+        for chunk in call:
+            tokens += len(chunk.token_ids)
+            if tokens >= 3 and not dead.dead:
+                c.lt.call(lambda: c.kill_router(dead, 0))
+                killed_at = time.monotonic()
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+    assert tokens < 900
+
+    deadline = killed_at + ROUTER_LEASE_S + 3.0
+    while True:
+        stats = alive.admin.GetStats(pb.GetStatsRequest(), timeout=10)
+        if all(w.kv_blocks_in_use == 0 for w in stats.workers):
+            break
+        assert time.monotonic() < deadline, f"blocks still held {ROUTER_LEASE_S + 3.0}s after the router died: {stats}"
+        time.sleep(0.05)
+    aborted = {
+        u.request_id
+        for w in c._live("decode")
+        for u in w.poll(0.0, dead.router_id).updates  # the dead router's outbox, as a late poll finds it
+        if u.finish_reason == "abort"
+    }
+    assert rid in aborted, "the decode worker did not abort the dead router's request (did it finish instead?)"
+
+    c.heal()  # a new router in the dead one's place
+    assert not c.routers[0].dead and c.routers[0].router_id != dead.router_id
+    spec = RequestSpec(tuple(range(80, 100)), 8, True, 0.0, None, 0.0, 30.0)
+    result = c.run(Scenario(-3, (spec, spec), ()))
+    assert not result.violations, result.violations
