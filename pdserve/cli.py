@@ -326,6 +326,12 @@ def _add_controller_args(p: argparse.ArgumentParser) -> None:
         f"smollm2-135m-cpu on CPU, {DEFAULT_MODEL} on CUDA)",
     )
     p.add_argument(
+        "--max-workers", type=int, default=None, metavar="N",
+        help="with --controller: it may also add worker actors where Ray has free resources (a GPU each on CUDA), "
+        "up to N workers in all, when no flip between the pools is enough, and remove them again when the load "
+        "falls, never below the workers started (default: the workers started, none added)",
+    )
+    p.add_argument(
         "--controller-interval-s", type=float, default=interval, metavar="S",
         help="with --controller: the shortest decision interval; above it the interval follows the measured flip "
         f"time (default: {interval:g})",

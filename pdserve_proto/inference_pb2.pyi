@@ -244,7 +244,7 @@ class GetControllerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ControllerDecision(_message.Message):
-    __slots__ = ("t", "action", "reason", "prefill", "decode", "target_prefill", "target_decode", "flip_from", "count", "load_prefill", "load_decode")
+    __slots__ = ("t", "action", "reason", "prefill", "decode", "target_prefill", "target_decode", "flip_from", "count", "load_prefill", "load_decode", "pool")
     T_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class ControllerDecision(_message.Message):
     COUNT_FIELD_NUMBER: _ClassVar[int]
     LOAD_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOAD_DECODE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     t: float
     action: str
     reason: str
@@ -267,10 +268,11 @@ class ControllerDecision(_message.Message):
     count: int
     load_prefill: float
     load_decode: float
-    def __init__(self, t: _Optional[float] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., flip_from: _Optional[str] = ..., count: _Optional[int] = ..., load_prefill: _Optional[float] = ..., load_decode: _Optional[float] = ...) -> None: ...
+    pool: str
+    def __init__(self, t: _Optional[float] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., flip_from: _Optional[str] = ..., count: _Optional[int] = ..., load_prefill: _Optional[float] = ..., load_decode: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class ControllerState(_message.Message):
-    __slots__ = ("enabled", "prefill", "decode", "target_prefill", "target_decode", "interval_s", "flip_s", "decisions", "changes", "unhealthy")
+    __slots__ = ("enabled", "prefill", "decode", "target_prefill", "target_decode", "interval_s", "flip_s", "decisions", "changes", "unhealthy", "max_workers", "workers_held", "start_s")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +283,9 @@ class ControllerState(_message.Message):
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_HELD_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     prefill: int
     decode: int
@@ -291,4 +296,7 @@ class ControllerState(_message.Message):
     decisions: _containers.RepeatedCompositeFieldContainer[ControllerDecision]
     changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
     unhealthy: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, enabled: _Optional[bool] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., interval_s: _Optional[float] = ..., flip_s: _Optional[float] = ..., decisions: _Optional[_Iterable[_Union[ControllerDecision, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., unhealthy: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_workers: int
+    workers_held: int
+    start_s: float
+    def __init__(self, enabled: _Optional[bool] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., interval_s: _Optional[float] = ..., flip_s: _Optional[float] = ..., decisions: _Optional[_Iterable[_Union[ControllerDecision, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., unhealthy: _Optional[_Iterable[str]] = ..., max_workers: _Optional[int] = ..., workers_held: _Optional[int] = ..., start_s: _Optional[float] = ...) -> None: ...

@@ -24,12 +24,17 @@ class ControllerSettings:
     # The decision interval follows the measured flip time, never below this.
     min_interval_s: float = ControllerConfig.__dataclass_fields__["min_interval_s"].default
     window_s: float = 10.0  # arrival rates and latency percentiles over this much (at least an interval)
+    # --max-workers: it may also add worker actors where Ray has room, up to this many in all, and
+    # remove them again down to the workers started (None: those started, a fixed budget).
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_interval_s <= 0:
             raise ValueError(f"controller interval: {self.min_interval_s} s; must be > 0")
         if self.window_s <= 0:
             raise ValueError(f"controller window: {self.window_s} s; must be > 0")
+        if self.max_workers is not None and self.max_workers < 2:
+            raise ValueError(f"--max-workers: {self.max_workers}; a disaggregated cluster holds at least 2 workers")
 
 
 @dataclass(frozen=True)
@@ -93,3 +98,9 @@ class ServeConfig:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port")
         if self.controller is not None and self.num_prefill < 1:
             raise ValueError("controller: needs a prefill pool to balance against the decode pool (--prefill >= 1)")
+        started = self.num_prefill + self.num_decode
+        if self.controller is not None and (self.controller.max_workers or started) < started:
+            raise ValueError(
+                f"--max-workers: {self.controller.max_workers} is below the {started} workers started "
+                "(--prefill + --decode); it must be at least that"
+            )

@@ -4,10 +4,12 @@ flipper (the `Actuator`). Every decision that is a flip, or a hold that nearly w
 logged, added as an event to a `pdserve.controller` span, counted in the metrics and kept (the
 last `history`) for `Admin.GetController`.
 
-Mechanism only: the policy decides, the flipper flips. Each finished flip (the controller's or
-an `Admin.SetRole`) feeds its measured time to `Controller.observe_flip`, which the interval
-follows, and marks the worker cold in the capacity fit. A decision moves one worker (the policy
-may ask for more; one flip is in flight at a time, and the next interval moves the next).
+Mechanism only: the policy decides, the flipper flips, the scaler (`--max-workers`) starts and
+stops worker actors. Each finished flip (the controller's or an `Admin.SetRole`) feeds its
+measured time to `Controller.observe_flip`, which the interval follows, and marks the worker cold
+in the capacity fit; each finished add feeds its start time to `Controller.observe_start`. A flip
+decision moves one worker (the policy may ask for more; one flip is in flight at a time, and the
+next interval moves the next); an add starts every worker it asks for where Ray has room, at once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -27,7 +29,7 @@ from pdserve.control.actuator import Actuator
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.perf_model import DEFAULT_MODEL
 from pdserve.control.policy import Controller
-from pdserve.control.signals import Decision, Signals
+from pdserve.control.signals import Decision, Role, Signals
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
 from router.router import Router
@@ -47,6 +49,21 @@ class FlipActuator(Actuator, Protocol):
     """The role flipper as the loop sees it: the Actuator and the record of finished flips."""
 
     changes: list[inference_pb2.RoleChange]
+
+
+class Scaler(Protocol):
+    """The worker scaler as the loop sees it (`pdserve.cluster.scaler.WorkerScaler`)."""
+
+    changes: list  # the last ScaleChanges (action, role, worker_id, ok, seconds, started_at)
+    recorded: int  # how many were ever recorded
+
+    def held(self) -> int: ...
+
+    def in_flight(self) -> bool: ...
+
+    def add(self, counts: Mapping[Role, int]) -> tuple[list[str], str | None]: ...
+
+    def remove(self, pool: Role) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -123,7 +140,7 @@ def decision_pb(t_unix: float, d: Decision) -> inference_pb2.ControllerDecision:
         t=t_unix, action=d.action, reason=d.reason, prefill=d.prefill, decode=d.decode,
         target_prefill=d.target_prefill, target_decode=d.target_decode,
         flip_from="" if d.flip_from is None else d.flip_from.value, count=d.count,
-        load_prefill=d.load_prefill, load_decode=d.load_decode,
+        load_prefill=d.load_prefill, load_decode=d.load_decode, pool="" if d.pool is None else d.pool.value,
     )  # fmt: skip
 
 
@@ -143,6 +160,7 @@ class ControlLoop:
         history: int = 50,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        scaler: Scaler | None = None,
     ) -> None:
         self.controller = controller
         self.capacity = capacity
@@ -155,6 +173,8 @@ class ControlLoop:
         self.decisions: deque[tuple[float, Decision]] = deque(maxlen=history)  # (unix seconds, decision)
         self.last: Decision | None = None
         self._seen: tuple[str, float] | None = None  # the newest flip already taken into account
+        self.scaler = scaler
+        self._scale_seen = 0  # scaler changes already taken into account (`Scaler.recorded`)
         self._task: asyncio.Task | None = None
 
     @property
@@ -163,6 +183,7 @@ class ControlLoop:
 
     async def tick(self) -> Decision:
         self._observe_flips()
+        self._observe_scaling()
         now = self.clock()
         reading = await self.source.read(now, max(self.interval_s, self.window_s))
         for p in reading.prefill:
@@ -170,14 +191,41 @@ class ControlLoop:
         for s in reading.decode:
             self.capacity.decode_sample(s.worker, s.batch, s.context_tokens, s.seconds)
         in_flight = self.actuator.in_flight() if self.actuator is not None else False
-        d = self.controller.decide(replace(reading.signals, change_in_flight=in_flight), self.capacity.estimate())
+        in_flight = in_flight or (self.scaler is not None and self.scaler.in_flight())
+        held = self.scaler.held() if self.scaler is not None else None
+        signals = replace(reading.signals, change_in_flight=in_flight, total_workers=held)
+        d = self.controller.decide(signals, self.capacity.estimate())
+        worker = None
+        if d.action == "flip":
+            worker = self._act(d)
+        elif d.action in ("add", "remove"):
+            d, worker = self._scale(d)
         self.last = d
         self.metrics.pool_target.labels("prefill").set(d.target_prefill)
         self.metrics.pool_target.labels("decode").set(d.target_decode)
-        worker = self._act(d) if d.action == "flip" else None
-        if d.action == "flip" or d.close:
+        if d.action != "hold" or d.close:
             self._record(d, worker)
         return d
+
+    def _scale(self, d: Decision) -> tuple[Decision, str | None]:
+        """Start the adds or the removal; what was done (a hold, with the reason, where Ray has no
+        room or no worker may leave) and the workers it concerns."""
+        if self.scaler is None:
+            return replace(d, action="hold", close=True, reason=f"{d.reason}; no worker scaler here"), None
+        if d.action == "add":
+            counts = {Role.PREFILL: d.target_prefill - d.prefill, Role.DECODE: d.target_decode - d.decode}
+            started, why = self.scaler.add(counts)
+            if not started:
+                log.info("controller: add wanted, not started: %s", why)
+                return replace(d, action="hold", close=True, reason=f"{d.reason}; none started: {why}"), None
+            if why is not None:
+                d = replace(d, count=len(started), reason=f"{d.reason}; {len(started)} started: {why}")
+            return d, ",".join(started)
+        assert d.pool is not None
+        worker = self.scaler.remove(d.pool)
+        if worker is None:
+            return replace(d, action="hold", close=True, reason=f"{d.reason}; no {d.pool.value} worker may leave"), None
+        return d, worker
 
     def _act(self, d: Decision) -> str | None:
         """Start the flip of one worker of the donor pool; the worker, or None if none went."""
@@ -227,6 +275,21 @@ class ControlLoop:
         if keys:
             self._seen = keys[-1]
 
+    def _observe_scaling(self) -> None:
+        """Adds and removals finished since the last interval: an add's start time feeds the
+        policy and its worker starts cold in the capacity fit; a removed worker is forgotten."""
+        if self.scaler is None:
+            return
+        fresh = self.scaler.recorded - self._scale_seen
+        new = self.scaler.changes[-fresh:] if fresh > 0 else []
+        for c in new:
+            if c.action == "add" and c.ok:
+                self.controller.observe_start(c.seconds)
+                self.capacity.started(c.worker_id)
+            elif c.action == "remove":
+                self.capacity.forget(c.worker_id)
+        self._scale_seen = self.scaler.recorded
+
     # ----- running ------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -258,4 +321,8 @@ class ControlLoop:
         )  # fmt: skip
         if self.last is not None:
             st.target_prefill, st.target_decode = self.last.target_prefill, self.last.target_decode
+        st.max_workers = self.controller.cfg.max_workers or 0
+        st.start_s = self.controller.start_s
+        if self.scaler is not None:
+            st.workers_held = self.scaler.held()
         return st

@@ -10,7 +10,7 @@ import grpc
 from opentelemetry import trace
 
 from pdserve.cluster.config import ControllerSettings
-from pdserve.cluster.control_loop import ControlLoop, FlipActuator, RouterSignals, default_perf_model
+from pdserve.cluster.control_loop import ControlLoop, FlipActuator, RouterSignals, Scaler, default_perf_model
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.policy import Controller, ControllerConfig
@@ -37,19 +37,25 @@ def build_control_loop(
     device: str,
     metrics: RouterMetrics,
     tracer: trace.Tracer | None = None,
+    scaler: Scaler | None = None,
 ) -> ControlLoop:
     """The loop `pdserve serve --controller` runs: the budget is `workers` (those started), the
-    prior the named performance model (or the device's default), fitted online."""
+    prior the named performance model (or the device's default), fitted online; with a scaler,
+    workers may be added up to `settings.max_workers`."""
     model = load_perf_model(settings.perf_model or default_perf_model(device))
-    cfg = ControllerConfig(workers=workers, slo=settings.slo, min_interval_s=settings.min_interval_s)
+    cfg = ControllerConfig(
+        workers=workers, slo=settings.slo, min_interval_s=settings.min_interval_s,
+        max_workers=settings.max_workers if scaler is not None else None,
+    )  # fmt: skip
     return ControlLoop(
-        Controller(cfg, flip_s=model.flip_s),
+        Controller(cfg, flip_s=model.flip_s, start_s=model.start_s),
         CapacityModel(model),
         flipper,
         RouterSignals(router, router.config.control_timeout_s),
         metrics,
         tracer,
         window_s=settings.window_s,
+        scaler=scaler,
     )
 
 

@@ -77,6 +77,8 @@ def controller_from_args(args: argparse.Namespace) -> ControllerSettings | None:
     """--controller and its flags (None without it). The performance model is read here, so a
     wrong name or file fails before any worker starts."""
     if not args.controller:
+        if args.max_workers is not None:
+            raise ValueError("--max-workers: only with --controller (the controller adds and removes the workers)")
         return None
     if args.perf_model is not None:
         load_perf_model(args.perf_model)
@@ -84,6 +86,7 @@ def controller_from_args(args: argparse.Namespace) -> ControllerSettings | None:
         slo=Slo(args.slo_ttft_ms, args.slo_itl_ms),
         perf_model=args.perf_model,
         min_interval_s=args.controller_interval_s,
+        max_workers=args.max_workers,
     )
 
 

@@ -25,7 +25,9 @@ from pdserve.cluster.pools import PlacementError, actor_resources, cluster_nodes
 from pdserve.cluster.ports import PortInUseError, check_ports
 from pdserve.cluster.progress import Progress, quiet, worker_ready_line, workers_line
 from pdserve.cluster.role_flip import FlipConfig, RoleFlipper
+from pdserve.cluster.scaler import WorkerScaler
 from pdserve.cluster.worker_client import WorkerClient, new_router_id
+from pdserve.cluster.workers import cpu_threads_per_worker
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.models.resolve import resolve_device, resolve_model
@@ -219,6 +221,20 @@ class Cluster:
         log.info("worker %s left (%s)", worker_id, "drained" if drained else "drain timed out")
         return drained
 
+    # ----- the controller's adds and removals (`WorkerScaler`'s hosts) ------------------------
+
+    def worker_count(self) -> int:
+        return len(self._workers)
+
+    def stop_worker(self, worker_id: str) -> Any:
+        """Forget a worker already out of placement and kill its actor; returns the actor."""
+        _, actor, _ = self._workers.pop(worker_id)
+        self._retired.add(worker_id)
+        self.actors.remove(actor)
+        ray.kill(actor)
+        log.info("worker %s stopped", worker_id)
+        return actor
+
     # ----- role flips (`RoleFlipper`'s hosts) -------------------------------------------------
 
     async def switch(self, worker_id: str, role: str, timeout_s: float) -> worker_pb2.WorkerHealth:
@@ -247,9 +263,14 @@ class Cluster:
         control.flipper = getattr(self, "flipper", None)
         settings = self.cfg.controller
         if settings is not None:
+            scaler = None
+            if settings.max_workers is not None and settings.max_workers > len(self._workers):
+                gpu = self.cfg.device.startswith("cuda")
+                threads = cpu_threads_per_worker(self.cfg, os.cpu_count() or 1)
+                scaler = WorkerScaler(self.router, self, gpu, 0 if gpu else threads)
             control.loop = build_control_loop(
                 settings, self.router, control.flipper, len(self._workers), self.cfg.device,
-                self.telemetry.metrics, self.telemetry.tracing.tracer,
+                self.telemetry.metrics, self.telemetry.tracing.tracer, scaler,
             )  # fmt: skip
         self.control = control
         control.start()

@@ -360,10 +360,9 @@ class Controller:
         c = self.cfg
         p, d, out = s.prefill_workers, s.decode_workers, []
         for _ in range(c.ceiling - s.held):
-            cands = [
-                (self._carry_excess(self.loads(s, m, p + 1, d), raw, now, Role.PREFILL), Role.PREFILL),
-                (self._carry_excess(self.loads(s, m, p, d + 1), raw, now, Role.DECODE), Role.DECODE),
-            ]
+            # Both pools' measured excess carries over (each scaled to its size): no pool shrinks.
+            both = lambda x: self._carry_excess(self._carry_excess(x, raw, now, Role.PREFILL), raw, now, Role.DECODE)
+            cands = [(both(self.loads(s, m, p + 1, d)), Role.PREFILL), (both(self.loads(s, m, p, d + 1)), Role.DECODE)]
             after, pool = min(cands, key=lambda x: (x[0].worst, x[1] is Role.PREFILL))
             out.append((after, pool))
             p, d = (p + 1, d) if pool is Role.PREFILL else (p, d + 1)

@@ -114,12 +114,13 @@ class RouterMetrics:
         )
         self.controller_decisions = Counter(
             "pdserve_controller_decisions",
-            "The P:D controller's recorded decisions: flips, and holds that nearly were flips (action hold).",
+            "The P:D controller's recorded decisions: flips, workers added and removed (--max-workers), and holds "
+            "that nearly were one of them (action hold).",
             ["action"], registry=r,
         )
         for role in ("prefill", "decode"):
             self.pool_workers.labels(role)
             self.pool_target.labels(role)
             self.role_changes.labels(role, "decode" if role == "prefill" else "prefill")
-        for action in ("flip", "hold"):
+        for action in ("flip", "add", "remove", "hold"):
             self.controller_decisions.labels(action)

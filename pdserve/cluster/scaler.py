@@ -1,0 +1,219 @@
+"""Worker actors added and removed for the P:D controller (`pdserve serve --controller
+--max-workers N`). Mechanism only: the policy (`pdserve.control.policy.Controller`) decides
+when and where; this starts and stops actors.
+
+- An add starts an actor only where Ray reports the free resources for it
+  (`ray.available_resources()`): one GPU on CUDA; on CPU, the worker's torch threads as CPUs
+  (workers take no Ray CPU, so this counts the host's cores Ray sees). The new worker loads the
+  model, links with the other pool and joins placement (`Cluster.add_worker`).
+- A removal takes the worker out of placement as a flip's drain does (a decode worker's streams
+  still running after the drain deadline move to another decode worker, so no token is lost),
+  then stops the actor. On CUDA its GPU counts as free again only once its process has exited:
+  a killed actor's process may still hold its memory for a while, and a worker started on that
+  GPU meanwhile would find no room for its KV pool.
+
+Each add or removal is recorded (`ScaleChange`): the control loop feeds an add's start time to
+`Controller.observe_start` and marks the new worker cold in the capacity fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdserve.control.signals import Role
+from router.router import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    drain_timeout_s: float = 30.0  # then a removed decode worker's streams move to another
+    exit_timeout_s: float = 60.0  # CUDA: how long a removed worker's process may take to exit
+    min_prefill: int = 1  # a removal never empties a pool below these
+    min_decode: int = 1
+    history: int = 50
+
+
+@dataclass
+class ScaleChange:
+    action: str  # "add" | "remove"
+    role: str
+    worker_id: str = ""
+    ok: bool = False
+    seconds: float = 0.0  # an add: until it serves; a removal: drain, stop and (CUDA) exit
+    error: str = ""
+    started_at: float = 0.0  # unix seconds
+
+
+class ScaleHosts(Protocol):
+    """What the scaler needs of whatever hosts the workers (the `Cluster`)."""
+
+    def worker_count(self) -> int:
+        """Workers the cluster holds: in placement, mid-flip or unhealthy."""
+
+    async def add_worker(self, role: str) -> str: ...
+
+    def stop_worker(self, worker_id: str) -> Any:
+        """Forget the worker and kill its actor; returns the actor's handle."""
+
+
+def room_for(available: Mapping[str, float], gpu: bool, cpus: float, reserved: int = 0) -> str | None:
+    """None if Ray's free resources hold one more worker besides `reserved` already being
+    started; otherwise what is missing, in words."""
+    need, what = (1.0, "GPU") if gpu else (cpus, "CPU")
+    have = available.get(what, 0.0) - reserved * need
+    if have + 1e-9 >= need:
+        return None
+    return f"Ray has {max(0.0, have):g} free {what} for a worker needing {need:g}"
+
+
+def ray_free() -> dict[str, float]:
+    import ray
+
+    return dict(ray.available_resources())
+
+
+async def actor_exited(actor: Any, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Wait until a killed actor's worker process is gone (Ray's state API: the actor DEAD and
+    no live worker process with its pid); False past `timeout_s`."""
+    from ray.util.state import get_actor, list_workers
+
+    actor_id = actor._actor_id.hex()
+    deadline = time.monotonic() + timeout_s
+    pid = None
+    while time.monotonic() < deadline:
+        state = await asyncio.to_thread(get_actor, actor_id, timeout=min(10, timeout_s))
+        pid = pid or (state.pid if state is not None else None)
+        if state is None or state.state == "DEAD":
+            if pid is None:
+                return True
+            alive = await asyncio.to_thread(
+                list_workers, filters=[("pid", "=", pid)], detail=True, timeout=min(10, timeout_s)
+            )
+            if not any(w.is_alive for w in alive):
+                return True
+        await asyncio.sleep(poll_s)
+    return False
+
+
+class WorkerScaler:
+    """Starts and stops worker actors for the control loop; one batch of adds or one removal in
+    flight at a time (the policy holds while `in_flight`)."""
+
+    def __init__(
+        self,
+        router: Router,
+        hosts: ScaleHosts,
+        gpu: bool,
+        cpus_per_worker: float,
+        cfg: ScaleConfig = ScaleConfig(),
+        free: Callable[[], Mapping[str, float]] = ray_free,
+        exited: Callable[[Any, float], Any] = actor_exited,
+    ) -> None:
+        self.router = router
+        self.hosts = hosts
+        self.gpu = gpu
+        self.cpus_per_worker = cpus_per_worker
+        self.cfg = cfg
+        self._free = free
+        self._exited = exited
+        self.changes: list[ScaleChange] = []  # the last `cfg.history`
+        self.recorded = 0  # every change recorded, so a reader can tell which are new
+        self._tasks: set[asyncio.Task] = set()
+        self._starting = 0
+
+    def held(self) -> int:
+        """Workers the cluster holds, counting those still starting."""
+        return self.hosts.worker_count() + self._starting
+
+    def in_flight(self) -> bool:
+        return bool(self._tasks)
+
+    # ----- adding ------------------------------------------------------------------------------
+
+    def add(self, counts: Mapping[Role, int]) -> tuple[list[str], str | None]:
+        """Start the workers asked for (pool -> how many), as far as Ray has room; returns the
+        pools of those started (in order) and, if some were not, why."""
+        free = self._free()
+        started: list[str] = []
+        why = None
+        for role, n in counts.items():
+            for _ in range(n):
+                why = room_for(free, self.gpu, self.cpus_per_worker, reserved=len(started))
+                if why is not None:
+                    break
+                started.append(role.value)
+        self._starting += len(started)  # held from now, not from when each task first runs
+        for role in started:
+            self._spawn(self._add_one(role))
+        return started, why
+
+    async def _add_one(self, role: str) -> None:
+        change = ScaleChange("add", role, started_at=time.time())
+        t = time.monotonic()
+        try:
+            change.worker_id = await self.hosts.add_worker(role)
+            change.ok = True
+        except Exception as exc:  # noqa: BLE001 -- a failed start is recorded, the loop goes on
+            change.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._starting -= 1
+        change.seconds = time.monotonic() - t
+        self._record(change)
+
+    # ----- removing ------------------------------------------------------------------------------
+
+    def pick(self, pool: Role) -> str | None:
+        """The pool's least busy worker, if the pool may lose one."""
+        workers = self.router.pools.prefills if pool is Role.PREFILL else self.router.pools.decodes
+        least = self.cfg.min_prefill if pool is Role.PREFILL else self.cfg.min_decode
+        if len(workers) <= least:
+            return None
+        busy = self.router.pools.busy
+        return min(workers, key=lambda w: (busy(w), w))
+
+    def remove(self, pool: Role) -> str | None:
+        """Start removing the pool's least busy worker; the worker, or None if none may go."""
+        worker = self.pick(pool)
+        if worker is not None:
+            self._spawn(self._remove_one(worker, pool.value))
+        return worker
+
+    async def _remove_one(self, worker: str, role: str) -> None:
+        change = ScaleChange("remove", role, worker, started_at=time.time())
+        t = time.monotonic()
+        try:
+            drained, moved = await self.router.take_out(worker, self.cfg.drain_timeout_s)
+            actor = self.hosts.stop_worker(worker)
+            if not drained:
+                change.error = f"drain: still serving after {self.cfg.drain_timeout_s:g} s ({moved} streams moved)"
+            if self.gpu and not await self._exited(actor, self.cfg.exit_timeout_s):
+                change.error = f"exit: its process still ran {self.cfg.exit_timeout_s:g} s after the stop"
+            change.ok = not change.error
+        except Exception as exc:  # noqa: BLE001 -- recorded; the worker is out of placement either way
+            change.error = f"{type(exc).__name__}: {exc}"
+        change.seconds = time.monotonic() - t
+        self._record(change)
+
+    # ----- helpers -----------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _record(self, change: ScaleChange) -> None:
+        self.changes.append(change)
+        self.recorded += 1
+        del self.changes[: -self.cfg.history]
+        level = logging.INFO if change.ok else logging.WARNING
+        log.log(
+            level, "worker %s %s (%s): %s in %.1f s", change.action, change.worker_id or "-", change.role,
+            "ok" if change.ok else f"failed: {change.error}", change.seconds,
+        )  # fmt: skip
