@@ -29,6 +29,16 @@ from pdserve_proto import kv_pb2
 
 log = logging.getLogger(__name__)
 
+# UCX settings every agent starts with, unless the environment sets them. UCP's registration
+# cache hooks the process's memory calls and queues every range that munmap or madvise gives
+# back, in every agent, until that agent registers memory again; an agent registers its KV pool
+# once, so the queue only grows, and each later madvise costs more (glibc's malloc_trim, called
+# by protobuf as it frees messages, madvises every free page of the heap): with one agent the
+# process stalls for seconds, holding the GIL, once its heap has grown
+# (tests/unit/test_kv_agent_memory_events.py). The pool is registered explicitly, so the cache
+# saves nothing.
+UCX_DEFAULTS = {"UCX_RCACHE_ENABLE": "n"}
+
 # Runs longer than this are split so that UCX can work on several descriptors at once.
 MAX_BLOCKS_PER_DESCRIPTOR = 256
 # READs posted together for one block list. One until a measurement shows more pays: on CPU
@@ -77,6 +87,8 @@ class KvTransferAgent:
             raise ValueError(f"reads_in_flight: must be an integer >= 1, got {reads_in_flight!r}")
         if net_devices is not None:
             os.environ["UCX_NET_DEVICES"] = net_devices
+        for key, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         api = _nixl_api()
         self.worker_id = worker_id
         self.name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
@@ -234,10 +246,29 @@ class KvTransferAgent:
         return best
 
     def close(self) -> None:
-        for name in list(self._remotes):
-            self._agent.remove_remote_agent(name)
-        self._remotes.clear()
-        self._agent.deregister_memory(self._registration)
+        """Forget every peer, deregister the pool and release the NIXL agent now (its UCX worker,
+        threads and sockets), not whenever the garbage collector reaches this object. Later calls
+        raise KvTransferError."""
+        with self._lock:
+            agent = self._agent
+            if isinstance(agent, _Closed):
+                return
+            self._agent = _Closed(self.name)
+            for name in list(self._remotes):
+                agent.remove_remote_agent(name)
+            self._remotes.clear()
+            agent.deregister_memory(self._registration)
+            del self._registration, agent
+
+
+class _Closed:
+    """A closed agent's stand-in for its NIXL agent: every call is a transfer error."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> object:
+        raise KvTransferError(f"agent_name: {self._name} is closed")
 
 
 @contextlib.contextmanager
