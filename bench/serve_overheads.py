@@ -23,8 +23,12 @@ engine (one torch thread): the prompt's prefill and the decode step of the same 
 context. A shared host's other load slows both alike, so each cost is measured as a ratio to
 that baseline and turned into seconds with the performance model's own figure for the same
 work (measured on a quiet host): e.g. the hand-over is (first gap - served step) / engine step
-x the model's step. The router's CPU (this process's, which also runs the load generator, as
-in `bench/sim_vs_real.py`) is regressed on the output length: CPU seconds are not stretched.
+x the model's step. CPU seconds (not stretched by other load) come from /proc, per thread:
+this process (the router and the load generator, as in `bench/sim_vs_real.py`), Ray's
+processes, and the worker actors' threads other than each one's busiest (its engine loop);
+less what the same threads use idle over the same time, regressed on the output length, they
+give the CPU a streamed token costs outside the engines. An idle cluster's cores in all
+(measured between repetitions) are the host model's background load.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class Served:
     ttft: float
     gaps: tuple[float, ...]  # between consecutive streamed events, from the first
     router_cpu: float  # this process (router and load generator), a request's share
-    cluster_cpu: float  # this process and Ray's (workers, raylet, GCS), a request's share
+    other_cpu: float  # outside the workers' engine threads: this process, Ray's, the workers' other threads
     engine_prefill: float  # the same prompt length's prefill
     engine_step: float  # a decode step of the same batch and context
 
@@ -89,12 +93,10 @@ class Served:
     def request_cost(self, model: PerfModel) -> float:
         return (self.ttft - self.engine_prefill) * model.prefill_s(self.prompt) / self.engine_prefill
 
-    def serve_cpu(self, model: PerfModel, background_cores: float) -> float:
-        """CPU seconds the cluster spent on it beyond the engine's work (the model's prefill and
-        decode steps) and beyond what it spends idle over the same time, a request's share."""
-        engine = model.prefill_s(self.batch * self.prompt) + sum(
-            model.step_s(self.batch, self.batch * (self.prompt + k)) for k in range(1, self.output))
-        return self.cluster_cpu - (engine + background_cores * self.wall) / self.batch
+    def serve_cpu(self, idle_other_cores: float) -> float:
+        """CPU seconds spent on it outside the engines, beyond what the same threads spend idle
+        over the same time; a request's share."""
+        return self.other_cpu - idle_other_cores * self.wall / self.batch
 
 
 def fit_cost(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -104,27 +106,50 @@ def fit_cost(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return (a, b) if b >= 0 else (statistics.fmean(ys), 0.0)
 
 
-def _cpu_s(pid: str) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def _cpu_s(stat_path: str) -> float:
+    with open(stat_path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def ray_cpu_s() -> float:
-    """CPU seconds so far of Ray's processes: the worker actors (`ray::`), raylet, GCS and the
-    rest of its session (their executables live under the ray package)."""
-    total = 0.0
+Threads = dict[tuple[int, int], float]  # (pid, thread id) -> CPU seconds so far
+
+
+def ray_threads() -> tuple[Threads, set[int]]:
+    """CPU seconds so far of every thread of Ray's processes (the worker actors, `ray::`; raylet,
+    GCS and the rest of its session, whose executables live under the ray package), and which
+    of those processes are worker actors."""
+    threads: Threads = {}
+    workers = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
-            if cmd.startswith(b"ray::") or b"/site-packages/ray/" in cmd:
-                total += _cpu_s(pid)
+            if not (cmd.startswith(b"ray::") or b"/site-packages/ray/" in cmd):
+                continue
+            if cmd.startswith(b"ray::WorkerActor"):
+                workers.add(int(pid))
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                threads[(int(pid), int(tid))] = _cpu_s(f"/proc/{pid}/task/{tid}/stat")
         except OSError:  # gone meanwhile
             continue
-    return total
+    return threads, workers
+
+
+def split_cpu(before: Threads, after: Threads, workers: set[int]) -> tuple[float, float]:
+    """(CPU of each worker's busiest thread - its engine loop -, all the rest) between two
+    snapshots."""
+    engine, other = 0.0, 0.0
+    busiest: dict[int, float] = {}
+    for key, t in after.items():
+        d = t - before.get(key, 0.0)
+        if key[0] in workers:
+            busiest[key[0]] = max(busiest.get(key[0], 0.0), d)
+        other += d
+    engine = sum(busiest.values())
+    return engine, other - engine
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -153,10 +178,12 @@ def handover_waits_step(batched: Sequence[Served]) -> list[bool]:
     return out
 
 
-def overheads(samples: Sequence[Served], model: PerfModel, background_cores: float) -> dict:
+def overheads(samples: Sequence[Served], model: PerfModel, idle: Sequence[tuple[float, float]]) -> dict:
     """The measured costs in the model's seconds: medians per prompt length (single requests)
-    and for the batch, the hand-over's fixed and per-token parts fitted over the lengths, the
-    decode loop's per-step and per-sequence parts from batch 1 and the batch."""
+    and for the batch, the request's and the hand-over's fixed and per-token parts fitted over
+    the lengths, the decode loop's per-step and per-sequence parts from batch 1 and the batch,
+    the CPU outside the engines per token. `idle`: an idle cluster's cores (in all, and outside
+    the workers' engine threads), measured between repetitions."""
     kept = [s for s in samples if s.one_token_events and len(s.gaps) >= 3]
     single = [s for s in kept if s.batch == 1]
     batched = [s for s in kept if s.batch > 1]
@@ -185,7 +212,9 @@ def overheads(samples: Sequence[Served], model: PerfModel, background_cores: flo
     extra_b = med(batched, lambda s: s.step_extra(model))
     e0, e1 = fit_cost([1, b], [extra1, extra_b])  # per step and per sequence in it, from batch 1 and batch b
     c0, c1 = fit_line([s.output for s in single], [s.router_cpu for s in single])
-    s0, s1 = fit_cost([s.output for s in single], [s.serve_cpu(model, background_cores) for s in single])
+    background_cores = statistics.median(i[0] for i in idle)
+    idle_other = statistics.median(i[1] for i in idle)
+    s0, s1 = fit_cost([s.output for s in single], [s.serve_cpu(idle_other) for s in single])
     return {
         "requests_kept": len(kept),
         "requests_left_out": len(samples) - len(kept),
@@ -203,6 +232,7 @@ def overheads(samples: Sequence[Served], model: PerfModel, background_cores: flo
         "router_cpu_s_per_request": c0,
         "router_cpu_s_per_token": c1,
         "background_cores": background_cores,
+        "idle_cores_outside_engines": idle_other,
         "serve_cpu_s_per_request": s0,
         "serve_cpu_s_per_token": s1,
     }
@@ -239,14 +269,17 @@ async def stream(session, url: str, model_name: str, prompt: list[int], output: 
     return times[0] - t0, [b - a for a, b in itertools.pairwise(times)]
 
 
-async def idle_cores(seconds: float) -> float:
-    """Cores this process and Ray's use over `seconds` of an idle cluster."""
-    c0, r0, t0 = time.process_time(), ray_cpu_s(), time.perf_counter()
+async def idle_cores(seconds: float) -> tuple[float, float]:
+    """Cores an idle cluster uses over `seconds` (this process and Ray's): in all, and outside
+    the workers' engine threads."""
+    (r0, _), c0, t0 = ray_threads(), time.process_time(), time.perf_counter()
     await asyncio.sleep(seconds)
-    return (time.process_time() - c0 + ray_cpu_s() - r0) / (time.perf_counter() - t0)
+    (r1, workers), c1, wall = ray_threads(), time.process_time(), time.perf_counter() - t0
+    engine, other = split_cpu(r0, r1, workers)
+    return (engine + other + c1 - c0) / wall, (other + c1 - c0) / wall
 
 
-async def serve_all(args: argparse.Namespace) -> tuple[list[Served], list[float]]:
+async def serve_all(args: argparse.Namespace) -> tuple[list[Served], list[tuple[float, float]]]:
     import aiohttp
     import torch
 
@@ -262,7 +295,7 @@ async def serve_all(args: argparse.Namespace) -> tuple[list[Served], list[float]
     cfg = ServeConfig(model=args.model, device="cpu", num_prefill=1, num_decode=1, port=0, http_port=0)
     cluster = await Cluster.start(cfg, worker_logs=False)
     out: list[Served] = []
-    idle: list[float] = []
+    idle: list[tuple[float, float]] = []
     try:
         url = f"http://{cluster.http_address}"
         name = await served_model(url)
@@ -272,15 +305,14 @@ async def serve_all(args: argparse.Namespace) -> tuple[list[Served], list[float]
                 pre = statistics.median(prefill_time(llm, prompt, 0, 1, rng, "cpu")) if baseline else 0.0
                 step = statistics.median(decode_steps(llm, batch, prompt, 1, 5, rng, "cpu")[0]) if baseline else 0.0
                 prompts = [[rng.randrange(*_TOKEN_RANGE) for _ in range(prompt)] for _ in range(batch)]
-                c0, r0, t0 = time.process_time(), ray_cpu_s(), time.perf_counter()
+                (r0, _), c0, t0 = ray_threads(), time.process_time(), time.perf_counter()
                 rs = await asyncio.gather(*(stream(session, url, name, p, output) for p in prompts))
                 await asyncio.sleep(0.3)  # the last release and frees land before the next request
-                cpu = (time.process_time() - c0) / batch
-                ray = (ray_cpu_s() - r0) / batch
-                wall = time.perf_counter() - t0
+                (r1, workers), cpu, wall = ray_threads(), time.process_time() - c0, time.perf_counter() - t0
+                _, other = split_cpu(r0, r1, workers)
                 group = len(out)  # its first sample's index: one a send
-                return [Served(prompt, output, batch, group, wall, ttft, tuple(gaps), cpu, cpu + ray, pre, step)
-                        for ttft, gaps in rs]
+                return [Served(prompt, output, batch, group, wall, ttft, tuple(gaps), cpu / batch,
+                               (cpu + other) / batch, pre, step) for ttft, gaps in rs]
 
             for _ in range(3):  # warm-up: the first steps of a fresh engine run slow
                 await send(args.lengths[0], 8, 1, baseline=False)
@@ -320,10 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.samples:
         saved = json.loads(a.samples.read_text())
         samples = [Served(**{**s, "gaps": tuple(s["gaps"])}) for s in saved["samples"]]
-        idle = saved["idle_cores"]
+        idle = [tuple(i) for i in saved["idle_cores"]]
     else:
         samples, idle = asyncio.run(serve_all(a))
-    o = overheads(samples, model, statistics.median(idle))
+    o = overheads(samples, model, idle)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if a.json is not None:
         a.json.write_text(json.dumps({"perf_model": model.name, "when": when, "load_average": os.getloadavg()[0],
