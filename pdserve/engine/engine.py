@@ -206,8 +206,13 @@ class LLMEngine:
         return True
 
     def release(self, request_id: str) -> bool:
-        """Prefill role: free a finished request's pinned KV blocks (after its transfer)."""
-        return self.scheduler.release_pinned(request_id)
+        """Prefill role: free a finished request's pinned KV blocks (after its transfer) and
+        forget the request."""
+        if not self.scheduler.release_pinned(request_id):
+            return False
+        self._seqs.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        return True
 
     def cached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
         """Prompt tokens that admission would serve from this engine's prefix cache now."""
