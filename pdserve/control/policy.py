@@ -354,7 +354,7 @@ class Controller:
 
     def _adds(self, s: Signals, m: PerfModel, raw: Loads, now: Loads) -> list[tuple[Loads, Role]]:
         """The workers to add, in order, and the loads with each joined: up to the ceiling, each
-        to the pool it lowers the larger load most, stopping once under `add_above`.
+        to the pool it lowers the larger load most, stopping once under `add_above` by the margin.
         Judged together, and started together: a load needing several workers is not held because
         one alone misses the margin, nor served one start time after another."""
         c = self.cfg
@@ -366,7 +366,7 @@ class Controller:
             after, pool = min(cands, key=lambda x: (x[0].worst, x[1] is Role.PREFILL))
             out.append((after, pool))
             p, d = (p + 1, d) if pool is Role.PREFILL else (p, d + 1)
-            if after.worst < c.add_above:
+            if after.worst < c.add_above and after.worst <= now.worst * (1 - c.hysteresis):
                 break
         return out
 
