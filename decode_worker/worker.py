@@ -30,6 +30,10 @@ the same retry, recompute and checksum check (over every pulled block, prefetche
 `submit` adds a whole request to the engine (the engine's decode role runs a prompt added with
 `add_request` to completion, as recomputing does) and returns at once; all of its tokens, the
 first included, come out through the same outbox and `poll`.
+
+An `abort` that finds nothing may have overtaken its request's `start`, `submit` or `prefetch`
+(the router stopped waiting while the call was on its way): the worker remembers it and refuses
+that call when it comes (`decode_worker.early_aborts`), so nothing decodes for nobody.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
+from decode_worker.early_aborts import EarlyAborts
 from decode_worker.outbox import RouterOutboxes
 from decode_worker.prefetch import Prefetch
 from kv_transfer.checksum import block_checksums, mismatched
@@ -102,6 +107,7 @@ class DecodeWorker:
         self._importing: set[str] = set()
         self._cancelled: set[str] = set()
         self._prefetches: dict[str, Prefetch] = {}  # unclaimed prefetches, by request id
+        self._early_aborts = EarlyAborts()  # aborted before their start, submit or prefetch came
         self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
         self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
 
@@ -141,6 +147,7 @@ class DecodeWorker:
         over. Returns at once, with the agent the prefill worker must send its progress to."""
         hashes = block_hashes(list(prompt_token_ids), self.engine.cfg.block_size)  # the handle's are checked at start
         with self.loop.lock:
+            self._early_aborts.refuse(request_id)
             plan = self.engine.begin_import(prompt_token_ids, params, request_id, hashes)
             self._register(router_id, request_id)
             self._importing.add(request_id)
@@ -197,6 +204,7 @@ class DecodeWorker:
                         "pdserve.prompt_tokens": len(prompt_token_ids)},
         ) as span:
             with self.loop.lock:
+                self._early_aborts.refuse(request_id)
                 cached = self.engine.cached_prompt_tokens(prompt_token_ids)
                 self.engine.add_request(list(prompt_token_ids), params, request_id)
                 self._register(router_id, request_id)
@@ -224,6 +232,7 @@ class DecodeWorker:
             if prefetch is not None:
                 prefetch.claim()  # no READ of it starts from now on
             else:
+                self._early_aborts.refuse(request_id)
                 plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
                 self._register(router_id, request_id)
                 self._importing.add(request_id)
@@ -375,7 +384,10 @@ class DecodeWorker:
                 self._defer_abort(request_id)
                 return True
             self._unregister(request_id)
-            return self.engine.abort(request_id)
+            aborted = self.engine.abort(request_id)
+            if not aborted:  # its start, submit or prefetch may still be on its way: refuse it then
+                self._early_aborts.add(request_id)
+            return aborted
 
     def poll(self, timeout_s: float, router_id: str = "", acked: int | None = None) -> worker_pb2.TokenUpdates:
         """The updates of `router_id`'s requests after `acked` (the last number the router

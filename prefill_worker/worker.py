@@ -3,7 +3,9 @@
 A finished prefill stays pinned in the engine under a lease. The decode worker that pulls the
 blocks sends a ``pulled`` notice (`kv_transfer.notice`); the lease ends and the blocks are freed
 (they stay in the prefix cache). If nobody pulls before the deadline, the lease expires and the
-blocks are freed anyway, counted in ``lease_expiries``.
+blocks are freed anyway, counted in ``lease_expiries``. A release that comes before its prefill
+call (the router stopped waiting while the call was on its way) is remembered, and that prefill
+is refused when it arrives (`prefill_worker.early_releases`): nothing is computed for nobody.
 
 With `PrefillConfig.kv_checksum` the handle also carries a checksum of every block
 (`kv_transfer.checksum`), computed on the pool's device once the KV is pinned; the decode worker
@@ -37,6 +39,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
+from prefill_worker.early_releases import EarlyReleases
 from prefill_worker.leases import LeaseTable
 from prefill_worker.progress import ProgressBook
 
@@ -72,6 +75,7 @@ class PrefillWorker:
         self._leases = LeaseTable()
         self._progress = ProgressBook()  # requests whose progress goes to a decode worker; lent blocks
         self._pending: dict[str, Future[PinnedKv]] = {}
+        self._early_releases = EarlyReleases()  # released before their prefill call came
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
         # Request id -> when it was added (ns). When one is first seen out of the waiting queue,
         # its wait ends at the later of its arrival and the previous loop turn.
@@ -133,6 +137,8 @@ class PrefillWorker:
         fut: Future[PinnedKv] = Future()
         traced = span.is_recording()
         with self.loop.lock:
+            if self._early_releases.take(request_id):
+                raise PrefillCancelled(f"request {request_id} was released before its prefill arrived")
             self.engine.add_request(ids, params, request_id)
             if progress_to:
                 self._progress.follow(request_id, progress_to)
@@ -169,6 +175,8 @@ class PrefillWorker:
                 fut.set_exception(PrefillCancelled(f"request {request_id} was cancelled"))
             freed = self.engine.release(request_id) or self.engine.abort(request_id)
             self.engine.return_blocks(self._progress.drop(request_id))
+            if fut is None and not freed:  # its prefill call may still be on its way: refuse it then
+                self._early_releases.add(request_id)
             return freed
 
     def health(self) -> worker_pb2.WorkerHealth:
