@@ -56,6 +56,7 @@ from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import ImportPlan
 from pdserve.engine.hashing import block_hashes
+from pdserve.engine.kv_event_cursors import KvEventCursors
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
@@ -104,11 +105,13 @@ class DecodeWorker:
         self.local_prefills = 0  # requests submitted whole, prefilled here
         self.blocks_prefetched = 0  # of blocks_pulled, READ while their prompt was being prefilled
         self.prefetch_expiries = 0  # prefetches no start claimed in time
+        self.prefetch_reads = 0  # READs made while a prompt was being prefilled (or before its hand-over)
         self._importing: set[str] = set()
         self._cancelled: set[str] = set()
         self._prefetches: dict[str, Prefetch] = {}  # unclaimed prefetches, by request id
         self._early_aborts = EarlyAborts()  # aborted before their start, submit or prefetch came
-        self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
+        self._kv_events = engine.blocks.enable_events()  # the routers' prefix indexes follow them
+        self._kv_cursors = KvEventCursors(self._kv_events.seq)  # one per router: each sees every change
         self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
 
     def start(
@@ -174,6 +177,7 @@ class DecodeWorker:
                     p.fail()
                     break
                 p.done(batch, remote, stats.num_bytes)
+                self.prefetch_reads += 1
             p.wait_settled()
         finally:
             with self.loop.lock:
@@ -449,13 +453,13 @@ class DecodeWorker:
             if prefetch is not None:
                 prefetch.announce(progress)
 
-    def kv_events(self, wait_s: float, full: bool = False) -> worker_pb2.KvEventBatch:
-        """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
-        `full` a snapshot of every cached block hash; the batch also carries the KV headroom."""
-        if not full:
+    def kv_events(self, wait_s: float, full: bool = False, router_id: str = "") -> worker_pb2.KvEventBatch:
+        """The prefix-cache changes since `router_id`'s last call (waiting up to wait_s for one),
+        or with `full` a snapshot of every cached block hash; the batch also carries the KV headroom."""
+        if not full and not self._kv_cursors.ready(router_id):
             self._kv_events.wait(wait_s)
         with self.loop.lock:
-            batch = self.engine.blocks.drain_events(full)
+            batch = self._kv_cursors.take(router_id, full, self._clock(), self.engine.blocks)
         return worker_pb2.KvEventBatch(**asdict(batch))
 
     def health(self) -> worker_pb2.WorkerHealth:
