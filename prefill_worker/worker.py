@@ -35,6 +35,7 @@ from kv_transfer.notice import progress_notice, pulled_request, send_notice
 from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
+from pdserve.engine.kv_event_cursors import KvEventCursors
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
@@ -83,7 +84,8 @@ class PrefillWorker:
         self._started_at: dict[str, int] = {}
         self._last_turn_ns = time.time_ns()
         self.lease_expiries = 0
-        self._kv_events = engine.blocks.enable_events()  # the router's prefix index follows them
+        self._kv_events = engine.blocks.enable_events()  # the routers' prefix indexes follow them
+        self._kv_cursors = KvEventCursors(self._kv_events.seq)  # one per router: each sees every change
         self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
 
     def prefill(
@@ -192,13 +194,13 @@ class PrefillWorker:
                 **self.engine.load_stats(),
             )
 
-    def kv_events(self, wait_s: float, full: bool = False) -> worker_pb2.KvEventBatch:
-        """The prefix-cache changes since the last call (waiting up to wait_s for one), or with
-        `full` a snapshot of every cached block hash."""
-        if not full:
+    def kv_events(self, wait_s: float, full: bool = False, router_id: str = "") -> worker_pb2.KvEventBatch:
+        """The prefix-cache changes since `router_id`'s last call (waiting up to wait_s for one),
+        or with `full` a snapshot of every cached block hash."""
+        if not full and not self._kv_cursors.ready(router_id):
             self._kv_events.wait(wait_s)
         with self.loop.lock:
-            batch = self.engine.blocks.drain_events(full)
+            batch = self._kv_cursors.take(router_id, full, self._clock(), self.engine.blocks)
         return worker_pb2.KvEventBatch(**asdict(batch))
 
     def load(self) -> int:

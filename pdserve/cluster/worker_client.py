@@ -179,7 +179,7 @@ class WorkerClient:
         return await self._call("stats", timeout_s, "stats")
 
     async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> worker_pb2.KvEventBatch:
-        return await self._call("kv events", timeout_s, "kv_events", wait_s, full)
+        return await self._call("kv events", timeout_s, "kv_events", wait_s, full, self.router_id)
 
 
 def _worker_error(exc: BaseException, what: str) -> RouterError:

@@ -174,8 +174,8 @@ class WorkerHost:
     def stats(self) -> inference_pb2.WorkerStats:
         return self.worker.stats()
 
-    def kv_events(self, wait_s: float, full: bool) -> worker_pb2.KvEventBatch:
-        return self.worker.kv_events(wait_s, full)
+    def kv_events(self, wait_s: float, full: bool, router_id: str = "") -> worker_pb2.KvEventBatch:
+        return self.worker.kv_events(wait_s, full, router_id)
 
     def close(self) -> None:
         self.worker.close()

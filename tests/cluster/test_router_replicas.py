@@ -202,3 +202,37 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_that_stops_polling(mode
     finally:
         worker.close()
         worker.agent.close()
+
+
+def test_each_router_sees_every_kv_event_of_a_shared_worker(model_dir: Any):
+    """Two routers follow one decode worker's prefix cache, each from its own snapshot; a
+    prompt one of them placed there shows up in both routers' indexes, whichever polled first
+    (with one shared event log, the second got an empty batch numbered as if nothing had
+    happened, and never learnt of the prompt)."""
+    from decode_worker.worker import DecodeConfig, DecodeWorker
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.workers import build_agent, build_engine
+    from pdserve.engine.args import EngineArgs
+    from pdserve.engine.hashing import block_hashes
+    from router.prefix_index import PrefixIndex
+
+    cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=64))
+    engine = build_engine(cfg, "decode")
+    worker = DecodeWorker("decode-0", engine, build_agent("decode-0", engine), DecodeConfig())
+    try:
+        indexes = {"router-a": PrefixIndex(), "router-b": PrefixIndex()}
+        for router, idx in indexes.items():
+            idx.add_worker("decode-0")
+            assert idx.apply("decode-0", worker.kv_events(0.0, True, router))
+        prompt = list(range(300, 340))
+        worker.submit(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), "a-1", None, "router-a")
+        deadline = time.monotonic() + 60
+        while not any(u.finish_reason for u in worker.poll(0.2, "router-a").updates):
+            assert time.monotonic() < deadline, "the request did not finish"
+        hashes = block_hashes(prompt, engine.blocks.block_size)
+        for router, idx in indexes.items():  # router-a polls first and drains what it can
+            assert idx.apply("decode-0", worker.kv_events(0.5, False, router)), router
+            assert idx.match(hashes).get("decode-0", 0) == len(prompt) // engine.blocks.block_size, router
+    finally:
+        worker.close()
+        worker.agent.close()
