@@ -175,13 +175,20 @@ class Controller:
         p, q, o = (min(2 * r, max(0.5 * r, r + g * lead)) for r, g in zip(rates, self._slope))
         return replace(s, arriving_prompt_tokens_s=p, arriving_requests_s=q, arriving_output_tokens_s=o)
 
-    def expected_rest(self, donor: Role, now: float) -> float:
+    def expected_rest(self, donor: Role, now: float, donor_over: bool = False) -> float:
         """How much longer the demand wanting workers from `donor` is expected to go on: the past
         stretches' mean duration less this one's age (those wanting the other pool's workers when
         none wanted this one's yet); with none, or once this one has outlasted them, as long again
-        as it has lasted (the median guess knowing only its age)."""
+        as it has lasted (the median guess knowing only its age).
+
+        `donor_over`: the pool giving workers is itself measured over its limit, as right after a
+        burst of the other kind (its backlog still draining, its TTFT measured at completion). A
+        length borrowed from the other pool is then the burst's, which says nothing about the calm
+        after it: it may lengthen the guess, never shorten it below the age."""
         assert self._wanting is not None and self._wanting[0] is donor
         age = now - self._wanting[1]
+        if donor_over and donor not in self._lasted and donor.other in self._lasted:
+            return max(self._lasted[donor.other] - age, age)
         lasted = self._lasted.get(donor, self._lasted.get(donor.other))
         return lasted - age if lasted is not None and age < lasted else age
 
@@ -269,7 +276,8 @@ class Controller:
                 False,
             )
         if c.weigh_cost:
-            rest = self.expected_rest(donor, s.now)
+            donor_over = (now.prefill if donor is Role.PREFILL else now.decode) >= 1.0
+            rest = self.expected_rest(donor, s.now, donor_over)
             if not self.pays(rest, now, after, donor):
                 self._streak = (None, 0)
                 return hold(

@@ -243,3 +243,20 @@ def test_a_move_pays_only_over_a_rest_longer_than_its_flip():
     assert not ctrl.pays(1e9, now, Loads(1.8, 0.6), Role.DECODE)
     # A move that overloads the donor while it drains costs that too.
     assert not ctrl.pays(r_star * 1.05, now, Loads(1.0, 3.0), Role.DECODE)
+
+
+def test_a_borrowed_length_does_not_cut_short_the_calm_after_a_burst():
+    # A burst (decode workers wanted as prefill) lasted 35 s; now, 30 s into the calm after it, the
+    # prefill pool is asked to give workers back. Its own stretches are unknown, so the burst's
+    # length is borrowed: 5 s left, less than the flip's 10 s, and the move would never pay back.
+    ctrl = controller_with(8, flip_s=10.0)
+    ctrl._lasted = {Role.DECODE: 35.0}
+    ctrl._wanting = (Role.PREFILL, 100.0)
+    assert ctrl.expected_rest(Role.PREFILL, 130.0) == 5.0
+    # While the prefill pool is itself over its limit (its burst backlog still draining), the
+    # borrowed length may not shorten the guess below the stretch's age.
+    assert ctrl.expected_rest(Role.PREFILL, 130.0, donor_over=True) == 30.0
+    assert ctrl.expected_rest(Role.PREFILL, 105.0, donor_over=True) == 30.0  # it may lengthen it
+    # The pool's own measured stretches are evidence: they are used as they are.
+    ctrl._lasted[Role.PREFILL] = 40.0
+    assert ctrl.expected_rest(Role.PREFILL, 130.0, donor_over=True) == 10.0
