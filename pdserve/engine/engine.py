@@ -315,7 +315,10 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             detok = self._detok[rid]
             matched = detok.add([token])
-            if matched is not None and seq.status is not SeqStatus.FINISHED:
+            if matched is not None and seq.status is SeqStatus.PINNED:
+                # Prefill role: the KV stays pinned for its hand-over; the stop is the answer's end.
+                seq.finish_reason = "stop"
+            elif matched is not None and seq.status is not SeqStatus.FINISHED:
                 self.scheduler.finish(seq, "stop")
             finished = seq.status in (SeqStatus.FINISHED, SeqStatus.PINNED)
             outputs.append(
