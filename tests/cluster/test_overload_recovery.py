@@ -28,7 +28,7 @@ from pdserve_proto import inference_pb2_grpc as pbg
 
 pytestmark = pytest.mark.cluster
 
-IN_TRANSIT_S = 2.0  # how long a prefill call takes to reach the worker
+IN_TRANSIT_S = 2.0  # how long a delayed call waits in its worker's host before it runs
 SHORT_DEADLINE_S = 0.3  # gives up before its prefill call arrives
 LONG_DEADLINE_S = 3.0  # gives up during the prefill, the hand-over or the decode
 MAX_TOKENS = 24
