@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -79,27 +80,51 @@ def ray_free() -> dict[str, float]:
     return dict(ray.available_resources())
 
 
-async def actor_exited(actor: Any, timeout_s: float, poll_s: float = 0.5) -> bool:
-    """Wait until a killed actor's worker process is gone (Ray's state API: the actor DEAD and
-    no live worker process with its pid); False past `timeout_s`."""
-    from ray.util.state import get_actor, list_workers
+async def actor_exited(actor: Any, timeout_s: float, poll_s: float = 0.2) -> bool:
+    """Wait until a killed actor's worker process is gone; False past `timeout_s`. Ray's actor
+    table (GCS, no dashboard needed) says when it is dead and its pid; on this node the process
+    itself is watched, on another node Ray's state API's worker list (which needs the dashboard;
+    without it the wait runs to its deadline)."""
+    import ray
+    from ray._private import state
 
     actor_id = actor._actor_id.hex()
+    here = ray.get_runtime_context().get_node_id()
     deadline = time.monotonic() + timeout_s
-    pid = None
     while time.monotonic() < deadline:
-        state = await asyncio.to_thread(get_actor, actor_id, timeout=min(10, timeout_s))
-        pid = pid or (state.pid if state is not None else None)
-        if state is None or state.state == "DEAD":
-            if pid is None:
+        info = await asyncio.to_thread(state.actors, actor_id)
+        if info and info.get("State") == "DEAD":
+            pid, node = info.get("Pid"), info.get("Address", {}).get("NodeID")
+            if not pid:
                 return True
-            alive = await asyncio.to_thread(
-                list_workers, filters=[("pid", "=", pid)], detail=True, timeout=min(10, timeout_s)
-            )
-            if not any(w.is_alive for w in alive):
+            if node == here:
+                if not _alive(pid):
+                    return True
+            elif not await asyncio.to_thread(_alive_elsewhere, pid, node, min(10.0, timeout_s)):
                 return True
         await asyncio.sleep(poll_s)
     return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _alive_elsewhere(pid: int, node: str, timeout_s: float) -> bool:
+    from ray.util.state import list_workers
+
+    try:
+        workers = list_workers(filters=[("pid", "=", pid), ("node_id", "=", node)], detail=True, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 -- no dashboard: the process cannot be seen from here
+        log.debug("worker list unavailable: %s", exc)
+        return True
+    return any(w.is_alive for w in workers)
 
 
 class WorkerScaler:

@@ -117,3 +117,31 @@ def test_room_for_counts_a_gpu_on_cuda_and_the_threads_on_cpu():
     assert room_for({"CPU": 0.0}, gpu=True, cpus=0) is not None  # no GPU key: none free
     assert room_for({"CPU": 2.0}, gpu=False, cpus=2) is None
     assert room_for({"CPU": 2.0}, gpu=False, cpus=1, reserved=2) == "Ray has 0 free CPU for a worker needing 1"
+
+
+def _serve_config(*argv: str):
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.main import config_from_args
+
+    return config_from_args(_build_parser().parse_args(["serve", *argv]))
+
+
+def test_max_workers_parses_and_is_checked_naming_the_flag():
+    import pytest
+
+    cfg = _serve_config("--controller", "--max-workers", "5", "--prefill", "2", "--decode", "1")
+    assert cfg.controller is not None and cfg.controller.max_workers == 5
+    assert _serve_config("--controller").controller.max_workers is None
+    with pytest.raises(ValueError, match=r"^--max-workers: 2 is below the 3 workers started \(--prefill \+ --decode\)"):
+        _serve_config("--controller", "--max-workers", "2", "--prefill", "2", "--decode", "1")
+    with pytest.raises(ValueError, match="^--max-workers: only with --controller"):
+        _serve_config("--max-workers", "4")
+
+
+def test_serve_help_names_max_workers():
+    from pdserve.cli import _build_parser
+
+    parser = _build_parser()
+    serve = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
+    text = " ".join(serve.format_help().split())
+    assert "--max-workers N" in text and "where Ray has free resources" in text
