@@ -23,7 +23,6 @@ from pdserve.engine.block_manager import NoFreeBlocksError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
-from router.deadline import within
 from router.errors import short_reason, to_router_error
 from router.handles import RouterError
 
@@ -84,9 +83,16 @@ class WorkerClient:
         self.router_id = router_id
 
     async def _call(self, what: str, timeout_s: float, name: str, *args: Any) -> Any:
+        # `asyncio.timeout` rather than `within`: only a deadline that really expired is this
+        # call's. A TimeoutError the worker raised (a prefill past its own deadline, a KV lease
+        # with no room left for a READ; Ray's error subclasses it too) is its answer, mapped below.
+        deadline = asyncio.timeout(timeout_s)
         try:
-            return await within(self._invoke(name, *args), timeout_s)
-        except TimeoutError:
+            async with deadline:
+                return await self._invoke(name, *args)
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise _worker_error(exc, what) from exc
             if name != "health":
                 await self.health(self.health_timeout_s)  # raises worker_failed if it is down
                 raise RouterError(

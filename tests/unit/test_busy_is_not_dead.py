@@ -56,6 +56,26 @@ def test_a_late_call_to_a_healthy_worker_is_deadline_exceeded_not_a_failed_worke
     assert "alive but busy" in err.value.message
 
 
+def test_a_timeout_the_worker_answers_with_is_its_answer_not_a_late_call():
+    """A worker's own TimeoutError (a KV lease with no room left for a READ, a prefill past the
+    worker's deadline) comes back at once with the worker's reason: the call did not run late,
+    so neither the health check nor "alive but busy" applies."""
+    asked: list[str] = []
+
+    async def invoke(name: str, *args: object) -> object:
+        asked.append(name)
+        raise TimeoutError("lease_deadline: only 0.0s left on the KV lease of r1")
+
+    client = WorkerClient("w", invoke, health_timeout_s=0.5)
+    began = time.monotonic()
+    with pytest.raises(RouterError) as err:
+        asyncio.run(client.release("r1", 5.0))
+    assert time.monotonic() - began < 1.0
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not err.value.worker_failed
+    assert "lease_deadline" in err.value.message and "alive but busy" not in err.value.message, err.value.message
+    assert asked == ["release"], asked
+
+
 def test_a_late_call_to_a_worker_that_fails_its_health_check_is_a_failed_worker():
     client = WorkerClient("w", _invoker(work_s=1.0, health_s=1.0), health_timeout_s=0.05)
     with pytest.raises(RouterError) as err:
