@@ -2,7 +2,9 @@
 and `max_workers=3`, under a decode load over the ITL SLO that no flip can help (each pool has
 its last worker), the controller adds a worker actor by itself. The streams running while it
 starts and joins finish with exactly the offline tokens, every KV block is free afterwards, and
-the add shows in Admin.GetController and in /metrics."""
+the add shows in Admin.GetController and in /metrics. Then a worker is removed through the same
+scaler (as the policy asks after a lull) while streams run: they finish exactly, and the removal
+waits for the actor's process to exit, the wait a CUDA cluster makes before a GPU counts free."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve import SamplingParams
 from pdserve.cluster.config import ControllerSettings, ServeConfig
 from pdserve.cluster.serve import Cluster
-from pdserve.control.signals import Slo
+from pdserve.control.signals import Role, Slo
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
@@ -85,3 +87,23 @@ def test_an_overload_no_flip_helps_adds_a_worker_actor(loop_thread, cluster, cha
     assert samples[("pdserve_controller_decisions_total", (("action", "add"),))] >= 1
     pools = samples[("pdserve_pool_workers", (("role", "prefill"),))] + samples[("pdserve_pool_workers", (("role", "decode"),))]
     assert pools == 3
+
+    # A removal under load: the loop stops first, so that it adds nothing meanwhile.
+    loop_thread.run(cluster.control.loop.stop())
+    scaler.gpu = True  # the removal waits for the process to exit, as on CUDA
+    pool = Role(adds[0].role)
+
+    async def remove() -> str | None:
+        return scaler.remove(pool)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        wave = [ex.submit(stream, channel, p) for p in PROMPTS]
+        gone = loop_thread.run(remove())
+        assert gone is not None
+        assert [f.result(timeout=300) for f in wave] == want
+    wait_until(lambda: any(c.action == "remove" for c in scaler.changes), 120, "the removal to finish")
+    removal = next(c for c in scaler.changes if c.action == "remove")
+    assert removal.ok and removal.worker_id == gone, removal
+    assert scaler.held() == 2 and gone not in {*cluster.router.pools.prefills, *cluster.router.pools.decodes}
+    assert [stream(channel, p) for p in PROMPTS] == want
+    wait_until(blocks_free(channel), 30, "every KV block to be freed")
