@@ -313,13 +313,6 @@ class _Sim:
             cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
         return min(cands)[1] if len(cands) > 1 else None
 
-    def pick(self, donor: Role) -> str | None:
-        if donor is Role.PREFILL:
-            cands = [(w.queued_tokens, n) for n, w in self.prefill.items() if n not in self.draining]
-        else:
-            cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
-        return min(cands)[1] if len(cands) > 1 else None
-
     def flip(self, name: str, to: Role, now: float, record: bool = True) -> None:
         """Out of placement now; drained, then switched (flip_s), then in the other pool."""
         leaving = to.other
