@@ -76,7 +76,8 @@ class LoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(ThreadPoolExecutor(64, thread_name_prefix="fault-calls"))
+        self._pool = ThreadPoolExecutor(64, thread_name_prefix="fault-calls")
+        self.loop.set_default_executor(self._pool)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="fault-loop")
         self._thread.start()
 
@@ -90,6 +91,11 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        # Idle threads end now, one still in a call when that call returns: a recycled cluster's
+        # pool would otherwise stay behind for the rest of the run.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 class Tap:
@@ -145,6 +151,40 @@ class Tap:
         return getattr(self.client, name)
 
 
+class MortalRouter(Router):
+    """A router that can die as under SIGKILL (`dead`): from then on no chunk and no status of
+    any request leaves it, so its server's stop ends each call in flight UNAVAILABLE (a status
+    decided just after the death, before the stop reached its call, would otherwise get out,
+    which a killed process never sends). Records the requests it ended while alive: their status
+    is the router's own, and the invariants judge it as such."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dead = False
+        self.ended_alive: set[str] = set()  # request ids
+
+    async def generate(self, request: pb.GenerateRequest, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async for chunk in super().generate(request, *args, **kwargs):
+                if self.dead:
+                    await _forever()
+                yield chunk
+            if self.dead:
+                await _forever()
+        except Exception:
+            if self.dead:
+                await _forever()
+            raise
+        finally:
+            if not self.dead:
+                self.ended_alive.add(request.request_id)
+
+
+async def _forever() -> None:
+    """Until cancelled (the dead router's server stops its calls)."""
+    await asyncio.Event().wait()
+
+
 @dataclass
 class RouterReplica:
     """One router of the cluster: its own id, its clients of every worker, its gRPC server and a
@@ -152,7 +192,7 @@ class RouterReplica:
 
     slot: int  # which requests it serves: those with router_of(i) == slot
     router_id: str
-    router: Router | None = None
+    router: MortalRouter | None = None
     server: Any = None
     channel: grpc.Channel | None = None
     stub: pbg.InferenceStub | None = None
@@ -168,6 +208,7 @@ class ScenarioResult:
     references: list[Reference]
     fired: dict[int, float] = field(default_factory=dict)  # fault index -> when it fired (monotonic)
     violations: list[str] = field(default_factory=list)
+    started: float = 0.0  # monotonic
 
     def recovery_s(self, k: int) -> float | None:
         """Seconds from fault k firing to its victim's next token: how long the fault held the
@@ -267,7 +308,7 @@ class FaultCluster:
         live = [w for wid, w in self.workers.items() if wid not in self.dead]
         prefills = [self._client(w, replica) for w in live if w.worker_id.startswith("prefill")]
         decodes = [self._client(w, replica) for w in live if w.worker_id.startswith("decode")]
-        router = Router(self.router_config, self.tokenizer, prefills, decodes)
+        router = MortalRouter(self.router_config, self.tokenizer, prefills, decodes)
 
         async def start() -> Any:
             await router.start()
@@ -288,10 +329,10 @@ class FaultCluster:
         False if it was dead already."""
         if replica.dead:
             return False
-        replica.dead = True
-        self.fired.setdefault(fault, time.monotonic())
         router, server = replica.router, replica.server
         assert router is not None
+        replica.dead = router.dead = True
+        self.fired.setdefault(fault, time.monotonic())
 
         async def stop() -> None:
             await server.stop(None)
@@ -303,6 +344,11 @@ class FaultCluster:
     def _kill_router_of(self, i: int, k: int) -> None:
         if k not in self.fired:
             self.kill_router(self.routers[router_of(i)], k)
+
+    async def _every_router_death(self, scenario: Scenario) -> None:
+        for k, f in enumerate(scenario.faults):
+            if f.kind == ROUTER_DIES:
+                self._kill_router_of(f.victim, k)
 
     # ----- workers ---------------------------------------------------------------------------
 
@@ -459,7 +505,16 @@ class FaultCluster:
             t.join(max(r.deadline_s for r in scenario.requests) + 10)
         for timer in timers:
             timer.cancel()
-        result = ScenarioResult(scenario, outcomes, refs, dict(self.fired))
+            timer.join()  # one firing now has queued its death on the loop by the time it ends
+        # Every drawn death has happened before the checks: one queued on the loop by a client's
+        # thread or a timer may not have run yet, and heal() would then keep that router, which
+        # dies under the idle check or the next scenario. Queued calls run first, in order.
+        self.lt.run(self._every_router_death(scenario))
+        for i, out in enumerate(outcomes):
+            r = self.routers[router_of(i)]
+            assert r.router is not None
+            out.ended_before_its_router_died = r.dead and self.request_id(scenario, i) in r.router.ended_alive
+        result = ScenarioResult(scenario, outcomes, refs, dict(self.fired), started=t0)
         result.violations = check_scenario(scenario, outcomes, refs)
         if any(t.is_alive() for t in threads):
             result.violations.append("a client call did not return within its deadline plus 10 s")
@@ -559,7 +614,8 @@ class FaultCluster:
         except grpc.RpcError as exc:
             out.code = exc.code().name
             out.details = exc.details() or ""
-        out.wall_s = time.monotonic() - start
+        out.ended_at = time.monotonic()
+        out.wall_s = out.ended_at - start
         # The victim's router dies at the latest when its call ends (its point never came: it
         # finished early, or was prefilled where no armed call went), so every drawn death happens.
         for k, f in enumerate(scenario.faults):
@@ -633,11 +689,14 @@ def _key(spec: RequestSpec) -> tuple:
 def describe(result: ScenarioResult) -> str:
     """The scenario and what each client saw, for a failure message."""
     s = result.scenario
-    lines = [f"faults: {[f for f in s.faults]} (fired: {sorted(result.fired)})"]
+    fired = {k: round(max(0.0, t - result.started), 3) for k, t in sorted(result.fired.items())}
+    lines = [f"faults: {[f for f in s.faults]} (fired, s into the scenario: {fired})"]
     for i, (spec, out) in enumerate(zip(s.requests, result.outcomes)):
+        died = ", its router ended it before dying" if out.ended_before_its_router_died else ""
         lines.append(
             f"  request {i}: {len(spec.prompt)} prompt tokens, max_tokens={spec.max_tokens}, "
-            f"T={spec.temperature}, deadline {spec.deadline_s}s -> {out.code} {out.details!r}, "
-            f"{len(out.token_ids)} tokens in {out.wall_s:.2f}s"
+            f"T={spec.temperature}, deadline {spec.deadline_s}s, router {router_of(i)} -> {out.code} "
+            f"{out.details!r}, {len(out.token_ids)} tokens in {out.wall_s:.2f}s, "
+            f"ended {out.ended_at - result.started:.3f}s into the scenario{died}"
         )
     return "\n".join(lines)

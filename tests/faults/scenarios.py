@@ -92,11 +92,13 @@ class Scenario:
         leaves it (or with its tokens, if it finished first)."""
         return router_of(i) in self.dead_routers()
 
-    def may_fail(self, i: int) -> bool:
+    def may_fail(self, i: int, count_router_death: bool = True) -> bool:
         """Whether request i may end with an error status rather than its tokens. Nothing else
-        excuses a failure: one dead worker of a pool of two must cost no request."""
+        excuses a failure: one dead worker of a pool of two must cost no request.
+        `count_router_death=False`: leave out the death of its router (it had ended the request
+        before it died)."""
         spec = self.requests[i]
-        if spec.tight or self.on_dead_router(i):
+        if spec.tight or (count_router_death and self.on_dead_router(i)):
             return True
         if any(f.kind == "client_cancels" and f.victim == i for f in self.faults):
             return True

@@ -3,7 +3,7 @@ with, and that a request sent to the other router gets no such excuse."""
 
 from __future__ import annotations
 
-from tests.faults.invariants import Outcome, Reference, check_outcome
+from tests.faults.invariants import SERVER_STOPPED, Outcome, Reference, check_outcome
 from tests.faults.scenarios import NORMAL_DEADLINE_S, ROUTER_DIES, Fault, RequestSpec, Scenario, router_of
 
 REF = Reference(token_ids=(5, 6, 7, 8), text="abcd", finish_reason="length")
@@ -62,3 +62,31 @@ def test_a_token_wrong_after_the_death_is_caught():
     out = _ended("UNAVAILABLE", 2)
     out.token_ids[1] = 99
     assert any("not a prefix" in v for v in check_outcome(_scenario(), 0, out, REF))
+
+
+def _ended_before_the_death(code: str, details: str) -> Outcome:
+    out = _ended(code, 1, details)
+    out.ended_before_its_router_died = True
+    return out
+
+
+def test_a_request_its_router_ended_before_dying_is_judged_as_on_a_live_router():
+    """Seed 561: a request on the router that died later had ended DEADLINE_EXCEEDED before,
+    its KV lease (shortened by a dropped READ) gone: excused by that, not by the death."""
+    lease = "decode start: timed out (lease_deadline: only 0.0s left on the KV lease of r0)"
+    excused = _scenario()
+    excused = Scenario(0, excused.requests, (*excused.faults, Fault("transfer_dropped", victim=0, count=1, lease_s=0.31)))
+    assert check_outcome(excused, 0, _ended_before_the_death("DEADLINE_EXCEEDED", lease), REF) == []
+    # Nothing but the death to excuse it: caught, whatever status the router gave.
+    for code in ("DEADLINE_EXCEEDED", "UNAVAILABLE"):
+        bad = check_outcome(_scenario(), 0, _ended_before_the_death(code, "decode: no decode worker"), REF)
+        assert any("before its router died" in v for v in bad), (code, bad)
+
+
+def test_a_status_the_dying_servers_stop_overtook_is_unavailable():
+    """The router had ended the request, but its server stopped before the status left: the
+    client sees the stop's UNAVAILABLE, which says nothing about the router's answer."""
+    assert check_outcome(_scenario(), 0, _ended_before_the_death("UNAVAILABLE", SERVER_STOPPED), REF) == []
+    # A request of the router that is still alive gets no such pass.
+    bad = check_outcome(_scenario(), 1, _ended_before_the_death("UNAVAILABLE", SERVER_STOPPED), REF)
+    assert any("failed UNAVAILABLE" in v for v in bad), bad
