@@ -21,9 +21,17 @@ pytestmark = [
 
 PROMPT = list(range(200, 232))
 MAX_TOKENS = 8
+# A random-weight Llama directory (bench/random_model.py): the default model needs `gguf`, which a
+# GPU host may not have.
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
+    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}  # fmt: skip
 
 
-async def _scenario() -> tuple[list[int], list]:
+async def _scenario(model_dir: str) -> tuple[list[int], list]:
     import grpc
 
     from pdserve.cluster.config import ServeConfig
@@ -33,7 +41,9 @@ async def _scenario() -> tuple[list[int], list]:
     from pdserve_proto import inference_pb2 as pb
     from pdserve_proto import inference_pb2_grpc as pbg
 
-    cluster = await Cluster.start(ServeConfig(device="cuda", dtype="bfloat16", port=0, num_prefill=1, num_decode=1))
+    cluster = await Cluster.start(
+        ServeConfig(model=model_dir, device="cuda", dtype="bfloat16", port=0, num_prefill=1, num_decode=1)
+    )
     try:
         scaler = WorkerScaler(cluster.router, cluster, gpu=True, cpus_per_worker=0,
                               cfg=ScaleConfig(min_prefill=0, exit_timeout_s=120.0))  # fmt: skip
@@ -55,13 +65,17 @@ async def _scenario() -> tuple[list[int], list]:
         await cluster.stop()
 
 
-def test_a_removed_workers_gpu_takes_a_new_worker_once_its_process_has_exited():
-    tokens, changes = asyncio.run(_scenario())
+def test_a_removed_workers_gpu_takes_a_new_worker_once_its_process_has_exited(tmp_path):
+    from bench.random_model import write_model
+
+    model_dir = tmp_path / "model"
+    write_model(model_dir, CONFIG, seed=7, device="cuda")
+    tokens, changes = asyncio.run(_scenario(str(model_dir)))
     removal, add = changes
     assert removal.action == "remove" and removal.ok, removal.error
     assert add.action == "add" and add.ok, add.error
     from pdserve import LLM, SamplingParams
 
-    offline = LLM(device="cuda", dtype="bfloat16")
+    offline = LLM(str(model_dir), device="cuda", dtype="bfloat16")
     want = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     assert tokens == want[0].token_ids
