@@ -201,7 +201,8 @@ def test_stop_kills_what_a_server_started_outside_its_group(tmp_path):
     srv.stop(grace_s=2)
     time.sleep(0.2)
     state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True, check=False)
-    assert state.stdout.strip() in ("", "Z"), f"child {child} still running: {state.stdout}"
+    # "Z" (a zombie) may carry modifiers, e.g. "ZN" when the suite runs under nice.
+    assert state.stdout.strip()[:1] in ("", "Z"), f"child {child} still running: {state.stdout}"
     assert (tmp_path / "fake.server.log").read_text().startswith("$ ")
 
 
