@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +47,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_serve_diag import Target, collect
 from bench.gpu_serve_plan import (
     DEFAULT_RATES,
     WORKLOADS,
@@ -52,15 +55,27 @@ from bench.gpu_serve_plan import (
     LaunchContext,
     Plan,
     Process,
+    admin_key,
     describe,
     launch,
     parse_rates,
     requests_per_run,
     select_servers,
 )
-from bench.gpu_serve_report import load, plot, report_text, run_file, run_record, server_file, server_runs_glob
+from bench.gpu_serve_report import (
+    load,
+    plot,
+    report_text,
+    run_file,
+    run_folder,
+    run_record,
+    server_file,
+    server_folders_glob,
+    server_runs_glob,
+)
 from bench.report import cpu_name
 from bench.serve import LoadConfig, run_load, served_model
+from bench.serve_failures import diagnosis_reason, failure_report
 from bench.serve_metrics import Slo, summarize
 from bench.serve_workload import Request
 
@@ -208,9 +223,18 @@ class Settings:
     stop_below: float  # SLO attainment under which the higher rates of a workload are not run
     warmup: int
     deadline: float  # time.monotonic() after which no run starts
+    diagnose_below: float = 0.5  # completed share under which the server is looked at after a run
+    py_spy: str | None = None  # py-spy for those looks; None: no stacks
+    failures_listed: int = 50  # failed requests listed one by one in a run's JSON
 
 
-async def _drive(launch_: Launch, plan: Plan, st: Settings, out: Path, record: dict, alive) -> None:
+Diagnose = Callable[[str, str], dict]  # (folder name, reason) -> the index of what was saved
+
+
+async def _drive(
+    launch_: Launch, plan: Plan, st: Settings, out: Path, record: dict, alive: Callable[[], str | None],
+    diagnose: Diagnose,
+) -> None:  # fmt: skip
     model = await served_model(launch_.url)
     record["model_id"] = model
     for w in plan.workloads:  # warm-up: compile and capture for each workload's shapes; not counted
@@ -234,7 +258,15 @@ async def _drive(launch_: Launch, plan: Plan, st: Settings, out: Path, record: d
             summary = summarize(results, duration, st.slo)
             extra = {"requests_sent": n, "scale": st.scale, "seed": seed}
             run = run_record(record, w, rate, summary, extra)
-            (out / run_file(record["server"], w, rate)).write_text(json.dumps(run, indent=1) + "\n")
+            run["failures"] = failure_report(results, st.failures_listed)
+            path = out / run_file(record["server"], w, rate)
+            path.write_text(json.dumps(run, indent=1) + "\n")
+            # Looked at before the next run or the server's stop, while a stall may still be there.
+            if why := diagnosis_reason(summary, st.diagnose_below, st.stop_below):
+                print(f"gpu_serve: {record['server']} {w} {rate:g}/s: {why}; looking at the server",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                run["diagnostics"] = diagnose(run_folder(record["server"], w, rate), why)
+                path.write_text(json.dumps(run, indent=1) + "\n")
             print(
                 f"gpu_serve: {record['server']} {w} {rate:g}/s: {summary['completed']}/{n} ok, goodput "
                 f"{summary['goodput_req_s']:.2f} req/s, TTFT p99 {summary['ttft_ms']['p99']} ms, "
@@ -255,7 +287,16 @@ def run_server(launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, ou
     record["error"] = vllm_missing(ctx) if s.is_vllm else None
     for stale in out.glob(server_runs_glob(s.name)):
         stale.unlink()  # an earlier invocation's runs of this server: the table shows this one's only
+    for stale in out.glob(server_folders_glob(s.name)):
+        shutil.rmtree(stale)
     srv = ServerRun(launch_, out / "logs")
+    key, closed = admin_key(ctx.pdserve_args, os.environ) if s.kind == "pdserve" else (None, None)
+
+    def diagnose(folder: str, reason: str) -> dict:
+        sessions = tuple(r.popen.pid for r in srv.running)
+        target = Target(launch_.admin, key, closed, launch_.metrics_url, sessions, st.py_spy)
+        return collect(out / folder, target, reason, _session_members)
+
     if record["error"] is None:
         t0 = time.monotonic()
         try:
@@ -264,7 +305,7 @@ def run_server(launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, ou
             srv.wait_healthy(min(st.startup_timeout_s, max(1.0, st.deadline - time.monotonic())))
             record["startup_s"] = round(time.monotonic() - t0, 1)
             print(f"gpu_serve: {s.name} up in {record['startup_s']} s", file=sys.stderr, flush=True)
-            asyncio.run(_drive(launch_, plan, st, out, record, srv.dead))
+            asyncio.run(_drive(launch_, plan, st, out, record, srv.dead, diagnose))
         except Exception as exc:  # noqa: BLE001 - one server's failure is reported, the others still run
             record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         finally:
@@ -339,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (default: 1000; cpu 3000)")
     p.add_argument("--slo-itl-ms", type=float, default=None, help="mean ITL SLO per request (default: 50; cpu 250)")
     p.add_argument("--stop-below", type=float, default=0.25, help="skip higher rates once SLO attainment is below")
+    p.add_argument(
+        "--diagnose-below", type=float, default=0.5, metavar="SHARE",
+        help="after a run that completed less than this share of its requests (or fell under --stop-below), save "
+        "the server's Admin.GetStats, /metrics and py-spy dumps into the run's folder (default: 0.5)",
+    )
+    p.add_argument("--py-spy", default=shutil.which("py-spy"), metavar="PATH", help="py-spy (default: on PATH)")
     p.add_argument("--max-model-len", type=int, default=None, help="context cap of every server (default: 8192)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests per workload sent before measuring")
@@ -423,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         vllm_site=args.vllm_site, vllm_python=args.vllm_python, pdserve_args=tuple(shlex.split(args.pdserve_args)),
         vllm_args=tuple(shlex.split(args.vllm_args)),
     )  # fmt: skip
+    extra_ports = {"vllm-pd": 4, "pdserve": 2}  # vllm-pd: instances and side channels; pdserve: gRPC, /metrics
     launches = tuple(
-        launch(s, ctx, free_port(), [free_port() for _ in range(4)] if s.kind == "vllm-pd" else ()) for s in servers
+        launch(s, ctx, free_port(), [free_port() for _ in range(extra_ports.get(s.kind, 0))]) for s in servers
     )
     plan = Plan(launches, workloads, rates, args.duration_s, args.requests, scale)
     print(describe(plan, out), file=sys.stderr)
@@ -438,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         scale=scale, seed=args.seed, request_timeout_s=args.request_timeout_s,
         startup_timeout_s=args.startup_timeout_s, stop_below=args.stop_below, warmup=args.warmup,
         deadline=start + args.deadline_s if args.deadline_s else float("inf"),
+        diagnose_below=args.diagnose_below, py_spy=args.py_spy,
     )  # fmt: skip
     failed = []
     try:

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +172,30 @@ class Launch:
     server: Server
     processes: tuple[Process, ...]
     url: str  # where the load goes (OpenAI API root)
+    admin: str | None = None  # host:port of pdserve's gRPC API (Admin.GetStats); None: not known
+    metrics_url: str | None = None  # pdserve's Prometheus /metrics; None: not served
+
+
+def admin_key(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """The key a client sends to pdserve's Admin service, as `pdserve serve` reads it from its
+    flags (argv) and environment: (key, None); (None, None) when the service is open; (None,
+    why) when it is closed (data keys without an admin key) or not reachable in plain text."""
+    def flag(name: str) -> str | None:
+        for i, a in enumerate(argv):
+            if a == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(name + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    if flag("--ssl-certfile"):
+        return None, "Admin: the server speaks TLS (--ssl-certfile), which these diagnostics do not"
+    key = flag("--admin-api-key") or env.get("PDSERVE_ADMIN_API_KEY") or None
+    if key:
+        return key, None
+    if flag("--api-key") or flag("--api-key-file") or env.get("PDSERVE_API_KEY"):
+        return None, "Admin: closed (API keys without an admin key)"
+    return None, None
 
 
 def _join_path(*parts: str | None) -> str:
@@ -204,17 +228,27 @@ def _flags(flags: dict[str, object]) -> tuple[str, ...]:
 
 def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[int] = ()) -> Launch:
     """The processes that make up `server`, listening for the OpenAI API on 127.0.0.1:port.
-    extra_ports: vllm-pd's prefill and decode instances and their NIXL side channels (4)."""
+    extra_ports: pdserve's gRPC and /metrics ports (2; without them gRPC takes a free port and
+    there is no /metrics), or vllm-pd's prefill and decode instances and their NIXL side
+    channels (4)."""
     url = f"http://127.0.0.1:{port}"
     devices = ",".join(str(g) for g in ctx.gpu_ids[: server.gpus])
     if server.kind == "pdserve":
+        grpc_port, metrics_port = extra_ports[:2] if len(extra_ports) >= 2 else (0, None)
         flags = {"--model": ctx.model, "--device": ctx.device, "--dtype": ctx.dtype, "--prefill": server.prefill}
-        flags |= {"--decode": server.decode, "--port": 0, "--http-port": port, "--max-model-len": ctx.max_model_len}
-        argv = (ctx.python, "-m", "pdserve.cli", "serve", *_flags(flags), *ctx.pdserve_args)
+        flags |= {"--decode": server.decode, "--port": grpc_port, "--http-port": port}
+        flags |= {"--max-model-len": ctx.max_model_len}
+        if metrics_port is not None:
+            flags["--metrics-port"] = metrics_port
+        # -v: the workers' output (their exceptions included) goes to the server's log, which
+        # otherwise holds the driver's lines only.
+        argv = (ctx.python, "-m", "pdserve.cli", "-v", "serve", *_flags(flags), *ctx.pdserve_args)
         env = {"PYTHONPATH": pdserve_pythonpath(ctx), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
         if ctx.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = devices
-        return Launch(server, (Process("server", argv, env, url + "/health"),), url)
+        admin = f"127.0.0.1:{grpc_port}" if grpc_port else None
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port is not None else None
+        return Launch(server, (Process("server", argv, env, url + "/health"),), url, admin, metrics)
     env = VLLM_ENV | {"PYTHONPATH": vllm_pythonpath(ctx)}
 
     def vllm(p: int, extra: tuple[str, ...]) -> tuple[str, ...]:

@@ -22,6 +22,15 @@ def server_runs_glob(server: str) -> str:
     return f"run__{server}__*__*.json"
 
 
+def run_folder(server: str, workload: str, rate: float) -> str:
+    """A run's folder, beside its JSON: what was looked at in the server after a bad run."""
+    return f"run__{server}__{workload}__{rate:g}.diag"
+
+
+def server_folders_glob(server: str) -> str:
+    return f"run__{server}__*__*.diag"
+
+
 def server_file(server: str) -> str:
     return f"server__{server}.json"
 

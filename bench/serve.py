@@ -33,9 +33,9 @@ from tqdm import tqdm
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve_metrics import RequestResult, Slo, summarize  # noqa: E402
-from bench.serve_report import error_share, error_verdict, rate_label, runs_table, sweep_knee  # noqa: E402
-from bench.serve_workload import SHAPES, Request, from_trace, poisson_arrivals, synthetic  # noqa: E402
+from bench.serve_metrics import RequestResult, Slo, summarize
+from bench.serve_report import error_share, error_verdict, rate_label, runs_table, sweep_knee
+from bench.serve_workload import SHAPES, Request, from_trace, poisson_arrivals, synthetic
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,16 @@ class LoadConfig:
         return self.url.rstrip("/").removesuffix("/v1") + "/v1/completions"
 
 
+def _error_message(body: str) -> str:
+    """The message of an OpenAI-style error body ({"error": {"message": ...}}), else the body."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body
+    message = error.get("message") if isinstance(error, dict) else error
+    return str(message) if message else body
+
+
 async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, req: Request, t0: float) -> RequestResult:
     body = {
         "model": cfg.model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
@@ -63,7 +73,7 @@ async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, req: Request, t0
     try:
         async with session.post(cfg.completions_url, json=body) as resp:
             if resp.status != 200:
-                error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                error = f"HTTP {resp.status}: {_error_message(await resp.text())}"[:200]
             else:
                 async for raw in resp.content:
                     line = raw.strip()
@@ -81,7 +91,7 @@ async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, req: Request, t0
                             ttft = time.perf_counter() - t0 - start
                         events += 1
                     usage = obj.get("usage") or usage
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
     end = time.perf_counter() - t0
     out_tokens = usage["completion_tokens"] if usage else events  # without usage, one token per event
@@ -119,10 +129,10 @@ async def run_load(cfg: LoadConfig, requests: list[Request]) -> tuple[list[Reque
 
 
 async def served_model(url: str) -> str:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        async with s.get(url.rstrip("/").removesuffix("/v1") + "/v1/models") as resp:
-            resp.raise_for_status()
-            return (await resp.json())["data"][0]["id"]
+    url = url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, s.get(url) as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
 
 
 def make_requests(args: argparse.Namespace) -> list[Request]:

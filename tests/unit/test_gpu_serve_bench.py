@@ -56,7 +56,7 @@ def test_pdserve_command_and_environment():
     lc = launch(Server("pdserve-1p1d", "pdserve", 2, prefill=1, decode=1), CTX, 8100)
     (p,) = lc.processes
     argv = list(p.argv)
-    assert argv[:4] == ["/py/bin/python", "-m", "pdserve.cli", "serve"]
+    assert argv[:5] == ["/py/bin/python", "-m", "pdserve.cli", "-v", "serve"]  # -v: the workers' logs too
     for flag, value in [("--device", "cuda"), ("--dtype", "bfloat16"), ("--prefill", "1"), ("--decode", "1"),
                         ("--http-port", "8100"), ("--model", "/models/llama-1b"), ("--max-model-len", "8192")]:  # fmt: skip
         assert argv[argv.index(flag) + 1] == value
