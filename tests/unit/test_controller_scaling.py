@@ -16,7 +16,7 @@ from pdserve.control.policy import Controller, ControllerConfig
 from pdserve.control.signals import Role, Slo
 from pdserve.control.simulator import SimConfig, simulate
 from pdserve.control.trace import SimRequest
-from tests.unit.test_controller_policy import MODEL, signals
+from tests.unit.controller_load import MODEL, signals
 
 START_S = 20.0
 
