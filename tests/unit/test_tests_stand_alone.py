@@ -22,7 +22,7 @@ def _imported_modules(path: Path) -> list[str]:
 
 def _is_test_module(name: str) -> bool:
     """Ours (`tests....`, or a sibling imported by bare name) and a test module or a conftest."""
-    if not (name.startswith("tests.") or name.startswith("test_") or name == "conftest"):
+    if not (name.startswith(("tests.", "test_")) or name == "conftest"):
         return False
     last = name.rsplit(".", 1)[-1]
     return last.startswith("test_") or last == "conftest"
@@ -43,3 +43,14 @@ def test_the_check_sees_such_an_import(tmp_path):
     bad = tmp_path / "test_x.py"
     bad.write_text("from tests.engine.test_equivalence import x\nimport conftest\nfrom aiohttp.test_utils import y\n")
     assert [n for n in _imported_modules(bad) if _is_test_module(n)] == ["tests.engine.test_equivalence", "conftest"]
+
+
+def test_no_two_test_modules_share_a_name():
+    """Test folders are not packages, so pytest imports each test module by its file name: a
+    second file of the same name elsewhere stops the whole collection ("import file mismatch")."""
+    by_name: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        if "__pycache__" not in path.parts:
+            by_name.setdefault(path.name, []).append(str(path.relative_to(TESTS.parent)))
+    clashes = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not clashes, clashes
