@@ -149,11 +149,14 @@ class _Sim:
             # The router streams the prefill's token at once, then hands the KV over; both are
             # work on the host's CPU, stretched as the steps are.
             self.times[i].prefilled = now
-            first = self.times[i].first = now + m.request_time_s(r.input_len) * self.stretch
+            self.times[i].first = now + m.request_time_s(r.input_len) * self.stretch
+        next_step = bool(w.queue)  # another step starts now
+        for i in w.ending:
+            r, first = self.reqs[i], self.times[i].first
             if r.output_len <= 1:
                 self.push(first, "handed", i)
-            elif m.handover_waits_prefill_step and w.queue:
-                w.held.append((i, first))  # the next step starts now: the hand-over waits for its end
+            elif m.handover_waits_prefill_step and next_step:
+                w.held.append((i, first))  # the hand-over waits for the next step's end
             else:
                 self.push(first + m.handover_time_s(r.input_len) * self.stretch, "handed", i)
         w.ending = []

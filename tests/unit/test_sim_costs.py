@@ -15,9 +15,9 @@ from pdserve.control.sim_workers import SimDecode, SimPrefill
 from pdserve.control.simulator import SimConfig, simulate_with_times
 from pdserve.control.trace import SimRequest
 
-BASE = dataclasses.replace(load_perf_model("smollm2-135m-cpu"), cold_steps=0, request_s=0.0, handover_s=0.0,
-                           handover_token_s=0.0, step_extra_s=0.0, step_extra_seq_s=0.0, serve_cpu_s_per_token=0.0,
-                           share_slowdown=())
+BASE = dataclasses.replace(load_perf_model("smollm2-135m-cpu"), cold_steps=0, request_s=0.0, request_token_s=0.0,
+                           handover_s=0.0, handover_token_s=0.0, handover_waits_prefill_step=False, step_extra_s=0.0,
+                           step_extra_seq_s=0.0, serve_cpu_s_per_token=0.0, background_cores=0.0, share_slowdown=())
 SLO = Slo(1e9, 1e9)
 # Processor sharing past one busy engine a core: two a core take twice as long.
 SHARING = ((0.0, 1.0), (1.0, 1.0), (2.0, 2.0))
@@ -128,6 +128,18 @@ def test_a_handover_waits_for_the_prefill_step_that_started_as_its_own_ended():
     assert decode_start(held[0], a) == pytest.approx(held[1].prefilled + 0.05, rel=1e-6)
     (alone,) = times(waits, [a])  # nothing behind it: no wait
     assert decode_start(alone, a) == pytest.approx(alone.first + 0.05, rel=1e-6)
+
+
+def test_prompts_done_in_the_last_step_together_hand_over_without_waiting():
+    m = dataclasses.replace(BASE, handover_s=0.05, handover_waits_prefill_step=True)
+    reqs = [SimRequest(0.0, 100, 3) for _ in range(4)]  # the first alone, the other three in one step
+    t = times(m, reqs)
+    assert all(x.done is not None for x in t)
+    last = max(x.prefilled for x in t)
+    assert t[0].done > last + 0.05  # the first waited for the step behind it
+    for x in t[1:]:  # the last step's three: nothing behind them
+        assert x.prefilled == pytest.approx(last)
+        assert x.done == pytest.approx(last + 0.05 + decode_s(m, 100, 3, 1.0), rel=0.2)
 
 
 def test_a_request_without_a_decode_slot_gets_its_first_token_when_one_frees():
