@@ -142,16 +142,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--perf-model", type=Path, default=None, help="write the table into this model file")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--samples", type=Path, default=None, help="take the runs from this --json output (no measuring)")
     a = p.parse_args(argv)
     cores = os.cpu_count() or 1
     rows = []  # (round, k, baseline, run)
-    for r in range(a.rounds):
+    when, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()[0]
+    if a.samples:
+        saved = json.loads(a.samples.read_text())
+        cores, when, load = saved["cores"], saved.get("when", "?"), saved.get("load_average", float("nan"))
+        rows = [(r, k, tuple(base), tuple(run)) for r, k, base, run in saved["rows"]]
+    for r in range(a.rounds if not a.samples else 0):
         for k in a.engines:
             base = run_k(1, a.seconds)
             run = run_k(k, a.seconds)
             rows.append((r, k, base, run))
             print(f"round {r + 1}, {k} engines: wall ratio {wall_ratio(run, base):.2f}, CPU ratio "
                   f"{cpu_ratio(run, base):.2f}; load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    if not a.samples:
+        when, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()[0]
     cpu: dict[int, list[float]] = {}
     for _, k, base, run in rows:
         cpu.setdefault(k, []).append(cpu_ratio(run, base))
@@ -166,14 +174,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{cpu_ratio(run, base):.2f} | {slowdown(k, cores, cpu_ratio(run, base)):.2f} |")
     print(json.dumps({"share_slowdown": table}))
     if a.json is not None:
-        a.json.write_text(json.dumps({"cores": cores, "rows": rows, "share_slowdown": table}) + "\n")
+        a.json.write_text(json.dumps({"cores": cores, "when": when, "load_average": load, "rows": rows,
+                                      "share_slowdown": table}) + "\n")
     if a.perf_model is not None:
         from pdserve.control.perf_model import load_perf_model
 
         m = load_perf_model(str(a.perf_model))
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        note = (f" share_slowdown measured by bench/core_sharing.py ({when}, {cores} cores, {a.rounds} rounds of "
-                f"{a.seconds:g} s, load average {os.getloadavg()[0]:.1f} at the end): k busy engines take "
+        rounds = len({r for r, *_ in rows})
+        note = (f" share_slowdown measured by bench/core_sharing.py ({when}, {cores} cores, {rounds} rounds, "
+                f"load average {load:.1f} at the end): k busy engines take "
                 "max(1, k / cores) times their CPU time, the CPU time's growth measured against one engine alone.")
         source = m.source.split(" share_slowdown measured")[0] + note
         a.perf_model.write_text(replace(m, share_slowdown=tuple(tuple(r) for r in table), source=source).to_json())

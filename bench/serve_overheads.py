@@ -100,10 +100,14 @@ class Served:
 
 
 def fit_cost(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """A cost `a + b x` with b >= 0: least squares, or where that slope is below zero (noise: a
-    cost does not fall as the work grows), the constrained fit, the mean and no slope."""
+    """A cost `a + b x` with a, b >= 0 (a cost neither falls as the work grows nor is below
+    zero; a fit that says so is noise): least squares under those bounds."""
     a, b = fit_line(xs, ys)
-    return (a, b) if b >= 0 else (statistics.fmean(ys), 0.0)
+    if b < 0:
+        return max(0.0, statistics.fmean(ys)), 0.0
+    if a < 0:
+        return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    return a, b
 
 
 def _cpu_s(stat_path: str) -> float:
@@ -356,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         samples, idle = asyncio.run(serve_all(a))
     o = overheads(samples, model, idle)
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    when = saved["when"] if a.samples else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if a.json is not None:
         a.json.write_text(json.dumps({"perf_model": model.name, "when": when, "load_average": os.getloadavg()[0],
                                       "costs": o, "idle_cores": idle, "samples": [asdict(s) for s in samples]}) + "\n")
