@@ -34,7 +34,7 @@ from pdserve.control.trace import SimRequest, load_trace
 from pdserve.engine.args import EngineArgs
 
 CPU = load_perf_model("smollm2-135m-cpu")
-WARM = dataclasses.replace(CPU, cold_steps=0, request_s=0.0)  # no slow first step, no request cost: exact step times
+WARM = dataclasses.replace(CPU, cold_steps=0, request_s=0.0, request_token_s=0.0)  # no slow first step, no request cost
 
 
 def test_the_trace_is_seeded_within_its_bounds_and_reads_back_as_the_simulators(tmp_path):
