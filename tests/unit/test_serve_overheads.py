@@ -72,6 +72,7 @@ def test_fit_line_and_its_refusal():
         fit_line([2, 2], [1, 3])
     assert fit_cost([1, 4], [0.01, 0.02]) == pytest.approx((0.01 - 0.01 / 3, 0.01 / 3))
     assert fit_cost([1, 4], [0.012, 0.008]) == pytest.approx((0.01, 0.0))  # no cost falls with the work
+    assert fit_cost([1, 4], [-0.001, 0.002]) == pytest.approx((0.0, 0.007 / 17))  # nor is below zero
 
 
 def test_the_share_table_is_processor_sharing_times_the_measured_cpu_growth():
