@@ -295,14 +295,7 @@ class _Sim:
         self.capacity.started(name)
         assert self.ctrl is not None
         self.ctrl.observe_start(self.model.start_s)
-        if pool is Role.DECODE:
-            self.decode[name] = SimDecode(name, self.model, now)
-            self.dp.add_worker(name)
-            self.admit(now)
-        else:
-            self.prefill[name] = self.new_prefill(name)
-            self.pp.add_worker(name)
-        self.sample(now, None)
+        self.join(name, pool, now)
 
     def retire(self, name: str, pool: Role, now: float) -> None:
         """Out of placement now; drained as for a flip, then gone."""
@@ -364,7 +357,11 @@ class _Sim:
         self.capacity.started(name)
         assert self.ctrl is not None
         self.ctrl.observe_flip(now - started)
-        if leaving is Role.PREFILL:
+        self.join(name, leaving.other, now)
+
+    def join(self, name: str, pool: Role, now: float) -> None:
+        """A worker (new, or flipped) enters `pool`'s placement."""
+        if pool is Role.DECODE:
             self.decode[name] = SimDecode(name, self.model, now)
             self.dp.add_worker(name)
             self.admit(now)
