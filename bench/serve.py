@@ -23,6 +23,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -63,6 +64,18 @@ def _error_message(body: str) -> str:
     return str(message) if message else body
 
 
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON objects of an OpenAI server-sent event stream, up to its `[DONE]`."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, req: Request, t0: float) -> RequestResult:
     body = {
         "model": cfg.model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
@@ -75,14 +88,7 @@ async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, req: Request, t0
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {_error_message(await resp.text())}"[:200]
             else:
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    obj = json.loads(data)
+                async for obj in sse_events(resp):
                     if "error" in obj:
                         error = str(obj["error"].get("message", obj["error"]))[:200]
                         break

@@ -49,6 +49,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.serve import sse_events
 from pdserve.control.perf_model import PerfModel, load_perf_model
 
 CPU_MODEL = "smollm2-135m-cpu"
@@ -256,14 +257,7 @@ async def stream(session, url: str, model_name: str, prompt: list[int], output: 
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            obj = json.loads(data)
+        async for obj in sse_events(resp):
             if "error" in obj:
                 raise RuntimeError(str(obj["error"])[:200])
             if obj.get("choices"):
