@@ -225,7 +225,7 @@ class LLMEngine:
         """Requests this engine still holds in any state: running, waiting, pinned for a
         transfer, or being imported. Zero: nothing but the prefix cache is in its KV pool."""
         s = self.scheduler
-        return len(s.running) + len(s.waiting) + len(s.pinned) + len(s.importing) + (self._inflight is not None)
+        return len(s.running) + len(s.ready) + len(s.waiting) + len(s.pinned) + len(s.importing) + (self._inflight is not None)
 
     def switch_role(self, role: Role) -> None:
         """Serve the other pool from now on (a P:D role flip), keeping the weights, the KV pool
@@ -288,7 +288,7 @@ class LLMEngine:
         cannot be launched blind: requests are waiting, the running set changed, a sequence
         is sure to stop at `scheduled` (length), or a KV block is missing."""
         sched = self.scheduler
-        if sched.waiting or len(sched.running) != len(scheduled):
+        if sched.waiting or sched.ready or len(sched.running) != len(scheduled):
             return None
         if any(a is not item.seq for a, item in zip(sched.running, scheduled)):
             return None
@@ -355,7 +355,7 @@ class LLMEngine:
             "kv_blocks_cached": b.cached,
             "kv_blocks_in_use": b.in_use,
             "running_requests": len(s.running),
-            "waiting_requests": len(s.waiting),
+            "waiting_requests": len(s.waiting) + len(s.ready),  # ready: imported, waiting for a place
             "pinned_requests": len(s.pinned),
             "preemptions": s.num_preemptions,
         }

@@ -9,8 +9,9 @@ several steps.
 Roles: ``both`` runs prompts to completion; ``prefill`` stops every sequence after its first token
 and keeps its KV blocks pinned until ``release_pinned``; ``decode`` also takes sequences whose
 prompt KV arrives from elsewhere (``begin_import`` allocates the blocks, matching its own prefix
-cache first, ``commit_import`` puts the sequence into the running batch). Every role recomputes
-after a preemption.
+cache first, ``commit_import`` puts the sequence into the running batch, or, while the batch
+holds ``max_num_seqs`` sequences, into ``ready``, from which it joins as soon as a place frees:
+a step never runs more than ``max_num_seqs`` sequences). Every role recomputes after a preemption.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.pinned: dict[str, Sequence] = {}
         self.importing: dict[str, Sequence] = {}
+        self.ready: deque[Sequence] = deque()  # imported, waiting for a place in the running batch
         self.num_preemptions = 0
 
     # ----- admission -----------------------------------------------------------------------
@@ -61,15 +63,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def find(self, request_id: str) -> Sequence | None:
-        for seq in self.running:
-            if seq.request_id == request_id:
-                return seq
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                return seq
+        for queue in (self.running, self.ready, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    return seq
         return self.pinned.get(request_id) or self.importing.get(request_id)
 
     # ----- one step ------------------------------------------------------------------------
@@ -78,6 +78,9 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted_any = False
+        # Imported sequences hold their blocks already: they take free places before new prompts.
+        while self.ready and len(self.running) < self.limits.max_num_seqs:
+            self.running.append(self.ready.popleft())
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -187,7 +190,10 @@ class Scheduler:
         self._register_full_blocks(seq, self.blocks.block_size)
         seq.token_ids.append(first_token)
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        if len(self.running) < self.limits.max_num_seqs:
+            self.running.append(seq)
+        else:
+            self.ready.append(seq)
         reason = self._stop_reason(seq, first_token)
         if reason is not None:
             self.finish(seq, reason)
@@ -244,7 +250,10 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish a sequence wherever it is and free its blocks (stop, length, abort)."""
         if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
+            if any(s is seq for s in self.running):
+                self.running.remove(seq)
+            else:
+                self.ready.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.PINNED:
