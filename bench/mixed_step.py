@@ -14,7 +14,9 @@ of bench/engine.py with random weights):
 each synchronized and timed alone, median of `--reps`. The baseline in the same run is the sum
 of the parts (prefill-only + decode-only): a mixed step at or below it costs nothing for being
 mixed; above it is what mixing adds (the decodes leave their graph, attention over two shapes).
-With `--profile`, a kernel breakdown of one mixed and one prefill-only step.
+With `--profile`, a kernel breakdown of one mixed and one prefill-only step. Each is measured
+with the prefill and mixed steps as piecewise CUDA graphs (the default) and without them
+(`--prefill-graphs both`, the default; `on` or `off` for one).
 
     python bench/mixed_step.py --device cuda [--batches 16,64] [--chunk 2048] [--context 3000] [--profile]
 """
@@ -133,30 +135,49 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=3000, help="the decoding sequences' prompt length")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill-graphs", default="both", choices=["both", "on", "off"],
+                    help="prefill and mixed steps as piecewise CUDA graphs, eager, or each in turn")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")
     batches = [int(b) for b in args.batches.split(",")]
     rng = random.Random(0)
+    modes = ["off", "on"] if args.prefill_graphs == "both" else [args.prefill_graphs]
+    rows, profiles = [], []
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(SHAPE_CONFIGS[args.shape]))
-        llm = LLM(
-            tmp, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", load_format="dummy",
-            max_model_len=8192, max_num_seqs=max(batches) + 1, max_num_batched_tokens=args.chunk + max(batches),
-            cuda_graph_max_batch=max(batches), enable_prefix_caching=False,
-            # Each step's outputs come back from that step (not the next one), so a step can be
-            # timed and checked alone.
-            overlap_decode=False,
-        )
-        rows = [measure(llm, b, args.chunk, args.context, args.reps, args.device, rng) for b in batches]
-        prof = profile_mixed(llm, max(batches), args.chunk, args.context, rng) if args.profile else ""
+        for mode in modes:
+            llm = LLM(
+                tmp, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", load_format="dummy",
+                max_model_len=8192, max_num_seqs=max(batches) + 1, max_num_batched_tokens=args.chunk + max(batches),
+                cuda_graph_max_batch=max(batches), enable_prefix_caching=False, prefill_cuda_graphs=mode == "on",
+                # Each step's outputs come back from that step (not the next one), so a step can be
+                # timed and checked alone.
+                overlap_decode=False,
+            )
+            graphs = llm.engine.runner.step_graphs is not None
+            for b in batches:
+                rows.append({"prefill_graphs": graphs, **measure(llm, b, args.chunk, args.context, args.reps, args.device, rng)})
+            if args.profile:
+                profiles.append(f"[prefill graphs {'on' if graphs else 'off'}]\n"
+                                + profile_mixed(llm, max(batches), args.chunk, args.context, rng))
+            del llm
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    prof = "\n".join(profiles)
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"{card}, {args.shape}, chunk {args.chunk}, decode context ~{args.context}")
+    base: dict[int, dict] = {}
+    for r in rows:
+        if not r["prefill_graphs"]:
+            base.setdefault(r["batch"], r)
     print(markdown_table(
-        ["decodes", "prefill-only ms", "decode-only ms", "mixed ms", "mixed / (prefill + decode)"],
-        [[str(r["batch"]), f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}", f"{r['mixed_ms']:.2f}",
-          f"{r['mixed_over_parts']:.2f}x"] for r in rows],
+        ["prefill graphs", "decodes", "prefill-only ms", "decode-only ms", "mixed ms", "mixed / (prefill + decode)",
+         "mixed vs eager"],
+        [["on" if r["prefill_graphs"] else "off", str(r["batch"]), f"{r['prefill_ms']:.2f}", f"{r['decode_ms']:.2f}",
+          f"{r['mixed_ms']:.2f}", f"{r['mixed_over_parts']:.2f}x",
+          f"{r['mixed_ms'] / base[r['batch']]['mixed_ms']:.2f}x" if r["batch"] in base else "-"] for r in rows],
     ))
     if prof:
         print(prof)

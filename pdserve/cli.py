@@ -55,6 +55,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="GPU: decode through pdserve's Triton kernels (split-KV attention; batch-1 matmuls with the "
         "norms and the greedy pick fused). Default: on wherever Triton imports; see docs/benchmarks.md",
     )
+    p.add_argument(
+        "--prefill-cuda-graphs", dest="prefill_cuda_graphs", action=argparse.BooleanOptionalAction, default=unset,
+        help="GPU: run prefill and mixed steps as CUDA graphs of everything but attention, by token count "
+        "(default: on wherever decode steps are CUDA graphs)",
+    )
 
 
 def _add_telemetry_args(p: argparse.ArgumentParser) -> None:

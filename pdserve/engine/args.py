@@ -27,6 +27,9 @@ class EngineArgs:
     # pick folded in. None: on wherever Triton >= 3.4 imports (NVIDIA GPUs, head_dim a power of
     # two >= 16); True: required (an error naming what is missing); False: off.
     triton_decode_kernels: bool | None = None
+    # Prefill and mixed steps as piecewise CUDA graphs (all but attention, by token bucket; see
+    # pdserve/engine/step_graphs.py). None or True: on wherever decode steps are CUDA graphs.
+    prefill_cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

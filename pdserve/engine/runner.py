@@ -27,6 +27,7 @@ from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.model.model import CausalLM, ForwardContext
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.step_graphs import StepGraphs, capture_step_graphs
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled: list[ScheduledSeq]
+    token_rows: torch.Tensor  # [4, T]: input_ids, positions, slot_block, slot_offset (one buffer)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class ModelRunner:
         self.backend = make_backend(cfg.attention_backend, self.device, cfg.dtype)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on
+        self.step_graphs: StepGraphs | None = None  # prefill and mixed steps, likewise
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_turn = 0
@@ -133,7 +136,8 @@ class ModelRunner:
             seq_lens_host=seq_lens,
         )
         return StepInputs(
-            input_ids=longs[:t], positions=longs[t : 2 * t], meta=meta, logits_indices=longs[4 * t :], sampled=sampled
+            input_ids=longs[:t], positions=longs[t : 2 * t], meta=meta, logits_indices=longs[4 * t :], sampled=sampled,
+            token_rows=longs[: 4 * t].view(4, t),
         )
 
     def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -197,7 +201,10 @@ class ModelRunner:
         inputs = self.prepare(scheduled, ahead)
         if previous_tokens is not None:
             inputs.input_ids.copy_(previous_tokens)
-        hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
+        if self.step_graphs is not None and self.step_graphs.fits(inputs.input_ids.shape[0]):
+            hidden = self.step_graphs.forward(inputs.token_rows, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
         if not inputs.sampled:
             return [], None, None
         return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None
@@ -228,10 +235,15 @@ class ModelRunner:
     # ----- CUDA graphs for decode steps ----------------------------------------------------
 
     def capture_cuda_graphs(self) -> None:
-        """Record the decode forward where CUDA graphs are on (see `cuda_graphs`)."""
+        """Record the decode forward where CUDA graphs are on (see `cuda_graphs`), and the
+        prefill and mixed steps' pieces around attention (see `step_graphs`)."""
         self.graphs = capture_decode_graphs(
             self.model, self.kv_pool, self.backend, self.cfg, self.max_model_len, self.scratch_block
         )
+        if self.graphs is not None and self.cfg.prefill_cuda_graphs is not False:
+            self.step_graphs = capture_step_graphs(
+                self.model, self.kv_pool, self.backend, self.cfg.max_num_batched_tokens, self.scratch_block
+            )
 
     @property
     def has_decode_graphs(self) -> bool:

@@ -360,6 +360,43 @@ def test_overlapped_decode_does_not_change_tokens(batch, tiny_model_factory, che
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_step_graphs_do_not_change_tokens(arch, tiny_model_factory, check_blocks_freed):
+    """Prefill and mixed steps as piecewise CUDA graphs (pdserve/engine/step_graphs.py) vs eager:
+    a 96-token budget chunks the longer prompts, so steps carry chunks beside running decodes,
+    and most steps pad up to their bucket."""
+    from pdserve import LLM, SamplingParams
+
+    model_dir, hf_cpu = tiny_model_factory(arch)
+    prompts = _prompts(hf_cpu.config.vocab_size, seed=300, lengths=(3, 9, 17, 30, 64, 100, 200, 333))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    results, used = {}, []
+    for graphs in (True, False):
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_batched_tokens=96,
+                  prefill_cuda_graphs=graphs)
+        check_blocks_freed(llm.engine)
+        step_graphs = llm.engine.runner.step_graphs
+        assert (step_graphs is not None) == graphs
+        if step_graphs is not None:
+            forward = step_graphs.forward
+            step_graphs.forward = lambda rows, meta: (used.append(rows.shape[1]), forward(rows, meta))[1]
+        results[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert any(t == 96 for t in used) and any(t not in (16, 32, 64, 96) for t in used), used
+    # As for the decode graphs: equal unless they first differ at a near-tie of the fp32 reference.
+    identical = 0
+    for p, a, b in zip(prompts, results[True], results[False]):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            row = hf_cpu(torch.tensor([p + a[:k]])).logits[0, -1].float()
+        gap = abs((row[a[k]] - row[b[k]]).item())
+        tol = max(TIE_ABS, 4 * _bf16_ulp(row.max().item()))
+        assert gap <= tol, f"step graphs and eager differ at token {k} ({a[k]} vs {b[k]}) by {gap:.4f} in fp32: not a near-tie"
+    assert identical >= len(prompts) - 2
+
+
 # ----- (d) the default model (SmolLM2-135M) in bf16 vs transformers ----------------------------
 
 

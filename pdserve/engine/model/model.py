@@ -100,19 +100,28 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
+        return self.o_proj(self.attend(self.project(x, positions, rotary, ctx), ctx))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
+        """Everything before attention: q [T, Hq, D] with RoPE applied; k and v (with RoPE) are
+        written into this layer's cache slots `ctx.meta.slot_block/slot_offset`."""
         q, k, v = self._heads(self.qkv_proj(x))
         k_cache = ctx.kv_pool[:, self.layer_idx, 0]
         v_cache = ctx.kv_pool[:, self.layer_idx, 1]
         fused = rotary.ops.rope_and_store_kv
         if fused is not None and q.is_cuda and self._half_pow2:
             # One kernel for RoPE and both cache writes (see triton_ops).
-            q = fused(q, k, v, rotary.cos, rotary.sin, positions, k_cache, v_cache, ctx.meta.slot_block, ctx.meta.slot_offset)
-        else:
-            q, k = rotary(q, k, positions)
-            write_kv(k, v, k_cache, v_cache, ctx.meta)
+            return fused(q, k, v, rotary.cos, rotary.sin, positions, k_cache, v_cache, ctx.meta.slot_block, ctx.meta.slot_offset)
+        q, k = rotary(q, k, positions)
+        write_kv(k, v, k_cache, v_cache, ctx.meta)
+        return q
+
+    def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Attention of `q` over the cache through `ctx.backend`: [T, Hq * D], before o_proj."""
+        k_cache = ctx.kv_pool[:, self.layer_idx, 0]
+        v_cache = ctx.kv_pool[:, self.layer_idx, 1]
         o = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return o.reshape(q.shape[0], self.q_size)
 
     def forward_batch1(
         self, residual: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext
@@ -158,10 +167,16 @@ class DecoderLayer(nn.Module):
         """h is `input_layernorm(residual)`; returns the new residual stream and `next_norm` of it.
         Each residual add happens inside the following norm (one fused kernel when compiled),
         in the reference order: add in the activation dtype, then normalise."""
+        attn = self.self_attn
+        return self.after_attention(residual, attn.attend(attn.project(h, positions, rotary, ctx), ctx), next_norm)
+
+    def after_attention(self, residual: torch.Tensor, o: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention output `o` [T, Hq * D] on: o_proj, the residual adds,
+        the MLP; returns the new residual stream and `next_norm` of it. Split from `forward`
+        where attention runs outside a CUDA graph (see step_graphs)."""
         ops = self.mlp.ops
-        a = self.self_attn(h, positions, rotary, ctx)
         post = self.post_attention_layernorm
-        residual, h = ops.add_rms_norm(residual, a, post.weight, post.eps)
+        residual, h = ops.add_rms_norm(residual, self.self_attn.o_proj(o), post.weight, post.eps)
         m = self.mlp(h)
         return ops.add_rms_norm(residual, m, next_norm.weight, next_norm.eps)
 
