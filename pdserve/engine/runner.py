@@ -18,6 +18,7 @@ import math
 import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
@@ -95,53 +96,63 @@ class ModelRunner:
         that each copy's fixed cost shows. `ahead=1`: a decode step one position past the
         computed tokens, whose input tokens are still on the device (left as 0 here)."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_block: list[int] = []
-        slot_offset: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_idx: list[int] = []
-        sampled: list[ScheduledSeq] = []
+        b = len(scheduled)
+        t = sum(item.num_new_tokens for item in scheduled)
+        sampled = [item for item in scheduled if item.sample]
         width = max(len(item.seq.block_ids) for item in scheduled)
-        tables: list[int] = []
-        for item in scheduled:
+        # Filled in numpy, not Python lists: a 2,048-token chunk is then a few array operations
+        # instead of several thousand list appends.
+        longs = np.empty(4 * t + len(sampled), dtype=np.int64)  # ids, positions, slot block, offset, logits rows
+        ints = np.zeros(2 * b + 1 + b * width, dtype=np.int32)  # cu_seqlens_q, seq_lens, block tables
+        ids, pos, slot_block, slot_offset = (longs[k * t : (k + 1) * t] for k in range(4))
+        cu, seq_lens, tables = ints[: b + 1], ints[b + 1 : 2 * b + 1], ints[2 * b + 1 :].reshape(b, width)
+        query_lens: list[int] = []
+        seq_lens_host: list[int] = []
+        logits_idx: list[int] = []
+        at = 0
+        for i, item in enumerate(scheduled):
             seq, start, n = item.seq, item.seq.num_computed_tokens + ahead, item.num_new_tokens
             blocks = seq.block_ids
-            input_ids += seq.token_ids[start : start + n] if not ahead else [0] * n
-            positions += range(start, start + n)
-            slot_block += [blocks[p // bs] for p in range(start, start + n)]
-            slot_offset += [p % bs for p in range(start, start + n)]
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
+            if n == 1:
+                ids[at] = 0 if ahead else seq.token_ids[start]
+                pos[at] = start
+                slot_block[at] = blocks[start // bs]
+                slot_offset[at] = start % bs
+            else:
+                where = np.arange(start, start + n)
+                ids[at : at + n] = 0 if ahead else seq.token_ids[start : start + n]
+                pos[at : at + n] = where
+                slot_block[at : at + n] = np.asarray(blocks)[where // bs]
+                slot_offset[at : at + n] = where % bs
+            at += n
+            cu[i + 1] = at
             query_lens.append(n)
-            tables += blocks
-            tables += [0] * (width - len(blocks))
+            seq_lens_host.append(start + n)
+            tables[i, : len(blocks)] = blocks
             if item.sample:
-                logits_idx.append(cu[-1] - 1)
-                sampled.append(item)
-        t, b = len(input_ids), len(scheduled)
-        longs = self._to_device(input_ids + positions + slot_block + slot_offset + logits_idx, torch.int64)
-        ints = self._to_device(cu + seq_lens + tables, torch.int32)
+                logits_idx.append(at - 1)
+        longs[4 * t :] = logits_idx
+        seq_lens[:] = seq_lens_host
+        longs_dev = self._to_device(longs)
+        ints_dev = self._to_device(ints)
         meta = AttentionMetadata(
-            slot_block=longs[2 * t : 3 * t],
-            slot_offset=longs[3 * t : 4 * t],
-            cu_seqlens_q=ints[: b + 1],
-            seq_lens=ints[b + 1 : 2 * b + 1],
-            block_tables=ints[2 * b + 1 :].view(b, width),
+            slot_block=longs_dev[2 * t : 3 * t],
+            slot_offset=longs_dev[3 * t : 4 * t],
+            cu_seqlens_q=ints_dev[: b + 1],
+            seq_lens=ints_dev[b + 1 : 2 * b + 1],
+            block_tables=ints_dev[2 * b + 1 :].view(b, width),
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            max_seq_len=max(seq_lens_host),
             query_lens=query_lens,
-            seq_lens_host=seq_lens,
+            seq_lens_host=seq_lens_host,
         )
         return StepInputs(
-            input_ids=longs[:t], positions=longs[t : 2 * t], meta=meta, logits_indices=longs[4 * t :], sampled=sampled,
-            token_rows=longs[: 4 * t].view(4, t),
+            input_ids=longs_dev[:t], positions=longs_dev[t : 2 * t], meta=meta, logits_indices=longs_dev[4 * t :],
+            sampled=sampled, token_rows=longs_dev[: 4 * t].view(4, t),
         )
 
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(values)
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
