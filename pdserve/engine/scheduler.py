@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocksError
 from pdserve.engine.config import Role
-from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.engine.sequence import SeqStatus, Sequence
 
 
 def admissible_prefix(full_block_hashes: list[int], num_tokens: int, block_size: int) -> list[int]:

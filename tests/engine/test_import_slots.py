@@ -27,7 +27,7 @@ def test_imports_past_max_num_seqs_wait_for_a_place_and_decode_exactly(tiny_mode
     prompts = [[(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(9 + 5 * i)] for i in range(5)]
     want = [o.token_ids for o in LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128).generate(prompts, PARAMS)]
 
-    options = dict(device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_num_seqs=MAX_SEQS)
+    options = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 128, "block_size": 4, "max_num_seqs": MAX_SEQS}
     producer = LLM(str(model_dir), role="prefill", **options).engine
     decoder = LLM(str(model_dir), role="decode", **options).engine
     check_blocks_freed(producer)
@@ -63,7 +63,7 @@ def test_imports_past_max_num_seqs_wait_for_a_place_and_decode_exactly(tiny_mode
 
 def test_an_aborted_import_that_waits_for_a_place_frees_its_blocks(tiny_model_factory, check_blocks_freed):
     model_dir, _ = tiny_model_factory("llama")
-    options = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=1)
+    options = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 1}
     decoder = LLM(str(model_dir), role="decode", **options).engine
     check_blocks_freed(decoder)
     for i in range(3):

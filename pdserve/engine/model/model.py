@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.model.cpu_linear import PackedLinear, pack_linears
 from pdserve.engine.model.ops import ElementwiseOps
 
