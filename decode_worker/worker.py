@@ -34,6 +34,11 @@ first included, come out through the same outbox and `poll`.
 An `abort` that finds nothing may have overtaken its request's `start`, `submit` or `prefetch`
 (the router stopped waiting while the call was on its way): the worker remembers it and refuses
 that call when it comes (`decode_worker.early_aborts`), so nothing decodes for nobody.
+
+If the engine loop crashes, `start`, `prefetch`, `submit`, `poll` and `kv_events` raise
+`EngineStopped` from then on, and a `poll` already waiting is woken to raise it: the router takes
+the worker out of placement and moves its streams at once, instead of each waiting out its
+token timeout. `health` still answers, with `engine_alive` false.
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ class DecodeWorker:
         self._early_aborts = EarlyAborts()  # aborted before their start, submit or prefetch came
         self._kv_events = engine.blocks.enable_events()  # the routers' prefix indexes follow them
         self._kv_cursors = KvEventCursors(self._kv_events.seq)  # one per router: each sees every change
-        self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
+        self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop", on_crash=self._crashed)
 
     def start(
         self,
@@ -150,6 +155,7 @@ class DecodeWorker:
         over. Returns at once, with the agent the prefill worker must send its progress to."""
         hashes = block_hashes(list(prompt_token_ids), self.engine.cfg.block_size)  # the handle's are checked at start
         with self.loop.lock:
+            self.loop.check()
             self._early_aborts.refuse(request_id)
             plan = self.engine.begin_import(prompt_token_ids, params, request_id, hashes)
             self._register(router_id, request_id)
@@ -208,6 +214,7 @@ class DecodeWorker:
                         "pdserve.prompt_tokens": len(prompt_token_ids)},
         ) as span:
             with self.loop.lock:
+                self.loop.check()
                 self._early_aborts.refuse(request_id)
                 cached = self.engine.cached_prompt_tokens(prompt_token_ids)
                 self.engine.add_request(list(prompt_token_ids), params, request_id)
@@ -232,6 +239,7 @@ class DecodeWorker:
         if margin < self.config.transfer_timeout_s:
             raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
         with self.loop.lock:
+            self.loop.check()
             prefetch = self._prefetches.pop(request_id, None)
             if prefetch is not None:
                 prefetch.claim()  # no READ of it starts from now on
@@ -338,6 +346,7 @@ class DecodeWorker:
         with self.loop.lock:
             if request_id in self._cancelled:
                 return done
+            self.loop.check()  # died during the READ: the router hands the request to another worker
             self.blocks_pulled += stats.num_blocks + len(prefetched)
             self.blocks_prefetched += len(prefetched)
             self.blocks_reused += len(plan.block_ids) - len(plan.pull_indices)
@@ -373,6 +382,7 @@ class DecodeWorker:
     ) -> None:
         # The first token was already sent to the client: continue after it.
         with self.loop.lock:
+            self.loop.check()
             self.engine.abort(request_id)
             self.engine.add_request(
                 list(prompt_token_ids) + [first_token],
@@ -400,7 +410,11 @@ class DecodeWorker:
         with self._outbox_ready:
             self._outboxes.touch(router_id, self._clock())
             if not self._outboxes.has(router_id, acked):
-                self._outbox_ready.wait_for(lambda: self._outboxes.has(router_id, acked), timeout_s)
+                # A crash wakes this wait (`_crashed`): it raises rather than sleeping its time out.
+                self._outbox_ready.wait_for(
+                    lambda: self.loop.error is not None or self._outboxes.has(router_id, acked), timeout_s
+                )
+            self.loop.check()
             out = self._outboxes.take(router_id, acked)
         return worker_pb2.TokenUpdates(updates=out)
 
@@ -456,9 +470,11 @@ class DecodeWorker:
     def kv_events(self, wait_s: float, full: bool = False, router_id: str = "") -> worker_pb2.KvEventBatch:
         """The prefix-cache changes since `router_id`'s last call (waiting up to wait_s for one),
         or with `full` a snapshot of every cached block hash; the batch also carries the KV headroom."""
+        self.loop.check()  # a dead engine's cache changes no more: the router must not wait on it
         if not full and not self._kv_cursors.ready(router_id):
             self._kv_events.wait(wait_s)
         with self.loop.lock:
+            self.loop.check()
             batch = self._kv_cursors.take(router_id, full, self._clock(), self.engine.blocks)
         return worker_pb2.KvEventBatch(**asdict(batch))
 
@@ -484,6 +500,11 @@ class DecodeWorker:
             for prefetch in self._prefetches.values():
                 prefetch.cancel()
         self.loop.stop()
+
+    def _crashed(self, exc: BaseException) -> None:
+        """The loop's crash callback (its thread): wake every waiting `poll`, which then raises."""
+        with self._outbox_ready:
+            self._outbox_ready.notify_all()
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:
         updates = [

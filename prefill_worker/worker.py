@@ -16,6 +16,10 @@ after each engine step which of the prompt's blocks have become final (`kv_trans
 ``progress`` notice), so it can READ them while later chunks compute. Blocks announced are lent
 (`prefill_worker.progress`): they stay intact until the request's KV is pulled, released or its
 lease expires, even if the request is preempted or aborted meanwhile.
+
+If the engine loop crashes, `prefill` and `kv_events` raise `EngineStopped` from then on, and
+every prefill already waiting fails with it at once rather than at its deadline; `health` still
+answers, with `engine_alive` false.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
 from pdserve.engine.kv_event_cursors import KvEventCursors
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.loop import EngineLoop, EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
@@ -86,7 +90,7 @@ class PrefillWorker:
         self.lease_expiries = 0
         self._kv_events = engine.blocks.enable_events()  # the routers' prefix indexes follow them
         self._kv_cursors = KvEventCursors(self._kv_events.seq)  # one per router: each sees every change
-        self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop")
+        self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop", on_crash=self._crashed)
 
     def prefill(
         self,
@@ -139,6 +143,7 @@ class PrefillWorker:
         fut: Future[PinnedKv] = Future()
         traced = span.is_recording()
         with self.loop.lock:
+            self.loop.check()
             if self._early_releases.take(request_id):
                 raise PrefillCancelled(f"request {request_id} was released before its prefill arrived")
             self.engine.add_request(ids, params, request_id)
@@ -197,9 +202,11 @@ class PrefillWorker:
     def kv_events(self, wait_s: float, full: bool = False, router_id: str = "") -> worker_pb2.KvEventBatch:
         """The prefix-cache changes since `router_id`'s last call (waiting up to wait_s for one),
         or with `full` a snapshot of every cached block hash."""
+        self.loop.check()  # a dead engine's cache changes no more: the router must not wait on it
         if not full and not self._kv_cursors.ready(router_id):
             self._kv_events.wait(wait_s)
         with self.loop.lock:
+            self.loop.check()
             batch = self._kv_cursors.take(router_id, full, self._clock(), self.engine.blocks)
         return worker_pb2.KvEventBatch(**asdict(batch))
 
@@ -209,6 +216,15 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.loop.stop()
+
+    def _crashed(self, exc: BaseException) -> None:
+        """The loop's crash callback (its thread, outside the lock): no waiting prefill will
+        finish, so each fails now, not at its deadline."""
+        with self.loop.lock:
+            pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(EngineStopped.of(self.loop.name, exc))
 
     # ----- loop callbacks (under the loop's lock) --------------------------------------------
 

@@ -4,7 +4,8 @@ Protocols, over an invoker that runs a named worker method with its arguments.
 Hosts differ only in the invoker: a Ray actor (`pdserve.cluster.actors.ray_invoker`) or an
 object in this process (`local_invoker`: tests and single-process serving). Every call runs
 under its deadline, and failures become `RouterError`s: `worker_failed` where the worker itself
-failed the call (died, unreachable, past the deadline), so the router moves the request on.
+failed the call (died, unreachable, past the deadline, its engine loop stopped), so the router
+moves the request on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import grpc
 from kv_transfer.compat import KvCompatError
 from pdserve.cluster.worker_host import WrongRole
 from pdserve.engine.block_manager import NoFreeBlocksError
+from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
@@ -196,6 +198,10 @@ def _worker_error(exc: BaseException, what: str) -> RouterError:
     if isinstance(exc, WrongRole):
         # A placement that reached the worker after it flipped: it has left this pool. The
         # router treats it as gone from the pool and places the request on another worker.
+        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {short_reason(exc)}", worker_failed=True)
+    if isinstance(exc, EngineStopped):
+        # Its engine loop crashed: alive enough to answer, but it will serve nothing more. The
+        # router takes it out of placement and moves its requests, as for a dead worker.
         return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {short_reason(exc)}", worker_failed=True)
     if isinstance(exc, NoFreeBlocksError):
         log.info("%s: %s", what, exc)

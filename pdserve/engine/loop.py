@@ -4,6 +4,10 @@ Callers mutate the engine only under `lock`; the loop holds it for one step at a
 request added between steps joins the next one. `on_step` sees every step's outputs and `tick`
 runs once per iteration (notifications, lease expiry), both under the lock.
 
+A loop that raises stops for good and keeps the error: `check` then raises `EngineStopped`, so
+a worker refuses work at once instead of queueing it for a loop that will never step, and
+`on_crash` lets the worker fail what was already waiting on the loop.
+
 The lock is handed to waiting callers between steps before the loop takes it again. A plain
 lock is not fair: the loop thread releases it and re-acquires it at once, and a caller
 waiting to add or import a request could wait many steps (seconds, with 20 ms steps).
@@ -15,10 +19,23 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+if TYPE_CHECKING:  # the router imports `EngineStopped` from here, and runs without torch
+    from pdserve.engine.engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop died with an error: nothing this worker's engine is given will run.
+
+    Built from its message alone, so it survives pickling (a Ray actor's error reaches the
+    router as a subclass of this type, rebuilt from its `args`)."""
+
+    @classmethod
+    def of(cls, loop_name: str, cause: BaseException) -> EngineStopped:
+        return cls(f"the engine loop of {loop_name} stopped: {type(cause).__name__}: {cause}")
 
 
 class StepLock:
@@ -67,11 +84,14 @@ class EngineLoop:
         idle_wait_s: float = 0.002,
         name: str = "engine-loop",
         handover_wait_s: float = 0.05,
+        on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.name = name
         self.lock = StepLock()
         self._on_step = on_step
         self._tick = tick
+        self._on_crash = on_crash  # once, on the loop's thread, after the error is recorded
         self._idle_wait_s = idle_wait_s
         self._handover_wait_s = handover_wait_s  # longest the loop waits for callers between steps
         self._wake = threading.Event()
@@ -95,7 +115,15 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """False from the moment the loop crashed (before its thread has quite ended) or stopped."""
+        return self.error is None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise `EngineStopped` if the loop died with an error. Called under `lock`, a check
+        that passes means any request added in the same hold is seen by `on_crash`."""
+        error = self.error
+        if error is not None:
+            raise EngineStopped.of(self.name, error)
 
     def _run(self) -> None:
         try:
@@ -112,5 +140,16 @@ class EngineLoop:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # a dead loop must be visible to callers, not silent
-            log.exception("engine loop crashed")
+            log.exception("engine loop %s crashed", self.name)
             self.error = exc
+            self._crashed(exc)
+
+    def _crashed(self, exc: BaseException) -> None:
+        """Tell the owner, outside the step lock (its callback takes the locks it needs); a
+        callback that fails is logged: the loop is already dead, and `check` reports that."""
+        if self._on_crash is None:
+            return
+        try:
+            self._on_crash(exc)
+        except Exception:
+            log.exception("engine loop %s: its crash callback failed", self.name)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUTER_MODULES = (
     "router.router", "router.grpc_server", "router.http_server",
     "router.policy", "router.placement", "router.scoring", "router.ring", "router.prefix_index",
-    "router.recent_load", "bench.placement",
+    "router.recent_load", "bench.placement", "pdserve.cluster.worker_client",
 )
 
 
