@@ -264,6 +264,9 @@ class Router:
             if d_at is not None:
                 pools.decode_policy.finish(d_at)
             full = "decode" if d_at is None else "prefill"
+            if not (pools.decode_policy if full == "decode" else pools.prefill_policy).workers:
+                # Nothing to wait for: every worker of the pool is down or leaving it.
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{full} pool: no worker in placement")
             hint = retry_after_ms(self.queues[full].recent_queue_s)
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{full} pool: every worker is at capacity; retry after {hint} ms", retry_after_ms=hint)
