@@ -51,8 +51,22 @@ def stream(channel: grpc.Channel, ids: list[int]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
+def T(msg):
+    import sys
+    print(time.strftime("%H:%M:%S"), "TEST", msg, file=sys.stderr, flush=True)
+
+
 def test_an_overload_no_flip_helps_adds_a_worker_actor(loop_thread, cluster, channel, offline, wait_until, blocks_free):
+    T("call start")
+    ctl = cluster.control.loop.controller
+    orig = ctl.decide
+    def decide(sig, m):
+        d = orig(sig, m)
+        T(f"decide {d.action} load p={d.load_prefill:.2f} d={d.load_decode:.2f} itl={sig.itl_p90_ms} seqs={sig.decode_seqs} req/s={sig.arriving_requests_s:.2f} {d.reason[:80]}")
+        return d
+    ctl.decide = decide
     want = [o.token_ids for o in offline.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
+    T("offline done")
     admin = pbg.AdminStub(channel)
     state = admin.GetController(pb.GetControllerRequest(), timeout=30)
     assert state.enabled and state.max_workers == 3 and state.workers_held == 2
@@ -67,6 +81,7 @@ def test_an_overload_no_flip_helps_adds_a_worker_actor(loop_thread, cluster, cha
             wave = [pool.submit(stream, channel, p) for p in PROMPTS]
             results += [f.result(timeout=300) for f in wave]
             expected += want
+            T("wave done")
             if any(c.ok for c in scaler.changes):
                 break
     assert results == expected, "a stream differs from offline generate"
@@ -78,7 +93,9 @@ def test_an_overload_no_flip_helps_adds_a_worker_actor(loop_thread, cluster, cha
     assert 0 < state.start_s
 
     # The new worker serves exactly (placement reaches it among the others), and everything is freed.
+    T("seq16 start")
     assert [stream(channel, p) for p in PROMPTS * 2] == want * 2
+    T("seq16 done")
     wait_until(blocks_free(channel), 30, "every KV block to be freed")
 
     with urllib.request.urlopen(f"http://{cluster.metrics_address}/metrics", timeout=10) as r:
@@ -98,12 +115,16 @@ def test_an_overload_no_flip_helps_adds_a_worker_actor(loop_thread, cluster, cha
 
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
         wave = [ex.submit(stream, channel, p) for p in PROMPTS]
+        T("removal wave start")
         gone = loop_thread.run(remove())
         assert gone is not None
         assert [f.result(timeout=300) for f in wave] == want
     wait_until(lambda: any(c.action == "remove" for c in scaler.changes), 120, "the removal to finish")
+    T("removal done")
     removal = next(c for c in scaler.changes if c.action == "remove")
     assert removal.ok and removal.worker_id == gone, removal
     assert scaler.held() == 2 and gone not in {*cluster.router.pools.prefills, *cluster.router.pools.decodes}
+    T("seq8 start")
     assert [stream(channel, p) for p in PROMPTS] == want
+    T("seq8 done")
     wait_until(blocks_free(channel), 30, "every KV block to be freed")
