@@ -17,12 +17,17 @@ For every prompt after the warm-up, the transfer descriptors its KV needs are co
 ``MAX_BLOCKS_PER_DESCRIPTOR``). Allocation cost is the wall time inside ``allocate`` and
 ``release`` over the whole run, per block handed out (CPU timings: noisy on a shared machine).
 
-    python bench/block_churn.py [--requests 3000] [--pool-blocks 8192] [--arrive-every 3] [--seed 0] [--json out.json]
+With ``--prefix-cache`` every block is registered in the prefix cache (under a hash of its own,
+so nothing is ever hit): freed blocks stay cached and, once the pool is full of them, every
+allocation evicts, least recently used first. That is a serving worker's steady state.
+
+    python bench/block_churn.py [--requests 3000] [--pool-blocks 8192] [--arrive-every 3] [--prefix-cache] [--seed 0] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -55,6 +60,7 @@ class ChurnConfig:
     max_prefills: int = 4  # prompts being prefilled at once
     grow_every: int = 4  # a decoding sequence takes a block every this many steps
     arrive_every: int = 3  # a request arrives every this many steps (0: all at once, pools saturated)
+    prefix_cache: bool = False  # every block registered: freed blocks stay cached until evicted
     seed: int = 0
 
 
@@ -83,13 +89,18 @@ class ChurnResult:
 def simulate(cfg: ChurnConfig, free_list: str) -> ChurnResult:
     rng = random.Random(cfg.seed)  # the same requests for every free list
     make = FREE_LISTS[free_list]
-    pre = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=False, free_list=make)
-    dec = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=False, free_list=make)
+    pre = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=cfg.prefix_cache, free_list=make)
+    dec = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=cfg.prefix_cache, free_list=make)
     res = ChurnResult(free_list)
+    hashes = itertools.count(1)
 
     def alloc(bm: BlockManager, n: int, after: int | None, room: int = 0) -> list[int]:
         res.blocks_allocated += n
-        return res.alloc.run(bm.allocate, n, after=after, room=room)  # type: ignore[return-value]
+        got: list[int] = res.alloc.run(bm.allocate, n, after=after, room=room)  # type: ignore[assignment]
+        if cfg.prefix_cache:
+            for b in got:
+                bm.register(b, next(hashes))
+        return got
 
     queue = [
         (rng.randint(*cfg.prompt_blocks), rng.randint(*cfg.output_blocks)) for _ in range(cfg.requests)
@@ -173,6 +184,7 @@ def main() -> None:
         default=ChurnConfig.arrive_every,
         help="steps between arrivals (0: every request queued at the start, both pools saturated)",
     )
+    ap.add_argument("--prefix-cache", action="store_true", help="freed blocks stay cached until evicted")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
     args = ap.parse_args()
     if args.requests <= ChurnConfig.warmup:
@@ -181,7 +193,8 @@ def main() -> None:
         ap.error("--pool-blocks must hold at least one longest request")
     if args.arrive_every < 0:
         ap.error("--arrive-every must be >= 0")
-    cfg = ChurnConfig(pool_blocks=args.pool_blocks, requests=args.requests, seed=args.seed, arrive_every=args.arrive_every)
+    cfg = ChurnConfig(pool_blocks=args.pool_blocks, requests=args.requests, seed=args.seed,
+                      arrive_every=args.arrive_every, prefix_cache=args.prefix_cache)
     rows = [summarize(simulate(cfg, name)) for name in FREE_LISTS]
     info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
