@@ -59,6 +59,7 @@ from bench.gpu_serve_plan import (
     describe,
     launch,
     parse_rates,
+    parse_variants,
     requests_per_run,
     select_servers,
 )
@@ -396,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", default=sys.executable, help="the interpreter for vLLM (default: this one)")
     p.add_argument("--pdserve-site", default=None, help="pdserve's site folder, put on pdserve's PYTHONPATH")
     p.add_argument("--pdserve-args", default="", help="extra `pdserve serve` flags, one string")
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="define a pdserve variant: `--servers pdserve-1p1d,pdserve-1p1d+NAME` runs both, the second "
+        "with FLAGS added (e.g. --variant eager=--no-prefill-cuda-graphs); repeatable",
+    )
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags, one string")
     p.add_argument("--dry-run", action="store_true", help="print the plan; start nothing")
     p.add_argument("--report-only", action="store_true", help="rebuild the table and plot from --out")
@@ -437,7 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"gpu_serve: --workloads: unknown {', '.join(unknown)}", file=sys.stderr)
         return 2
-    servers = select_servers(args.gpus, args.servers, args.vllm_pd)
+    try:
+        servers = select_servers(args.gpus, args.servers, args.vllm_pd, parse_variants(args.variant))
+    except ValueError as exc:
+        print(f"gpu_serve: {exc}", file=sys.stderr)
+        return 2
     order = tuple(s.name for s in servers)
     if args.report_only:
         print(write_report(out, workloads, order))

@@ -10,7 +10,7 @@ import math
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.serve_workload import Request, Shape, lognormal, prefix_groups
@@ -102,6 +102,7 @@ class Server:
     gpus: int
     prefill: int = 0
     decode: int = 0
+    args: tuple[str, ...] = ()  # a variant's own `pdserve serve` flags (NAME+VARIANT)
 
     @property
     def is_vllm(self) -> bool:
@@ -125,16 +126,44 @@ SERVERS: dict[int, tuple[Server, ...]] = {
 OPTIONAL = {"vllm-1p1d"}  # run only when named (--servers) or with --vllm-pd
 
 
-def select_servers(gpus: int, names: Sequence[str] | None, with_optional: bool) -> list[Server]:
+def select_servers(
+    gpus: int, names: Sequence[str] | None, with_optional: bool, variants: Mapping[str, tuple[str, ...]] | None = None
+) -> list[Server]:
+    """The configurations to run. A name `BASE+VARIANT` is pdserve configuration BASE started
+    with the flags `variants[VARIANT]` added (e.g. `pdserve-1p1d+eager`), so that a setting is
+    compared on and off within one invocation, on one machine."""
     if gpus not in SERVERS:
         raise ValueError(f"--gpus: {gpus}; one of {', '.join(map(str, SERVERS))}")
     known = {s.name: s for s in SERVERS[gpus]}
-    if names:
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise ValueError(f"--servers: unknown {', '.join(unknown)} for {gpus} GPUs; one of {', '.join(known)}")
-        return [known[n] for n in names]
-    return [s for s in SERVERS[gpus] if s.name not in OPTIONAL or with_optional]
+    variants = variants or {}
+    if not names:
+        return [s for s in SERVERS[gpus] if s.name not in OPTIONAL or with_optional]
+    unknown = [n for n in names if n.split("+", 1)[0] not in known]
+    if unknown:
+        raise ValueError(f"--servers: unknown {', '.join(unknown)} for {gpus} GPUs; one of {', '.join(known)}")
+    out = []
+    for name in names:
+        base, _, variant = name.partition("+")
+        server = known[base]
+        if variant:
+            if variant not in variants:
+                raise ValueError(f"--servers: {name}: no --variant {variant}=FLAGS given")
+            if server.kind != "pdserve":
+                raise ValueError(f"--servers: {name}: variants are for pdserve configurations")
+            server = replace(server, name=name, args=variants[variant])
+        out.append(server)
+    return out
+
+
+def parse_variants(specs: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """`--variant NAME=FLAGS` options (FLAGS one shell-quoted string) as {NAME: flags}."""
+    out: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or "+" in name or "," in name:
+            raise ValueError(f"--variant: {spec!r}; expected NAME=FLAGS, NAME without '+' or ','")
+        out[name] = tuple(shlex.split(flags))
+    return out
 
 
 @dataclass(frozen=True)
@@ -242,7 +271,7 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
             flags["--metrics-port"] = metrics_port
         # -v: the workers' output (their exceptions included) goes to the server's log, which
         # otherwise holds the driver's lines only.
-        argv = (ctx.python, "-m", "pdserve.cli", "-v", "serve", *_flags(flags), *ctx.pdserve_args)
+        argv = (ctx.python, "-m", "pdserve.cli", "-v", "serve", *_flags(flags), *ctx.pdserve_args, *server.args)
         env = {"PYTHONPATH": pdserve_pythonpath(ctx), "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
         if ctx.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = devices

@@ -26,6 +26,7 @@ from bench.gpu_serve_plan import (
     describe,
     launch,
     parse_rates,
+    parse_variants,
     requests_per_run,
     select_servers,
 )
@@ -50,6 +51,23 @@ def test_servers_by_gpu_count_and_names():
         select_servers(2, ["vllm-dp4"], False)
     with pytest.raises(ValueError, match="--gpus"):
         select_servers(3, None, False)
+
+
+def test_a_pdserve_variant_is_its_base_with_flags_added():
+    variants = parse_variants(["eager=--no-prefill-cuda-graphs", "overlap=--kv-transfer-overlap --max-num-seqs 32"])
+    assert variants == {"eager": ("--no-prefill-cuda-graphs",), "overlap": ("--kv-transfer-overlap", "--max-num-seqs", "32")}
+    base, eager = select_servers(2, ["pdserve-1p1d", "pdserve-1p1d+eager"], False, variants)
+    assert (eager.name, eager.prefill, eager.decode, eager.args) == ("pdserve-1p1d+eager", 1, 1, ("--no-prefill-cuda-graphs",))
+    argv = list(launch(eager, CTX, 8100).processes[0].argv)
+    assert argv[-1] == "--no-prefill-cuda-graphs" and "--no-prefill-cuda-graphs" not in launch(base, CTX, 8100).processes[0].argv
+    with pytest.raises(ValueError, match="no --variant fast=FLAGS"):
+        select_servers(2, ["pdserve-1p1d+fast"], False, variants)
+    with pytest.raises(ValueError, match="variants are for pdserve"):
+        select_servers(2, ["vllm-dp2+eager"], False, variants)
+    with pytest.raises(ValueError, match="unknown pdserve-9p9d"):
+        select_servers(2, ["pdserve-9p9d+eager"], False, variants)
+    with pytest.raises(ValueError, match="^--variant:"):
+        parse_variants(["eager"])
 
 
 def test_pdserve_command_and_environment():
