@@ -103,8 +103,10 @@ def test_flip_prefill_to_decode_under_load_then_back_moving_streams(
     assert pools(cluster) == (["prefill-0", "prefill-1"], ["decode-0"])
     wait_until(blocks_free(channel), 30, "every KV block to be freed after the flips")
 
-    # Served by the flipped workers in their new roles, still exact.
-    assert [stream(channel, p, 48) for p in PROMPTS] == want
+    # Served by the flipped workers in their new roles, still exact (the four streams at once, as
+    # during the flips).
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(lambda p: stream(channel, p, 48), PROMPTS)) == want
     counted = role_changes(cluster)
     assert counted.get(("prefill", "decode")) == 1 and counted.get(("decode", "prefill")) == 1
 
