@@ -299,6 +299,23 @@ def test_bf16_batch1_decode_matches_transformers(tiny_model_factory, check_block
 # ----- (c) CUDA graphs on vs off ---------------------------------------------------------------
 
 
+def _identical_or_near_ties(hf_cpu, prompts, got, want, what: str) -> int:
+    """How many prompts' token lists are equal; each that is not must first differ at a
+    near-tie of the fp32 reference `hf_cpu` (asserted)."""
+    identical = 0
+    for p, a, b in zip(prompts, got, want):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            row = hf_cpu(torch.tensor([p + a[:k]])).logits[0, -1].float()
+        gap = abs((row[a[k]] - row[b[k]]).item())
+        tol = max(TIE_ABS, 4 * _bf16_ulp(row.max().item()))
+        assert gap <= tol, f"{what} differ at token {k} ({a[k]} vs {b[k]}) by {gap:.4f} in fp32: not a near-tie"
+    return identical
+
+
 @pytest.mark.parametrize("batch", [8, 5])  # 8 is a captured size; 5 replays the size-8 graph padded
 @pytest.mark.parametrize("kernels", [False, True])  # graphs through flash-attn, or the split-KV kernel
 def test_cuda_graphs_do_not_change_tokens(batch, kernels, tiny_model_factory, check_blocks_freed):
@@ -322,17 +339,7 @@ def test_cuda_graphs_do_not_change_tokens(batch, kernels, tiny_model_factory, ch
     # Graph replay and eager launches may get different cuBLAS kernels (the choice depends on the
     # process's history: run after the two-GPU test, 2 of 8 prompts flipped, at fp32 gaps of
     # 0.0009 and 0.0037), so the bf16 tokens are equal unless they first differ at a near-tie.
-    identical = 0
-    for p, a, b in zip(prompts, results[True], results[False]):
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if k is None:
-            identical += 1
-            continue
-        with torch.no_grad():
-            row = hf_cpu(torch.tensor([p + a[:k]])).logits[0, -1].float()
-        gap = abs((row[a[k]] - row[b[k]]).item())
-        tol = max(TIE_ABS, 4 * _bf16_ulp(row.max().item()))
-        assert gap <= tol, f"graphs and eager differ at token {k} ({a[k]} vs {b[k]}) by {gap:.4f} in fp32: not a near-tie"
+    identical = _identical_or_near_ties(hf_cpu, prompts, results[True], results[False], "graphs and eager")
     assert identical >= len(prompts) // 2
 
 
@@ -379,21 +386,11 @@ def test_step_graphs_do_not_change_tokens(arch, tiny_model_factory, check_blocks
         assert (step_graphs is not None) == graphs
         if step_graphs is not None:
             forward = step_graphs.forward
-            step_graphs.forward = lambda rows, meta: (used.append(rows.shape[1]), forward(rows, meta))[1]
+            step_graphs.forward = lambda rows, meta, forward=forward: (used.append(rows.shape[1]), forward(rows, meta))[1]
         results[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
     assert any(t == 96 for t in used) and any(t not in (16, 32, 64, 96) for t in used), used
     # As for the decode graphs: equal unless they first differ at a near-tie of the fp32 reference.
-    identical = 0
-    for p, a, b in zip(prompts, results[True], results[False]):
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if k is None:
-            identical += 1
-            continue
-        with torch.no_grad():
-            row = hf_cpu(torch.tensor([p + a[:k]])).logits[0, -1].float()
-        gap = abs((row[a[k]] - row[b[k]]).item())
-        tol = max(TIE_ABS, 4 * _bf16_ulp(row.max().item()))
-        assert gap <= tol, f"step graphs and eager differ at token {k} ({a[k]} vs {b[k]}) by {gap:.4f} in fp32: not a near-tie"
+    identical = _identical_or_near_ties(hf_cpu, prompts, results[True], results[False], "step graphs and eager")
     assert identical >= len(prompts) - 2
 
 
