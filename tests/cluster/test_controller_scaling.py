@@ -28,6 +28,7 @@ from pdserve.control.signals import Role, Slo
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
+from tests.cluster.greedy_streams import greedy_stream, greedy_streams
 
 pytestmark = pytest.mark.cluster
 
@@ -63,15 +64,11 @@ def cluster(loop_thread: Any, perf_model: str) -> Iterator[Cluster]:
 
 
 def stream(channel: grpc.Channel, ids: list[int]) -> list[int]:
-    params = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    chunks = pbg.InferenceStub(channel).Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling_params=params), timeout=300)
-    return [t for c in chunks for t in c.token_ids]
+    return greedy_stream(channel, ids, MAX_TOKENS)
 
 
 def streams(channel: grpc.Channel, prompts: list[list[int]]) -> list[list[int]]:
-    """Every prompt streamed at once; the tokens in the prompts' order."""
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda ids: stream(channel, ids), prompts))
+    return greedy_streams(channel, prompts, MAX_TOKENS)
 
 
 def test_an_overload_no_flip_helps_adds_a_worker_actor(loop_thread, cluster, channel, offline, wait_until, blocks_free):

@@ -22,8 +22,7 @@ from pdserve.cluster.role_flip import FlipInFlight, FlipRefused
 from pdserve.cluster.serve import Cluster
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
-from pdserve_proto import inference_pb2 as pb
-from pdserve_proto import inference_pb2_grpc as pbg
+from tests.cluster.greedy_streams import greedy_stream, greedy_streams
 from tests.cluster.otlp import OtlpReceiver
 
 pytestmark = pytest.mark.cluster
@@ -51,9 +50,7 @@ def cluster(loop_thread: Any, receiver: OtlpReceiver) -> Iterator[Cluster]:
 
 
 def stream(channel: grpc.Channel, ids: list[int], max_tokens: int) -> list[int]:
-    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    chunks = pbg.InferenceStub(channel).Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling_params=params), timeout=180)
-    return [t for c in chunks for t in c.token_ids]
+    return greedy_stream(channel, ids, max_tokens, timeout_s=180)
 
 
 def expected(offline: Any, max_tokens: int) -> list[list[int]]:
@@ -105,8 +102,7 @@ def test_flip_prefill_to_decode_under_load_then_back_moving_streams(
 
     # Served by the flipped workers in their new roles, still exact (the four streams at once, as
     # during the flips).
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        assert list(pool.map(lambda p: stream(channel, p, 48), PROMPTS)) == want
+    assert greedy_streams(channel, PROMPTS, 48, timeout_s=180) == want
     counted = role_changes(cluster)
     assert counted.get(("prefill", "decode")) == 1 and counted.get(("decode", "prefill")) == 1
 
