@@ -11,17 +11,14 @@ import time
 import pytest
 import torch
 
+from tests.gpu.random_llama import LLAMA_1024, one_at_a_time
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
-    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-}
+CONFIG = LLAMA_1024
 
 
 def _engine(model_dir, device, role):
@@ -47,13 +44,7 @@ def test_disaggregated_tokens_equal_single_gpu(tmp_path):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
     single = _engine(tmp_path, "cuda:0", "both")
-    expected = []
-    for i, p in enumerate(prompts):
-        single.add_request(p, params, f"r{i}")
-        out = []
-        while single.has_unfinished():
-            out += [o for o in single.step() if o.finished]
-        expected.append(out[0].token_ids)
+    expected = one_at_a_time(single, prompts, params)
     del single
     torch.cuda.empty_cache()
 

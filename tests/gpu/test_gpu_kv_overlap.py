@@ -14,17 +14,14 @@ import time
 import pytest
 import torch
 
+from tests.gpu.random_llama import LLAMA_1024, one_at_a_time
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
-    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-}
+CONFIG = {**LLAMA_1024, "max_position_embeddings": 8192}
 CHUNK = 256  # tokens per prefill step: the prompts below take 4 to 16 steps
 
 
@@ -52,13 +49,7 @@ def test_overlapped_transfer_tokens_equal_single_gpu(tmp_path):
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
     single = _engine(tmp_path, "cuda:0", "both")
-    expected = []
-    for i, p in enumerate(prompts):
-        single.add_request(p, params, f"r{i}")
-        out = []
-        while single.has_unfinished():
-            out += [o for o in single.step() if o.finished]
-        expected.append(out[0].token_ids)
+    expected = one_at_a_time(single, prompts, params)
     del single
     torch.cuda.empty_cache()
 

@@ -11,6 +11,8 @@ import asyncio
 import pytest
 import torch
 
+from tests.gpu.random_llama import LLAMA_1024
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -23,12 +25,7 @@ PROMPT = list(range(200, 232))
 MAX_TOKENS = 8
 # A random-weight Llama directory (bench/random_model.py): the default model needs `gguf`, which a
 # GPU host may not have.
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
-    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-}  # fmt: skip
+CONFIG = LLAMA_1024
 
 
 async def _scenario(model_dir: str) -> tuple[list[int], list]:

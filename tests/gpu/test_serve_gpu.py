@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.random_llama import LLAMA_1024
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -35,12 +37,7 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
-    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-}  # fmt: skip
+CONFIG = LLAMA_1024
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 2048
 KV_BLOCKS = 1024  # small pools: the offline engine and the server never hold a GPU's memory at once anyway
