@@ -250,10 +250,11 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish a sequence wherever it is and free its blocks (stop, length, abort)."""
         if seq.status is SeqStatus.RUNNING:
-            if any(s is seq for s in self.running):
-                self.running.remove(seq)
-            else:
+            # `ready` is almost always empty: look there first, and scan `running` only once.
+            if any(s is seq for s in self.ready):
                 self.ready.remove(seq)
+            else:
+                self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.PINNED:
