@@ -432,7 +432,7 @@ def test_default_model_bf16_matches_transformers(check_blocks_freed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hk,d", [(32, 8, 64), (8, 8, 128), (4, 2, 16)])
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 64), (8, 8, 128), (4, 2, 16), (14, 2, 64)])
 def test_fused_rope_and_kv_write_match_the_unfused_ops(dtype, hq, hk, d):
     from pdserve.engine.kernels.attention import AttentionMetadata, write_kv
     from pdserve.engine.model.ops import apply_rope
@@ -466,3 +466,26 @@ def test_fused_rope_and_kv_write_match_the_unfused_ops(dtype, hq, hk, d):
     torch.testing.assert_close(q_fused.float(), q_ref.float(), **tol)
     torch.testing.assert_close(fused_pool.float(), ref_pool.float(), **tol)  # every other slot untouched
     assert torch.equal(fused_pool[:, layer, 1], ref_pool[:, layer, 1])  # values are copied exactly
+
+
+# ----- (f) the SiLU-and-multiply kernel ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,intermediate", [(1, 8192), (37, 5632), (2048, 1500)])
+def test_silu_and_mul_kernel_matches_the_compiled_chain(dtype, tokens, intermediate):
+    """The Triton kernel against the compiled chain it replaces on CUDA, which also computes in
+    float32 and rounds once: equal up to the compilers' instruction choice (1 ulp)."""
+    from pdserve.engine.kernels.triton_ops import silu_and_mul as triton_silu_and_mul
+    from pdserve.engine.model.ops import silu_and_mul
+
+    g = torch.Generator(device="cuda").manual_seed(tokens + intermediate)
+    gate_up = torch.randn(tokens, 2 * intermediate, device="cuda", generator=g).to(dtype)
+    got = triton_silu_and_mul(gate_up, intermediate)
+    want = torch.compile(silu_and_mul, dynamic=True)(gate_up, intermediate)
+    assert got.shape == want.shape == (tokens, intermediate) and got.dtype == dtype
+    ulp = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got, want, **ulp)
+    # and against the eager chain, whose bf16 rounds twice
+    eager = silu_and_mul(gate_up.float(), intermediate)
+    torch.testing.assert_close(got.float(), eager, **(ulp if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))

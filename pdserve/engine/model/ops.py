@@ -63,11 +63,27 @@ class ElementwiseOps:
         self.rms_norm = torch.compile(rms_norm, dynamic=True)
         self.add_rms_norm = torch.compile(add_rms_norm, dynamic=True)
         self.apply_rope = torch.compile(apply_rope, dynamic=True)
-        self.silu_and_mul = torch.compile(silu_and_mul, dynamic=True)
+        compiled_silu_and_mul = torch.compile(silu_and_mul, dynamic=True)
+        self.silu_and_mul = compiled_silu_and_mul
         self.compiled = True
         if torch.cuda.is_available():
             try:
-                from pdserve.engine.kernels.triton_ops import rope_and_store_kv
+                from pdserve.engine.kernels import triton_ops
             except ImportError:
                 return
-            self.rope_and_store_kv = rope_and_store_kv
+            self.rope_and_store_kv = triton_ops.rope_and_store_kv
+            self.silu_and_mul = _on_cuda_rows(triton_ops.silu_and_mul, compiled_silu_and_mul)
+
+
+def _on_cuda_rows(
+    cuda_fn: Callable[..., torch.Tensor], other_fn: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """`cuda_fn` for a CUDA [T, N] tensor with contiguous rows (what a linear layer gives), else
+    `other_fn`: a CPU engine in a process that sees a GPU keeps the compiled chain."""
+
+    def pick(x: torch.Tensor, *args: object) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
+            return cuda_fn(x, *args)
+        return other_fn(x, *args)
+
+    return pick
