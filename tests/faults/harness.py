@@ -7,7 +7,8 @@ path, as an operator would add one back, and a killed router by a new one.
 The two routers are replicas as `pdserve router --address` makes them (pdserve/cluster/join.py):
 each has its own id and its own clients of every worker, so each decode worker keeps an outbox
 and a lease per router. A router dies as a SIGKILL would have it: from that moment none of its
-calls reaches a worker, its gRPC server stops (its clients get UNAVAILABLE) and its tasks stop;
+calls reaches a worker, its clients' connections are reset (they get UNAVAILABLE; see
+tests/faults/severable_link.py), its gRPC server and its tasks stop;
 what it had started on the workers is left to their leases.
 
 Faults come in through seams, each a test double and said so: the router's client of each
@@ -47,6 +48,7 @@ from router.router import Router, RouterConfig
 from tests.cluster.transport_double import FaultyTransport
 from tests.faults.invariants import Outcome, Reference, check_scenario
 from tests.faults.scenarios import KILLS, ROUTER_DIES, ROUTERS, RequestSpec, Scenario, router_of
+from tests.faults.severable_link import SeverableLink
 from tests.tiny_models import build_tiny_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -153,10 +155,11 @@ class Tap:
 
 class MortalRouter(Router):
     """A router that can die as under SIGKILL (`dead`): from then on no chunk and no status of
-    any request leaves it, so its server's stop ends each call in flight UNAVAILABLE (a status
-    decided just after the death, before the stop reached its call, would otherwise get out,
-    which a killed process never sends). Records the requests it ended while alive: their status
-    is the router's own, and the invariants judge it as such."""
+    any request leaves it, so each call in flight ends UNAVAILABLE when its connection is reset
+    (a status decided just after the death, before the reset reached its call, would otherwise
+    get out, which a killed process never sends). Records the requests it ended while alive:
+    their status is the router's own, and the invariants judge it as such (or as lost with the
+    connection, if it had not reached the client when the router died)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -199,6 +202,7 @@ class RouterReplica:
     admin: pbg.AdminStub | None = None
     dead: bool = False
     stopped: Future | None = None  # its server's and tasks' stop, once killed
+    link: SeverableLink | None = None  # between its clients and its server: cut when it dies
 
 
 @dataclass
@@ -312,11 +316,14 @@ class FaultCluster:
 
         async def start() -> Any:
             await router.start()
-            return await start_grpc_server(router, "127.0.0.1", 0)
+            server, port = await start_grpc_server(router, "127.0.0.1", 0)
+            link = SeverableLink(port)
+            await link.start()
+            return server, link
 
         replica.router = router
-        replica.server, port = self.lt.run(start())
-        replica.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        replica.server, replica.link = self.lt.run(start())
+        replica.channel = grpc.insecure_channel(f"127.0.0.1:{replica.link.port}")
         replica.stub = pbg.InferenceStub(replica.channel)
         replica.admin = pbg.AdminStub(replica.channel)
         return replica
@@ -324,8 +331,9 @@ class FaultCluster:
     def kill_router(self, replica: RouterReplica, fault: int) -> bool:
         """On the loop's thread: the router dies, as under SIGKILL. None of its calls reaches a
         worker from now on (its invokers refuse them at once), its gRPC server stops (every call
-        on it ends UNAVAILABLE, later ones cannot connect) and its relay and membership tasks
-        stop. Nothing is aborted or released for it: its requests are the workers' to reap.
+        on it ends UNAVAILABLE, later ones cannot connect: its clients' connections are reset as
+        a dead process's are, then its server stops behind them) and its relay and membership
+        tasks stop. Nothing is aborted or released for it: its requests are the workers' to reap.
         False if it was dead already."""
         if replica.dead:
             return False
@@ -333,6 +341,8 @@ class FaultCluster:
         assert router is not None
         replica.dead = router.dead = True
         self.fired.setdefault(fault, time.monotonic())
+        assert replica.link is not None
+        replica.link.sever()
 
         async def stop() -> None:
             await server.stop(None)
@@ -465,6 +475,8 @@ class FaultCluster:
                     r.stopped.result(30)
                 continue
             self.lt.run(_stop_router(r.server, r.router))
+            assert r.link is not None
+            self.lt.call(r.link.sever)
         for w in [*self.workers.values(), *self._retired]:
             w.close()
             w.agent.close()

@@ -11,8 +11,22 @@ from tests.faults.scenarios import Scenario
 # The statuses a request may end with under a fault: the cluster gave up cleanly.
 CLEAN_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"})
 DEADLINE_SLACK_S = 1.0  # past the deadline, for the client's own thread to see the end
-# What a client sees when the server stops with its call still open (grpc.aio's Server.stop).
-SERVER_STOPPED = "Cancelling all calls"
+# What a client's gRPC library says when the connection under its call goes: reset or closed by
+# a dead router's host, refused on reconnecting, or (an in-process server's stop) cancelled.
+CONNECTION_LOST = (
+    "Connection reset by peer",
+    "Socket closed",
+    "Stream removed",
+    "failed to connect to all addresses",
+    "Connection refused",
+    "Broken pipe",
+    "Cancelling all calls",
+)
+
+
+def connection_lost(details: str) -> bool:
+    """The status is the transport's, not a word from the router."""
+    return any(m in details for m in CONNECTION_LOST)
 
 
 @dataclass(frozen=True)
@@ -78,10 +92,11 @@ def check_outcome(scenario: Scenario, i: int, out: Outcome, ref: Reference) -> l
     if not out.details.strip():
         bad.append(f"{where}: ended {out.code} without a message")
     # A request its router had ended before dying is judged as on a live router: the death
-    # excuses nothing the router said. Only its status may not have left before the server
-    # stopped, and the stop's own UNAVAILABLE reached the client instead.
+    # excuses nothing the router said. Only its status may not have reached the client before
+    # the connection went (a handler's end is not its status on the wire), and the lost
+    # connection's UNAVAILABLE reached the client instead.
     ended_first = scenario.on_dead_router(i) and out.ended_before_its_router_died
-    if ended_first and out.code == "UNAVAILABLE" and out.details == SERVER_STOPPED:
+    if ended_first and out.code == "UNAVAILABLE" and connection_lost(out.details):
         return bad
     may_fail = scenario.may_fail(i, count_router_death=not ended_first)
     if scenario.on_dead_router(i) and not ended_first:  # its connection broke, unless it ran out of time first
