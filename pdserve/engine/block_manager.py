@@ -195,10 +195,12 @@ class BlockManager:
         if n > self.num_available:
             raise NoFreeBlocksError(f"need {n} KV blocks, only {self.num_available} available")
         out = self._free.take(min(n, len(self._free)), after, room)
-        for _ in range(n - len(out)):
-            b, _ = self._cached_lru.popitem(last=False)
+        evicted = [self._cached_lru.popitem(last=False)[0] for _ in range(n - len(out))]
+        for b in evicted:
             self._forget_hash(b)
-            out.append(b)
+        # Ascending: a sequence's blocks enter the LRU tail first (see `release`), so its run
+        # comes out backwards, and a backwards run costs a transfer descriptor per block.
+        out += sorted(evicted)
         for b in out:
             self._ref_counts[b] = 1
         return out

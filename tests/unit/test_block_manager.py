@@ -186,6 +186,20 @@ def test_cached_blocks_are_evicted_only_when_no_free_block_is_left():
     bm.check_integrity()
 
 
+def test_a_cached_run_evicted_whole_is_handed_out_ascending():
+    """A released sequence enters the LRU tail first, so its run is evicted backwards; handed
+    out in that order it would cost a transfer descriptor per block."""
+    bm = BlockManager(4, 2)
+    seq = bm.allocate(4)
+    assert seq == [0, 1, 2, 3]
+    for i, b in enumerate(seq):
+        bm.register(b, 100 + i)
+    bm.release(seq)  # LRU order: 3, 2, 1, 0
+    assert bm.allocate(3) == [1, 2, 3]  # the three least recently used, in id order
+    assert bm.lookup(100) == 0 and bm.lookup(101) is None
+    bm.check_integrity()
+
+
 def test_freed_neighbours_merge_into_one_run():
     free = RunFreeBlocks([9, 3, 4, 7])
     assert free.runs() == [(3, 2), (7, 1), (9, 1)]
