@@ -19,9 +19,15 @@ For every prompt after the warm-up, the transfer descriptors its KV needs are co
 
 With ``--prefix-cache`` every block is registered in the prefix cache (under a hash of its own,
 so nothing is ever hit): freed blocks stay cached and, once the pool is full of them, every
-allocation evicts, least recently used first. That is a serving worker's steady state.
+allocation evicts, least recently used first. That is a serving worker's steady state. Then the
+rows compare eviction policies (the free list no longer matters): ``lru``, the engine's, and
+``lru+runs``, which extends each evicted block by its cached-free successors (whole runs, out of
+LRU order). ``--shared-docs D`` gives the trace prefixes to hit: each prompt is one of D
+documents (Zipf popularity, 16-192 blocks) and a suffix of its own (1-32 blocks); both sides
+look their prompt up in their cache first, so the rows also show what each policy costs in
+hits, and descriptors count only the blocks that move.
 
-    python bench/block_churn.py [--requests 3000] [--pool-blocks 8192] [--arrive-every 3] [--prefix-cache] [--seed 0] [--json out.json]
+    python bench/block_churn.py [--requests 3000] [--pool-blocks 8192] [--arrive-every 3] [--prefix-cache] [--shared-docs 0] [--seed 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,6 +55,36 @@ from pdserve.engine.free_blocks import FifoFreeBlocks, FreeBlocks, RunFreeBlocks
 FREE_LISTS: dict[str, Callable[[Iterable[int]], FreeBlocks]] = {"fifo": FifoFreeBlocks, "runs": RunFreeBlocks}
 
 
+class RunEvictingBlockManager(BlockManager):
+    """Eviction in whole runs: each least recently used block evicted takes its cached-free
+    successors with it (up to the number needed), so an allocation gets consecutive ids at the
+    price of evicting some blocks before older ones."""
+
+    def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
+        if n > self.num_available:
+            return super().allocate(n, after, room)  # raises
+        out = self._free.take(min(n, len(self._free)), after, room)
+        need = n - len(out)
+        evicted: list[int] = []
+        while len(evicted) < need:
+            b, _ = self._cached_lru.popitem(last=False)
+            evicted.append(b)
+            nxt = b + 1
+            while len(evicted) < need and nxt in self._cached_lru:
+                del self._cached_lru[nxt]
+                evicted.append(nxt)
+                nxt += 1
+        for b in evicted:
+            self._forget_hash(b)
+        out += sorted(evicted)
+        for b in out:
+            self._ref_counts[b] = 1
+        return out
+
+
+EVICTIONS: dict[str, type[BlockManager]] = {"lru": BlockManager, "lru+runs": RunEvictingBlockManager}
+
+
 @dataclass(frozen=True)
 class ChurnConfig:
     pool_blocks: int = 8192
@@ -61,6 +97,10 @@ class ChurnConfig:
     grow_every: int = 4  # a decoding sequence takes a block every this many steps
     arrive_every: int = 3  # a request arrives every this many steps (0: all at once, pools saturated)
     prefix_cache: bool = False  # every block registered: freed blocks stay cached until evicted
+    shared_docs: int = 0  # prompts are one of this many documents plus a suffix (0: all unique)
+    doc_blocks: tuple[int, int] = (16, 192)
+    suffix_blocks: tuple[int, int] = (1, 32)
+    zipf_s: float = 1.1
     seed: int = 0
 
 
@@ -81,33 +121,58 @@ class Timer:
 class ChurnResult:
     free_list: str
     descriptors: list[int] = field(default_factory=list)
+    prompt_blocks: int = 0
+    prefill_hits: int = 0
+    decode_hits: int = 0
     blocks_allocated: int = 0
     alloc: Timer = field(default_factory=Timer)
     release: Timer = field(default_factory=Timer)
 
 
-def simulate(cfg: ChurnConfig, free_list: str) -> ChurnResult:
-    rng = random.Random(cfg.seed)  # the same requests for every free list
-    make = FREE_LISTS[free_list]
-    pre = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=cfg.prefix_cache, free_list=make)
-    dec = BlockManager(cfg.pool_blocks, 16, enable_prefix_caching=cfg.prefix_cache, free_list=make)
-    res = ChurnResult(free_list)
-    hashes = itertools.count(1)
+def request_trace(cfg: ChurnConfig) -> list[tuple[list[int], int]]:
+    """(the prompt's block hashes, output blocks) per request, the same for every row."""
+    rng = random.Random(cfg.seed)
+    unique = itertools.count(1 << 40)
+    docs = [rng.randint(*cfg.doc_blocks) for _ in range(cfg.shared_docs)]
+    weights = [1.0 / (i + 1) ** cfg.zipf_s for i in range(cfg.shared_docs)]
+    trace = []
+    for _ in range(cfg.requests):
+        if docs:
+            d = rng.choices(range(len(docs)), weights)[0]
+            # a document's blocks hash by position, as a chain of the same tokens would
+            hashes = [hash((d, i)) for i in range(docs[d])]
+            hashes += [next(unique) for _ in range(rng.randint(*cfg.suffix_blocks))]
+        else:
+            hashes = [next(unique) for _ in range(rng.randint(*cfg.prompt_blocks))]
+        trace.append((hashes, rng.randint(*cfg.output_blocks)))
+    return trace
 
-    def alloc(bm: BlockManager, n: int, after: int | None, room: int = 0) -> list[int]:
+
+def simulate(cfg: ChurnConfig, free_list: str, eviction: str = "lru") -> ChurnResult:
+    make = FREE_LISTS[free_list]
+    manager = EVICTIONS[eviction]
+    pre = manager(cfg.pool_blocks, 16, enable_prefix_caching=cfg.prefix_cache, free_list=make)
+    dec = manager(cfg.pool_blocks, 16, enable_prefix_caching=cfg.prefix_cache, free_list=make)
+    res = ChurnResult(free_list if eviction == "lru" else f"{free_list}, evict {eviction}")
+    growth = itertools.count(1 << 50)  # decode blocks: never shared
+
+    def alloc(bm: BlockManager, n: int, after: int | None, room: int = 0, hashes: list[int] | None = None) -> list[int]:
         res.blocks_allocated += n
         got: list[int] = res.alloc.run(bm.allocate, n, after=after, room=room)  # type: ignore[assignment]
         if cfg.prefix_cache:
-            for b in got:
-                bm.register(b, next(hashes))
+            for i, b in enumerate(got):
+                bm.register(b, hashes[i] if hashes else next(growth))
         return got
 
-    queue = [
-        (rng.randint(*cfg.prompt_blocks), rng.randint(*cfg.output_blocks)) for _ in range(cfg.requests)
-    ]
+    def hits(bm: BlockManager, hashes: list[int]) -> list[int]:
+        found = bm.match_prefix(hashes)
+        bm.acquire(found)
+        return found
+
+    queue = request_trace(cfg)
     queue.reverse()
-    prefilling: list[tuple[int, int, list[int]]] = []  # (prompt blocks, output blocks, blocks so far)
-    pinned: list[tuple[int, list[int]]] = []  # (output blocks, prompt blocks on the prefill side)
+    prefilling: list[tuple[list[int], int, list[int]]] = []  # (prompt hashes, output blocks, blocks so far)
+    pinned: list[tuple[int, list[int], list[int]]] = []  # (output blocks, prompt hashes, prefill-side blocks)
     decoding: list[list] = []  # [blocks still to grow, block ids]
     done = step = 0
     while queue or prefilling or pinned or decoding:
@@ -120,26 +185,34 @@ def simulate(cfg: ChurnConfig, free_list: str) -> ChurnResult:
             queue
             and cfg.requests - len(queue) < arrived
             and len(prefilling) < cfg.max_prefills
-            and pre.num_available >= queue[-1][0]
+            and pre.num_available >= len(queue[-1][0])
         ):
-            n, out = queue.pop()
-            prefilling.append((n, out, []))
-        for i, (n, out, ids) in enumerate(prefilling):
-            take = min(cfg.chunk_blocks, n - len(ids), pre.num_available)
+            prompt, out = queue.pop()
+            found = hits(pre, prompt)
+            if done >= cfg.warmup:
+                res.prompt_blocks += len(prompt)
+                res.prefill_hits += len(found)
+            prefilling.append((prompt, out, found))
+        for prompt, out, ids in prefilling:
+            take = min(cfg.chunk_blocks, len(prompt) - len(ids), pre.num_available)
             if take:
-                ids.extend(alloc(pre, take, ids[-1] if ids else None, n - len(ids)))
-        for item in [p for p in prefilling if len(p[2]) == p[0]]:
+                ids.extend(alloc(pre, take, ids[-1] if ids else None, len(prompt) - len(ids), prompt[len(ids) :]))
+        for item in [p for p in prefilling if len(p[2]) == len(p[0])]:
             prefilling.remove(item)
-            pinned.append((item[1], item[2]))
-        # Hand-over: the decode side imports the whole prompt at once, if it has the blocks for
-        # it and for every decoding sequence's growth (the engine would preempt instead).
+            pinned.append((item[1], item[0], item[2]))
+        # Hand-over: the decode side imports the prompt at once (what its cache lacks), if it has
+        # the blocks for it and for every decoding sequence's growth (the engine would preempt).
         reserved = sum(seq[0] for seq in decoding)
-        while pinned and dec.num_available - reserved >= len(pinned[0][1]) + pinned[0][0]:
-            out, remote = pinned.pop(0)
-            local = alloc(dec, len(remote), None)
+        while pinned and dec.num_available - reserved >= len(pinned[0][2]) + pinned[0][0]:
+            out, prompt, remote = pinned.pop(0)
+            local = hits(dec, prompt)
+            cached = len(local)
+            local += alloc(dec, len(remote) - cached, None, hashes=prompt[cached:])
             done += 1
             if done > cfg.warmup:
-                res.descriptors.append(len(split_large(coalesce(remote, local), MAX_BLOCKS_PER_DESCRIPTOR)))
+                res.decode_hits += cached
+                moved = coalesce(remote[cached:], local[cached:]) if cached < len(remote) else []
+                res.descriptors.append(len(split_large(moved, MAX_BLOCKS_PER_DESCRIPTOR)))
             res.release.run(pre.release, remote)
             decoding.append([out, local])
             reserved += out
@@ -167,6 +240,8 @@ def summarize(res: ChurnResult) -> dict[str, float | int | str]:
         "descriptors_p90": d[int(0.9 * (len(d) - 1))],
         "descriptors_max": d[-1],
         "one_descriptor_share": sum(1 for x in d if x == 1) / len(d),
+        "prefill_hit_share": res.prefill_hits / max(1, res.prompt_blocks),
+        "decode_hit_share": res.decode_hits / max(1, res.prompt_blocks),
         "alloc_us_per_call": 1e6 * res.alloc.seconds / res.alloc.calls,
         "release_us_per_call": 1e6 * res.release.seconds / res.release.calls,
         "us_per_block": 1e6 * (res.alloc.seconds + res.release.seconds) / res.blocks_allocated,
@@ -185,6 +260,9 @@ def main() -> None:
         help="steps between arrivals (0: every request queued at the start, both pools saturated)",
     )
     ap.add_argument("--prefix-cache", action="store_true", help="freed blocks stay cached until evicted")
+    ap.add_argument(
+        "--shared-docs", type=int, default=0, help="prompts are one of this many documents plus a suffix (needs --prefix-cache)"
+    )
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
     args = ap.parse_args()
     if args.requests <= ChurnConfig.warmup:
@@ -193,9 +271,14 @@ def main() -> None:
         ap.error("--pool-blocks must hold at least one longest request")
     if args.arrive_every < 0:
         ap.error("--arrive-every must be >= 0")
+    if args.shared_docs and not args.prefix_cache:
+        ap.error("--shared-docs needs --prefix-cache")
     cfg = ChurnConfig(pool_blocks=args.pool_blocks, requests=args.requests, seed=args.seed,
-                      arrive_every=args.arrive_every, prefix_cache=args.prefix_cache)
-    rows = [summarize(simulate(cfg, name)) for name in FREE_LISTS]
+                      arrive_every=args.arrive_every, prefix_cache=args.prefix_cache, shared_docs=args.shared_docs)
+    if cfg.prefix_cache:  # the free list no longer decides anything: compare evictions
+        rows = [summarize(simulate(cfg, "runs", eviction)) for eviction in EVICTIONS]
+    else:
+        rows = [summarize(simulate(cfg, name)) for name in FREE_LISTS]
     info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -205,11 +288,12 @@ def main() -> None:
     for k, v in info.items():
         print(f"{k}: {v}")
     head = ["free list", "prompts", "descriptors mean", "median", "p90", "max", "1 descriptor",
-            "allocate µs/call", "release µs/call", "µs per block"]
+            "prefill hits", "decode hits", "allocate µs/call", "release µs/call", "µs per block"]
     body = [
         [
             str(r["free_list"]), str(r["prompts"]), f"{r['descriptors_mean']:.1f}", f"{r['descriptors_median']:g}",
             str(r["descriptors_p90"]), str(r["descriptors_max"]), f"{100 * r['one_descriptor_share']:.0f} %",
+            f"{100 * r['prefill_hit_share']:.1f} %", f"{100 * r['decode_hit_share']:.1f} %",
             f"{r['alloc_us_per_call']:.2f}", f"{r['release_us_per_call']:.2f}", f"{r['us_per_block']:.3f}",
         ]
         for r in rows
