@@ -32,7 +32,7 @@ from typing import Any, TextIO
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import cpu_name, markdown_table, write_json  # noqa: E402
+from bench.report import cpu_name, markdown_table, write_json
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm")
 
@@ -231,8 +231,11 @@ def format_report(rep: dict[str, Any]) -> str:
         body.append(cells)
     w = rep["workload"]
     lines = [
-        f"{rep['cpu']}, {rep['cores']} cores, {w['threads']} torch thread(s); batch {w['batch']}, prompts ~{w['prompt_len']} tokens; "
-        f"{rep['rounds']} rounds x {rep['steps_per_round']} steps per code tree; load average {rep['loadavg_start'][0]:.2f} -> {rep['loadavg_end'][0]:.2f}",
+        (
+            f"{rep['cpu']}, {rep['cores']} cores, {w['threads']} torch thread(s); batch {w['batch']}, prompts ~{w['prompt_len']} tokens; "
+            f"{rep['rounds']} rounds x {rep['steps_per_round']} steps per code tree; "
+            f"load average {rep['loadavg_start'][0]:.2f} -> {rep['loadavg_end'][0]:.2f}"
+        ),
         "",
         markdown_table(head, body),
         "",
