@@ -32,12 +32,14 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.host_load import HostLoadSampler
+from bench.host_load import summary as load_summary
 from pdserve.control.perf_model import PerfModel, load_perf_model
 from pdserve.control.results import quantile
 from pdserve.control.signals import Slo
@@ -200,7 +202,11 @@ def merge_real(outputs: Sequence[dict]) -> tuple[Path, tuple[int, int], dict]:
             first["real"]["threads_per_worker"],
         ):
             raise ValueError("--real: the outputs differ in trace, split or threads per worker")
-    real = dict(first["real"], samples=[rep for o in outputs for rep in o["real"]["samples"]])
+    real = dict(
+        first["real"],
+        samples=[rep for o in outputs for rep in o["real"]["samples"]],
+        host_load=[h for o in outputs for h in o["real"].get("host_load", [])],
+    )
     return Path(first["trace"]), tuple(first["split"]), real
 
 
@@ -274,6 +280,7 @@ async def real_runs(reqs: Sequence[SimRequest], split: tuple[int, int], args: ar
     cluster = await Cluster.start(cfg, worker_logs=False)
     url = f"http://{cluster.http_address}"
     samples = []
+    host_loads: list[dict[str, float]] = []
     try:
         name = await served_model(url)
         # Warm-up: the first prefill and decode steps of a fresh engine run slow (allocation).
@@ -282,10 +289,16 @@ async def real_runs(reqs: Sequence[SimRequest], split: tuple[int, int], args: ar
         await replay(url, name, warm_reqs, warm, args.timeout)
         for rep in range(args.reps):
             t = time.monotonic()
-            samples.append(await replay(url, name, reqs, prompts_for(reqs, seed=args.seed * 1000 + rep), args.timeout))
+            sampler = HostLoadSampler().start()
+            try:
+                prompts = prompts_for(reqs, seed=args.seed * 1000 + rep)
+                samples.append(await replay(url, name, reqs, prompts, args.timeout))
+            finally:
+                host_loads.append(load_summary(sampler.stop()))
             print(
                 f"{split[0]}P:{split[1]}D repetition {rep + 1}/{args.reps}: {time.monotonic() - t:.0f} s, "
-                f"load average {os.getloadavg()[0]:.1f}",
+                f"load average {os.getloadavg()[0]:.1f}, other work on the host "
+                f"{host_loads[-1].get('other_cores_mean', float('nan')):.2f} cores",
                 file=sys.stderr,
             )
             await asyncio.sleep(2.0)
@@ -294,8 +307,16 @@ async def real_runs(reqs: Sequence[SimRequest], split: tuple[int, int], args: ar
     return {
         "threads_per_worker": threads,
         "samples": [[asdict(s) for s in rep] for rep in samples],
+        "host_load": host_loads,
         "load_average_after": os.getloadavg()[0],
     }
+
+
+def measured_other_load(real: dict) -> float | None:
+    """Cores of other work on the host during the real repetitions (the median of their means),
+    None where the runs did not measure it."""
+    means = [h["other_cores_mean"] for h in real.get("host_load", []) if "other_cores_mean" in h]
+    return statistics.median(means) if means else None
 
 
 # ----- the command ------------------------------------------------------------------------------
@@ -348,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         help="host cores the simulated workers and router share (default: the real run's, where the perf "
         "model has a share_slowdown table; 0: a core per worker, no host model)",
     )
+    p.add_argument(
+        "--other-load",
+        default="measured",
+        metavar="measured|CORES",
+        help="other work on the host, in cores, that the simulated host carries besides the cluster "
+        "(default: what the real runs measured, /proc/stat less the cluster's processes; 0 where they did not)",
+    )
     a = p.parse_args(argv)
     slo = Slo(a.slo_ttft_ms, a.slo_itl_ms)
     model = load_perf_model(a.perf_model)
@@ -367,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         real = asyncio.run(real_runs(reqs, split, a))
     cores = a.cores if a.cores is not None else (real_cores if model.share_slowdown else 0)
+    other = (measured_other_load(real) or 0.0) if a.other_load == "measured" else float(a.other_load)
+    if other and cores:  # the host model shares the cores with it; a core a worker has no host
+        model = replace(model, background_cores=model.background_cores + other)
     span = reqs[-1].t - reqs[0].t
     real_reps = [metrics([Sample(**s) for s in rep], span, slo) for rep in real["samples"]]
     sim = simulated(reqs, model, split, slo, cores or None)
@@ -379,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "slo_itl_ms": slo.itl_ms,
         "cpu_count": real_cores,
         "sim_cores": cores or None,
+        "sim_other_load_cores": other if cores else None,
         "real": real,
         "real_reps": real_reps,
         "sim": sim,
@@ -388,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps(out) + "\n")
     print(
         f"{split[0]}P:{split[1]}D, {len(real_reps)} real runs ({real['threads_per_worker']} torch threads a worker), "
-        f"simulated with {model.name} ({f'{cores} cores shared' if cores else 'a core a worker'}); "
+        f"simulated with {model.name} "
+        f"({f'{cores} cores shared, {other:.2f} of them busy with other work' if cores else 'a core a worker'}); "
         f"SLO TTFT {slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms"
     )
     print(table(rows))

@@ -17,6 +17,7 @@ from bench.sim_vs_real import (
     compare,
     error_pct,
     make_trace,
+    measured_other_load,
     merge_real,
     metrics,
     parse_split,
@@ -102,6 +103,28 @@ def test_real_runs_of_one_trace_and_split_merge_and_others_do_not():
     assert (str(trace), split, real["samples"]) == ("t.jsonl", (1, 1), [[{"r": 0}], [{"r": 1}], [{"r": 2}]])
     with pytest.raises(ValueError):
         merge_real([out("t.jsonl", [1, 1], [0]), out("t.jsonl", [2, 1], [1])])
+
+
+def test_the_other_load_of_merged_runs_is_the_median_of_their_repetitions():
+    def out(loads):
+        real = {"threads_per_worker": 1, "samples": [[] for _ in loads]}
+        if loads:
+            real["host_load"] = [{"other_cores_mean": x} for x in loads]
+        return {"trace": "t.jsonl", "split": [2, 1], "real": real}
+
+    _, _, real = merge_real([out([0.2, 0.9]), out([0.4])])
+    assert measured_other_load(real) == 0.4
+    _, _, old = merge_real([out([])])  # runs from before the host was measured
+    assert measured_other_load(old) is None
+
+
+def test_other_work_on_the_host_slows_the_simulated_workers():
+    recs = make_trace(TraceShape(requests=40, rate=0.5, seed=1))
+    reqs = [SimRequest(r["t"], r["input_len"], r["output_len"]) for r in recs]
+    slo = Slo(2000, 150)
+    quiet = simulated(reqs, CPU, (2, 1), slo, cores=2)
+    busy = simulated(reqs, dataclasses.replace(CPU, background_cores=CPU.background_cores + 1.0), (2, 1), slo, cores=2)
+    assert busy["itl_p50_ms"] > quiet["itl_p50_ms"] and busy["ttft_p50_ms"] > quiet["ttft_p50_ms"]
 
 
 def test_split_parsing():
