@@ -25,7 +25,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pdserve.engine.kernels.attention import AttentionMetadata
 from pdserve.engine.kernels.backends import make_backend
-from pdserve.engine.model.model import CausalLM, ForwardContext
+from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.step_graphs import StepGraphs, capture_step_graphs
@@ -79,6 +79,7 @@ class ModelRunner:
             self.kv_pool = zeroed_host_tensor(shape, cfg.dtype)
         else:
             self.kv_pool = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        self._layer_caches = layer_caches(self.kv_pool)
         self.backend = make_backend(cfg.attention_backend, self.device, cfg.dtype)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on
@@ -215,7 +216,8 @@ class ModelRunner:
         if self.step_graphs is not None and self.step_graphs.fits(inputs.input_ids.shape[0]):
             hidden = self.step_graphs.forward(inputs.token_rows, inputs.meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.kv_pool, self.backend))
+            ctx = ForwardContext(inputs.meta, self.kv_pool, self.backend, layer_caches=self._layer_caches)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not inputs.sampled:
             return [], None, None
         return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None

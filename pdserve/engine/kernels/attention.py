@@ -53,9 +53,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 class TorchAttention:
-    """`scaled_dot_product_attention` on gathered blocks; runs on any device."""
+    """`scaled_dot_product_attention` on gathered blocks; runs on any device.
+
+    Blocks are gathered with `index_select` over the cache's block dimension, which copies
+    whole blocks (each a contiguous span), not element by element as advanced indexing does.
+    A decode step's gather rows and padding mask are the same for every layer: on CPU they
+    are built at the first layer and kept for the rest of the step."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(
         self,
@@ -72,8 +81,8 @@ class TorchAttention:
         for i, (q_len, k_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
             n_blocks = -(-k_len // k_cache.shape[1])
             table = meta.block_tables[i, :n_blocks]
-            k = k_cache[table].flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
-            v = v_cache[table].flatten(0, 1)[:k_len]
+            k = k_cache.index_select(0, table).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
+            v = v_cache.index_select(0, table).flatten(0, 1)[:k_len]
             qi = q[start : start + q_len]
             # Query j sits at absolute position k_len - q_len + j and sees keys up to there.
             q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
@@ -89,18 +98,33 @@ class TorchAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         # One query per sequence: gather every sequence's blocks padded to the longest context.
-        n_blocks = -(-meta.max_seq_len // k_cache.shape[1])
-        table = meta.block_tables[:, :n_blocks]
-        b = table.shape[0]
-        k = k_cache[table].flatten(1, 2)  # [B, L, Hkv, D]
-        v = v_cache[table].flatten(1, 2)
-        mask = torch.arange(k.shape[1], device=q.device)[None, :] < meta.seq_lens[:, None]
+        rows, mask = self._decode_plan(meta, k_cache.shape[1], q.dtype)
+        b = meta.block_tables.shape[0]
+        k = k_cache.index_select(0, rows).view(b, -1, *k_cache.shape[2:])  # [B, L, Hkv, D]
+        v = v_cache.index_select(0, rows).view(b, -1, *v_cache.shape[2:])
         o = F.scaled_dot_product_attention(
             q.view(b, 1, *q.shape[1:]).transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )
         return o.transpose(1, 2).reshape(q.shape)
+
+    def _decode_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block ids to gather ([B * blocks], row-major over the padded tables) and the mask
+        over the padded context [B, 1, 1, L]. On CPU the mask is additive (0 on each sequence's
+        context, -inf on its padding: what SDPA makes of a boolean mask at every call) and both
+        are kept for the step's other layers. On CUDA nothing is kept: a CUDA graph records
+        each layer's ops, and a plan kept from its warm-up would not be in it."""
+        if self._plan_meta is meta and self._plan is not None and self._plan[1].dtype == dtype:
+            return self._plan
+        n_blocks = -(-meta.max_seq_len // block_size)
+        rows = meta.block_tables[:, :n_blocks].flatten()
+        keep = torch.arange(n_blocks * block_size, device=rows.device)[None, :] < meta.seq_lens[:, None]
+        if rows.is_cuda:
+            return rows, keep[:, None, None, :]
+        mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
+        self._plan_meta, self._plan = meta, (rows, mask[:, None, None, :])
+        return self._plan

@@ -18,7 +18,7 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.model.cpu_linear import PackedLinear, pack_linears
-from pdserve.engine.model.ops import ElementwiseOps
+from pdserve.engine.model.ops import ElementwiseOps, rope_rows, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -54,6 +54,13 @@ class Rotary(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.apply_rope(q, k, self.cos, self.sin, positions)
 
+    def step_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's rows of the tables for `rope_rows`, gathered once for all layers, where the
+        layers run op by op (eager, on CPU); None elsewhere (compiled or fused kernels)."""
+        if self.ops.compiled or positions.device.type != "cpu":
+            return None
+        return rope_tables(self.cos, self.sin, positions, dtype)
+
 
 class ForwardContext:
     """What the layers need besides activations for one forward pass. `batch1` (a
@@ -61,12 +68,32 @@ class ForwardContext:
     `CausalLM.decode_batch1` runs a batch-1 decode step through."""
 
     def __init__(
-        self, meta: AttentionMetadata, kv_pool: torch.Tensor, backend: AttentionBackend, batch1: Any = None
+        self,
+        meta: AttentionMetadata,
+        kv_pool: torch.Tensor,
+        backend: AttentionBackend,
+        batch1: Any = None,
+        layer_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.meta = meta
         self.kv_pool = kv_pool  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         self.backend = backend
         self.batch1 = batch1
+        # Each layer's K and V views of the pool (see `layer_caches`): a runner makes them once.
+        self._layer_caches = layer_caches
+        # The step's RoPE rows (`Rotary.step_tables`), set by `CausalLM.forward` where used.
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V cache views, [num_blocks, block_size, kv_heads, head_dim] each."""
+        if self._layer_caches is None:
+            self._layer_caches = layer_caches(self.kv_pool)
+        return self._layer_caches[layer]
+
+
+def layer_caches(kv_pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (K, V) views of the pool."""
+    return [(kv_pool[:, i, 0], kv_pool[:, i, 1]) for i in range(kv_pool.shape[1])]
 
 
 class Attention(nn.Module):
@@ -105,9 +132,13 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
         """Everything before attention: q [T, Hq, D] with RoPE applied; k and v (with RoPE) are
         written into this layer's cache slots `ctx.meta.slot_block/slot_offset`."""
-        q, k, v = self._heads(self.qkv_proj(x))
-        k_cache = ctx.kv_pool[:, self.layer_idx, 0]
-        v_cache = ctx.kv_pool[:, self.layer_idx, 1]
+        qkv = self.qkv_proj(x)
+        k_cache, v_cache = ctx.layer_cache(self.layer_idx)
+        if ctx.rope is not None:
+            q, k, v = self._rope_step_rows(qkv, ctx.rope)
+            write_kv(k, v, k_cache, v_cache, ctx.meta)
+            return q
+        q, k, v = self._heads(qkv)
         fused = rotary.ops.rope_and_store_kv
         if fused is not None and q.is_cuda and self._half_pow2:
             # One kernel for RoPE and both cache writes (see triton_ops).
@@ -116,10 +147,23 @@ class Attention(nn.Module):
         write_kv(k, v, k_cache, v_cache, ctx.meta)
         return q
 
+    def _rope_step_rows(
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_heads` and RoPE with the step's table rows: q and k, adjacent in the projection,
+        rotated as one tensor unless they are normalised apart (Qwen3)."""
+        if self.q_norm is not None:
+            q, k, v = self._heads(qkv)
+            return rope_rows(q, *rope), rope_rows(k, *rope), v
+        t, hq = qkv.shape[0], self.num_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        qk = rope_rows(qk, *rope)
+        return qk[:, :hq], qk[:, hq:], v
+
     def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Attention of `q` over the cache through `ctx.backend`: [T, Hq * D], before o_proj."""
-        k_cache = ctx.kv_pool[:, self.layer_idx, 0]
-        v_cache = ctx.kv_pool[:, self.layer_idx, 1]
+        k_cache, v_cache = ctx.layer_cache(self.layer_idx)
         o = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
         return o.reshape(q.shape[0], self.q_size)
 
@@ -133,8 +177,7 @@ class Attention(nn.Module):
         t = residual.shape[0]
         qkv, residual = kernels.gemv(residual, self.qkv_proj.weight, self.qkv_proj.bias, add_norm=(delta, norm.weight, norm.eps))
         q, k, v = self._heads(qkv)
-        k_cache = ctx.kv_pool[:, self.layer_idx, 0]
-        v_cache = ctx.kv_pool[:, self.layer_idx, 1]
+        k_cache, v_cache = ctx.layer_cache(self.layer_idx)
         # RoPE and the cache write happen inside the attention kernel.
         o = kernels.rope_and_attend(q, k, v, rotary.cos, rotary.sin, positions, k_cache, v_cache, ctx.meta, self.scale)
         out, _ = kernels.gemv(o.reshape(t, self.q_size), self.o_proj.weight)
@@ -208,6 +251,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
+        ctx.rope = self.rotary.step_tables(positions, residual.dtype)
         h = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
