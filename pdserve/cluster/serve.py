@@ -362,6 +362,13 @@ def _worker_config(cfg: ServeConfig, device: str) -> ServeConfig:
     return replace(cfg, device=device, api_keys=ApiKeys(), tls=None)
 
 
+# Ray starts its worker processes at nice 15, below the router, the raylet and anything else on
+# the host: on a CPU host where the workers' engines are the serving work, every core they
+# share with a nice-0 process (the router relaying their tokens, a client) is nearly all that
+# process's. A local cluster's workers run at the router's priority.
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+
+
 def _init_ray(address: str | None, worker_logs: bool) -> None:
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=worker_logs, logging_level=logging.WARNING)
@@ -387,6 +394,7 @@ def _init_ray(address: str | None, worker_logs: bool) -> None:
             configure_logging=True,
             log_to_driver=worker_logs,
             _node_ip_address="127.0.0.1",
+            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
         )
     finally:
         auth_log.setLevel(level)
