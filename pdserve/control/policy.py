@@ -21,6 +21,13 @@ Stable by construction:
   in which the same pool (else the other) wanted workers; before there are any, a stretch is
   expected to last as long again as it has lasted so far. A burst over before its move pays
   back moves nothing;
+- a reserve for demand that recurs: a pool that was over its limit remembers the demand it then
+  had (its peak, in workers, halving over `reserve_half_life_s`). A pool short at its peak (over
+  `act_above` there at its size now) gives workers only to a load over `reserve_cap` by the
+  margin; and once both pools have been comfortable for a dwell, slack moves toward the split
+  that leaves the larger load at the peaks lowest (`reserve_target`), never loading the other
+  pool above `reserve_cap` and never past the receiver's peak, so that what it keeps is still
+  held by the rule before;
 - with a ceiling above the budget (`max_workers`), a worker is added to a pool only when no flip
   helps (a flip costs far less than a start), the larger load is over its limit (`add_above`)
   and an added worker lowers it by the margin, weighed like a flip with the measured start time;
@@ -55,6 +62,11 @@ class ControllerConfig:
     lead: bool = True  # plan for the arrival rates projected one interval + flip ahead (their trend)
     step_fraction: float = 0.25  # a change moves at most this share of the budget (at least one worker)
     weigh_cost: bool = True  # a move must pay back its drain and switch over the demand's expected rest
+    # A reserve for demand that recurs (`Controller.reserve_target`): what a pool needed when it was over
+    # its limit is kept from the slack, as far as the other pool can spare it.
+    reserve: bool = True
+    reserve_cap: float = 0.75  # a reserve never loads the pool it takes workers from above this
+    reserve_half_life_s: float = 600.0  # a remembered peak halves in this time
     # Adding and removing workers (`--max-workers`): the budget is the floor, this the ceiling.
     max_workers: int | None = None  # None: the budget (no worker is added)
     add_above: float = 1.0  # a worker is added only while the larger pool load is over this
@@ -72,6 +84,8 @@ class ControllerConfig:
             )
         if not 0 < self.remove_below < self.add_above:
             raise ValueError("controller: 0 < remove_below < add_above")
+        if not 0 < self.reserve_cap < 1 or self.reserve_half_life_s <= 0:
+            raise ValueError("controller: 0 < reserve_cap < 1, reserve_half_life_s > 0")
 
     @property
     def ceiling(self) -> int:
@@ -108,6 +122,9 @@ class Controller:
         self._slope = (0.0, 0.0, 0.0)  # EWMA of d/dt of the three arrival rates
         self._wanting: tuple[Role, float] | None = None  # the donor a move is wanted from, since when
         self._lasted: dict[Role, float] = {}  # EWMA of how long past stretches wanting that donor lasted
+        self._peak = Loads(0.0, 0.0)  # each pool's demand (in workers) when last over its limit, decaying
+        self._peak_t: float | None = None
+        self._calm_since: float | None = None  # since when both pools are below `act_above`
 
     @property
     def interval_s(self) -> float:
@@ -148,6 +165,43 @@ class Controller:
         )
         d = max(now.decode, s.itl_p90_ms / slo.itl_ms) if s.itl_p90_ms and s.itl_p90_ms > slo.itl_ms else now.decode
         return Loads(p, d)
+
+    def observe_peaks(self, s: Signals, m: PerfModel) -> None:
+        """Remember what a pool over its limit (measured: a missed SLO counts) needed: the workers
+        its arriving demand fills at its limit (the queue left out: it drains once, it does not
+        recur). Peaks halve every `reserve_half_life_s`; a pool within its limit adds none."""
+        c = self.cfg
+        over = self.measured(s, self.loads(s, m, s.prefill_workers, s.decode_workers))
+        need = self.loads(replace(s, queued_prefill_tokens=0.0), m, 1, 1)
+        f = 0.0 if self._peak_t is None else 0.5 ** (max(0.0, s.now - self._peak_t) / c.reserve_half_life_s)
+        self._peak = Loads(
+            max(need.prefill if over.prefill >= 1.0 else 0.0, self._peak.prefill * f),
+            max(need.decode if over.decode >= 1.0 else 0.0, self._peak.decode * f),
+        )
+        self._peak_t = s.now
+
+    def reserve_loads(self, prefill: int, decode: int) -> Loads:
+        """Each pool's load at its remembered peak, at the given size."""
+
+        def load(peak: float, n: int) -> float:
+            return peak / n if n > 0 else (float("inf") if peak > 0 else 0.0)
+
+        return Loads(load(self._peak.prefill, prefill), load(self._peak.decode, decode))
+
+    def reserve_target(self, s: Signals, m: PerfModel) -> int | None:
+        """The prefill workers of the split that leaves the larger load at the remembered peaks
+        lowest among those keeping both pools' predicted loads now within `reserve_cap` (ties go
+        to the split nearest now); None where no split does."""
+        c = self.cfg
+        n = s.workers
+        best = None
+        for p in range(c.min_prefill, n - c.min_decode + 1):
+            if self.loads(s, m, p, n - p).worst > c.reserve_cap:
+                continue
+            key = (round(self.reserve_loads(p, n - p).worst, 9), abs(p - s.prefill_workers))
+            if best is None or key < best[0]:
+                best = (key, p)
+        return None if best is None else best[1]
 
     def target(self, s: Signals, m: PerfModel) -> tuple[int, int]:
         """The split minimising the larger predicted load; ties go to the split nearest now."""
@@ -218,6 +272,8 @@ class Controller:
 
     def decide(self, s: Signals, m: PerfModel) -> Decision:
         c = self.cfg
+        if c.reserve:
+            self.observe_peaks(s, m)  # the rates measured, not projected: a projection is no peak
         s = self.ahead(s)
         p, d = s.prefill_workers, s.decode_workers
         tp, td = self.target(s, m)
@@ -232,6 +288,10 @@ class Controller:
             "load_prefill": now.prefill,
             "load_decode": now.decode,
         }
+        if now.worst >= c.act_above:
+            self._calm_since = None
+        elif self._calm_since is None:
+            self._calm_since = s.now
         flip, helps = self._flip(s, m, raw, now, base)
         if c.ceiling == c.workers and s.held <= c.workers:
             return flip  # no worker may be added or removed: flips only
@@ -248,6 +308,9 @@ class Controller:
         p, d = s.prefill_workers, s.decode_workers
         tp = base["target_prefill"]
         if tp == p:
+            reserve = self._reserve(s, m, raw, now, base) if c.reserve and not s.change_in_flight else None
+            if reserve is not None:
+                return reserve
             self._streak = (None, 0)
             return Decision(action="hold", reason="at the target split", **base), False
         donor = Role.PREFILL if tp < p else Role.DECODE
@@ -261,12 +324,28 @@ class Controller:
 
         # Undoing the last flip needs twice the margin: measurement noise alone must not do it.
         margin = c.hysteresis * (2 if self._last_flip_from is not None and donor is not self._last_flip_from else 1)
-        wanted = now.worst >= c.act_above and after.worst <= now.worst * (1 - margin)
+        # A donor already short at its remembered peak gives workers only to a load the receiver could
+        # not carry within the reserve's cap.
+        trigger = c.act_above
+        if c.reserve:
+            short = self.reserve_loads(p, d)
+            if (short.prefill if donor is Role.PREFILL else short.decode) >= c.act_above:
+                trigger = max(trigger, c.reserve_cap / (1 - c.hysteresis))
+        wanted = now.worst >= trigger and after.worst <= now.worst * (1 - margin)
         self._track_wanting(donor if wanted else None, s.now)
         if s.change_in_flight:
             return hold("a change is in flight", True)
-        if now.worst < c.act_above:
+        if not wanted and c.reserve:
+            reserve = self._reserve(s, m, raw, now, base)
+            if reserve is not None:
+                return reserve
+        if now.worst < trigger:
             self._streak = (None, 0)
+            if trigger > c.act_above:
+                return hold(
+                    f"the {donor.value} pool keeps its reserve: the larger load {now.worst:.2f} is below {trigger:.2f}",
+                    False,
+                )
             return hold(f"both pools below {c.act_above:.2f} of their limits", False)
         if after.worst > now.worst * (1 - margin):
             self._streak = (None, 0)
@@ -301,6 +380,75 @@ class Controller:
             action="flip",
             reason=f"larger pool load {now.worst:.2f} -> {after.worst:.2f} "
             f"(prefill {now.prefill:.2f}->{after.prefill:.2f}, decode {now.decode:.2f}->{after.decode:.2f})",
+            **base,
+        ), True
+
+    def _reserve(self, s: Signals, m: PerfModel, raw: Loads, now: Loads, base: dict) -> tuple[Decision, bool] | None:
+        """A move of slack toward `reserve_target`, or a hold that nearly was one; None where none
+        is near. Made only once both pools have been below `act_above` for a dwell time, a dwell
+        after the last flip, when the receiver at its remembered peak would be over `act_above`,
+        the donor stays within `reserve_cap`, and the larger load at the peaks drops by the
+        margin (twice that against the last flip). It uses slack only, so it is not weighed
+        against an expected rest; it is confirmed as any flip."""
+        c = self.cfg
+        p, d = s.prefill_workers, s.decode_workers
+        tp = self.reserve_target(s, m)
+        if tp is None or tp == p:
+            return None
+        donor = Role.PREFILL if tp < p else Role.DECODE
+        peak_now = self.reserve_loads(p, d)
+        receiver_peak = peak_now.decode if donor is Role.PREFILL else peak_now.prefill
+        # No further than the receiver still short at its peak (at `act_above` or over): a reserve
+        # that left it comfortable there would no longer be held, and load could take it back.
+        k = min(abs(tp - p), self.max_step)
+        peak = self._peak.decode if donor is Role.PREFILL else self._peak.prefill
+        receiver = d if donor is Role.PREFILL else p
+        while k > 0 and peak / (receiver + k) < c.act_above:
+            k -= 1
+        if k == 0:
+            return None
+        ap, ad = (p - k, d + k) if donor is Role.PREFILL else (p + k, d - k)
+        after = self._carry_excess(self.loads(s, m, ap, ad), raw, now, donor.other)
+        peak_after = self.reserve_loads(ap, ad)
+        margin = c.hysteresis * (2 if self._last_flip_from is not None and donor is not self._last_flip_from else 1)
+        if (
+            self._calm_since is None
+            or s.now - self._calm_since < self.dwell_s
+            or receiver_peak < c.act_above
+            or after.worst > c.reserve_cap
+            or peak_after.worst > peak_now.worst * (1 - margin)
+        ):
+            return None
+        base = {
+            **base,
+            "target_prefill": tp,
+            "target_decode": s.workers - tp,
+            "after_prefill": after.prefill,
+            "after_decode": after.decode,
+            "flip_from": donor,
+            "count": k,
+        }
+        move = f"reserve: flip {k} {donor.value}->{donor.other.value}"
+        if self._last_flip_t is not None and s.now - self._last_flip_t < self.dwell_s:
+            left = self.dwell_s - (s.now - self._last_flip_t)
+            return Decision(
+                action="hold", reason=f"{move}: dwell: {left:.1f} s left since the last flip", close=True, **base
+            ), False
+        role, count = self._streak
+        count = count + 1 if role is donor else 1
+        self._streak = (donor, count)
+        if count < c.confirm:
+            return Decision(
+                action="hold", reason=f"{move} proposed {count}/{c.confirm} intervals", close=True, **base
+            ), False
+        self._streak = (None, 0)
+        self._last_flip_t = s.now
+        self._last_flip_from = donor
+        receiver_after = peak_after.decode if donor is Role.PREFILL else peak_after.prefill
+        return Decision(
+            action="flip",
+            reason=f"{move}: the {donor.other.value} pool at its remembered peak {receiver_peak:.2f} -> "
+            f"{receiver_after:.2f}; larger load now {now.worst:.2f} -> {after.worst:.2f} (at most {c.reserve_cap:.2f})",
             **base,
         ), True
 
