@@ -10,6 +10,7 @@ block table, so prefill, chunked prefill, prefix hits and decode are one code pa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +66,7 @@ class TorchAttention:
     def __init__(self) -> None:
         self._plan_meta: AttentionMetadata | None = None
         self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]  # CPU: gathered K, gathered V
 
     def attend(
         self,
@@ -100,8 +102,8 @@ class TorchAttention:
         # One query per sequence: gather every sequence's blocks padded to the longest context.
         rows, mask = self._decode_plan(meta, k_cache.shape[1], q.dtype)
         b = meta.block_tables.shape[0]
-        k = k_cache.index_select(0, rows).view(b, -1, *k_cache.shape[2:])  # [B, L, Hkv, D]
-        v = v_cache.index_select(0, rows).view(b, -1, *v_cache.shape[2:])
+        k, v = self._gather(k_cache, rows), self._gather(v_cache, rows, second=True)
+        k, v = k.view(b, -1, *k_cache.shape[2:]), v.view(b, -1, *v_cache.shape[2:])  # [B, L, Hkv, D]
         o = F.scaled_dot_product_attention(
             q.view(b, 1, *q.shape[1:]).transpose(1, 2),
             k.transpose(1, 2),
@@ -111,6 +113,19 @@ class TorchAttention:
             enable_gqa=True,
         )
         return o.transpose(1, 2).reshape(q.shape)
+
+    def _gather(self, cache: torch.Tensor, rows: torch.Tensor, second: bool = False) -> torch.Tensor:
+        """`cache.index_select(0, rows)`; on CPU into one of two buffers that every layer and step
+        reuses (a layer's gathered K and V are dead once its attention returns), so a decode
+        step allocates no fresh ~100 KB tensor per layer, each a new mapping's page faults."""
+        if cache.is_cuda:
+            return cache.index_select(0, rows)
+        shape = (rows.shape[0], *cache.shape[1:])
+        buf = self._buffers[int(second)]
+        if buf is None or buf.dtype != cache.dtype or buf.numel() < math.prod(shape):
+            buf = torch.empty(math.prod(shape), dtype=cache.dtype)
+            self._buffers[int(second)] = buf
+        return torch.index_select(cache, 0, rows, out=buf[: math.prod(shape)].view(shape))
 
     def _decode_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The block ids to gather ([B * blocks], row-major over the padded tables) and the mask
