@@ -19,6 +19,9 @@
 #   SERVERS        which to run, of: pdserve-colocated (--prefill 0 --decode 1: one worker prefills and
 #                  decodes, like vLLM's single engine) pdserve-disagg (--prefill 1 --decode 1) vllm
 #                  ["pdserve-colocated pdserve-disagg vllm"]
+#   REPEAT         run the servers in turn this many times over (a shared host's load drifts: each
+#                  server then meets it alike); a row per run and, with REPEAT > 1, each server's
+#                  median of the runs [1]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +31,7 @@ DTYPE=${DTYPE:-float32}
 OUT=${OUT:-out/compare-$(date -u +%Y%m%dT%H%M%SZ)}
 SWEEP=${SWEEP:-}
 SERVERS=${SERVERS:-"pdserve-colocated pdserve-disagg vllm"}
+REPEAT=${REPEAT:-1}
 HTTP_PORT=${HTTP_PORT:-18100}
 PDSERVE_ARGS=${PDSERVE_ARGS:-}
 mkdir -p "$OUT"
@@ -70,19 +74,22 @@ stop_server() {  # pid: the server's process group, started with setsid
     kill -KILL -- "-$1" 2>/dev/null || true
 }
 
-bench() {  # label, url
+bench() {  # label, url, file stem
     local sweep=()
-    [ -n "$SWEEP" ] && sweep=(--sweep "$SWEEP" --plot "$OUT/$1.png")
+    [ -n "$SWEEP" ] && sweep=(--sweep "$SWEEP" --plot "$OUT/$3.png")
     # shellcheck disable=SC2086
-    pdserve bench serve --url "$2" --label "$1" $WORKLOAD "${sweep[@]}" --out "$OUT/$1.json" "${@:3}" >/dev/null
+    pdserve bench serve --url "$2" --label "$1" $WORKLOAD "${sweep[@]}" --out "$OUT/$3.json" "${@:4}" >/dev/null
 }
 
 MODEL_DIR=$(python -c "from pdserve.models.resolve import resolve_model; print(resolve_model(None))")
 MODEL=$(basename "$MODEL_DIR")
 echo "compare: model $MODEL_DIR, dtype $DTYPE, workload: $WORKLOAD" >&2
 
+for run in $(seq 1 "$REPEAT"); do
 for server in $SERVERS; do
-    log="$OUT/$server.log"
+    stem=$server
+    [ "$REPEAT" -gt 1 ] && stem=$server.run$run
+    log="$OUT/$stem.log"
     case $server in
     pdserve-colocated)
         # shellcheck disable=SC2086
@@ -106,28 +113,41 @@ for server in $SERVERS; do
     pid=$!
     trap 'stop_server $pid' EXIT
     if wait_health "http://127.0.0.1:$HTTP_PORT" "$pid" "$log"; then
-        echo "compare: $server up; benchmarking" >&2
-        bench "$server" "http://127.0.0.1:$HTTP_PORT" "$@" || echo "compare: $server had failed requests" >&2
+        echo "compare: $server up; benchmarking (run $run of $REPEAT)" >&2
+        bench "$server" "http://127.0.0.1:$HTTP_PORT" "$stem" "$@" || echo "compare: $server had failed requests" >&2
     fi
     stop_server "$pid"
     trap - EXIT
 done
+done
 
-python - "$OUT" $SERVERS <<'EOF'
-import json, pathlib, sys
-out, servers = pathlib.Path(sys.argv[1]), sys.argv[2:]
+python - "$OUT" "$REPEAT" $SERVERS <<'EOF'
+import json, pathlib, statistics, sys
+out, repeat, servers = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 cols = ("server", "rate", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "output tok/s", "req/s", "goodput req/s", "ok")
+
+def values(r):
+    return (r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["output_tok_s"], r["req_s"], r["goodput_req_s"])
+
 print("| " + " | ".join(cols) + " |")
 print("|" + "---|" * len(cols))
 for s in servers:
-    f = out / f"{s}.json"
-    if not f.exists():
-        print(f"| {s} | " + " | ".join(["-"] * (len(cols) - 1)) + " |")
-        continue
-    report = json.loads(f.read_text())
-    for r in report["runs"]:
-        knee = " (knee)" if len(report["runs"]) > 1 and r["rate"] == report.get("knee_rate") else ""
-        row = (s, f"{r['rate'] or '-'}{knee}", r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["itl_ms"]["p50"], r["itl_ms"]["p99"], r["output_tok_s"], r["req_s"],
-               r["goodput_req_s"], f"{r['completed']}/{r['requests']}")
-        print("| " + " | ".join(str(v) for v in row) + " |")
+    per_rate = {}
+    for run in range(1, repeat + 1):
+        label = s if repeat == 1 else f"{s} (run {run})"
+        f = out / (f"{s}.json" if repeat == 1 else f"{s}.run{run}.json")
+        if not f.exists():
+            print(f"| {label} | " + " | ".join(["-"] * (len(cols) - 1)) + " |")
+            continue
+        report = json.loads(f.read_text())
+        for r in report["runs"]:
+            knee = " (knee)" if len(report["runs"]) > 1 and r["rate"] == report.get("knee_rate") else ""
+            per_rate.setdefault(r["rate"], []).append(r)
+            row = (label, f"{r['rate'] or '-'}{knee}", *values(r), f"{r['completed']}/{r['requests']}")
+            print("| " + " | ".join(str(v) for v in row) + " |")
+    if repeat > 1:
+        for rate, rs in per_rate.items():
+            med = [round(statistics.median(col), 3) for col in zip(*(values(r) for r in rs))]
+            ok = f"{sum(r['completed'] for r in rs)}/{sum(r['requests'] for r in rs)}"
+            print(f"| {s} (median of {len(rs)}) | {rate or '-'} | " + " | ".join(str(v) for v in med) + f" | {ok} |")
 EOF
