@@ -12,7 +12,9 @@ Stable by construction:
 - the same flip must be proposed by `confirm` consecutive intervals; after a flip, the next one
   in the same direction waits an interval, one in the opposite direction the dwell time;
 - at most one change in flight; a change moves up to `max_step` workers (a quarter of the
-  budget, at least one), the survivors' load predicted for all of them together;
+  budget, at least one), the survivors' load predicted for all of them together; a step cut to
+  `max_step` is judged by the margin of the whole move to the target (and must itself lower the
+  larger load);
 - the decision interval follows the measured flip time (`interval_s`);
 - a move weighs its own cost (`pays`): while its workers drain and switch (the measured flip
   time) the donor pool is already smaller and the receiver not yet larger, so a move is made
@@ -324,6 +326,13 @@ class Controller:
 
         # Undoing the last flip needs twice the margin: measurement noise alone must not do it.
         margin = c.hysteresis * (2 if self._last_flip_from is not None and donor is not self._last_flip_from else 1)
+        # A step cut to `max_step` is the first of a move to the target, and the margin is the whole
+        # move's (one cut step into a large pool could never clear a doubled margin by itself); the
+        # step must still lower the larger load.
+        whole = after
+        if k < abs(tp - p):
+            whole = self._carry_excess(self.loads(s, m, tp, s.workers - tp), raw, now, donor.other)
+        clears = whole.worst <= now.worst * (1 - margin) and after.worst < now.worst
         # A donor already short at its remembered peak gives workers only to a load the receiver could
         # not carry within the reserve's cap.
         trigger = c.act_above
@@ -331,7 +340,7 @@ class Controller:
             short = self.reserve_loads(p, d)
             if (short.prefill if donor is Role.PREFILL else short.decode) >= c.act_above:
                 trigger = max(trigger, c.reserve_cap / (1 - c.hysteresis))
-        wanted = now.worst >= trigger and after.worst <= now.worst * (1 - margin)
+        wanted = now.worst >= trigger and clears
         self._track_wanting(donor if wanted else None, s.now)
         if s.change_in_flight:
             return hold("a change is in flight", True)
@@ -347,10 +356,15 @@ class Controller:
                     False,
                 )
             return hold(f"both pools below {c.act_above:.2f} of their limits", False)
-        if after.worst > now.worst * (1 - margin):
+        if not clears:
             self._streak = (None, 0)
+            move = f"flip {k} {donor.value}->{donor.other.value}"
+            if whole is not after:
+                move = f"the move to {tp}P:{s.workers - tp}D ({move} first)"
+            if after.worst >= now.worst:
+                return hold(f"{move}: the step would not lower the larger load ({after.worst:.2f})", False)
             return hold(
-                f"flip {k} {donor.value}->{donor.other.value} would leave the larger load at {after.worst:.2f} "
+                f"{move} would leave the larger load at {whole.worst:.2f} "
                 f"(now {now.worst:.2f}): under the {margin:.0%} hysteresis",
                 False,
             )

@@ -236,3 +236,20 @@ def test_a_borrowed_length_does_not_cut_short_the_calm_after_a_burst():
     # The pool's own measured stretches are evidence: they are used as they are.
     ctrl._lasted[Role.PREFILL] = 40.0
     assert ctrl.expected_rest(Role.PREFILL, 130.0, donor_over=True) == 10.0
+
+
+def test_a_step_cut_to_max_step_is_judged_as_the_whole_move():
+    # Right after a flip out of the prefill pool, prompts overload a large prefill pool (10 of 16).
+    # Undoing the flip needs twice the margin, which one step of max_step workers into 10 cannot
+    # clear by itself (1.35 -> 0.96); the whole move to the target does, so the step is made.
+    ctrl = controller_with(16, flip_s=MODEL.flip_s)
+    ctrl._last_flip_from, ctrl._last_flip_t = Role.PREFILL, -1000.0
+    s = signals(0.0, 10, 6, 250.0, 5.0)
+    tp, _ = ctrl.target(s, MODEL)
+    assert tp - 10 > ctrl.max_step
+    step = ctrl.loads(s, MODEL, 10 + ctrl.max_step, 6 - ctrl.max_step).worst
+    assert step > (1 - 2 * ctrl.cfg.hysteresis) * ctrl.loads(s, MODEL, 10, 6).worst
+    decs = [ctrl.decide(signals(i * ctrl.interval_s, 10, 6, 250.0, 5.0), MODEL) for i in range(8)]
+    assert any(d.action == "flip" and d.flip_from is Role.DECODE and d.count == ctrl.max_step for d in decs), [
+        d.reason for d in decs
+    ]
