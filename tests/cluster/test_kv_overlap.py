@@ -63,12 +63,15 @@ def test_a_long_prompt_pulled_chunk_by_chunk_gives_the_single_process_tokens(
     overlapped: Any, single: LLM, wait_until: Any, k: int, sampling: dict
 ):
     c = overlapped
-    reads, prefetched = c.decode.prefetch_reads, c.decode.blocks_prefetched
+    reads, prefetched, pulled = c.decode.prefetch_reads, c.decode.blocks_prefetched, c.decode.blocks_pulled
     assert c.generate(long_prompt(k), params(12, **sampling)) == expected(single, long_prompt(k), 12, **sampling)
-    # Several READs (one per notice, at most one after the prefill's end) moved every block
-    # before the hand-over, and nothing was recomputed.
+    # Every block moved once, and nothing was recomputed. Several READs (one per notice) moved
+    # every block announced while the prompt was being prefilled before the hand-over; the
+    # blocks of its last step (2) are announced with its end, and their READ races the
+    # hand-over, which reads whatever the prefetch has not (on a loaded host it may win).
+    assert c.decode.blocks_pulled - pulled == 26
     assert c.decode.prefetch_reads - reads >= 2
-    assert c.decode.blocks_prefetched - prefetched == 26
+    assert c.decode.blocks_prefetched - prefetched >= 24
     assert c.decode.transfer_failures == 0 and c.decode.checksum_failures == 0
     wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed on both workers")
 
