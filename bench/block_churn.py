@@ -60,26 +60,17 @@ class RunEvictingBlockManager(BlockManager):
     successors with it (up to the number needed), so an allocation gets consecutive ids at the
     price of evicting some blocks before older ones."""
 
-    def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
-        if n > self.num_available:
-            return super().allocate(n, after, room)  # raises
-        out = self._free.take(min(n, len(self._free)), after, room)
-        need = n - len(out)
+    def _evict(self, n: int) -> list[int]:
         evicted: list[int] = []
-        while len(evicted) < need:
+        while len(evicted) < n:
             b, _ = self._cached_lru.popitem(last=False)
             evicted.append(b)
             nxt = b + 1
-            while len(evicted) < need and nxt in self._cached_lru:
+            while len(evicted) < n and nxt in self._cached_lru:
                 del self._cached_lru[nxt]
                 evicted.append(nxt)
                 nxt += 1
-        for b in evicted:
-            self._forget_hash(b)
-        out += sorted(evicted)
-        for b in out:
-            self._ref_counts[b] = 1
-        return out
+        return evicted
 
 
 EVICTIONS: dict[str, type[BlockManager]] = {"lru": BlockManager, "lru+runs": RunEvictingBlockManager}

@@ -195,7 +195,7 @@ class BlockManager:
         if n > self.num_available:
             raise NoFreeBlocksError(f"need {n} KV blocks, only {self.num_available} available")
         out = self._free.take(min(n, len(self._free)), after, room)
-        evicted = [self._cached_lru.popitem(last=False)[0] for _ in range(n - len(out))]
+        evicted = self._evict(n - len(out))
         for b in evicted:
             self._forget_hash(b)
         # Ascending: a sequence's blocks enter the LRU tail first (see `release`), so its run
@@ -204,6 +204,10 @@ class BlockManager:
         for b in out:
             self._ref_counts[b] = 1
         return out
+
+    def _evict(self, n: int) -> list[int]:
+        """Take n cached-free blocks out of the LRU, least recently used first."""
+        return [self._cached_lru.popitem(last=False)[0] for _ in range(n)]
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block. Released in reverse so a sequence's tail is evicted
