@@ -322,6 +322,19 @@ def measured_other_load(real: dict) -> float | None:
 # ----- the command ------------------------------------------------------------------------------
 
 
+def _other_load(text: str) -> str | float:
+    """--other-load: "measured" or a number of cores >= 0."""
+    if text == "measured":
+        return text
+    try:
+        cores = float(text)
+    except ValueError:
+        cores = -1.0
+    if not cores >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'measured' or a number of cores >= 0")
+    return cores
+
+
 def _trace(args: argparse.Namespace) -> Path:
     if args.trace is not None:
         return args.trace
@@ -371,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--other-load",
+        type=_other_load,
         default="measured",
         metavar="measured|CORES",
         help="other work on the host, in cores, that the simulated host carries besides the cluster "
@@ -395,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         real = asyncio.run(real_runs(reqs, split, a))
     cores = a.cores if a.cores is not None else (real_cores if model.share_slowdown else 0)
-    other = (measured_other_load(real) or 0.0) if a.other_load == "measured" else float(a.other_load)
+    other = (measured_other_load(real) or 0.0) if a.other_load == "measured" else a.other_load
     if other and cores:  # the host model shares the cores with it; a core a worker has no host
         model = replace(model, background_cores=model.background_cores + other)
     span = reqs[-1].t - reqs[0].t

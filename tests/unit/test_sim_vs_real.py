@@ -192,3 +192,12 @@ def test_queued_short_prompts_share_one_step_in_the_simulator():
     assert r["ttft_p50_ms"] == r["ttft_p90_ms"] == pytest.approx(1000 * (step(1) + step(9)), rel=1e-3)
     assert r["ttft_p90_ms"] < 1000 * (10 * WARM.prefill_s(100) - 7 * WARM.p0)  # not ten prefills in a row
     assert SimConfig(workers=2).prefill_step_tokens == EngineArgs().max_num_batched_tokens
+
+
+def test_other_load_must_be_measured_or_cores(capsys):
+    from bench.sim_vs_real import main
+
+    for bad in ("busy", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--real", "none.json", "--other-load", bad])
+        assert "--other-load" in capsys.readouterr().err
