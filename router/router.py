@@ -30,7 +30,7 @@ from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import context_of
 from pdserve.telemetry.metrics import RouterMetrics
-from pdserve_proto import inference_pb2
+from pdserve_proto import inference_pb2, worker_pb2
 from router.admission import PoolQueue, Refusal, retry_after_ms
 from router.background import Background
 from router.calls import WorkerCalls
@@ -50,6 +50,10 @@ from router.stats import StreamMetrics, cluster_stats, placement_stats
 __all__ = ["Router", "RouterConfig"]
 
 log = logging.getLogger(__name__)
+
+# A hand-over refused for want of free KV blocks is tried again after these waits (doubling).
+HANDOVER_RETRY_FIRST_S = 0.01
+HANDOVER_RETRY_MAX_S = 0.25
 
 
 class Router:
@@ -315,7 +319,7 @@ class Router:
         self._enqueue(r, "decode")  # past its prefill: joins the decode queue whatever its length
         # A decode worker that fails before it has pulled: the same handle goes to another one
         # (the prefill worker still holds the blocks under its lease).
-        start = await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
+        start = await self._start_when_room(r, handle)
         r.prefetching = False  # the start took it over (or another decode worker has the request)
         handed_over = time.monotonic()
         if start.recomputed:
@@ -325,6 +329,31 @@ class Router:
         self.pools.let_go(r, r.p_at.worker)  # so draining the prefill worker waits no longer for this stream
         async for chunk in self._relay_tokens(r, handed_over, self.metrics.decode_wait):
             yield chunk
+
+    async def _start_when_room(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
+        """The hand-over; while the decode worker has no free KV blocks for the prompt, the same
+        hand-over again after a backoff, for as long as the prefill worker's lease keeps the KV.
+        An admitted request so waits its turn behind the ones decoding, as it would in the
+        worker's queue, instead of failing after its first token reached the client."""
+        delay = HANDOVER_RETRY_FIRST_S
+        waited = 0.0
+        while True:
+            try:
+                return await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
+            except RouterError as exc:
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                left = handle.handle.lease_deadline - time.time()
+                if left <= delay:
+                    raise RouterError(
+                        exc.code, f"{exc.message} (waited {waited:.1f}s for free blocks; the prefill worker's "
+                        f"KV lease ends in {max(left, 0.0):.1f}s)",
+                    ) from exc
+                if waited == 0.0:
+                    self.metrics.handover_waits.inc()
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(2 * delay, HANDOVER_RETRY_MAX_S)
 
     async def _release_prefill(self, r: InFlight) -> None:
         """Free the request's KV on its prefill worker: nothing will pull it. A worker that has

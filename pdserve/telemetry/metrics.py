@@ -90,6 +90,12 @@ class RouterMetrics:
         self.transfer_retries = Counter(
             "pdserve_kv_transfer_retries", "KV READs that failed and were tried again.", registry=r
         )
+        self.handover_waits = Counter(
+            "pdserve_kv_handover_waits",
+            "KV hand-overs that found their decode worker without free blocks for the prompt and were tried "
+            "again until it had them (or the prefill worker's KV lease ran short).",
+            registry=r,
+        )
         self.recomputes = Counter(
             "pdserve_kv_recomputes", "Requests whose KV never arrived and were prefilled on the decode worker.",
             registry=r,
