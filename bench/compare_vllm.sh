@@ -18,7 +18,9 @@
 #   PDSERVE_ARGS   extra `pdserve serve` flags for the pdserve servers, e.g. "--cpu-threads 1" [none]
 #   SERVERS        which to run, of: pdserve-colocated (--prefill 0 --decode 1: one worker prefills and
 #                  decodes, like vLLM's single engine) pdserve-disagg (--prefill 1 --decode 1) vllm
-#                  ["pdserve-colocated pdserve-disagg vllm"]
+#                  ["pdserve-colocated pdserve-disagg vllm"]; a pdserve server may carry flags of its
+#                  own after a colon, commas for spaces: "pdserve-colocated:--cpu-threads,2" runs
+#                  beside "pdserve-colocated" in one invocation (a setting on and off, one host)
 #   REPEAT         run the servers in turn this many times over (a shared host's load drifts: each
 #                  server then meets it alike); a row per run and, with REPEAT > 1, each server's
 #                  median of the runs [1]
@@ -81,25 +83,33 @@ bench() {  # label, url, file stem
     pdserve bench serve --url "$2" --label "$1" $WORKLOAD "${sweep[@]}" --out "$OUT/$3.json" "${@:4}" >/dev/null
 }
 
+stem_of() {  # a server's name as a file stem: "pdserve-colocated:--cpu-threads,2" -> pdserve-colocated_cpu-threads_2
+    local s=${1//:--/_}
+    s=${s//,/_}
+    echo "${s//[^A-Za-z0-9_.-]/_}"
+}
+
 MODEL_DIR=$(python -c "from pdserve.models.resolve import resolve_model; print(resolve_model(None))")
 MODEL=$(basename "$MODEL_DIR")
 echo "compare: model $MODEL_DIR, dtype $DTYPE, workload: $WORKLOAD" >&2
 
 for run in $(seq 1 "$REPEAT"); do
 for server in $SERVERS; do
-    stem=$server
-    [ "$REPEAT" -gt 1 ] && stem=$server.run$run
+    stem=$(stem_of "$server")
+    [ "$REPEAT" -gt 1 ] && stem=$stem.run$run
     log="$OUT/$stem.log"
-    case $server in
+    own_args=""
+    [[ $server == *:* ]] && own_args=${server#*:} && own_args=${own_args//,/ }
+    case ${server%%:*} in
     pdserve-colocated)
         # shellcheck disable=SC2086
         setsid pdserve serve --model "$MODEL_DIR" --device cpu --dtype "$DTYPE" --prefill 0 --decode 1 \
-            --port 0 --http-port "$HTTP_PORT" $PDSERVE_ARGS >"$log" 2>&1 &
+            --port 0 --http-port "$HTTP_PORT" $PDSERVE_ARGS $own_args >"$log" 2>&1 &
         ;;
     pdserve-disagg)
         # shellcheck disable=SC2086
         setsid pdserve serve --model "$MODEL_DIR" --device cpu --dtype "$DTYPE" --prefill 1 --decode 1 \
-            --port 0 --http-port "$HTTP_PORT" $PDSERVE_ARGS >"$log" 2>&1 &
+            --port 0 --http-port "$HTTP_PORT" $PDSERVE_ARGS $own_args >"$log" 2>&1 &
         ;;
     vllm)
         install_vllm
@@ -121,7 +131,9 @@ for server in $SERVERS; do
 done
 done
 
-python - "$OUT" "$REPEAT" $SERVERS <<'EOF'
+STEMS=$(for s in $SERVERS; do stem_of "$s"; done)
+# shellcheck disable=SC2086
+python - "$OUT" "$REPEAT" $STEMS <<'EOF'
 import json, pathlib, statistics, sys
 out, repeat, servers = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 cols = ("server", "rate", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "output tok/s", "req/s", "goodput req/s", "ok")
