@@ -396,13 +396,17 @@ class Router:
                                        attributes={"pdserve.worker_id": r.d_at.worker})
         r.open_spans.append(first)
         stream_span: trace.Span | None = None
+        pending: tuple[list[int], str] | RouterError | None = None  # read while coalescing; handled next
         while True:
-            try:
-                item = await within(r.stream.queue.get(), self.config.token_timeout_s)
-            except TimeoutError:
-                item = await self._silent(r)
-                if item is None:
-                    continue
+            if pending is not None:
+                item, pending = pending, None
+            else:
+                try:
+                    item = await within(r.stream.queue.get(), self.config.token_timeout_s)
+                except TimeoutError:
+                    item = await self._silent(r)
+                    if item is None:
+                        continue
             if isinstance(item, WorkerLost):
                 if item.worker == r.d_at.worker:  # else: about a worker this request already left
                     await self.failover.resume(r, item, lambda ids, params: self.calls.submit(r, ids, params))
@@ -417,9 +421,8 @@ class Router:
                 stream_span = self.tracer.start_span("pdserve.stream", context=r.ctx,
                                                      attributes={"pdserve.worker_id": r.d_at.worker})
                 r.open_spans.append(stream_span)
-            r.completion += len(tokens)
-            if r.detok.add(tokens) is not None:
-                reason = "stop"
+            tokens, reason, stopped, pending = self._take_queued(r, tokens, reason)
+            if stopped:
                 await r.decode.abort(r.rid, self.config.control_timeout_s)
             if reason:
                 r.on_decode = False
@@ -428,6 +431,31 @@ class Router:
             yield self._chunk(r, tokens, reason)
             if reason:
                 return
+
+    @staticmethod
+    def _take_queued(
+        r: InFlight, tokens: list[int], reason: str
+    ) -> tuple[list[int], str, bool, tuple[list[int], str] | RouterError | None]:
+        """`tokens` and the updates queued behind them, for one chunk: a poll that carries
+        several engine steps, or a client that reads slower than they come, costs one chunk
+        (one SSE event) instead of one per step. Each update goes through the detokenizer as it
+        came, so the text and where a stop string cuts it are what they would be chunk by chunk.
+        Stops at a finish, a stop string, or an item that is not tokens (returned, to be
+        handled next). Returns (tokens, finish reason, stopped by a stop string, that item)."""
+        out = list(tokens)
+        queue = r.stream.queue
+        stopped = False
+        while True:
+            r.completion += len(tokens)
+            if r.detok.add(tokens) is not None:
+                reason, stopped = "stop", True
+            if reason or queue.empty():
+                return out, reason, stopped, None
+            item = queue.get_nowait()
+            if not isinstance(item, tuple):
+                return out, reason, stopped, item
+            tokens, reason = item
+            out += tokens
 
     async def _silent(self, r: InFlight) -> WorkerLost | None:
         """No token of `r` for `token_timeout_s`: a `WorkerLost` if its decode worker fails its
