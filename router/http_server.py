@@ -24,11 +24,11 @@ from router.limits import InputLimits, check_request
 from router.openai_api import (
     ApiError,
     ParsedRequest,
+    StreamEvents,
     completion,
     from_router_error,
     models,
     parse_request,
-    stream_chunk,
     usage_chunk,
 )
 from router.router import Router
@@ -132,9 +132,10 @@ async def _stream(
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     chunk, is_first = first, True
+    events = StreamEvents(parsed)
     try:
         while True:
-            await resp.write(_sse(stream_chunk(parsed, chunk.text, chunk.finish_reason, is_first)))
+            await resp.write(_sse(events.chunk(chunk.text, chunk.finish_reason, is_first)))
             is_first = False
             if chunk.finish_reason:
                 break

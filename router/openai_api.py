@@ -8,6 +8,7 @@ what the OpenAI shape adds (JSON types, `n`, fields we do not implement).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -232,6 +233,32 @@ def stream_chunk(p: ParsedRequest, text: str, finish_reason: str, first: bool) -
     if p.include_usage:
         out["usage"] = None  # as OpenAI does: only the last, choice-less chunk carries it
     return out
+
+
+class StreamEvents:
+    """The JSON of one request's stream events (`stream_chunk`). Every event between the first
+    and the last is the same object but for its text: it is rendered once, by the same code,
+    with a marker for the text, and each such event is that template with the text's own JSON
+    put in (as `json.dumps` would write it inside the object), instead of a dict and a dump each."""
+
+    _MARKER = "\x00text\x00"
+
+    def __init__(self, p: ParsedRequest) -> None:
+        self.p = p
+        doc = _json(stream_chunk(p, self._MARKER, "", first=False))
+        marker = json.dumps(self._MARKER)
+        # A request field that holds the marker too (it cannot be told apart): no template.
+        self._parts = doc.split(marker) if doc.count(marker) == 1 else None
+
+    def chunk(self, text: str, finish_reason: str, first: bool) -> str:
+        if first or finish_reason or self._parts is None:
+            return _json(stream_chunk(self.p, text, finish_reason, first))
+        head, tail = self._parts
+        return head + json.dumps(text) + tail
+
+
+def _json(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def usage_chunk(p: ParsedRequest, u: inference_pb2.Usage) -> dict[str, Any]:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import grpc
 import pytest
 
 from router.handles import RouterError
-from router.openai_api import ApiError, completion, from_router_error, parse_request, stream_chunk, usage_chunk
+from router.openai_api import (
+    ApiError,
+    StreamEvents,
+    completion,
+    from_router_error,
+    parse_request,
+    stream_chunk,
+    usage_chunk,
+)
 
 MODEL = "m"
 
@@ -94,3 +105,25 @@ def test_stream_chunks_and_usage_have_the_openai_shape():
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 5 and last["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
     whole = completion(parse({"prompt": "x"}), "abc", "length", u)
     assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == "abc"
+
+
+_TEXTS = ["", "plain", ' "quoted" \\ back', "line\nbreak\ttab", "é ü ß", "日本語", "😀 emoji", "\x00\x1f ctl", "</script>",
+          "\x00text\x00", "\ud800 lone surrogate"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_events_are_the_json_of_their_chunks_byte_for_byte(chat, include_usage):
+    body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": include_usage}}
+    p = parse(body | ({"messages": [{"role": "user", "content": "a"}]} if chat else {"prompt": "a"}), chat=chat)
+    events = StreamEvents(p)
+    for text in _TEXTS:
+        for reason, first in (("", False), ("", True), ("length", False), ("stop", True)):
+            assert events.chunk(text, reason, first) == json.dumps(stream_chunk(p, text, reason, first), separators=(",", ":"))
+
+
+def test_a_request_field_holding_the_text_marker_still_gets_its_own_json():
+    p = parse({"model": MODEL, "prompt": "a", "stream": True})
+    p = dataclasses.replace(p, id="cmpl-\x00text\x00")  # the id now holds the marker: no template
+    for text in ("x", "\x00text\x00"):
+        assert StreamEvents(p).chunk(text, "", False) == json.dumps(stream_chunk(p, text, "", False), separators=(",", ":"))
