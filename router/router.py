@@ -35,7 +35,6 @@ from router.admission import PoolQueue, Refusal, retry_after_ms
 from router.background import Background
 from router.calls import WorkerCalls
 from router.config import RouterConfig
-from router.deadline import within
 from router.errors import to_router_error
 from router.failover import Failover
 from router.handles import DecodeHandle, PrefillHandle, RouterError
@@ -226,6 +225,7 @@ class Router:
                 if span.is_recording():
                     span.end()
             self.relay.streams.pop(rid, None)
+            r.stream.close()
             for pool in list(r.queued):  # failed or cancelled before its token
                 self._dequeue(r, pool, served=False)
             self.pools.decode_policy.finish(r.d_at)
@@ -401,9 +401,8 @@ class Router:
             if pending is not None:
                 item, pending = pending, None
             else:
-                try:
-                    item = await within(r.stream.queue.get(), self.config.token_timeout_s)
-                except TimeoutError:
+                item = await r.stream.next(self.config.token_timeout_s)
+                if item is None:  # silent for token_timeout_s
                     item = await self._silent(r)
                     if item is None:
                         continue
