@@ -242,7 +242,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--cpu-threads", type=int, default=None, metavar="N",
-        help="CPU workers: torch threads each (default: this host's cores shared out among the workers)",
+        help="CPU workers: torch threads each (default: this host's cores shared out among the workers, one left "
+        "to the router when there are more cores than workers)",
     )
     _add_controller_args(srv)
     _add_telemetry_args(srv)

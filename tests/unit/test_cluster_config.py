@@ -9,10 +9,17 @@ from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.workers import cpu_threads_per_worker
 
 
-def test_cores_are_shared_out_among_the_workers():
+def test_cores_are_shared_out_among_the_workers_with_one_left_to_the_router():
     assert cpu_threads_per_worker(ServeConfig(num_prefill=1, num_decode=1), cores=2) == 1
-    assert cpu_threads_per_worker(ServeConfig(num_prefill=2, num_decode=2), cores=16) == 4
+    assert cpu_threads_per_worker(ServeConfig(num_prefill=2, num_decode=2), cores=16) == 3  # 15 cores for 4
+    assert cpu_threads_per_worker(ServeConfig(num_prefill=1, num_decode=1), cores=8) == 3
     assert cpu_threads_per_worker(ServeConfig(num_prefill=2, num_decode=3), cores=2) == 1  # never zero
+
+
+def test_a_lone_colocated_worker_leaves_a_core_to_the_router():
+    assert cpu_threads_per_worker(ServeConfig(num_prefill=0, num_decode=1), cores=2) == 1
+    assert cpu_threads_per_worker(ServeConfig(num_prefill=0, num_decode=1), cores=8) == 7
+    assert cpu_threads_per_worker(ServeConfig(num_prefill=0, num_decode=1), cores=1) == 1
 
 
 def test_an_explicit_thread_count_wins():
