@@ -14,7 +14,7 @@ import pytest
 from pdserve_proto import kv_pb2, worker_pb2
 from router.handles import RouterError
 from router.router import HANDOVER_RETRY_MAX_S
-from tests.unit.test_local_prefill import FakeDecode, FakePrefill, make_router, request
+from tests.unit.router_doubles import FakeDecode, FakePrefill, make_router, request
 
 FULL = "decode start: no free KV blocks; retry later"
 
