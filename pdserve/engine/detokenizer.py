@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,25 @@ def load_tokenizer(model_dir: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`. For a `tokenizers`-backed Hugging Face
+    tokenizer whose decode is the library's own and cleans up no spaces, that is exactly the
+    backend's decode, called here directly: the library's path around it costs several times the
+    decode itself, and a stream decodes twice per token."""
+    transformers = sys.modules.get("transformers")  # a tokenizer of its own needs it imported
+    fast = getattr(transformers, "PreTrainedTokenizerFast", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        fast is not None and isinstance(tokenizer, fast) and backend is not None
+        and cls.decode is fast.decode and cls._decode is fast._decode
+        and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False
+    ):
+        decode = backend.decode
+        return lambda ids: decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
@@ -36,6 +57,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._emitted = 0
+        self._decode = text_decoder(tokenizer) if tokenizer is not None else None
 
     def add(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string matched, if any (the text is then cut)."""
@@ -63,6 +85,3 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
