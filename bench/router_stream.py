@@ -185,6 +185,7 @@ async def _serve(workers: int, d0_s: float, d1_s: float) -> None:
     def snapshot() -> dict:
         return {
             "cpu_s": time.process_time(),
+            "sys_cpu_s": os.times().system,
             "worker_cpu_s": sum(d.worker_cpu_s for d in decodes),
             "polls": sum(d.polls for d in decodes),
             "updates": sum(d.updates for d in decodes),
@@ -346,6 +347,7 @@ def measure(run: RunConfig, d0_ms: float, d1_ms: float, seed: int) -> dict:
         "router_cpu_s": round(router_cpu, 3),
         "router_cpu_share": round(router_cpu / wall, 3),  # of one core
         "worker_cpu_s": round(d["worker_cpu_s"], 3),
+        "router_sys_share": round(d["sys_cpu_s"] / max(router_cpu, 1e-9), 3),  # of its CPU: in the kernel
         "client_cpu_share": round((client1 - client0) / wall, 3),  # the load generator's, of one core
         "cpu_ms_per_1k_tok": round(router_cpu * 1e6 / max(tokens, 1), 1),
         "cpu_ms_per_1k_chunks": round(router_cpu * 1e6 / max(chunks, 1), 1),
