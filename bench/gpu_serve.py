@@ -73,7 +73,12 @@ from bench.gpu_serve_report import (
     server_file,
     server_folders_glob,
     server_runs_glob,
+    server_watch_glob,
+    watch_file,
 )
+from bench.gpu_serve_watch import summarize as summarize_watch
+from bench.gpu_serve_watch import watch
+from bench.gpu_serve_watch import write as write_watch
 from bench.report import cpu_name
 from bench.serve import LoadConfig, run_load, served_model
 from bench.serve_failures import diagnosis_reason, failure_report
@@ -255,11 +260,20 @@ async def _drive(
                 continue
             reqs = WORKLOADS[w].requests(n, seed, st.scale)
             cfg = LoadConfig(launch_.url, model, rate, None, seed, st.request_timeout_s, False)
-            results, duration = await run_load(cfg, reqs)
+            stop_watch = asyncio.Event()
+            watcher = asyncio.create_task(watch(launch_.metrics_url, stop_watch)) if launch_.metrics_url else None
+            try:
+                results, duration = await run_load(cfg, reqs)
+            finally:
+                stop_watch.set()
+                samples = await watcher if watcher is not None else []
             summary = summarize(results, duration, st.slo)
             extra = {"requests_sent": n, "scale": st.scale, "seed": seed}
             run = run_record(record, w, rate, summary, extra)
             run["failures"] = failure_report(results, st.failures_listed)
+            if watcher is not None:
+                write_watch(out / watch_file(record["server"], w, rate), samples)
+                run["watch"] = summarize_watch(samples)
             path = out / run_file(record["server"], w, rate)
             path.write_text(json.dumps(run, indent=1) + "\n")
             # Looked at before the next run or the server's stop, while a stall may still be there.
@@ -290,6 +304,8 @@ def run_server(launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, ou
         stale.unlink()  # an earlier invocation's runs of this server: the table shows this one's only
     for stale in out.glob(server_folders_glob(s.name)):
         shutil.rmtree(stale)
+    for stale in out.glob(server_watch_glob(s.name)):
+        stale.unlink()
     srv = ServerRun(launch_, out / "logs")
     key, closed = admin_key(ctx.pdserve_args, os.environ) if s.kind == "pdserve" else (None, None)
 

@@ -31,6 +31,15 @@ def server_folders_glob(server: str) -> str:
     return f"run__{server}__*__*.diag"
 
 
+def watch_file(server: str, workload: str, rate: float) -> str:
+    """A run's /metrics reads during its load (bench/gpu_serve_watch.py), one JSON object a line."""
+    return f"run__{server}__{workload}__{rate:g}.watch.jsonl"
+
+
+def server_watch_glob(server: str) -> str:
+    return f"run__{server}__*__*.watch.jsonl"
+
+
 def server_file(server: str) -> str:
     return f"server__{server}.json"
 
