@@ -4,7 +4,8 @@ A synthetic decode actor emits one token per stream per "engine step" at a fixed
 through the same outbox and `poll` method as `DecodeWorker`, while the router side drains it
 through `WorkerClient.poll` over a Ray actor, exactly as `Router._relay` does. Reported: tokens/s reaching the
 router, and the latency added between a token's creation in the actor and its arrival in the
-router (same host, same clock). The baseline is one Ray call per token, the naive design.
+router (same host, same clock), and the router process's CPU (all of its threads, Ray's
+included) per poll and per token. The baseline is one Ray call per token, the naive design.
 
     python bench/relay.py [--streams 64] [--step-rate 500] [--seconds 5] [--json]
 """
@@ -73,19 +74,20 @@ class SyntheticDecode:
         return self.step_times
 
 
-async def drain(actor, per_token: bool) -> tuple[int, list[float], float]:
+async def drain(actor, per_token: bool) -> tuple[int, list[float], float, int]:
     handle = WorkerClient("synthetic", ray_invoker(actor))
-    received, lat_steps = 0, []
+    received, lat_steps, polls = 0, [], 0
     t0 = time.perf_counter()
     while True:
         if per_token:
             updates = await asyncio.wait_for(actor.poll.remote(0.05, "", 1), 5.0)
         else:
             updates = await handle.poll(0.05, 5.0)
+        polls += 1
         now = time.time()
         for u in updates.updates:
             if u.request_id == "__end__":
-                return received, lat_steps, time.perf_counter() - t0
+                return received, lat_steps, time.perf_counter() - t0, polls
             received += len(u.token_ids)
             lat_steps.append((u.token_ids[0], now))
 
@@ -94,7 +96,9 @@ def measure(streams: int, step_rate: float, seconds: float, per_token: bool) -> 
     actor = ray.remote(max_concurrency=8, num_cpus=0)(SyntheticDecode).remote()
     ray.get(actor.times.remote())
     ray.get(actor.run.remote(streams, step_rate, seconds))
-    received, lat, elapsed = asyncio.run(drain(actor, per_token))
+    cpu0 = time.process_time()  # this process is the router's side: every thread of it, Ray's included
+    received, lat, elapsed, polls = asyncio.run(drain(actor, per_token))
+    cpu = time.process_time() - cpu0
     step_times = ray.get(actor.times.remote())
     ray.kill(actor)
     latencies = sorted((now - step_times[step]) * 1000 for step, now in lat)
@@ -105,6 +109,9 @@ def measure(streams: int, step_rate: float, seconds: float, per_token: bool) -> 
         "relayed_tok_s": received / elapsed,
         "latency_p50_ms": statistics.median(latencies) if latencies else float("nan"),
         "latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan"),
+        "polls": polls,
+        "router_cpu_us_per_poll": cpu / polls * 1e6,
+        "router_cpu_us_per_token": cpu / max(received, 1) * 1e6,
     }
 
 
@@ -124,11 +131,13 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'mode':<22} {'streams':>7} {'offered tok/s':>14} {'relayed tok/s':>14} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'mode':<22} {'streams':>7} {'offered tok/s':>14} {'relayed tok/s':>14} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'polls':>7} {'CPU us/poll':>12} {'CPU us/tok':>11}")
     for r in rows:
         print(
             f"{r['mode']:<22} {r['streams']:>7} {r['offered_tok_s']:>14.0f} {r['relayed_tok_s']:>14.0f} "
-            f"{r['latency_p50_ms']:>8.2f} {r['latency_p99_ms']:>8.2f}"
+            f"{r['latency_p50_ms']:>8.2f} {r['latency_p99_ms']:>8.2f} {r['polls']:>7} "
+            f"{r['router_cpu_us_per_poll']:>12.0f} {r['router_cpu_us_per_token']:>11.1f}"
         )
     return 0
 
