@@ -24,10 +24,17 @@ and 4 workers at the same offered load, and 4 workers at a load that saturates t
 
     python bench/router_stream.py [--workers 1,2,4] [--rate 20] [--requests 200]
                                   [--saturate-rate 80] [--saturate-requests 400]
-                                  [--d0-ms 1.5] [--d1-ms 0.03] [--compare OLD_TREE] [--json]
+                                  [--d0-ms 1.5] [--d1-ms 0.03] [--poll-cpu-us 0] [--poll-floor-ms 0]
+                                  [--compare OLD_TREE] [--json]
 
 `--compare OLD_TREE` runs every configuration twice, first with the router code of another
 checkout (e.g. `git worktree add ../old <commit>`) and then with this one's, one after the other.
+
+A real decode worker's poll is a Ray actor call, which costs the router's process far more than
+this in-process one (`bench/relay.py` reports how much). `--poll-cpu-us` burns that much CPU on
+the event loop's thread per poll, counted as the router's; `--poll-floor-ms` has each synthetic
+worker answer no sooner than that after its previous answer, as a floor on the interval between
+one worker's polls would.
 """
 
 from __future__ import annotations
@@ -65,14 +72,31 @@ def _token(r: _Live) -> int:
     return 1000 + (r.base + 7919 * r.made) % 29000
 
 
+@dataclass(frozen=True)
+class WorkerModel:
+    d0_ms: float = 1.5  # a step's fixed time
+    d1_ms: float = 0.03  # a step's time per sequence in the batch
+    # What a poll costs the router's event loop beyond this in-process call (a Ray actor call's
+    # submission and hand-back), burnt on the loop thread and counted as the router's.
+    poll_cpu_us: float = 0.0
+    # A poll is answered no sooner than this after the worker's previous answer: what a floor
+    # on the interval between one worker's polls would do (the relay has none).
+    poll_floor_ms: float = 0.0
+
+    def args(self) -> list[str]:
+        return [f"--{k.replace('_', '-')}={v}" for k, v in asdict(self).items()]
+
+
 class SyntheticDecode:
     """A `router.handles.DecodeHandle` whose engine is a step clock (see the module's doc)."""
 
-    def __init__(self, worker_id: str, d0_s: float, d1_s: float) -> None:
+    def __init__(self, worker_id: str, model: WorkerModel) -> None:
         from pdserve.engine.block_manager import BlockManager
 
         self.worker_id = worker_id
-        self.d0_s, self.d1_s = d0_s, d1_s
+        self.d0_s, self.d1_s = model.d0_ms / 1000, model.d1_ms / 1000
+        self.poll_cpu_s, self.floor_s = model.poll_cpu_us / 1e6, model.poll_floor_ms / 1000
+        self.answered = 0.0  # when the last poll was answered (monotonic)
         self.live: dict[str, _Live] = {}
         self.step_end: float | None = None  # when the running step ends; None: idle
         self.box: list[Any] = []  # TokenUpdates not yet acked
@@ -126,8 +150,16 @@ class SyntheticDecode:
     async def poll(self, wait_s: float, timeout_s: float, acked: int | None = None) -> Any:
         from pdserve_proto import worker_pb2
 
+        if self.poll_cpu_s:
+            spent = time.thread_time() + self.poll_cpu_s
+            while time.thread_time() < spent:
+                pass
         t0 = time.thread_time()
         self.polls += 1
+        if self.floor_s and self.answered + self.floor_s > time.monotonic():
+            self.worker_cpu_s += time.thread_time() - t0
+            await asyncio.sleep(self.answered + self.floor_s - time.monotonic())
+            t0 = time.thread_time()
         self._advance(time.monotonic())
         if acked is not None:
             self.box = [u for u in self.box if u.seq > acked]
@@ -148,6 +180,7 @@ class SyntheticDecode:
             self._advance(time.monotonic())
         wire = worker_pb2.TokenUpdates(updates=self.box).SerializeToString()
         self.updates += len(self.box)
+        self.answered = time.monotonic()
         self.worker_cpu_s += time.thread_time() - t0
         return worker_pb2.TokenUpdates.FromString(wire)  # what the router does with an answer off the wire
 
@@ -168,7 +201,7 @@ class SyntheticDecode:
         return worker_pb2.KvEventBatch(**asdict(self.blocks.drain_events(full)))
 
 
-async def _serve(workers: int, d0_s: float, d1_s: float) -> None:
+async def _serve(workers: int, model: WorkerModel) -> None:
     import router as router_pkg
     from pdserve.engine.detokenizer import load_tokenizer
     from pdserve.models.default_model import default_model_dir
@@ -176,7 +209,7 @@ async def _serve(workers: int, d0_s: float, d1_s: float) -> None:
     from router.router import Router, RouterConfig
 
     model_dir = default_model_dir()
-    decodes = [SyntheticDecode(f"decode-{i}", d0_s, d1_s) for i in range(workers)]
+    decodes = [SyntheticDecode(f"decode-{i}", model) for i in range(workers)]
     cfg = RouterConfig(model_id=model_dir.name, max_model_len=8192, vocab_size=49152)
     router = Router(cfg, load_tokenizer(model_dir), [], decodes)
     await router.start()
@@ -234,11 +267,10 @@ class StreamResult:
 class RouterProcess:
     """The router in its own process, answering `snap` with its CPU and counters."""
 
-    def __init__(self, workers: int, d0_ms: float, d1_ms: float, tree: str) -> None:
+    def __init__(self, workers: int, model: WorkerModel, tree: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve", "--workers", str(workers),
-             "--d0-ms", str(d0_ms), "--d1-ms", str(d1_ms)],
+            [sys.executable, str(Path(__file__).resolve()), "--serve", "--workers", str(workers), *model.args()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree or ROOT,
         )
         ready = json.loads(self._line())
@@ -317,11 +349,11 @@ def _pct(values: Iterable[float], p: float) -> float | None:
     return round(float(np.percentile(v, p)) * 1000, 2) if v else None
 
 
-def measure(run: RunConfig, d0_ms: float, d1_ms: float, seed: int) -> dict:
+def measure(run: RunConfig, model: WorkerModel, seed: int) -> dict:
     from bench.serve_workload import Request, synthetic
 
     requests = synthetic("chat", run.requests, seed, 2048, 512)
-    server = RouterProcess(run.workers, d0_ms, d1_ms, run.tree)
+    server = RouterProcess(run.workers, model, run.tree)
     try:
         asyncio.run(_load(server.url, 50.0, [Request(r.prompt, 16) for r in requests[:10]], seed))  # warm-up
         before, client0 = server.snap(), time.process_time()
@@ -339,6 +371,8 @@ def measure(run: RunConfig, d0_ms: float, d1_ms: float, seed: int) -> dict:
         "router_dir": server.router_dir,
         "workers": run.workers,
         "rate": run.rate,
+        "poll_cpu_us": model.poll_cpu_us,
+        "poll_floor_ms": model.poll_floor_ms,
         "requests": run.requests,
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
@@ -362,7 +396,7 @@ def measure(run: RunConfig, d0_ms: float, d1_ms: float, seed: int) -> dict:
 
 
 COLUMNS = (
-    ("tree", "{}"), ("workers", "{}"), ("rate", "{:g}"), ("tok_s", "{:.0f}"), ("router_cpu_share", "{:.2f}"),
+    ("tree", "{}"), ("workers", "{}"), ("rate", "{:g}"), ("poll_cpu_us", "{:g}"), ("poll_floor_ms", "{:g}"), ("tok_s", "{:.0f}"), ("router_cpu_share", "{:.2f}"),
     ("client_cpu_share", "{:.2f}"),
     ("cpu_ms_per_1k_tok", "{:.1f}"), ("cpu_ms_per_1k_chunks", "{:.1f}"), ("tok_per_chunk", "{:.2f}"),
     ("polls_per_1k_tok", "{:.0f}"), ("ttft_p50_ms", "{}"), ("ttft_p99_ms", "{}"), ("itl_p50_ms", "{}"),
@@ -386,16 +420,21 @@ def main() -> int:
     ap.add_argument("--saturate-workers", type=int, default=4)
     ap.add_argument("--d0-ms", type=float, default=1.5, help="a step's fixed time (default: 1.5)")
     ap.add_argument("--d1-ms", type=float, default=0.03, help="a step's time per sequence in the batch (default: 0.03)")
+    ap.add_argument("--poll-cpu-us", type=float, default=0.0,
+                    help="CPU a poll costs the router's event loop on top (a Ray call's part; default: 0)")
+    ap.add_argument("--poll-floor-ms", type=float, default=0.0,
+                    help="answer a poll no sooner than this after the previous answer (default: 0, none)")
     ap.add_argument("--compare", default="", metavar="OLD_TREE", help="also run another checkout's router, first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the router's process
     args = ap.parse_args()
+    model = WorkerModel(args.d0_ms, args.d1_ms, args.poll_cpu_us, args.poll_floor_ms)
     if args.serve:
         # This script's folder holds bench/router.py, which would shadow the router package.
         here = Path(__file__).resolve().parent
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-        asyncio.run(_serve(int(args.workers), args.d0_ms / 1000, args.d1_ms / 1000))
+        asyncio.run(_serve(int(args.workers), model))
         return 0
     sys.path.insert(0, str(ROOT))
     trees = [str(Path(args.compare).resolve()), ""] if args.compare else [""]
@@ -405,7 +444,7 @@ def main() -> int:
     rows = []
     for n, rate, m in runs:
         for tree in trees:
-            rows.append(measure(RunConfig(n, rate, m, tree), args.d0_ms, args.d1_ms, args.seed))
+            rows.append(measure(RunConfig(n, rate, m, tree), model, args.seed))
             print(table(rows[-1:]), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
