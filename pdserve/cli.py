@@ -131,6 +131,11 @@ def _add_edge_args(p: argparse.ArgumentParser) -> None:
         help="bounded admission: each pool (prefill, decode) holds at most N requests admitted but without a token "
         "yet; more are refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a retry hint (default: 0, unbounded)",
     )
+    p.add_argument(
+        "--poll-interval-ms", type=float, default=0.0, metavar="MS",
+        help="poll each decode worker for tokens at most once per MS: fewer, fuller polls (each costs the router "
+        "about the same CPU whatever it carries) for up to MS of added token latency (default: 0, every step)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051; 0 picks a free one)")
     p.add_argument(

@@ -20,6 +20,12 @@ class RouterConfig:
     token_timeout_s: float = 60.0
     control_timeout_s: float = 5.0  # release, abort, stats
     poll_wait_s: float = 0.05
+    # At most one poll of a decode worker per this interval (0: the next poll goes out as soon as
+    # the last one is answered, at every engine step). A poll costs the router's process the same
+    # whatever it carries (a Ray call: docs/benchmarks.md, "Router streaming"), so with many
+    # workers stepping every few ms the polls alone can fill its core; a floor makes each carry
+    # several steps, at the price of a token waiting up to the floor.
+    poll_interval_s: float = 0.0
     max_inflight_per_prefill: int = 256
     max_inflight_per_decode: int = 256
     # Requests each pool may hold admitted but without a token yet (router.admission); more are

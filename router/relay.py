@@ -40,7 +40,14 @@ class TokenRelay:
         cfg = self.config
         failures = 0
         acked = 0  # the last update received: a poll whose answer is lost gets it all again
+        loop = asyncio.get_running_loop()
+        sent = -cfg.poll_interval_s  # when the last poll went out (loop time)
         while True:
+            if cfg.poll_interval_s > 0:
+                floor = sent + cfg.poll_interval_s - loop.time()
+                if floor > 0:
+                    await asyncio.sleep(floor)
+                sent = loop.time()
             try:
                 updates = await decode.poll(cfg.poll_wait_s, cfg.control_timeout_s + cfg.poll_wait_s, acked)
                 failures = 0

@@ -73,7 +73,7 @@ def worker_actor_names(listed: Iterable[Mapping[str, str]]) -> dict[str, str]:
     return out
 
 
-def router_config(info: worker_pb2.ServeInfo, max_queued_requests: int) -> RouterConfig:
+def router_config(info: worker_pb2.ServeInfo, max_queued_requests: int, poll_interval_s: float = 0.0) -> RouterConfig:
     """The router's configuration from what the workers were started with."""
     return RouterConfig(
         model_id=Path(info.model_dir).name,
@@ -86,6 +86,7 @@ def router_config(info: worker_pb2.ServeInfo, max_queued_requests: int) -> Route
             max_local_prefill_tokens=info.max_local_prefill_tokens,
         ),
         max_queued_requests=max_queued_requests,
+        poll_interval_s=poll_interval_s,
         kv_transfer_overlap=info.kv_transfer_overlap,
     )
 
@@ -150,7 +151,7 @@ class JoinedRouter:
             telemetry = RouterTelemetry.create(cfg)
             clients = {wid: WorkerClient(wid, ray_invoker(a), router_id=router_id) for wid, (_, a) in workers.items()}
             router = Router(
-                router_config(info, cfg.max_queued_requests),
+                router_config(info, cfg.max_queued_requests, cfg.poll_interval_s),
                 load_tokenizer(model_dir),
                 [clients[w] for w, (role, _) in workers.items() if role == "prefill"],
                 [clients[w] for w, (role, _) in workers.items() if role == "decode"],

@@ -148,6 +148,7 @@ class Cluster:
                 block_size=cfg.engine.block_size,
                 placement=cfg.placement,
                 max_queued_requests=cfg.max_queued_requests,
+                poll_interval_s=cfg.poll_interval_s,
                 kv_transfer_overlap=cfg.kv_transfer_overlap,
             )
             router = Router(
