@@ -24,7 +24,7 @@ and 4 workers at the same offered load, and 4 workers at a load that saturates t
 
     python bench/router_stream.py [--workers 1,2,4] [--rate 20] [--requests 200]
                                   [--saturate-rate 80] [--saturate-requests 400]
-                                  [--d0-ms 1.5] [--d1-ms 0.03] [--poll-cpu-us 0] [--poll-floor-ms 0]
+                                  [--d0-ms 1.5] [--d1-ms 0.03] [--poll-cpu-us 0] [--poll-interval-ms 0]
                                   [--compare OLD_TREE] [--json]
 
 `--compare OLD_TREE` runs every configuration twice, first with the router code of another
@@ -32,9 +32,8 @@ checkout (e.g. `git worktree add ../old <commit>`) and then with this one's, one
 
 A real decode worker's poll is a Ray actor call, which costs the router's process far more than
 this in-process one (`bench/relay.py` reports how much). `--poll-cpu-us` burns that much CPU on
-the event loop's thread per poll, counted as the router's; `--poll-floor-ms` has each synthetic
-worker answer no sooner than that after its previous answer, as a floor on the interval between
-one worker's polls would.
+the event loop's thread per poll, counted as the router's. `--poll-interval-ms` is the router's
+own floor on the interval between one worker's polls (`pdserve serve --poll-interval-ms`).
 """
 
 from __future__ import annotations
@@ -79,9 +78,6 @@ class WorkerModel:
     # What a poll costs the router's event loop beyond this in-process call (a Ray actor call's
     # submission and hand-back), burnt on the loop thread and counted as the router's.
     poll_cpu_us: float = 0.0
-    # A poll is answered no sooner than this after the worker's previous answer: what a floor
-    # on the interval between one worker's polls would do (the relay has none).
-    poll_floor_ms: float = 0.0
 
     def args(self) -> list[str]:
         return [f"--{k.replace('_', '-')}={v}" for k, v in asdict(self).items()]
@@ -95,8 +91,7 @@ class SyntheticDecode:
 
         self.worker_id = worker_id
         self.d0_s, self.d1_s = model.d0_ms / 1000, model.d1_ms / 1000
-        self.poll_cpu_s, self.floor_s = model.poll_cpu_us / 1e6, model.poll_floor_ms / 1000
-        self.answered = 0.0  # when the last poll was answered (monotonic)
+        self.poll_cpu_s = model.poll_cpu_us / 1e6
         self.live: dict[str, _Live] = {}
         self.step_end: float | None = None  # when the running step ends; None: idle
         self.box: list[Any] = []  # TokenUpdates not yet acked
@@ -156,10 +151,6 @@ class SyntheticDecode:
                 pass
         t0 = time.thread_time()
         self.polls += 1
-        if self.floor_s and self.answered + self.floor_s > time.monotonic():
-            self.worker_cpu_s += time.thread_time() - t0
-            await asyncio.sleep(self.answered + self.floor_s - time.monotonic())
-            t0 = time.thread_time()
         self._advance(time.monotonic())
         if acked is not None:
             self.box = [u for u in self.box if u.seq > acked]
@@ -180,7 +171,6 @@ class SyntheticDecode:
             self._advance(time.monotonic())
         wire = worker_pb2.TokenUpdates(updates=self.box).SerializeToString()
         self.updates += len(self.box)
-        self.answered = time.monotonic()
         self.worker_cpu_s += time.thread_time() - t0
         return worker_pb2.TokenUpdates.FromString(wire)  # what the router does with an answer off the wire
 
@@ -201,7 +191,7 @@ class SyntheticDecode:
         return worker_pb2.KvEventBatch(**asdict(self.blocks.drain_events(full)))
 
 
-async def _serve(workers: int, model: WorkerModel) -> None:
+async def _serve(workers: int, model: WorkerModel, poll_interval_s: float) -> None:
     import router as router_pkg
     from pdserve.engine.detokenizer import load_tokenizer
     from pdserve.models.default_model import default_model_dir
@@ -210,7 +200,8 @@ async def _serve(workers: int, model: WorkerModel) -> None:
 
     model_dir = default_model_dir()
     decodes = [SyntheticDecode(f"decode-{i}", model) for i in range(workers)]
-    cfg = RouterConfig(model_id=model_dir.name, max_model_len=8192, vocab_size=49152)
+    floor = {"poll_interval_s": poll_interval_s} if poll_interval_s else {}  # older trees have no such field
+    cfg = RouterConfig(model_id=model_dir.name, max_model_len=8192, vocab_size=49152, **floor)
     router = Router(cfg, load_tokenizer(model_dir), [], decodes)
     await router.start()
     runner, port = await start_http_server(router, "127.0.0.1", 0)
@@ -267,10 +258,11 @@ class StreamResult:
 class RouterProcess:
     """The router in its own process, answering `snap` with its CPU and counters."""
 
-    def __init__(self, workers: int, model: WorkerModel, tree: str) -> None:
+    def __init__(self, workers: int, model: WorkerModel, poll_interval_ms: float, tree: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve", "--workers", str(workers), *model.args()],
+            [sys.executable, str(Path(__file__).resolve()), "--serve", "--workers", str(workers), *model.args(),
+             f"--poll-interval-ms={poll_interval_ms}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree or ROOT,
         )
         ready = json.loads(self._line())
@@ -349,11 +341,11 @@ def _pct(values: Iterable[float], p: float) -> float | None:
     return round(float(np.percentile(v, p)) * 1000, 2) if v else None
 
 
-def measure(run: RunConfig, model: WorkerModel, seed: int) -> dict:
+def measure(run: RunConfig, model: WorkerModel, poll_interval_ms: float, seed: int) -> dict:
     from bench.serve_workload import Request, synthetic
 
     requests = synthetic("chat", run.requests, seed, 2048, 512)
-    server = RouterProcess(run.workers, model, run.tree)
+    server = RouterProcess(run.workers, model, poll_interval_ms, run.tree)
     try:
         asyncio.run(_load(server.url, 50.0, [Request(r.prompt, 16) for r in requests[:10]], seed))  # warm-up
         before, client0 = server.snap(), time.process_time()
@@ -372,7 +364,7 @@ def measure(run: RunConfig, model: WorkerModel, seed: int) -> dict:
         "workers": run.workers,
         "rate": run.rate,
         "poll_cpu_us": model.poll_cpu_us,
-        "poll_floor_ms": model.poll_floor_ms,
+        "poll_interval_ms": poll_interval_ms,
         "requests": run.requests,
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
@@ -396,7 +388,7 @@ def measure(run: RunConfig, model: WorkerModel, seed: int) -> dict:
 
 
 COLUMNS = (
-    ("tree", "{}"), ("workers", "{}"), ("rate", "{:g}"), ("poll_cpu_us", "{:g}"), ("poll_floor_ms", "{:g}"), ("tok_s", "{:.0f}"), ("router_cpu_share", "{:.2f}"),
+    ("tree", "{}"), ("workers", "{}"), ("rate", "{:g}"), ("poll_cpu_us", "{:g}"), ("poll_interval_ms", "{:g}"), ("tok_s", "{:.0f}"), ("router_cpu_share", "{:.2f}"),
     ("client_cpu_share", "{:.2f}"),
     ("cpu_ms_per_1k_tok", "{:.1f}"), ("cpu_ms_per_1k_chunks", "{:.1f}"), ("tok_per_chunk", "{:.2f}"),
     ("polls_per_1k_tok", "{:.0f}"), ("ttft_p50_ms", "{}"), ("ttft_p99_ms", "{}"), ("itl_p50_ms", "{}"),
@@ -422,19 +414,19 @@ def main() -> int:
     ap.add_argument("--d1-ms", type=float, default=0.03, help="a step's time per sequence in the batch (default: 0.03)")
     ap.add_argument("--poll-cpu-us", type=float, default=0.0,
                     help="CPU a poll costs the router's event loop on top (a Ray call's part; default: 0)")
-    ap.add_argument("--poll-floor-ms", type=float, default=0.0,
-                    help="answer a poll no sooner than this after the previous answer (default: 0, none)")
+    ap.add_argument("--poll-interval-ms", type=float, default=0.0,
+                    help="the router's --poll-interval-ms (RouterConfig.poll_interval_s; default: 0, none)")
     ap.add_argument("--compare", default="", metavar="OLD_TREE", help="also run another checkout's router, first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the router's process
     args = ap.parse_args()
-    model = WorkerModel(args.d0_ms, args.d1_ms, args.poll_cpu_us, args.poll_floor_ms)
+    model = WorkerModel(args.d0_ms, args.d1_ms, args.poll_cpu_us)
     if args.serve:
         # This script's folder holds bench/router.py, which would shadow the router package.
         here = Path(__file__).resolve().parent
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-        asyncio.run(_serve(int(args.workers), model))
+        asyncio.run(_serve(int(args.workers), model, args.poll_interval_ms / 1000))
         return 0
     sys.path.insert(0, str(ROOT))
     trees = [str(Path(args.compare).resolve()), ""] if args.compare else [""]
@@ -444,7 +436,7 @@ def main() -> int:
     rows = []
     for n, rate, m in runs:
         for tree in trees:
-            rows.append(measure(RunConfig(n, rate, m, tree), model, args.seed))
+            rows.append(measure(RunConfig(n, rate, m, tree), model, args.poll_interval_ms, args.seed))
             print(table(rows[-1:]), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
