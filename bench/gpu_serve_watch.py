@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from pathlib import Path
+
+from bench.gpu_serve_diag import scrape
 
 INTERVAL_S = 0.25
 READ_TIMEOUT_S = 1.0
@@ -83,11 +84,6 @@ def summarize(samples: list[dict]) -> dict:
     }
 
 
-def _read(url: str, timeout_s: float) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return resp.read().decode(errors="replace")
-
-
 async def watch(url: str, stop: asyncio.Event, interval_s: float = INTERVAL_S, timeout_s: float = READ_TIMEOUT_S) -> list[dict]:
     """Read `url` every `interval_s` until `stop` is set; each read in a thread, under `timeout_s`."""
     samples: list[dict] = []
@@ -95,7 +91,7 @@ async def watch(url: str, stop: asyncio.Event, interval_s: float = INTERVAL_S, t
     while not stop.is_set():
         t = time.monotonic() - t0
         try:
-            text = await asyncio.wait_for(asyncio.to_thread(_read, url, timeout_s), timeout_s + 0.5)
+            text = await asyncio.wait_for(asyncio.to_thread(scrape, url, timeout_s), timeout_s + 0.5)
             samples.append(sample_of(text, t))
         except Exception as exc:  # noqa: BLE001 - a read that fails is a sample, not an error
             samples.append(unanswered(t, f"{type(exc).__name__}: {exc}"))
