@@ -199,6 +199,11 @@ class EngineConfig(EngineArgs):
     # None: on where decode steps are CUDA graphs, the only place the host's time shows.
     overlap_decode: bool | None = None
     cuda_graph_max_batch: int = 128
+    # Mixed steps (a prompt chunk beside running decodes): the one-query rows attend through the
+    # Triton split-KV decode kernel, the rest through flash-attn (kernels/mixed_attention.py).
+    # None: on where flash-attn is the backend and the Triton decode kernels import (CUDA);
+    # True: required (an error naming what is missing; any backend); False: off.
+    mixed_decode_attention: bool | None = None
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)

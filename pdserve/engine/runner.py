@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_kernels_for
 from pdserve.engine.kernels.attention import AttentionMetadata
 from pdserve.engine.kernels.backends import make_backend
+from pdserve.engine.kernels.mixed_attention import mixed_step_backend
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
@@ -81,13 +82,18 @@ class ModelRunner:
             self.kv_pool = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self._layer_caches = layer_caches(self.kv_pool)
         self.backend = make_backend(cfg.attention_backend, self.device, cfg.dtype)
+        # Steps that do not replay a decode graph attend through this one: `backend`, or on CUDA
+        # `backend` with the decodes of mixed steps split off to the Triton decode kernel.
+        wanted = cfg.mixed_decode_attention
+        kernels = decode_kernels_for(mc.head_dim, None) if self.device.type == "cuda" and wanted is not False else None
+        self.step_backend = mixed_step_backend(self.backend, self.device, kernels, wanted)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on
         self.step_graphs: StepGraphs | None = None  # prefill and mixed steps, likewise
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_turn = 0
-        log.info("attention backend %s", self.backend.name)
+        log.info("attention backend %s", self.step_backend.name)
 
     # ----- inputs --------------------------------------------------------------------------
 
@@ -216,7 +222,7 @@ class ModelRunner:
         if self.step_graphs is not None and self.step_graphs.fits(inputs.input_ids.shape[0]):
             hidden = self.step_graphs.forward(inputs.token_rows, inputs.meta)
         else:
-            ctx = ForwardContext(inputs.meta, self.kv_pool, self.backend, layer_caches=self._layer_caches)
+            ctx = ForwardContext(inputs.meta, self.kv_pool, self.step_backend, layer_caches=self._layer_caches)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not inputs.sampled:
             return [], None, None
@@ -255,7 +261,7 @@ class ModelRunner:
         )
         if self.graphs is not None and self.cfg.prefill_cuda_graphs is not False:
             self.step_graphs = capture_step_graphs(
-                self.model, self.kv_pool, self.backend, self.cfg.max_num_batched_tokens, self.scratch_block
+                self.model, self.kv_pool, self.step_backend, self.cfg.max_num_batched_tokens, self.scratch_block
             )
 
     @property

@@ -422,6 +422,7 @@ def decode_attention(
     splits: int,
     pdl: bool = False,
     rope: RopeInputs | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -431,14 +432,17 @@ def decode_attention(
     rotated; with it, q is unrotated and the kernel rotates q and the new key and writes the
     new key and value into the cache first. `splits` must be a power of two; it is fixed per
     CUDA graph while the lengths change from replay to replay; with splits > 1 a second
-    kernel merges the splits. Returns [B, Hq, D]."""
+    kernel merges the splits. Returns [B, Hq, D]: `out` where given (any row and head strides,
+    e.g. rows of a larger output), else a new tensor."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     page = k_cache.shape[1]
     assert hq % hk == 0 and splits & (splits - 1) == 0 and d & (d - 1) == 0 and d >= 16
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1 and block_tables.stride(1) == 1
     group = hq // hk
-    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    assert out.shape == (b, hq, d) and out.stride(2) == 1
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
@@ -508,6 +512,30 @@ class SplitKVAttention:
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False) -> SplitKVAttention:
         return cls(attention_splits(batch, kv_heads, _num_sms(device)), pdl)
+
+
+class SplitKVDecodes:
+    """`decode_attention` for the one-query rows of a mixed step (`mixed_attention`), which
+    attend eagerly between the step's graph pieces: the splits follow each step's number of
+    rows instead of being fixed per graph."""
+
+    name = "split-kv"
+
+    def __init__(self, device: torch.device, num_sms: int | None = None) -> None:
+        self.num_sms = _num_sms(device) if num_sms is None else num_sms  # fewer: fewer splits
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        splits = attention_splits(q.shape[0], k_cache.shape[2], self.num_sms)
+        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, out=out)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,177 @@
+"""Mixed steps with their decodes attending apart (`EngineConfig.mixed_decode_attention`).
+
+A mixed step (a prompt chunk beside running decodes) attends in one varlen flash-attn call, in
+which each one-query decode row still takes a whole query tile per sequence and head. This
+backend splits such a step: the rows of the sequences with one query go to a decode kernel
+(the Triton split-KV kernel on CUDA), the rest to the wrapped backend, and both write into one
+output in the step's row order. Decode steps and prefill steps (no row, or every row, of one
+query) go to the wrapped backend unchanged.
+
+The split is planned on the host from the step's query lengths (`row_split`), once per step: the
+metadata object is shared by all layers, so the plan and its device views are kept until a
+step with other metadata comes. Contiguous groups are views of the step's tensors; scattered
+ones are gathered with index tensors copied from pinned memory without waiting. Nothing syncs
+with the host. A mixed step's attention runs eagerly between the graph pieces of
+`step_graphs`, never inside a captured graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
+
+import torch
+
+from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.kernels.row_split import Rows, RowSplit, split_rows
+
+
+class DecodeAttend(Protocol):
+    """Attention of one query per sequence: q [B, Hq, D] over the paged caches through
+    block_tables [B, pages] up to seq_lens [B]; writes `out` [B, Hq, D] where given."""
+
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    rows: Rows  # query rows in the step
+    row_index: torch.Tensor | None  # those rows on the device where they are not a range
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Prefills:
+    rows: Rows
+    row_index: torch.Tensor | None
+    meta: AttentionMetadata
+
+
+class MixedDecodeAttention:
+    """`prefill` for every step but the mixed ones, whose one-query rows go to `decode`."""
+
+    def __init__(self, prefill: AttentionBackend, decode: DecodeAttend) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.name = f"{prefill.name} (mixed steps' decodes: {decode.name})"
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: tuple[_Decodes, _Prefills] | None = None
+        self.mixed_steps = 0  # steps split so far (tests and benchmarks check it)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        parts = self._parts(meta)
+        if parts is None:
+            return self.prefill.attend(q, k_cache, v_cache, meta, scale)
+        dec, pre = parts
+        out = torch.empty_like(q)
+        if isinstance(dec.rows, range):
+            rows = slice(dec.rows.start, dec.rows.stop)
+            self.decode(q[rows], k_cache, v_cache, dec.block_tables, dec.seq_lens, scale, out=out[rows])
+        else:
+            o = self.decode(q.index_select(0, dec.row_index), k_cache, v_cache, dec.block_tables, dec.seq_lens, scale)
+            out.index_copy_(0, dec.row_index, o)
+        if isinstance(pre.rows, range):
+            rows = slice(pre.rows.start, pre.rows.stop)
+            out[rows] = self.prefill.attend(q[rows], k_cache, v_cache, pre.meta, scale)
+        else:
+            o = self.prefill.attend(q.index_select(0, pre.row_index), k_cache, v_cache, pre.meta, scale)
+            out.index_copy_(0, pre.row_index, o)
+        return out
+
+    def _parts(self, meta: AttentionMetadata) -> tuple[_Decodes, _Prefills] | None:
+        if meta.max_query_len == 1:
+            return None  # a decode step: not even planned
+        if self._plan_meta is meta:
+            return self._plan
+        split = split_rows(meta.query_lens)
+        self._plan_meta = meta
+        self._plan = None if split is None else _parts_of(split, meta)
+        self.mixed_steps += self._plan is not None
+        return self._plan
+
+
+def _parts_of(split: RowSplit, meta: AttentionMetadata) -> tuple[_Decodes, _Prefills]:
+    dev = meta.seq_lens.device
+
+    def take(t: torch.Tensor, at: Rows, index: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(at, range):
+            return t[at.start : at.stop]
+        return t.index_select(0, _index(at, dev) if index is None else index)
+
+    def row_index(rows: Rows) -> torch.Tensor | None:
+        return None if isinstance(rows, range) else _index(rows, dev)
+
+    dec_seqs, dec_rows = split.decode_seqs, split.decode_rows
+    dec = _Decodes(dec_rows, row_index(dec_rows), take(meta.block_tables, dec_seqs), take(meta.seq_lens, dec_seqs))
+    seqs, rows = split.prefill_seqs, split.prefill_rows
+    index = row_index(rows)
+    if isinstance(seqs, range) and seqs.start == 0:
+        cu = meta.cu_seqlens_q[: len(seqs) + 1]  # the prefill sequences come first: same offsets
+    else:
+        cu = _index(split.prefill_cu, dev, torch.int32)
+    query_lens = [meta.query_lens[i] for i in seqs]
+    seq_lens_host = [meta.seq_lens_host[i] for i in seqs]
+    sub = AttentionMetadata(
+        slot_block=take(meta.slot_block, rows, index),  # not read by attention: kept consistent
+        slot_offset=take(meta.slot_offset, rows, index),
+        cu_seqlens_q=cu,
+        seq_lens=take(meta.seq_lens, seqs),
+        block_tables=take(meta.block_tables, seqs),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens_host),
+        query_lens=query_lens,
+        seq_lens_host=seq_lens_host,
+    )
+    return dec, _Prefills(rows, index, sub)
+
+
+def _index(values: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def mixed_step_backend(
+    backend: AttentionBackend, device: torch.device, kernels: ModuleType | None, wanted: bool | None
+) -> AttentionBackend:
+    """The backend prefill and mixed steps attend through: `backend` split by
+    `MixedDecodeAttention` with the Triton decode kernel (`kernels`, the decode kernels' module or
+    None where they are off), or `backend` itself.
+
+    `wanted` None: split where it can be and where flash-attn is the backend (what it is for);
+    True: split whatever the backend, a ValueError naming the field where it cannot be; False:
+    never. CPU steps are never split: the kernel is CUDA only."""
+    if wanted is False:
+        return backend
+    if device.type != "cuda":
+        reason = "the Triton decode kernel needs a CUDA device"
+    elif kernels is None:
+        reason = "the Triton decode kernels are not available (see the log for why)"
+    elif wanted is None and backend.name != "flash":
+        return backend
+    else:
+        return MixedDecodeAttention(backend, kernels.SplitKVDecodes(device))
+    if wanted:
+        raise ValueError(f"mixed_decode_attention: {reason}")
+    return backend

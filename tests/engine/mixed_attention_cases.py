@@ -1,0 +1,100 @@
+"""Mixed-step attention cases shared by the CPU test (decodes through torch) and its Triton
+interpreter run (decodes through the split-KV kernel, in a subprocess with TRITON_INTERPRET=1,
+which must be set before Triton's kernels are defined):
+
+    TRITON_INTERPRET=1 python -m tests.engine.mixed_attention_cases
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import torch
+
+from pdserve.engine.kernels.attention import AttentionMetadata, TorchAttention
+
+# Sequences as (cached tokens, new tokens) in step order: one new token is a decode row.
+DECODES = [(0, 1), (15, 1), (16, 1), (17, 1), (100, 1), (299, 1)]
+CHUNKS = [(0, 37), (48, 16), (5, 130)]
+LAYOUTS = {
+    "decodes first": DECODES + CHUNKS[:1],
+    "decodes last": CHUNKS[:1] + DECODES,
+    "decodes between chunks": CHUNKS[:1] + DECODES[:3] + CHUNKS[1:2],
+    "interleaved": [DECODES[0], CHUNKS[0], DECODES[4], DECODES[1], CHUNKS[1], DECODES[5], CHUNKS[2], DECODES[2]],
+}
+BLOCK_SIZES = (16, 128)
+HEADS = [(4, 2, 16), (8, 2, 32), (6, 1, 16)]  # (query heads, KV heads, head dim): GQA groups 2, 4, 6
+
+
+def paged_case(seqs: list[tuple[int, int]], block_size: int, hq: int, hk: int, d: int, seed: int):
+    """q [T, hq, d], this layer's K/V views of a block-major pool with random contents (other
+    layers' blocks in between, as the engine lays it out), and the step's metadata; shuffled
+    block tables padded with 0."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [c + n for c, n in seqs]
+    need = [-(-n // block_size) for n in lens]
+    pool = torch.randn(sum(need) + 3, 2, 2, block_size, hk, d, generator=gen)
+    perm = (torch.randperm(sum(need) + 2, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    query_lens = [n for _, n in seqs]
+    cu = torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32)
+    t = int(cu[-1])
+    meta = AttentionMetadata(
+        slot_block=torch.zeros(t, dtype=torch.int64), slot_offset=torch.zeros(t, dtype=torch.int64),
+        cu_seqlens_q=cu, seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+        max_query_len=max(query_lens), max_seq_len=max(lens), query_lens=query_lens, seq_lens_host=lens,
+    )  # fmt: skip
+    q = torch.randn(t, hq, d, generator=gen)
+    return q, pool[:, 1, 0], pool[:, 1, 1], meta
+
+
+class TorchDecodes:
+    """The torch backend's decode path as a `DecodeAttend`: the reference the CPU test splits to."""
+
+    name = "torch"
+
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+        lens = seq_lens.tolist()
+        b = len(lens)
+        meta = AttentionMetadata(
+            slot_block=seq_lens, slot_offset=seq_lens, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
+            seq_lens=seq_lens, block_tables=block_tables, max_query_len=1, max_seq_len=max(lens),
+            query_lens=[1] * b, seq_lens_host=lens,
+        )  # fmt: skip
+        o = TorchAttention().attend(q, k_cache, v_cache, meta, scale)
+        return o if out is None else out.copy_(o)
+
+
+def check(decode, layout: str, block_size: int, hq: int, hk: int, d: int) -> None:
+    """The split backend's output for one mixed step equals the torch backend's, row for row."""
+    from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
+
+    seed = zlib.crc32(f"{layout} {block_size} {hq} {hk} {d}".encode())
+    q, k_cache, v_cache, meta = paged_case(LAYOUTS[layout], block_size, hq, hk, d, seed)
+    scale = d**-0.5
+    want = TorchAttention().attend(q, k_cache, v_cache, meta, scale)
+    split = MixedDecodeAttention(TorchAttention(), decode)
+    got = split.attend(q, k_cache, v_cache, meta, scale)
+    assert split.mixed_steps == 1, "the step was not split"
+    again = split.attend(q, k_cache, v_cache, meta, scale)  # the next layer: the kept plan
+    assert split.mixed_steps == 1 and torch.equal(again, got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{layout}, block {block_size}: {m}")
+
+
+def main() -> None:
+    from pdserve.engine.kernels.decode_kernels import SplitKVDecodes
+
+    # 16 SMs: 1 to 4 splits for these batches (each split is one more interpreted program).
+    decode = SplitKVDecodes(torch.device("cpu"), num_sms=16)
+    cases = [("decodes last", 16, *HEADS[0]), ("interleaved", 16, *HEADS[1]), ("decodes between chunks", 128, *HEADS[2]),
+             ("decodes first", 128, *HEADS[1])]  # fmt: skip
+    for case in cases:
+        check(decode, *case)
+    print(f"{len(cases)} mixed steps through the split-KV kernel match the torch backend")
+
+
+if __name__ == "__main__":
+    main()
