@@ -5,7 +5,9 @@ through the same outbox and `poll` method as `DecodeWorker`, while the router si
 through `WorkerClient.poll` over a Ray actor, exactly as `Router._relay` does. Reported: tokens/s reaching the
 router, and the latency added between a token's creation in the actor and its arrival in the
 router (same host, same clock), and the router process's CPU (all of its threads, Ray's
-included) per poll and per token. The baseline is one Ray call per token, the naive design.
+included) per poll and per token. The long-poll runs over each transport the router has: the
+token channel (`--token-transport socket`, a TCP connection to the worker) and a Ray actor call
+per poll. The baseline is one Ray call per token, the naive design.
 
     python bench/relay.py [--streams 64] [--step-rate 500] [--seconds 5] [--json]
 """
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from pdserve.cluster.actors import ray_invoker  # noqa: E402
+from pdserve.cluster.token_channel import ChannelInfo, TokenChannelServer  # noqa: E402
 from pdserve.cluster.worker_client import WorkerClient  # noqa: E402
 from pdserve_proto import worker_pb2  # noqa: E402
 
@@ -37,6 +40,12 @@ class SyntheticDecode:
         self._outbox: list[worker_pb2.TokenUpdate] = []
         self._cond = threading.Condition()
         self.step_times: list[float] = []
+        self._channel: TokenChannelServer | None = None
+
+    def token_channel(self) -> ChannelInfo:
+        if self._channel is None:
+            self._channel = TokenChannelServer(self.poll, "127.0.0.1")
+        return self._channel.info()
 
     def run(self, streams: int, step_rate: float, seconds: float) -> None:
         def loop() -> None:
@@ -74,8 +83,8 @@ class SyntheticDecode:
         return self.step_times
 
 
-async def drain(actor, per_token: bool) -> tuple[int, list[float], float, int]:
-    handle = WorkerClient("synthetic", ray_invoker(actor))
+async def drain(actor, per_token: bool, transport: str) -> tuple[int, list[float], float, int]:
+    handle = WorkerClient("synthetic", ray_invoker(actor, token_channel=transport == "socket"))
     received, lat_steps, polls = 0, [], 0
     t0 = time.perf_counter()
     while True:
@@ -92,18 +101,18 @@ async def drain(actor, per_token: bool) -> tuple[int, list[float], float, int]:
             lat_steps.append((u.token_ids[0], now))
 
 
-def measure(streams: int, step_rate: float, seconds: float, per_token: bool) -> dict:
+def measure(streams: int, step_rate: float, seconds: float, per_token: bool, transport: str = "ray") -> dict:
     actor = ray.remote(max_concurrency=8, num_cpus=0)(SyntheticDecode).remote()
     ray.get(actor.times.remote())
     ray.get(actor.run.remote(streams, step_rate, seconds))
     cpu0 = time.process_time()  # this process is the router's side: every thread of it, Ray's included
-    received, lat, elapsed, polls = asyncio.run(drain(actor, per_token))
+    received, lat, elapsed, polls = asyncio.run(drain(actor, per_token, transport))
     cpu = time.process_time() - cpu0
     step_times = ray.get(actor.times.remote())
     ray.kill(actor)
     latencies = sorted((now - step_times[step]) * 1000 for step, now in lat)
     return {
-        "mode": "one call per token" if per_token else "coalesced long-poll",
+        "mode": "one Ray call per token" if per_token else f"long-poll over {transport}",
         "streams": streams,
         "offered_tok_s": streams * step_rate,
         "relayed_tok_s": received / elapsed,
@@ -124,18 +133,19 @@ def main() -> int:
     args = ap.parse_args()
     ray.init(include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
     rows = [
-        measure(args.streams, args.step_rate, args.seconds, per_token=False),
+        measure(args.streams, args.step_rate, args.seconds, per_token=False, transport="socket"),
+        measure(args.streams, args.step_rate, args.seconds, per_token=False, transport="ray"),
         measure(args.streams, min(args.step_rate, 100.0), min(args.seconds, 3.0), per_token=True),
     ]
     ray.shutdown()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'mode':<22} {'streams':>7} {'offered tok/s':>14} {'relayed tok/s':>14} {'p50 ms':>8} {'p99 ms':>8} "
+    print(f"{'mode':<24} {'streams':>7} {'offered tok/s':>14} {'relayed tok/s':>14} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'polls':>7} {'CPU us/poll':>12} {'CPU us/tok':>11}")
     for r in rows:
         print(
-            f"{r['mode']:<22} {r['streams']:>7} {r['offered_tok_s']:>14.0f} {r['relayed_tok_s']:>14.0f} "
+            f"{r['mode']:<24} {r['streams']:>7} {r['offered_tok_s']:>14.0f} {r['relayed_tok_s']:>14.0f} "
             f"{r['latency_p50_ms']:>8.2f} {r['latency_p99_ms']:>8.2f} {r['polls']:>7} "
             f"{r['router_cpu_us_per_poll']:>12.0f} {r['router_cpu_us_per_token']:>11.1f}"
         )

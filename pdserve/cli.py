@@ -259,6 +259,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "UCX's choice with --address); this network is not authenticated: keep it isolated",
     )
     srv.add_argument(
+        "--token-transport", choices=("socket", "ray"), default="socket",
+        help="how routers poll decode workers for tokens: socket, a TCP connection to each worker on its node's "
+        "address, opened with a per-worker key handed over Ray (far less CPU a poll); ray, a Ray actor call a poll "
+        "(default: socket)",
+    )
+    srv.add_argument(
         "--router-lease-s", type=float, default=15.0, metavar="S",
         help="a decode worker aborts the requests of a router (this one or a `pdserve router`) that has not polled "
         "it for S seconds, freeing their KV blocks (default: 15)",

@@ -4,15 +4,19 @@ calls (release, stats, more prefills) go on concurrently."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
 
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.token_channel import ChannelInfo, ChannelUnavailable, TokenChannelClient, TokenChannelServer
 from pdserve.cluster.worker_client import Invoker, WorkerUnreachable
 from pdserve.cluster.worker_host import Role, WorkerHost
 from pdserve.telemetry.tracing import build_tracing
 from pdserve_proto import worker_pb2
+
+log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 256
 
@@ -32,6 +36,23 @@ class WorkerActor(WorkerHost):
         build = build_prefill if role == "prefill" else build_decode
         worker = build(worker_id, cfg, self.tracing.tracer)
         super().__init__(worker, role, prefill_config(cfg), decode_config(cfg), self.tracing.tracer)
+        # On the node's address, as Ray's own listeners are (loopback for a local cluster).
+        self._channel = (
+            TokenChannelServer(self.poll, ray.util.get_node_ip_address()) if cfg.token_transport == "socket" else None
+        )
+
+    def token_channel(self) -> ChannelInfo | None:
+        """Where this worker serves `poll` outside Ray, and its key (None: only over Ray)."""
+        return None if self._channel is None else self._channel.info()
+
+    def token_channel_connections(self) -> int:
+        """Connections open on the token channel now (routers polling this worker through it)."""
+        return 0 if self._channel is None else self._channel.connections
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        super().close()
 
     def link_test(self, prefill_agent: str) -> float:
         from pdserve.cluster.workers import link_self_test
@@ -75,10 +96,19 @@ def remote_class(num_gpus: float) -> Any:
     )(WorkerActor)
 
 
-def ray_invoker(actor: Any) -> Invoker:
-    """Calls on a `WorkerActor`; a dead or unreachable actor raises `WorkerUnreachable`."""
+def ray_invoker(actor: Any, token_channel: bool = True) -> Invoker:
+    """Calls on a `WorkerActor`; a dead or unreachable actor raises `WorkerUnreachable`.
+
+    `poll` goes over the worker's token channel where it has one (`token_channel`), else, and
+    whenever the channel itself fails, over Ray: Ray then says whether the worker is gone."""
+    channel = TokenChannelClient(lambda: actor.token_channel.remote()) if token_channel else None
 
     async def invoke(name: str, *args: Any) -> Any:
+        if name == "poll" and channel is not None and channel.usable:
+            try:
+                return await channel.poll(*args)
+            except ChannelUnavailable as exc:
+                log.debug("%s; this poll goes over Ray", exc)
         try:
             return await getattr(actor, name).remote(*args)
         except ray.exceptions.RayActorError as exc:

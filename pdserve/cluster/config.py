@@ -68,6 +68,9 @@ class ServeConfig:
     placement: PlacementConfig = PlacementConfig()  # how the router places requests
     max_queued_requests: int = 0  # per pool, admitted without a token yet (RouterConfig's; 0: unbounded)
     poll_interval_s: float = 0.0  # at most one poll of a decode worker per this interval (RouterConfig's; 0: none)
+    # How the router polls decode workers for tokens: "socket", a TCP connection to each worker
+    # (pdserve.cluster.token_channel; far less CPU per poll), or "ray", an actor call per poll.
+    token_transport: str = "socket"
     tracing: TracingConfig = TracingConfig()  # off by default; every process of the cluster uses it
     metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)
     # docs/security.md: keys and TLS of the gRPC and HTTP listeners, limits on each request.
@@ -93,6 +96,8 @@ class ServeConfig:
             raise ValueError(f"max_queued_requests: {self.max_queued_requests}; must be >= 0 (0: unbounded)")
         if not 0 <= self.poll_interval_s < 1:
             raise ValueError(f"poll_interval_s: {self.poll_interval_s}; must be in [0, 1) seconds (0: no floor)")
+        if self.token_transport not in ("socket", "ray"):
+            raise ValueError(f"token_transport: {self.token_transport!r}; must be 'socket' or 'ray'")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

@@ -55,6 +55,9 @@ def listener_lines(
         lines.append(f"listening: metrics {host}:{metrics_port} (plain HTTP, no API key: read-only figures)")
     ray = f"Ray at {cfg.ray_address}" if cfg.ray_address else "Ray on 127.0.0.1"
     lines.append(f"listening: {ray} (Ray's token authentication)")
+    if cfg.token_transport == "socket":
+        where = "the workers' node addresses" if cfg.ray_address else "127.0.0.1"
+        lines.append(f"listening: token channels on {where} (a key per worker, handed over Ray)")
     devices = kv_devices or "UCX's choice of devices"
     lines.append(f"listening: KV transfers on {devices} (not authenticated: keep this network isolated)")
     if not is_loopback(host) and not cfg.api_keys.enabled:

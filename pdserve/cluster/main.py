@@ -43,6 +43,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             max_local_prefill_tokens=args.max_local_prefill_tokens,
         ),
         kv_net_devices=args.kv_net_devices,
+        token_transport=args.token_transport,
         controller=controller_from_args(args),
         **edge_from_args(args),
     )

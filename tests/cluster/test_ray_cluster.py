@@ -60,6 +60,18 @@ def test_16_concurrent_streams_equal_offline_generate(channel, offline, greedy):
         assert chunks[-1].usage.completion_tokens == 24
 
 
+def test_the_router_polls_decode_workers_over_their_token_channels(cluster, channel, greedy):
+    """The relay's polls go over each decode worker's token channel, not an actor call each."""
+    import ray
+
+    stream(channel, pb.GenerateRequest(prompt="Count: one, two,", sampling_params=greedy(4)))
+    decodes = [actor for role, actor, _ in cluster._workers.values() if role == "decode"]
+    assert decodes, "the cluster has no decode worker"
+    for actor in decodes:
+        assert ray.get(actor.token_channel.remote(), timeout=30) is not None
+        assert ray.get(actor.token_channel_connections.remote(), timeout=30) >= 1
+
+
 def test_tokens_arrive_incrementally(channel, greedy):
     admin = pbg.AdminStub(channel)
     req = pb.GenerateRequest(messages=chat("Count from one to twenty.", False), sampling_params=greedy(64, ignore_eos=True))

@@ -23,7 +23,10 @@ def test_each_listener_is_listed_with_what_protects_it():
     assert lines[1] == "listening: HTTP 127.0.0.1:8000 (plain TCP, no API key)"
     assert lines[2].startswith("listening: metrics 127.0.0.1:9000 (plain HTTP, no API key")
     assert "token authentication" in lines[3]
-    assert lines[4] == "listening: KV transfers on lo (not authenticated: keep this network isolated)"
+    assert lines[4] == "listening: token channels on 127.0.0.1 (a key per worker, handed over Ray)"
+    assert lines[5] == "listening: KV transfers on lo (not authenticated: keep this network isolated)"
+    over_ray = listener_lines(ServeConfig(token_transport="ray"), 50051, None, None, "lo")
+    assert not any("token channel" in line for line in over_ray)
     keyed = ServeConfig(api_keys=ApiKeys(data=("k",)))
     grpc_line = listener_lines(keyed, 1, None, None, "lo")[0]
     assert "API key" in grpc_line and "refused, no --admin-api-key" in grpc_line
