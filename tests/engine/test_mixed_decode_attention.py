@@ -22,7 +22,7 @@ from pdserve.engine.kernels.attention import TorchAttention
 from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
 from pdserve.engine.kernels.row_split import split_rows
 from tests.engine.greedy_reference import assert_same, mixed_prompts
-from tests.engine.mixed_attention_cases import BLOCK_SIZES, HEADS, LAYOUTS, TorchDecodes, check, paged_case
+from tests.engine.mixed_attention_cases import BLOCK_SIZES, HEADS, LAYOUTS, TorchDecodes, check, paged_case, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("hq, hk, d", HEADS)
-def test_split_step_matches_the_torch_backend(layout, block_size, hq, hk, d):
+def test_split_step_matches_the_reference(layout, block_size, hq, hk, d):
     check(TorchDecodes(), layout, block_size, hq, hk, d)
 
 
@@ -72,7 +72,7 @@ def test_a_new_step_gets_a_new_plan():
     for layout in ("decodes first", "interleaved", "decodes first"):
         q, k_cache, v_cache, meta = paged_case(LAYOUTS[layout], 16, 4, 2, 16, seed=2)
         got = split.attend(q, k_cache, v_cache, meta, 0.25)
-        torch.testing.assert_close(got, TorchAttention().attend(q, k_cache, v_cache, meta, 0.25), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta, 0.25).float(), rtol=1e-5, atol=1e-5)
     assert split.mixed_steps == 3
 
 
@@ -120,7 +120,7 @@ def test_split_kv_kernel_in_the_triton_interpreter():
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 mixed steps through the split-KV kernel match the torch backend" in done.stdout
+    assert "4 mixed steps through the split-KV kernel match the reference" in done.stdout
 
 
 _KERNELS = SimpleNamespace(SplitKVDecodes=lambda device: TorchDecodes())
