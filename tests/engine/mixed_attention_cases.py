@@ -27,15 +27,24 @@ BLOCK_SIZES = (16, 128)
 HEADS = [(4, 2, 16), (8, 2, 32), (6, 1, 16)]  # (query heads, KV heads, head dim): GQA groups 2, 4, 6
 
 
-def paged_case(seqs: list[tuple[int, int]], block_size: int, hq: int, hk: int, d: int, seed: int):
+def paged_case(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    hq: int,
+    hk: int,
+    d: int,
+    seed: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
     """q [T, hq, d], this layer's K/V views of a block-major pool with random contents (other
     layers' blocks in between, as the engine lays it out), and the step's metadata; shuffled
     block tables padded with 0."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     lens = [c + n for c, n in seqs]
     need = [-(-n // block_size) for n in lens]
-    pool = torch.randn(sum(need) + 3, 2, 2, block_size, hk, d, generator=gen)
-    perm = (torch.randperm(sum(need) + 2, generator=gen) + 1).tolist()
+    pool = torch.randn(sum(need) + 3, 2, 2, block_size, hk, d, generator=gen, device=device).to(dtype)
+    perm = (torch.randperm(sum(need) + 2, generator=gen, device=device) + 1).tolist()
     tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
     for i, n in enumerate(need):
         tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
@@ -43,18 +52,20 @@ def paged_case(seqs: list[tuple[int, int]], block_size: int, hq: int, hk: int, d
     cu = torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32)
     t = int(cu[-1])
     meta = AttentionMetadata(
-        slot_block=torch.zeros(t, dtype=torch.int64), slot_offset=torch.zeros(t, dtype=torch.int64),
-        cu_seqlens_q=cu, seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-        max_query_len=max(query_lens), max_seq_len=max(lens), query_lens=query_lens, seq_lens_host=lens,
+        slot_block=torch.zeros(t, dtype=torch.int64, device=device),
+        slot_offset=torch.zeros(t, dtype=torch.int64, device=device),
+        cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), max_query_len=max(query_lens), max_seq_len=max(lens),
+        query_lens=query_lens, seq_lens_host=lens,
     )  # fmt: skip
-    q = torch.randn(t, hq, d, generator=gen)
+    q = torch.randn(t, hq, d, generator=gen, device=device).to(dtype)
     return q, pool[:, 1, 0], pool[:, 1, 1], meta
 
 
 def reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Per sequence, in float64: keys gathered through the block table, bottom-right causal mask
     (query j of n sees keys up to k_len - n + j). Independent of the engine's backends."""
-    out = torch.empty(q.shape, dtype=torch.float64)
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     start = 0
     for i, (n, kl) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
@@ -62,7 +73,7 @@ def reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> tor
         k = k_cache[table].flatten(0, 1)[:kl].double().repeat_interleave(group, dim=1)  # [kl, Hq, D]
         v = v_cache[table].flatten(0, 1)[:kl].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start : start + n].double(), k) * scale
-        visible = torch.arange(kl - n, kl)[:, None] >= torch.arange(kl)[None, :]
+        visible = torch.arange(kl - n, kl, device=q.device)[:, None] >= torch.arange(kl, device=q.device)[None, :]
         p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start : start + n] = torch.einsum("hqk,khd->qhd", p, v)
         start += n
