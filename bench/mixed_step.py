@@ -18,7 +18,15 @@ With `--profile`, a kernel breakdown of one mixed and one prefill-only step. Eac
 with the prefill and mixed steps as piecewise CUDA graphs (the default) and without them
 (`--prefill-graphs both`, the default; `on` or `off` for one).
 
+`--mixed-decodes ab` measures the mixed step twice per repetition on the same engine and
+sequences, once with its decode rows split off to the Triton split-KV kernel
+(`EngineConfig.mixed_decode_attention`) and once with every row through flash-attn, in
+alternating order (on-off, off-on, ...), and reports both medians; `on` / `off` measure one
+side only. Without a GPU the split side runs the kernel in Triton's interpreter
+(`TRITON_INTERPRET=1`, the tiny shape), which checks the script, not the speed.
+
     python bench/mixed_step.py --device cuda [--batches 16,64] [--chunk 2048] [--context 3000] [--profile]
+    python bench/mixed_step.py --device cuda --batches 64 --mixed-decodes ab --reps 20
 """
 
 from __future__ import annotations
@@ -39,11 +47,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine import SHAPES, _kernel_breakdown, _random_prompt, _sync
 from bench.report import markdown_table
 from pdserve import LLM, SamplingParams
+from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
 
 # A few-MB model of the same family: only to check this script without a GPU.
 TINY = {**SHAPES["1b"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
 SHAPE_CONFIGS = {**SHAPES, "tiny": TINY}
+
+
+class MixedSwitch:
+    """Turns the split of mixed steps' decode rows on and off between steps of one engine, so
+    both sides run over the same sequences, the same KV blocks and the same warm caches."""
+
+    def __init__(self, llm: LLM) -> None:
+        runner = llm.engine.runner
+        self.runner = runner
+        self.plain = runner.backend
+        split = runner.step_backend
+        if not isinstance(split, MixedDecodeAttention):
+            # Off by default here (CPU, or a backend other than flash-attn): build it anyway.
+            from pdserve.engine.kernels.decode_kernels import SplitKVDecodes
+
+            split = MixedDecodeAttention(runner.backend, SplitKVDecodes(runner.device))
+        self.split = split
+
+    def set(self, on: bool) -> None:
+        backend = self.split if on else self.plain
+        self.runner.step_backend = backend
+        if self.runner.step_graphs is not None:
+            self.runner.step_graphs.backend = backend
 
 
 def start_decodes(llm: LLM, batch: int, context: int, rng: random.Random) -> list[str]:
@@ -75,7 +107,10 @@ def timed_step(llm: LLM, device: str) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
-def measure(llm: LLM, batch: int, chunk: int, context: int, reps: int, device: str, rng: random.Random) -> dict:
+def measure(
+    llm: LLM, batch: int, chunk: int, context: int, reps: int, device: str, rng: random.Random,
+    switch: MixedSwitch | None = None,
+) -> dict:  # fmt: skip
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -88,20 +123,35 @@ def measure(llm: LLM, batch: int, chunk: int, context: int, reps: int, device: s
         prefill.append(dt)
     ids = start_decodes(llm, batch, context, rng)
     decode, mixed = [], []
-    for _ in range(reps + 2):
+    split, whole = [], []  # with `switch`: the mixed step with its decodes split off, and not
+    for i in range(reps + 2):
         dt, outs = timed_step(llm, device)
         assert len(outs) == batch, f"expected a decode-only step of {batch}, got {len(outs)}"
         decode.append(dt)
-        rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
-        dt, outs = timed_step(llm, device)
-        got = {o.request_id for o in outs}
-        assert rid in got and len(outs) == batch + 1, "the mixed step did not carry the chunk and every decode"
-        engine.release(rid)
-        mixed.append(dt)
+        for on in (None,) if switch is None else ((True, False) if i % 2 == 0 else (False, True)):
+            if switch is not None:
+                switch.set(on)
+                before = switch.split.mixed_steps
+            rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
+            dt, outs = timed_step(llm, device)
+            got = {o.request_id for o in outs}
+            assert rid in got and len(outs) == batch + 1, "the mixed step did not carry the chunk and every decode"
+            engine.release(rid)
+            if switch is None:
+                mixed.append(dt)
+                continue
+            assert switch.split.mixed_steps == before + on, "the switch did not decide how the step attended"
+            (split if on else whole).append(dt)
+    if switch is not None:
+        switch.set(True)
+        mixed = split
     stop(llm, ids)
     p, d, m = (statistics.median(x[2:]) for x in (prefill, decode, mixed))
-    return {"batch": batch, "chunk": chunk, "prefill_ms": p * 1e3, "decode_ms": d * 1e3, "mixed_ms": m * 1e3,
-            "mixed_over_parts": m / (p + d)}
+    row = {"batch": batch, "chunk": chunk, "prefill_ms": p * 1e3, "decode_ms": d * 1e3, "mixed_ms": m * 1e3,
+           "mixed_over_parts": m / (p + d)}  # fmt: skip
+    if switch is not None:
+        row["mixed_split_ms"], row["mixed_whole_ms"] = (statistics.median(x[2:]) * 1e3 for x in (split, whole))
+    return row
 
 
 def profile_mixed(llm: LLM, batch: int, chunk: int, context: int, rng: random.Random) -> str:
@@ -137,6 +187,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill-graphs", default="both", choices=["both", "on", "off"],
                     help="prefill and mixed steps as piecewise CUDA graphs, eager, or each in turn")
+    ap.add_argument("--mixed-decodes", default="default", choices=["default", "on", "off", "ab"],
+                    help="mixed steps' decode rows through the Triton split-KV kernel (on), through flash-attn "
+                    "with the rest (off), the engine's default, or both alternating on one engine (ab)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -157,8 +210,13 @@ def main() -> None:
                 overlap_decode=False,
             )
             graphs = llm.engine.runner.step_graphs is not None
+            switch = None if args.mixed_decodes == "default" else MixedSwitch(llm)
+            if switch is not None and args.mixed_decodes != "ab":
+                switch.set(args.mixed_decodes == "on")
+            ab = switch if args.mixed_decodes == "ab" else None
             for b in batches:
-                rows.append({"prefill_graphs": graphs, **measure(llm, b, args.chunk, args.context, args.reps, args.device, rng)})
+                row = measure(llm, b, args.chunk, args.context, args.reps, args.device, rng, ab)
+                rows.append({"prefill_graphs": graphs, **row})
             if args.profile:
                 profiles.append(f"[prefill graphs {'on' if graphs else 'off'}]\n"
                                 + profile_mixed(llm, max(batches), args.chunk, args.context, rng))
@@ -167,7 +225,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
     prof = "\n".join(profiles)
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    print(f"{card}, {args.shape}, chunk {args.chunk}, decode context ~{args.context}")
+    print(f"{card}, {args.shape}, chunk {args.chunk}, decode context ~{args.context}, "
+          f"mixed steps' decodes: {args.mixed_decodes}")
     base: dict[int, dict] = {}
     for r in rows:
         if not r["prefill_graphs"]:
@@ -179,6 +238,12 @@ def main() -> None:
           f"{r['mixed_ms']:.2f}", f"{r['mixed_over_parts']:.2f}x",
           f"{r['mixed_ms'] / base[r['batch']]['mixed_ms']:.2f}x" if r["batch"] in base else "-"] for r in rows],
     ))
+    if args.mixed_decodes == "ab":
+        print(markdown_table(
+            ["prefill graphs", "decodes", "mixed ms, decodes split", "mixed ms, one attention call", "split / whole"],
+            [["on" if r["prefill_graphs"] else "off", str(r["batch"]), f"{r['mixed_split_ms']:.2f}",
+              f"{r['mixed_whole_ms']:.2f}", f"{r['mixed_split_ms'] / r['mixed_whole_ms']:.3f}x"] for r in rows],
+        ))
     if prof:
         print(prof)
     if args.json:
