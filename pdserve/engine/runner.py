@@ -25,7 +25,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_kernels_for
 from pdserve.engine.kernels.attention import AttentionMetadata
 from pdserve.engine.kernels.backends import make_backend
-from pdserve.engine.kernels.mixed_attention import mixed_step_backend
+from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
@@ -255,7 +255,11 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """Record the decode forward where CUDA graphs are on (see `cuda_graphs`), and the
-        prefill and mixed steps' pieces around attention (see `step_graphs`)."""
+        prefill and mixed steps' pieces around attention (see `step_graphs`). Where mixed steps
+        split their decodes off, the decode kernel is compiled for them here too."""
+        if isinstance(self.step_backend, MixedDecodeAttention):
+            k_cache, v_cache = self._layer_caches[0]
+            self.step_backend.warm_up(k_cache, v_cache, self.model.cfg.num_heads, self.cfg.max_num_seqs)
         self.graphs = capture_decode_graphs(
             self.model, self.kv_pool, self.backend, self.cfg, self.max_model_len, self.scratch_block
         )

@@ -123,6 +123,28 @@ def main() -> None:
     for case in cases:
         check(decode, *case)
     print(f"{len(cases)} mixed steps through the split-KV kernel match the reference")
+    check_warm_up()
+
+
+def check_warm_up() -> None:
+    """The warm-up launches the kernel once per split count that mixed steps can take, with
+    inputs laid out as theirs are."""
+    from pdserve.engine.kernels import decode_kernels
+    from pdserve.engine.kernels.decode_tiles import attention_splits
+    from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
+
+    launched: list[tuple[int, int]] = []
+
+    class Recording(decode_kernels.SplitKVDecodes):
+        def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+            assert block_tables.shape[1] % 16 == 0 and block_tables.is_contiguous()
+            launched.append((q.shape[0], attention_splits(q.shape[0], k_cache.shape[2], self.num_sms)))
+            return super().__call__(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+
+    _, k_cache, v_cache, _ = paged_case([(0, 3)], 16, 4, 2, 16, seed=3)
+    MixedDecodeAttention(TorchAttention(), Recording(torch.device("cpu"), num_sms=16)).warm_up(k_cache, v_cache, 4, 8)
+    assert launched == [(1, 8), (2, 4), (3, 2), (5, 1)], launched
+    print(f"warm-up: {len(launched)} launches")
 
 
 if __name__ == "__main__":

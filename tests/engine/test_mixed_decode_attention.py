@@ -121,6 +121,25 @@ def test_split_kv_kernel_in_the_triton_interpreter():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 mixed steps through the split-KV kernel match the reference" in done.stdout
+    assert "warm-up: 4 launches" in done.stdout
+
+
+def test_decode_rows_get_padded_copies_of_their_tables():
+    seen = []
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+        seen.append((block_tables, seq_lens))
+        return TorchDecodes()(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+
+    decode.name = "recording"  # type: ignore[attr-defined]
+    q, k_cache, v_cache, meta = paged_case(LAYOUTS["decodes first"], 16, 4, 2, 16, seed=4)
+    MixedDecodeAttention(TorchAttention(), decode).attend(q, k_cache, v_cache, meta, 0.25)
+    ((tables, lens),) = seen
+    n = len(lens)
+    width = meta.block_tables.shape[1]
+    assert tables.shape == (n, 32) and width == 19 and tables.is_contiguous()
+    assert torch.equal(tables[:, :width], meta.block_tables[:n]) and not tables[:, width:].any()
+    assert torch.equal(lens, meta.seq_lens[:n]) and lens.data_ptr() != meta.seq_lens.data_ptr()
 
 
 _KERNELS = SimpleNamespace(SplitKVDecodes=lambda device: TorchDecodes())

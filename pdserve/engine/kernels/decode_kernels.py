@@ -42,6 +42,8 @@ multiply by `up`; products accumulate in float32 and round once at the store.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -536,6 +538,29 @@ class SplitKVDecodes:
     ) -> torch.Tensor:
         splits = attention_splits(q.shape[0], k_cache.shape[2], self.num_sms)
         return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, out=out)
+
+    def warm_up(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+        max_batch: int,
+        prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """One call per split count that batches of 1 to `max_batch` get, on one-token contexts
+        in block 0, with tables and lengths laid out by `prepare` as the real steps' are: every
+        variant Triton compiles for these steps is compiled here."""
+        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+        first_batch: dict[int, int] = {}
+        for b in range(1, max_batch + 1):
+            first_batch.setdefault(attention_splits(b, kv_heads, self.num_sms), b)
+        dev = k_cache.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            for b in first_batch.values():
+                q = torch.zeros((b, num_heads, d), dtype=k_cache.dtype, device=dev)
+                zeros = torch.zeros((b, 1), dtype=torch.int32, device=dev)
+                tables, lens = prepare(zeros, torch.ones(b, dtype=torch.int32, device=dev))
+                self(q, k_cache, v_cache, tables, lens, 1.0)
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,13 @@ class MixedDecodeAttention:
             out.index_copy_(0, pre.row_index, o)
         return out
 
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_decodes: int) -> None:
+        """Compile the decode kernel, before serving, for the mixed steps of up to `max_decodes`
+        decode rows (where `decode` has anything to compile)."""
+        warm = getattr(self.decode, "warm_up", None)
+        if warm is not None:
+            warm(k_cache, v_cache, num_heads, max_decodes, _decode_inputs)
+
     def _parts(self, meta: AttentionMetadata) -> tuple[_Decodes, _Prefills] | None:
         if meta.max_query_len == 1:
             return None  # a decode step: not even planned
@@ -122,7 +129,8 @@ def _parts_of(split: RowSplit, meta: AttentionMetadata) -> tuple[_Decodes, _Pref
         return None if isinstance(rows, range) else _index(rows, dev)
 
     dec_seqs, dec_rows = split.decode_seqs, split.decode_rows
-    dec = _Decodes(dec_rows, row_index(dec_rows), take(meta.block_tables, dec_seqs), take(meta.seq_lens, dec_seqs))
+    tables, lens = _decode_inputs(take(meta.block_tables, dec_seqs), take(meta.seq_lens, dec_seqs))
+    dec = _Decodes(dec_rows, row_index(dec_rows), tables, lens)
     seqs, rows = split.prefill_seqs, split.prefill_rows
     index = row_index(rows)
     if isinstance(seqs, range) and seqs.start == 0:
@@ -143,6 +151,18 @@ def _parts_of(split: RowSplit, meta: AttentionMetadata) -> tuple[_Decodes, _Pref
         seq_lens_host=seq_lens_host,
     )
     return dec, _Prefills(rows, index, sub)
+
+
+def _decode_inputs(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the decode rows' tables and lengths, the tables' rows padded to a multiple of
+    16 entries. Triton compiles a kernel per alignment class of its pointers and integers
+    (16-byte aligned or not, a multiple of 16 or not): views at each step's own offsets and
+    widths would take turns between variants, each compiled mid-serving on first use (seconds).
+    Fresh padded copies always fall in the class `warm_up` compiles."""
+    b, w = block_tables.shape
+    padded = block_tables.new_zeros((b, -(-w // 16) * 16))
+    padded[:, :w] = block_tables
+    return padded, seq_lens.clone()
 
 
 def _index(values: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
