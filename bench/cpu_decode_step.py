@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU decode step time, this checkout beside a baseline revision, interleaved in one run.
+"""CPU decode (and mixed) step time, this checkout beside a baseline revision, interleaved in one run.
 
 The default model (SmolLM2-135M-Instruct, float32) decodes a batch of sequences (random prompts
 of mixed lengths, greedy, `ignore_eos`) in one engine per code tree, each in its own process
@@ -9,7 +9,13 @@ gives the median, 10th and 90th percentile step of each. The trees' generated to
 compared at the end: a change to the step must not change them. `--profile` adds top-level
 torch ops per step and their profiled time (matmuls apart from the rest).
 
+`--mixed N`: the timed steps are mixed steps instead, what a colocated worker runs whenever a
+request arrives: before each, a new request with an N-token random prompt (one output token)
+is added, so the step prefills it beside the batch's decodes; a decode step (not timed) follows
+each, after which the new request is gone.
+
     python bench/cpu_decode_step.py --baseline HEAD~1 [--batch 4] [--threads 1] [--rounds 12] [--steps 8] [--profile]
+    python bench/cpu_decode_step.py --baseline HEAD~1 --mixed 64 --rounds 8 --steps 2
     python bench/cpu_decode_step.py            # this checkout alone
 """
 
@@ -25,6 +31,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,6 +53,7 @@ class Workload:
     warmup: int
     max_tokens: int
     seed: int = 0
+    mixed: int = 0  # > 0: time mixed steps, each prefilling a new prompt of this many tokens
 
 
 # ----- worker: one engine over one code tree ----------------------------------------------------
@@ -76,34 +85,47 @@ def _worker(tree: Path, w: Workload) -> None:
 
     while any(not t for t in tokens.values()):
         step()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def timed_step(around: Callable[[], AbstractContextManager[Any]] = nullcontext) -> float:
+        """A step as the workload times it (inside `around`); the mixed workload's untimed
+        decode step after."""
+        if w.mixed:
+            newcomer = engine.add_request([rng.randrange(10, vocab) for _ in range(w.mixed)], one)
+            tokens[newcomer] = []
+        with around():
+            t0 = time.perf_counter()
+            n = step()
+            took = time.perf_counter() - t0
+        assert n == w.batch + (w.mixed > 0), f"expected a step of {w.batch} sequences, got {n} outputs"
+        if w.mixed:
+            assert len(tokens[newcomer]) == 1 and step() == w.batch, "the new request was not prefilled in one step"
+        return took
+
     for _ in range(w.warmup):
-        step()
+        timed_step()
     _reply({"ready": True, "pdserve": str(Path(sys.modules["pdserve"].__file__).parent), "threads": torch.get_num_threads()})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "steps":
-            times = []
-            for _ in range(cmd["n"]):
-                t0 = time.perf_counter()
-                n = step()
-                times.append(time.perf_counter() - t0)
-                assert n == w.batch, f"expected a decode step of {w.batch}, got {n} outputs"
-            _reply({"times": times})
+            _reply({"times": [timed_step() for _ in range(cmd["n"])]})
         elif cmd["cmd"] == "profile":
-            _reply(_profile(step, cmd["n"]))
+            _reply(_profile(timed_step, cmd["n"]))
         elif cmd["cmd"] == "tokens":
-            _reply({"tokens": [tokens[rid] for rid in ids]})
+            _reply({"tokens": list(tokens.values())})  # the batch, then any mixed steps' newcomers
         else:
             return
 
 
-def _profile(step: Any, n: int) -> dict[str, Any]:
+def _profile(timed_step: Any, n: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
-            step()
-    top = [e for e in prof.events() if e.cpu_parent is None]
+    top = []
+    for _ in range(n):
+        # A profiler per timed step: the mixed workload's untimed steps stay out of it.
+        prof = profile(activities=[ProfilerActivity.CPU])
+        timed_step(lambda p=prof: p)
+        top += [e for e in prof.events() if e.cpu_parent is None]
     matmul_us = sum(e.cpu_time_total for e in top if e.name in MATMUL_OPS)
     other_us = sum(e.cpu_time_total for e in top if e.name not in MATMUL_OPS)
     by_name: dict[str, list[float]] = {}
@@ -133,7 +155,7 @@ class Worker:
         cmd = [
             sys.executable, str(Path(__file__).resolve()), "--worker", str(tree), "--batch", str(w.batch),
             "--threads", str(w.threads), "--prompt-len", str(w.prompt_len), "--warmup", str(w.warmup),
-            "--max-tokens", str(w.max_tokens),
+            "--max-tokens", str(w.max_tokens), "--mixed", str(w.mixed),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": str(w.threads)}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree)
@@ -183,7 +205,8 @@ def _pct(xs: list[float], q: float) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     w = Workload(
         batch=args.batch, threads=args.threads, prompt_len=args.prompt_len, warmup=args.warmup,
-        max_tokens=args.warmup + args.rounds * args.steps + args.profile_steps + 64,
+        max_tokens=(2 if args.mixed else 1) * (args.warmup + args.rounds * args.steps + args.profile_steps) + 64,
+        mixed=args.mixed,
     )
     loadavg_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
@@ -230,9 +253,10 @@ def format_report(rep: dict[str, Any]) -> str:
             cells += [f"{p['ops_per_step']:.0f}", f"{p['matmul_ms']:.1f}", f"{p['other_ops_ms']:.1f}"]
         body.append(cells)
     w = rep["workload"]
+    what = f"mixed steps (a {w['mixed']}-token prompt beside the decodes)" if w.get("mixed") else "decode steps"
     lines = [
         (
-            f"{rep['cpu']}, {rep['cores']} cores, {w['threads']} torch thread(s); batch {w['batch']}, prompts ~{w['prompt_len']} tokens; "
+            f"{rep['cpu']}, {rep['cores']} cores, {w['threads']} torch thread(s); {what}; batch {w['batch']}, prompts ~{w['prompt_len']} tokens; "
             f"{rep['rounds']} rounds x {rep['steps_per_round']} steps per code tree; "
             f"load average {rep['loadavg_start'][0]:.2f} -> {rep['loadavg_end'][0]:.2f}"
         ),
@@ -257,13 +281,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=8, help="steps per tree per round")
+    ap.add_argument("--mixed", type=int, default=0, metavar="N", help="time mixed steps: each prefills a new N-token prompt beside the decodes")
     ap.add_argument("--profile", dest="profile_steps", type=int, nargs="?", const=5, default=0, help="profile N steps (default 5) per tree")
     ap.add_argument("--json", help="write the report as JSON to this path ('-': stdout)")
     ap.add_argument("--max-tokens", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        _worker(args.worker, Workload(args.batch, args.threads, args.prompt_len, args.warmup, args.max_tokens))
+        _worker(args.worker, Workload(args.batch, args.threads, args.prompt_len, args.warmup, args.max_tokens, mixed=args.mixed))
         return
     rep = run(args)
     print(format_report(rep))

@@ -97,6 +97,62 @@ def test_decode_attention_equals_the_reference_across_layers_and_steps():
             assert torch.equal(got, reference_decode(q, k_cache, v_cache, meta, 0.25)), (meta.seq_lens_host, layer)
 
 
+def reference_chunk(q, k_cache, v_cache, table: torch.Tensor, k_len: int, scale: float) -> torch.Tensor:
+    """One sequence's queries (the last of its k_len tokens) as the per-sequence path computed
+    them before: its blocks gathered, a boolean causal mask."""
+    k = k_cache[table].flatten(0, 1)[:k_len]
+    v = v_cache[table].flatten(0, 1)[:k_len]
+    q_pos = torch.arange(k_len - q.shape[0], k_len)
+    mask = q_pos[:, None] >= torch.arange(k_len)[None, :]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o.transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(0, 7), (9, 1), (3, 1), (12, 1)],  # a new prompt, then decodes
+        [(5, 1), (4, 6), (11, 1), (0, 9), (2, 1)],  # decodes around a prompt chunk and a new prompt
+        [(0, 5), (8, 4)],  # prefill only: a new prompt and a chunk after a cached prefix
+    ],
+    ids=["prompt-then-decodes", "interleaved", "prefill-only"],
+)
+def test_mixed_step_attention_equals_its_parts_bit_for_bit(seqs):
+    """(cached tokens, new tokens) per sequence: the one-token rows of a mixed step attend as a
+    decode step of those sequences, every other sequence as it did on its own."""
+    g = torch.Generator().manual_seed(len(seqs))
+    layers, bs, kvh, hq, d = 2, 4, 2, 4, 16
+    pool = torch.randn(48, layers, 2, bs, kvh, d, generator=g)
+    free = (torch.randperm(47, generator=g) + 1).tolist()
+    lens = [c + n for c, n in seqs]
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    meta = _decode_meta(lens, tables)
+    query_lens = [n for _, n in seqs]
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    t = int(cu[-1])
+    meta.cu_seqlens_q, meta.max_query_len, meta.query_lens = cu, max(query_lens), query_lens
+    meta.slot_block = meta.slot_offset = torch.zeros(t, dtype=torch.int64)
+    backend = TorchAttention()
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    for step in range(2):  # a new step (a new metadata object) gets a new plan
+        q = torch.randn(t, hq, d, generator=g)
+        for layer in range(layers):
+            k_cache, v_cache = pool[:, layer, 0], pool[:, layer, 1]
+            got = backend.attend(q, k_cache, v_cache, meta, 0.25)
+            for i, (start, n) in enumerate(zip(cu.tolist(), query_lens)):
+                if n > 1:
+                    want = reference_chunk(q[start : start + n], k_cache, v_cache, meta.block_tables[i], lens[i], 0.25)
+                    assert torch.equal(got[start : start + n], want), (i, layer)
+            if decodes:
+                sub = _decode_meta([lens[i] for i in decodes], [tables[i] for i in decodes])
+                rows = [int(cu[i]) for i in decodes]
+                want = reference_decode(q[rows], k_cache, v_cache, sub, 0.25)
+                assert torch.equal(got[rows], want), layer
+        meta = AttentionMetadata(**meta.__dict__)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_generation_equals_the_op_by_op_path_bit_for_bit(arch, tiny_model_factory, monkeypatch):
     model_dir, hf_model = tiny_model_factory(arch)
