@@ -85,7 +85,9 @@ class ModelRunner:
         # Steps that do not replay a decode graph attend through this one: `backend`, or on CUDA
         # `backend` with the decodes of mixed steps split off to the Triton decode kernel.
         wanted = cfg.mixed_decode_attention
-        kernels = decode_kernels_for(mc.head_dim, None) if self.device.type == "cuda" and wanted is not False else None
+        # By default it follows the Triton decode kernels: turning those off turns it off too.
+        load = wanted or (wanted is None and cfg.triton_decode_kernels is not False)
+        kernels = decode_kernels_for(mc.head_dim, None) if self.device.type == "cuda" and load else None
         self.step_backend = mixed_step_backend(self.backend, self.device, kernels, wanted)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on

@@ -146,3 +146,16 @@ def test_split_mixed_steps_do_not_change_tokens(step_graphs, tiny_model_factory,
         )
         print(f"\n[mixed tokens, step graphs {step_graphs}] split vs {other}: {identical}/{len(prompts)} identical")
         assert identical >= len(prompts) - 2
+
+
+def test_no_triton_decode_turns_the_split_off_unless_asked_for(tiny_model_factory):
+    from pdserve import LLM
+    from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
+
+    _flash(), _decodes()
+    model_dir, _ = tiny_model_factory("llama")
+    for options, split in [({}, True), ({"triton_decode_kernels": False}, False),
+                           ({"triton_decode_kernels": False, "mixed_decode_attention": True}, True)]:  # fmt: skip
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=64, use_cuda_graphs=False, **options)
+        assert isinstance(llm.engine.runner.step_backend, MixedDecodeAttention) == split, options
+        del llm
