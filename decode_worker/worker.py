@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from opentelemetry import trace
 
 from decode_worker.early_aborts import EarlyAborts
+from decode_worker.room_waiters import RoomWaiters, Waiter
 from decode_worker.outbox import RouterOutboxes
 from decode_worker.prefetch import Prefetch
 from kv_transfer.checksum import block_checksums, mismatched
@@ -62,7 +63,8 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import ImportPlan
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.kv_event_cursors import KvEventCursors
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.block_manager import NoFreeBlocksError
+from pdserve.engine.loop import EngineLoop, EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
@@ -81,6 +83,9 @@ class DecodeConfig:
     # A prefetch (`--kv-transfer-overlap`) that no `start` claims within this long is given up,
     # its blocks freed: longer than any prefill the router waits for.
     prefetch_timeout_s: float = 120.0
+    # A hand-over that finds the KV pool full waits in line this long at most for blocks to
+    # free (bounded also by the prefill worker's lease), before the router is told to retry.
+    handover_wait_s: float = 2.0
 
 
 class DecodeWorker:
@@ -102,6 +107,9 @@ class DecodeWorker:
         self._outboxes = RouterOutboxes(config.router_lease_s)  # guarded by _outbox_ready
         self._outbox_ready = threading.Condition(threading.Lock())
         self.blocks_pulled = 0
+        self._room = RoomWaiters()  # hand-overs waiting for free KV blocks (under the loop's lock)
+        self._closing = False
+        self.handover_waits = 0  # hand-overs that waited for free blocks
         self.blocks_reused = 0
         self.bytes_pulled = 0
         self.transfers = 0
@@ -238,22 +246,63 @@ class DecodeWorker:
         margin = handle.lease_deadline - time.time()
         if margin < self.config.transfer_timeout_s:
             raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
-        with self.loop.lock:
-            self.loop.check()
-            prefetch = self._prefetches.pop(request_id, None)
-            if prefetch is not None:
-                prefetch.claim()  # no READ of it starts from now on
-            else:
-                self._early_aborts.refuse(request_id)
-                plan = self.engine.begin_import(prompt_token_ids, params, request_id, list(handle.block_hashes))
-                self._register(router_id, request_id)
-                self._importing.add(request_id)
+        # Without room in the KV pool the hand-over waits here, in line, for as long as the
+        # prefill worker's lease leaves time for the READ (then the router hears no free blocks).
+        wait_until = time.monotonic() + min(self.config.handover_wait_s, margin - self.config.transfer_timeout_s)
+        waiter: Waiter | None = None
+        waited_s = 0.0
+        began = time.monotonic()
+        try:
+            while True:
+                with self.loop.lock:
+                    self.loop.check()
+                    if self._closing:
+                        raise EngineStopped(f"{self.worker_id}: closed while {request_id} waited for free KV blocks")
+                    prefetch = self._prefetches.pop(request_id, None)
+                    if prefetch is not None:
+                        prefetch.claim()  # no READ of it starts from now on
+                        break
+                    self._early_aborts.refuse(request_id)  # also an abort that came while it waited
+                    available = self.engine.blocks.num_available
+                    if waiter is None and len(self._room):  # others wait already: in line behind them
+                        waiter = self._room.join(request_id, available)
+                        self.handover_waits += 1
+                    elif waiter is not None and not self._room.is_first(waiter):
+                        if time.monotonic() >= wait_until:
+                            raise NoFreeBlocksError(f"request {request_id}: no free KV blocks in time (waited in line)")
+                        waiter.woken.clear()  # not its turn yet: the one before it wakes it
+                    else:
+                        try:
+                            plan = self.engine.begin_import(
+                                prompt_token_ids, params, request_id, list(handle.block_hashes)
+                            )
+                        except NoFreeBlocksError:
+                            if time.monotonic() >= wait_until:
+                                raise
+                            if waiter is None:
+                                waiter = self._room.join(request_id, available)
+                                self.handover_waits += 1
+                            else:
+                                self._room.failed_again(waiter, available)
+                        else:
+                            self._register(router_id, request_id)
+                            self._importing.add(request_id)
+                            break
+                waiter.woken.wait(max(0.0, wait_until - time.monotonic()))
+        finally:
+            if waiter is not None:
+                waited_s = time.monotonic() - began
+                with self.loop.lock:
+                    self._room.leave(waiter)
+                    self._room.on_tick(self.engine.blocks.num_available)  # the next in line may fit now
         try:
             pulled: dict[int, int] = {}
             if prefetch is not None:
                 plan, pulled = self._take_over(prefetch, prompt_token_ids, params, request_id, handle)
                 span.set_attribute("pdserve.prefetched_blocks", len(pulled))
-            return self._pull_and_commit(prompt_token_ids, params, request_id, prefilled, plan, span, pulled)
+            result = self._pull_and_commit(prompt_token_ids, params, request_id, prefilled, plan, span, pulled)
+            result.waited_for_blocks_s = waited_s
+            return result
         finally:
             with self.loop.lock:
                 self._importing.discard(request_id)
@@ -456,6 +505,7 @@ class DecodeWorker:
     def _tick(self) -> None:
         """The loop's tick (under the engine's lock)."""
         self._expire_routers()
+        self._room.on_tick(self.engine.blocks.num_available)
         if self._prefetches:
             self._take_progress()
 
@@ -497,14 +547,19 @@ class DecodeWorker:
 
     def close(self) -> None:
         with self.loop.lock:
+            self._closing = True
+            self._room.wake_all()  # a hand-over waiting for blocks ends now
             for prefetch in self._prefetches.values():
                 prefetch.cancel()
         self.loop.stop()
 
     def _crashed(self, exc: BaseException) -> None:
-        """The loop's crash callback (its thread): wake every waiting `poll`, which then raises."""
+        """The loop's crash callback (its thread): wake every waiting `poll` and hand-over,
+        which then raise."""
         with self._outbox_ready:
             self._outbox_ready.notify_all()
+        with self.loop.lock:
+            self._room.wake_all()
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:
         updates = [

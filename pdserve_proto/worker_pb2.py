@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve_proto import kv_pb2 as pdserve__proto_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve_proto/worker.proto\x12\npdserve.v1\x1a\x16pdserve_proto/kv.proto\"\x96\x01\n\rPrefillResult\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\"\xb6\x01\n\x0b\x44\x65\x63odeStart\x12\x15\n\rreused_tokens\x18\x01 \x01(\r\x12\x15\n\rpulled_blocks\x18\x02 \x01(\r\x12\x12\n\nrecomputed\x18\x03 \x01(\x08\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x18\n\x10transfer_retries\x18\x06 \x01(\r\x12\x19\n\x11prefetched_blocks\x18\x07 \x01(\r\";\n\x0e\x44\x65\x63odePrefetch\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\",\n\x0c\x44\x65\x63odeSubmit\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x01 \x01(\r\"X\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"8\n\x0cTokenUpdates\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.TokenUpdate\"u\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\x15\n\rnum_available\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\"T\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0c\x65ngine_alive\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xcb\x01\n\tServeInfo\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x18\n\x10placement_policy\x18\x05 \x01(\t\x12\x13\n\x0bload_factor\x18\x06 \x01(\x01\x12 \n\x18max_local_prefill_tokens\x18\x07 \x01(\r\x12\x1b\n\x13kv_transfer_overlap\x18\x08 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve_proto/worker.proto\x12\npdserve.v1\x1a\x16pdserve_proto/kv.proto\"\x96\x01\n\rPrefillResult\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\"\xd3\x01\n\x0b\x44\x65\x63odeStart\x12\x15\n\rreused_tokens\x18\x01 \x01(\r\x12\x15\n\rpulled_blocks\x18\x02 \x01(\r\x12\x12\n\nrecomputed\x18\x03 \x01(\x08\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x18\n\x10transfer_retries\x18\x06 \x01(\r\x12\x19\n\x11prefetched_blocks\x18\x07 \x01(\r\x12\x1b\n\x13waited_for_blocks_s\x18\x08 \x01(\x01\";\n\x0e\x44\x65\x63odePrefetch\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\",\n\x0c\x44\x65\x63odeSubmit\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x01 \x01(\r\"X\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"8\n\x0cTokenUpdates\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.TokenUpdate\"u\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\x15\n\rnum_available\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\"T\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0c\x65ngine_alive\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xcb\x01\n\tServeInfo\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x18\n\x10placement_policy\x18\x05 \x01(\t\x12\x13\n\x0bload_factor\x18\x06 \x01(\x01\x12 \n\x18max_local_prefill_tokens\x18\x07 \x01(\r\x12\x1b\n\x13kv_transfer_overlap\x18\x08 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESULT']._serialized_start=67
   _globals['_PREFILLRESULT']._serialized_end=217
   _globals['_DECODESTART']._serialized_start=220
-  _globals['_DECODESTART']._serialized_end=402
-  _globals['_DECODEPREFETCH']._serialized_start=404
-  _globals['_DECODEPREFETCH']._serialized_end=463
-  _globals['_DECODESUBMIT']._serialized_start=465
-  _globals['_DECODESUBMIT']._serialized_end=509
-  _globals['_TOKENUPDATE']._serialized_start=511
-  _globals['_TOKENUPDATE']._serialized_end=599
-  _globals['_TOKENUPDATES']._serialized_start=601
-  _globals['_TOKENUPDATES']._serialized_end=657
-  _globals['_KVEVENTBATCH']._serialized_start=659
-  _globals['_KVEVENTBATCH']._serialized_end=776
-  _globals['_WORKERHEALTH']._serialized_start=778
-  _globals['_WORKERHEALTH']._serialized_end=862
-  _globals['_SERVEINFO']._serialized_start=865
-  _globals['_SERVEINFO']._serialized_end=1068
+  _globals['_DECODESTART']._serialized_end=431
+  _globals['_DECODEPREFETCH']._serialized_start=433
+  _globals['_DECODEPREFETCH']._serialized_end=492
+  _globals['_DECODESUBMIT']._serialized_start=494
+  _globals['_DECODESUBMIT']._serialized_end=538
+  _globals['_TOKENUPDATE']._serialized_start=540
+  _globals['_TOKENUPDATE']._serialized_end=628
+  _globals['_TOKENUPDATES']._serialized_start=630
+  _globals['_TOKENUPDATES']._serialized_end=686
+  _globals['_KVEVENTBATCH']._serialized_start=688
+  _globals['_KVEVENTBATCH']._serialized_end=805
+  _globals['_WORKERHEALTH']._serialized_start=807
+  _globals['_WORKERHEALTH']._serialized_end=891
+  _globals['_SERVEINFO']._serialized_start=894
+  _globals['_SERVEINFO']._serialized_end=1097
 # @@protoc_insertion_point(module_scope)

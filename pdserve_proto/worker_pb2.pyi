@@ -22,7 +22,7 @@ class PrefillResult(_message.Message):
     def __init__(self, handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeStart(_message.Message):
-    __slots__ = ("reused_tokens", "pulled_blocks", "recomputed", "transfer_bytes", "transfer_seconds", "transfer_retries", "prefetched_blocks")
+    __slots__ = ("reused_tokens", "pulled_blocks", "recomputed", "transfer_bytes", "transfer_seconds", "transfer_retries", "prefetched_blocks", "waited_for_blocks_s")
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DecodeStart(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_RETRIES_FIELD_NUMBER: _ClassVar[int]
     PREFETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FOR_BLOCKS_S_FIELD_NUMBER: _ClassVar[int]
     reused_tokens: int
     pulled_blocks: int
     recomputed: bool
@@ -37,7 +38,8 @@ class DecodeStart(_message.Message):
     transfer_seconds: float
     transfer_retries: int
     prefetched_blocks: int
-    def __init__(self, reused_tokens: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., recomputed: _Optional[bool] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transfer_retries: _Optional[int] = ..., prefetched_blocks: _Optional[int] = ...) -> None: ...
+    waited_for_blocks_s: float
+    def __init__(self, reused_tokens: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., recomputed: _Optional[bool] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transfer_retries: _Optional[int] = ..., prefetched_blocks: _Optional[int] = ..., waited_for_blocks_s: _Optional[float] = ...) -> None: ...
 
 class DecodePrefetch(_message.Message):
     __slots__ = ("agent_name", "reused_tokens")

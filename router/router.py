@@ -332,14 +332,15 @@ class Router:
 
     async def _start_when_room(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
         """The hand-over; while the decode worker has no free KV blocks for the prompt, the same
-        hand-over again after a backoff, for as long as the prefill worker's lease keeps the KV.
+        hand-over again after a backoff, for as long as the prefill worker's lease keeps the KV
+        (the worker itself first waits in line for blocks, `DecodeConfig.handover_wait_s`).
         An admitted request so waits its turn behind the ones decoding, as it would in the
         worker's queue, instead of failing after its first token reached the client."""
         delay = HANDOVER_RETRY_FIRST_S
         waited = 0.0
         while True:
             try:
-                return await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
+                start = await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
             except RouterError as exc:
                 if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
@@ -351,6 +352,10 @@ class Router:
                     ) from exc
                 if waited == 0.0:
                     self.metrics.handover_waits.inc()
+            else:
+                if start.waited_for_blocks_s > 0 and waited == 0.0:  # it waited in line on the worker
+                    self.metrics.handover_waits.inc()
+                return start
             await asyncio.sleep(delay)
             waited += delay
             delay = min(2 * delay, HANDOVER_RETRY_MAX_S)
