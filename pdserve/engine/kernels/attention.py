@@ -143,11 +143,9 @@ class TorchAttention:
             mask, k_t, v_t = plan.mask, plan.k, plan.v
             torch.index_select(k_cache, 0, plan.rows, out=plan.k_out)
             torch.index_select(v_cache, 0, plan.rows, out=plan.v_out)
-        b = q.shape[0]
-        o = F.scaled_dot_product_attention(
-            q.view(b, 1, *q.shape[1:]).transpose(1, 2), k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        return o.transpose(1, 2).reshape(q.shape)
+        # q as [B, Hq, 1, D], and the output back to [B, Hq, D]: views across a size-1 dim.
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.view(q.shape)
 
     def _decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> _DecodePlan:
         """A CPU decode step's plan, made at its first layer and kept for the others: the block

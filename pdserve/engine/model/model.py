@@ -155,9 +155,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k, v = self._heads(qkv)
             return rope_rows(q, *rope), rope_rows(k, *rope), v
-        t, hq = qkv.shape[0], self.num_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        hq, hqk = self.num_heads, self.num_heads + self.num_kv_heads
+        heads = qkv.view(qkv.shape[0], hqk + self.num_kv_heads, self.head_dim)  # q, k, v heads in a row
+        qk, v = heads[:, :hqk], heads[:, hqk:]
         qk = rope_rows(qk, *rope)
         return qk[:, :hq], qk[:, hq:], v
 
