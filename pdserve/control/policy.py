@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from pdserve.control.load import decode_load, prefill_load
 from pdserve.control.perf_model import PerfModel
 from pdserve.control.signals import Decision, Role, Signals, Slo
+from pdserve.control.trend import RateTrend
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class ControllerConfig:
     dwell_intervals: float = 3.0  # after a flip, this many intervals before one in the other direction
     backlog_s: float = 10.0  # queued prefill tokens count as demand to clear within this time
     lead: bool = True  # plan for the arrival rates projected one interval + flip ahead (their trend)
+    # The arrival rates are means over the last max(this, interval) seconds, so they lag by half of
+    # that: the lead adds it along a line fitted over `trend_span_s`, less the samples' scatter
+    # around the line (a smooth swing passes; noise, a step or a burst adds nothing). 0: no such term.
+    rate_window_s: float = 10.0
+    trend_span_s: float = 30.0
     step_fraction: float = 0.25  # a change moves at most this share of the budget (at least one worker)
     weigh_cost: bool = True  # a move must pay back its drain and switch over the demand's expected rest
     # A reserve for demand that recurs (`Controller.reserve_target`): what a pool needed when it was over
@@ -122,6 +128,7 @@ class Controller:
         self._streak: tuple[Role | None, int] = (None, 0)
         self._prev: Signals | None = None
         self._slope = (0.0, 0.0, 0.0)  # EWMA of d/dt of the three arrival rates
+        self._trend = RateTrend(cfg.trend_span_s)  # a line through the same rates, for the window's lag
         self._wanting: tuple[Role, float] | None = None  # the donor a move is wanted from, since when
         self._lasted: dict[Role, float] = {}  # EWMA of how long past stretches wanting that donor lasted
         self._peak = Loads(0.0, 0.0)  # each pool's demand (in workers) when last over its limit, decaying
@@ -219,16 +226,22 @@ class Controller:
 
     def ahead(self, s: Signals) -> Signals:
         """The signals with the arrival rates moved along their trend to when a flip decided now
-        would be done; a rate is never projected below half or above twice its value."""
+        would be done (the slope's EWMA: quick to follow a step), plus, from a line fitted over
+        the last `trend_span_s`, the half window by which the measured means lag, less the
+        scatter around that line (only a trend that stands out of the noise leads further);
+        a rate is never projected below half or above twice its value."""
+        rates = (s.arriving_prompt_tokens_s, s.arriving_requests_s, s.arriving_output_tokens_s)
+        self._trend.observe(s.now, rates)
         prev, self._prev = self._prev, s
         if prev is None or s.now <= prev.now or not self.cfg.lead:
             return s
         dt = s.now - prev.now
-        rates = (s.arriving_prompt_tokens_s, s.arriving_requests_s, s.arriving_output_tokens_s)
         olds = (prev.arriving_prompt_tokens_s, prev.arriving_requests_s, prev.arriving_output_tokens_s)
         self._slope = tuple(0.5 * a + 0.5 * (r - o) / dt for a, r, o in zip(self._slope, rates, olds))
         lead = self.interval_s + self.flip_s
-        p, q, o = (min(2 * r, max(0.5 * r, r + g * lead)) for r, g in zip(rates, self._slope))
+        window = max(self.cfg.rate_window_s, self.interval_s) if self.cfg.rate_window_s > 0 else 0.0
+        lag = self._trend.shift(window / 2) or (0.0, 0.0, 0.0)
+        p, q, o = (min(2 * r, max(0.5 * r, r + g * lead + e)) for r, g, e in zip(rates, self._slope, lag))
         return replace(s, arriving_prompt_tokens_s=p, arriving_requests_s=q, arriving_output_tokens_s=o)
 
     def expected_rest(self, donor: Role, now: float, donor_over: bool = False) -> float:
