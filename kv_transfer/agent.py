@@ -48,6 +48,8 @@ DEFAULT_READS_IN_FLIGHT = 1
 # A block list is not split into READs of fewer bytes than this: each READ costs its own
 # post, polls and handle, which only pays off when there is enough data to overlap.
 MIN_READ_BYTES = 8 << 20
+# A READ's state is polled back to back this long, then with growing sleeps.
+READ_SPIN_S = 0.005
 
 
 def _nixl_api():
@@ -202,11 +204,13 @@ class KvTransferAgent:
                 now = time.perf_counter()
                 if now > deadline:
                     raise KvTransferError(f"{what} timed out after {timeout_s}s ({len(pending)} of {len(handles)} READs unfinished)")
-                # Spin for the first milliseconds (a GPU READ of a prompt's KV takes about that
-                # long, and even sleep(0) costs tens of microseconds of timer slack), then back
-                # off so a slow link does not burn a core.
-                if now - start > 0.005:
-                    time.sleep(min(1e-3, (now - start) / 50))
+                # Poll back to back for the first milliseconds (a GPU READ of a prompt's KV
+                # takes about that long, and on CPU the polls drive the copy), then back off so
+                # a slow link does not burn a core. Every poll gives the GIL away (`sleep(0)`):
+                # this thread shares it with the worker's engine loop, and a thread that holds
+                # it makes the loop wait up to the interpreter's switch interval (5 ms) each
+                # time it takes the GIL back after a kernel.
+                time.sleep(0.0 if now - start < READ_SPIN_S else min(1e-3, (now - start) / 50))
                 with self._lock, _nixl_errors(what):
                     states = [self._agent.check_xfer_state(handles[i]) for i in pending]
             if notify_after and notify:
