@@ -201,10 +201,11 @@ class EngineConfig(EngineArgs):
     cuda_graph_max_batch: int = 128
     # Mixed steps (a prompt chunk beside running decodes): the one-query rows attend through the
     # Triton split-KV decode kernel, the rest through flash-attn (kernels/mixed_attention.py).
-    # None: on where flash-attn is the backend and the Triton decode kernels import (CUDA) and
-    # are not turned off (`triton_decode_kernels=False`); True: required (an error naming what is
-    # missing; any backend); False: off.
-    mixed_decode_attention: bool | None = None
+    # False (the default): off, since on an H200 it was no faster (docs/benchmarks.md); None: on
+    # where flash-attn is the backend and the Triton decode kernels import (CUDA) and are not
+    # turned off (`triton_decode_kernels=False`); True: required (an error naming what is
+    # missing; any backend).
+    mixed_decode_attention: bool | None = False
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)

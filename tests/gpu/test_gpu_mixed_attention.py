@@ -108,7 +108,7 @@ def _identical_or_near_ties(hf_cpu, prompts, got, want, what: str) -> int:
 @pytest.mark.parametrize("step_graphs", [True, False])
 def test_split_mixed_steps_do_not_change_tokens(step_graphs, tiny_model_factory, check_blocks_freed):
     """A 96-token budget chunks the longer prompts beside running decodes: greedy tokens with
-    the switch on (the default here), off, and through the torch backend."""
+    the switch on, off (the default), and through the torch backend."""
     from pdserve import LLM, SamplingParams
     from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
     from tests.gpu.test_gpu_engine import _prompts
@@ -118,7 +118,7 @@ def test_split_mixed_steps_do_not_change_tokens(step_graphs, tiny_model_factory,
     prompts = _prompts(hf_cpu.config.vocab_size, seed=400, lengths=(3, 9, 17, 30, 64, 100, 200, 333))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     runs = {
-        "split (default)": {},
+        "split": {"mixed_decode_attention": True},
         "flash whole": {"mixed_decode_attention": False},
         "torch": {"attention_backend": "torch", "mixed_decode_attention": False},
     }
@@ -142,19 +142,20 @@ def test_split_mixed_steps_do_not_change_tokens(step_graphs, tiny_model_factory,
         del llm
     for other in ("flash whole", "torch"):
         identical = _identical_or_near_ties(
-            hf_cpu, prompts, results["split (default)"], results[other], f"split and {other}"
+            hf_cpu, prompts, results["split"], results[other], f"split and {other}"
         )
         print(f"\n[mixed tokens, step graphs {step_graphs}] split vs {other}: {identical}/{len(prompts)} identical")
         assert identical >= len(prompts) - 2
 
 
-def test_no_triton_decode_turns_the_split_off_unless_asked_for(tiny_model_factory):
+def test_the_split_is_off_by_default_and_follows_triton_decode_when_auto(tiny_model_factory):
     from pdserve import LLM
     from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
 
     _flash(), _decodes()
     model_dir, _ = tiny_model_factory("llama")
-    for options, split in [({}, True), ({"triton_decode_kernels": False}, False),
+    for options, split in [({}, False), ({"mixed_decode_attention": None}, True),
+                           ({"mixed_decode_attention": None, "triton_decode_kernels": False}, False),
                            ({"triton_decode_kernels": False, "mixed_decode_attention": True}, True)]:  # fmt: skip
         llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=64, use_cuda_graphs=False, **options)
         assert isinstance(llm.engine.runner.step_backend, MixedDecodeAttention) == split, options
