@@ -20,14 +20,15 @@ This benchmark puts that in one process on CPU, with the real agent:
 * K reader threads (``--threads``, default 0,1,2,4,8), each running ``consumer.read(...)`` of a
   prompt-sized block list back to back (each into its own local blocks).
 
-Polling modes: ``sleep0`` is ``kv_transfer`` as shipped; ``spin`` reproduces the earlier polling
-(back to back without ``sleep(0)`` for the first ``READ_SPIN_S``) by giving the agent module a
-``time`` whose ``sleep(0)`` returns at once -- the agent's code is not changed. Each window of
+Polling modes: ``sleep0`` is ``kv_transfer``'s polling as shipped; ``spin`` reproduces the
+earlier polling (back to back without ``sleep(0)`` for the first ``READ_SPIN_S``) by giving the
+agent module a ``time`` whose ``sleep(0)`` returns at once -- the agent's code is not changed.
+In both modes that ``time`` also counts the polls (one Python call more per poll, both alike). Each window of
 ``--window-s`` seconds is one (mode, K) pair; a repetition runs every pair, and the pairs are
 interleaved so drift on the host hits all of them alike. Reported per (release, mode, K): the
 loop's iteration time p50/p99 and their ratio to K=0 of the same mode, the p99 of its GIL
 releases (from the call until it has the GIL back), the READs' aggregate
-GB/s and median READ time, medians over ``--reps`` repetitions.
+GB/s, median READ time and polls per READ, medians over ``--reps`` repetitions.
 
 On CPU a READ is a copy (UCX's cma: ``process_vm_readv``) that runs inside the consumer's polls,
 so the polls do the work and the numbers are not a GPU's, where the copy runs on the links while
@@ -106,33 +107,35 @@ def alloc_pool(num_blocks: int) -> torch.Tensor:
 # ----- the polling modes ------------------------------------------------------------------------
 
 
-class _SpinTime(types.SimpleNamespace):
-    """The ``time`` module as the agent sees it in spin mode: ``sleep(0)`` returns without
-    giving the GIL away, longer sleeps are real."""
+class _PollingTime(types.SimpleNamespace):
+    """The ``time`` module as the agent sees it here: it counts the agent's polls (each one
+    follows one ``sleep``) and, with ``spin``, makes ``sleep(0)`` return without giving the GIL
+    away; longer sleeps are real."""
 
-    def __init__(self) -> None:
+    def __init__(self, spin: bool) -> None:
         super().__init__(perf_counter=time.perf_counter, monotonic=time.monotonic, time=time.time)
+        self.spin = spin
+        self.calls: list[None] = []  # list.append is atomic under the GIL; a counter += is not
 
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        if seconds > 0:
+    def sleep(self, seconds: float) -> None:
+        self.calls.append(None)
+        if seconds > 0 or not self.spin:
             time.sleep(seconds)
 
 
 @contextlib.contextmanager
-def polling_mode(mode: str) -> Iterator[None]:
-    """``sleep0``: the agent as shipped; ``spin``: its polls keep the GIL while they spin."""
+def polling_mode(mode: str) -> Iterator[_PollingTime]:
+    """``sleep0``: the agent's polling as shipped; ``spin``: its polls keep the GIL while they
+    spin. Either way the agent's polls are counted (``.calls``)."""
     import kv_transfer.agent as agent_mod
 
     if mode not in MODES:
         raise ValueError(f"mode: one of {MODES}, got {mode!r}")
-    if mode == "sleep0":
-        yield
-        return
     saved = agent_mod.time
-    agent_mod.time = _SpinTime()
+    shim = _PollingTime(spin=mode == "spin")
+    agent_mod.time = shim
     try:
-        yield
+        yield shim
     finally:
         agent_mod.time = saved
 
@@ -243,7 +246,7 @@ def reader(agent: Any, remote: str, blocks: int, slot: int, stop: threading.Even
 
 
 def run_window(
-    agent: Any, remote: str, cfg: BenchConfig, blocks: int, k: int, release: Any, work_n: int
+    agent: Any, remote: str, cfg: BenchConfig, blocks: int, k: int, release: Any, work_n: int, polls: list[None]
 ) -> dict[str, float]:
     stop = threading.Event()
     iters: list[float] = []
@@ -273,6 +276,7 @@ def run_window(
         "reads": float(len(all_reads)),
         "gbps": len(all_reads) * blocks * BLOCK_BYTES / wall / 1e9 if k else 0.0,
         "read_ms": 1e3 * statistics.median(all_reads) if all_reads else 0.0,
+        "polls_per_read": len(polls) / len(all_reads) if all_reads else 0.0,
     }
 
 
@@ -336,8 +340,8 @@ def run(cfg: BenchConfig) -> tuple[Results, dict[str, Any]]:
                         # alternate which mode goes first, so neither always follows the other
                         modes = cfg.modes if (rep + k) % 2 == 0 else tuple(reversed(cfg.modes))
                         for mode in modes:
-                            with polling_mode(mode):
-                                res = run_window(agent, remote, cfg, blocks, k, releases[kind], work_n)
+                            with polling_mode(mode) as shim:
+                                res = run_window(agent, remote, cfg, blocks, k, releases[kind], work_n, shim.calls)
                             results.setdefault((blocks, kind, mode, k), []).append(res)
                             done += 1
                             print(
@@ -369,7 +373,7 @@ def format_table(cfg: BenchConfig, results: Results) -> str:
         return statistics.median(r[field] for r in results[key])
 
     head = ["READ MB", "release", "polling", "K", "iter p50 ms", "vs K=0", "iter p99 ms", "vs K=0", "release p99 ms"]
-    head += ["READ GB/s", "READ ms"]
+    head += ["READ GB/s", "READ ms", "polls/READ"]
     body = []
     for blocks in cfg.blocks:
         mb = f"{blocks * BLOCK_BYTES / 1e6:.0f}"
@@ -384,7 +388,9 @@ def format_table(cfg: BenchConfig, results: Results) -> str:
                     gbps = f"{med(key, 'gbps'):.2f}" if k else ""
                     read_ms = f"{med(key, 'read_ms'):.2f}" if k else ""
                     rel = f"{med(key, 'release_p99_ms'):.3f}"
-                    body.append([mb, kind, mode, str(k), f"{p50:.3f}", r50, f"{p99:.3f}", r99, rel, gbps, read_ms])
+                    polls = f"{med(key, 'polls_per_read'):.1f}" if k else ""
+                    row = [mb, kind, mode, str(k), f"{p50:.3f}", r50, f"{p99:.3f}", r99, rel, gbps, read_ms, polls]
+                    body.append(row)
     return markdown_table(head, body)
 
 
