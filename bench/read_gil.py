@@ -30,9 +30,11 @@ loop's iteration time p50/p99 and their ratio to K=0 of the same mode, the p99 o
 releases (from the call until it has the GIL back), the READs' aggregate
 GB/s, median READ time and polls per READ, medians over ``--reps`` repetitions.
 
-On CPU a READ is a copy (UCX's cma: ``process_vm_readv``) that runs inside the consumer's polls,
-so the polls do the work and the numbers are not a GPU's, where the copy runs on the links while
-the polls only look at its state.
+On CPU a READ is a copy (UCX's cma: ``process_vm_readv``) done by the consumer's own thread,
+inside the READ's post (``transfer()``) or its polls: a prompt-sized READ is often done before
+the first poll (the "polls/READ" column), so it cannot show the polling's cost; the short READ
+ends while ``read()`` spins, as a GPU READ of a prompt does. These are not a GPU's numbers: there
+the copy runs on the links while the thread only polls its state.
 
     python bench/read_gil.py [--reps 3] [--window-s 2] [--threads 0,1,2,4,8] [--release sleep,torch]
 """
