@@ -11,8 +11,11 @@ moves the request on.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,8 +55,16 @@ class WorkerUnreachable(Exception):
 _INLINE = frozenset({"health"})
 
 
+# Threads a worker in this process runs calls on, as a Ray actor has its own (`ACTOR_CONCURRENCY`):
+# calls that wait (a long poll, a hand-over waiting in line for KV blocks) must not hold up the
+# others, as they would in the event loop's small default pool (cores + 4 threads).
+LOCAL_CONCURRENCY = 64
+
+
 def local_invoker(worker: Any) -> Invoker:
-    """Calls on a worker object in this process, each on a thread so the event loop never blocks."""
+    """Calls on a worker object in this process, each on a thread of the worker's own pool so the
+    event loop never blocks."""
+    threads = ThreadPoolExecutor(LOCAL_CONCURRENCY, thread_name_prefix=f"local-{getattr(worker, 'worker_id', 'worker')}")
 
     async def inline(name: str, *args: Any) -> Any:
         return getattr(worker, name)(*args)
@@ -61,7 +72,8 @@ def local_invoker(worker: Any) -> Invoker:
     def invoke(name: str, *args: Any) -> Awaitable[Any]:
         if name in _INLINE:
             return inline(name, *args)
-        return asyncio.to_thread(getattr(worker, name), *args)
+        call = functools.partial(contextvars.copy_context().run, getattr(worker, name), *args)
+        return asyncio.get_running_loop().run_in_executor(threads, call)
 
     return invoke
 

@@ -63,8 +63,8 @@ def test_hand_overs_wait_for_a_full_decode_pool_and_every_request_is_exact(start
 
 def test_requests_cancelled_while_waiting_in_line_free_everything(start_in_process, model_dir, expected, wait_until):
     """Clients that give up while their hand-overs wait in line for blocks: their requests end
-    (on the decode worker too), the others still get exactly the offline tokens, and every block
-    of both workers is free afterwards."""
+    (on the decode worker too: the router lets the hand-over land, then aborts it), the others
+    still get exactly the offline tokens, and every block of both workers is free afterwards."""
     from pdserve.cluster.config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
@@ -101,5 +101,3 @@ def test_requests_cancelled_while_waiting_in_line_free_everything(start_in_proce
             assert g == expected[i], f"request {i}: {g!r}"
     wait_until(lambda: cluster.blocks_in_use() == 0, 15, "every KV block to be freed")
     assert not in_line(), "a hand-over still waits in line"
-    # The ones cancelled in line never began their import: their KV was never pulled.
-    assert sum(d.transfers for d in cluster.decode_workers) == REQUESTS - len(cancelled)

@@ -18,13 +18,13 @@ KV) shows up as divergence at a clear winner, with gaps of order 1 or more.
 
 from __future__ import annotations
 
-import math
-import random
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.gpu.greedy_checks import TIE_ABS, bf16_ulp, identical_or_near_ties, random_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +32,6 @@ pytestmark = [
 ]
 
 MAX_NEW = 32
-TIE_ABS = 0.05
 
 
 def _flash():
@@ -222,8 +221,7 @@ def _hf_greedy_with_logits(hf, prompt: list[int], max_new: int) -> tuple[list[in
     return tokens, logits
 
 
-def _bf16_ulp(x: float) -> float:
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0**-133
+_bf16_ulp = bf16_ulp
 
 
 def _compare_greedy(name: str, ours: list[int], ref: list[int], ref_logits: torch.Tensor) -> dict:
@@ -250,9 +248,7 @@ def _compare_greedy(name: str, ours: list[int], ref: list[int], ref_logits: torc
     return {"first_divergence": first, "gap_top2": gap_top2, "gap_ours": gap_ours}
 
 
-def _prompts(vocab: int, seed: int, lengths=(1, 7, 16, 33, 50, 90, 200)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+_prompts = random_prompts
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -299,21 +295,7 @@ def test_bf16_batch1_decode_matches_transformers(tiny_model_factory, check_block
 # ----- (c) CUDA graphs on vs off ---------------------------------------------------------------
 
 
-def _identical_or_near_ties(hf_cpu, prompts, got, want, what: str) -> int:
-    """How many prompts' token lists are equal; each that is not must first differ at a
-    near-tie of the fp32 reference `hf_cpu` (asserted)."""
-    identical = 0
-    for p, a, b in zip(prompts, got, want):
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if k is None:
-            identical += 1
-            continue
-        with torch.no_grad():
-            row = hf_cpu(torch.tensor([p + a[:k]])).logits[0, -1].float()
-        gap = abs((row[a[k]] - row[b[k]]).item())
-        tol = max(TIE_ABS, 4 * _bf16_ulp(row.max().item()))
-        assert gap <= tol, f"{what} differ at token {k} ({a[k]} vs {b[k]}) by {gap:.4f} in fp32: not a near-tie"
-    return identical
+_identical_or_near_ties = identical_or_near_ties
 
 
 @pytest.mark.parametrize("batch", [8, 5])  # 8 is a captured size; 5 replays the size-8 graph padded

@@ -100,7 +100,7 @@ def test_split_mixed_step_at_the_benchmark_shape(block_size):
 
 
 def _identical_or_near_ties(hf_cpu, prompts, got, want, what: str) -> int:
-    from tests.gpu.test_gpu_engine import _identical_or_near_ties as check
+    from tests.gpu.greedy_checks import identical_or_near_ties as check
 
     return check(hf_cpu, prompts, got, want, what)
 
@@ -111,7 +111,7 @@ def test_split_mixed_steps_do_not_change_tokens(step_graphs, tiny_model_factory,
     the switch on, off (the default), and through the torch backend."""
     from pdserve import LLM, SamplingParams
     from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
-    from tests.gpu.test_gpu_engine import _prompts
+    from tests.gpu.greedy_checks import random_prompts as _prompts
 
     _flash(), _decodes()
     model_dir, hf_cpu = tiny_model_factory("llama")
