@@ -52,18 +52,18 @@ from dataclasses import asdict, dataclass
 from opentelemetry import trace
 
 from decode_worker.early_aborts import EarlyAborts
-from decode_worker.room_waiters import RoomWaiters, Waiter
 from decode_worker.outbox import RouterOutboxes
 from decode_worker.prefetch import Prefetch
+from decode_worker.room_waiters import RoomWaiters, Waiter
 from kv_transfer.checksum import block_checksums, mismatched
 from kv_transfer.compat import check_handle
 from kv_transfer.notice import progress_of, pulled_notice
 from kv_transfer.transport import KvTransferError, KvTransport
+from pdserve.engine.block_manager import NoFreeBlocksError
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import ImportPlan
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.kv_event_cursors import KvEventCursors
-from pdserve.engine.block_manager import NoFreeBlocksError
 from pdserve.engine.loop import EngineLoop, EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
@@ -246,55 +246,9 @@ class DecodeWorker:
         margin = handle.lease_deadline - time.time()
         if margin < self.config.transfer_timeout_s:
             raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
-        # Without room in the KV pool the hand-over waits here, in line, for as long as the
-        # prefill worker's lease leaves time for the READ (then the router hears no free blocks).
-        wait_until = time.monotonic() + min(self.config.handover_wait_s, margin - self.config.transfer_timeout_s)
-        waiter: Waiter | None = None
-        waited_s = 0.0
-        began = time.monotonic()
-        try:
-            while True:
-                with self.loop.lock:
-                    self.loop.check()
-                    if self._closing:
-                        raise EngineStopped(f"{self.worker_id}: closed while {request_id} waited for free KV blocks")
-                    prefetch = self._prefetches.pop(request_id, None)
-                    if prefetch is not None:
-                        prefetch.claim()  # no READ of it starts from now on
-                        break
-                    self._early_aborts.refuse(request_id)  # also an abort that came while it waited
-                    available = self.engine.blocks.num_available
-                    if waiter is None and len(self._room):  # others wait already: in line behind them
-                        waiter = self._room.join(request_id, available)
-                        self.handover_waits += 1
-                    elif waiter is not None and not self._room.is_first(waiter):
-                        if time.monotonic() >= wait_until:
-                            raise NoFreeBlocksError(f"request {request_id}: no free KV blocks in time (waited in line)")
-                        waiter.woken.clear()  # not its turn yet: the one before it wakes it
-                    else:
-                        try:
-                            plan = self.engine.begin_import(
-                                prompt_token_ids, params, request_id, list(handle.block_hashes)
-                            )
-                        except NoFreeBlocksError:
-                            if time.monotonic() >= wait_until:
-                                raise
-                            if waiter is None:
-                                waiter = self._room.join(request_id, available)
-                                self.handover_waits += 1
-                            else:
-                                self._room.failed_again(waiter, available)
-                        else:
-                            self._register(router_id, request_id)
-                            self._importing.add(request_id)
-                            break
-                waiter.woken.wait(max(0.0, wait_until - time.monotonic()))
-        finally:
-            if waiter is not None:
-                waited_s = time.monotonic() - began
-                with self.loop.lock:
-                    self._room.leave(waiter)
-                    self._room.on_tick(self.engine.blocks.num_available)  # the next in line may fit now
+        prefetch, plan, waited_s = self._claim_or_begin_import(
+            prompt_token_ids, params, request_id, handle, router_id, margin
+        )
         try:
             pulled: dict[int, int] = {}
             if prefetch is not None:
@@ -310,6 +264,68 @@ class DecodeWorker:
                     self._cancelled.discard(request_id)
                     self.engine.abort(request_id)
                     self._unregister(request_id)
+
+    def _claim_or_begin_import(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        handle: kv_pb2.KvHandle,
+        router_id: str,
+        margin_s: float,
+    ) -> tuple[Prefetch | None, ImportPlan | None, float]:
+        """Claim the request's prefetch, or begin its import: (prefetch, None) or (None, plan),
+        and the seconds it waited for free blocks. Without room in the KV pool it waits in line
+        (`RoomWaiters`) for as long as the prefill worker's lease leaves time for the READ and at
+        most `handover_wait_s`; then NoFreeBlocksError, and the router tries again."""
+        wait_until = time.monotonic() + min(self.config.handover_wait_s, margin_s - self.config.transfer_timeout_s)
+        began = time.monotonic()
+        waiter: Waiter | None = None
+        try:
+            while True:
+                with self.loop.lock:
+                    self.loop.check()
+                    if self._closing:
+                        raise EngineStopped(f"{self.worker_id}: closed while {request_id} waited for free KV blocks")
+                    prefetch = self._prefetches.pop(request_id, None)
+                    if prefetch is not None:
+                        prefetch.claim()  # no READ of it starts from now on
+                        return prefetch, None, 0.0
+                    self._early_aborts.refuse(request_id)  # also an abort that came while it waited
+                    available = self.engine.blocks.num_available
+                    if waiter is not None and not self._room.is_first(waiter):
+                        if time.monotonic() >= wait_until:
+                            raise NoFreeBlocksError(f"request {request_id}: no free KV blocks in time (waited in line)")
+                        waiter.woken.clear()  # not its turn yet: the one before it wakes it
+                    elif waiter is None and len(self._room):  # others wait already: in line behind them
+                        waiter = self._join_line(request_id, available)
+                    else:
+                        try:
+                            plan = self.engine.begin_import(
+                                prompt_token_ids, params, request_id, list(handle.block_hashes)
+                            )
+                        except NoFreeBlocksError:
+                            if time.monotonic() >= wait_until:
+                                raise
+                            if waiter is None:
+                                waiter = self._join_line(request_id, available)
+                            else:
+                                self._room.failed_again(waiter, available)
+                        else:
+                            self._register(router_id, request_id)
+                            self._importing.add(request_id)
+                            return None, plan, (time.monotonic() - began if waiter is not None else 0.0)
+                waiter.woken.wait(max(0.0, wait_until - time.monotonic()))
+        finally:
+            if waiter is not None:
+                with self.loop.lock:
+                    self._room.leave(waiter)
+                    self._room.on_tick(self.engine.blocks.num_available)  # the next in line may fit now
+
+    def _join_line(self, request_id: str, available: int) -> Waiter:
+        """Under the loop's lock."""
+        self.handover_waits += 1
+        return self._room.join(request_id, available)
 
     def _take_over(
         self,
