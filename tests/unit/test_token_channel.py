@@ -216,3 +216,25 @@ def test_the_invoker_polls_over_the_channel_and_falls_back_to_ray(served: Any) -
     without = _FakeActor(None)  # a worker started with --token-transport ray
     answer = asyncio.run(ray_invoker(without)("poll", 0.1, "r", None))
     assert answer.updates[0].request_id == "over-ray" and len(without.ray_polls) == 1
+
+
+def test_a_request_of_impossible_length_closes_the_connection(served: Any) -> None:
+    import hashlib
+    import hmac
+    import struct
+
+    outbox, server = served
+    info = server.info()
+    with socket.create_connection((info.host, info.port), timeout=2) as s:
+        greeting = s.recv(64)
+        s.sendall(hmac.new(info.key, greeting[len(b"PDTC1"):], hashlib.sha256).digest())
+        s.sendall(struct.pack("!I", 1 << 20))  # a megabyte: no poll request is that long
+        assert s.recv(64) == b""  # closed
+    assert outbox.calls == []
+
+
+def test_an_unknown_token_transport_is_refused() -> None:
+    from pdserve.cluster.config import ServeConfig
+
+    with pytest.raises(ValueError, match="token_transport"):
+        ServeConfig(token_transport="grpc")
