@@ -14,7 +14,14 @@ from types import ModuleType
 
 from pdserve.cluster.pools import PlacementError
 from pdserve.cluster.ports import PortInUseError
-from pdserve.engine.args import ATTENTION_BACKENDS, EngineArgs, engine_options
+from pdserve.engine.args import (
+    ATTENTION_BACKENDS,
+    CPU_LIMITS,
+    LARGE_GPU_LIMITS,
+    SMALL_GPU_LIMITS,
+    EngineArgs,
+    engine_options,
+)
 from router.limits import InputLimits
 
 
@@ -35,11 +42,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-num-seqs", dest="max_num_seqs", type=int, default=unset, metavar="N",
-        help=f"sequences batched per step (default: {d.max_num_seqs})",
+        help=f"sequences batched per step (default: from the device: {CPU_LIMITS.max_num_seqs} on CPU, "
+        f"{LARGE_GPU_LIMITS.max_num_seqs} on a GPU of 70 GiB or more, {SMALL_GPU_LIMITS.max_num_seqs} on a smaller one)",
     )
     p.add_argument(
         "--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=unset, metavar="N",
-        help=f"token budget per step; longer prompts are chunked (default: {d.max_num_batched_tokens})",
+        help=f"token budget per step; longer prompts are chunked (default: from the device: "
+        f"{LARGE_GPU_LIMITS.max_num_batched_tokens} on a GPU of 70 GiB or more, {CPU_LIMITS.max_num_batched_tokens} elsewhere)",
     )
     p.add_argument(
         "--max-model-len", dest="max_model_len", type=int, default=unset, metavar="N",

@@ -8,6 +8,9 @@ from router.membership import MembershipConfig
 from router.policy import PlacementConfig
 
 
+UNCAPPED = 1 << 30  # a count no worker reaches
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     model_id: str
@@ -27,7 +30,11 @@ class RouterConfig:
     # several steps, at the price of a token waiting up to the floor.
     poll_interval_s: float = 0.0
     max_inflight_per_prefill: int = 256
-    max_inflight_per_decode: int = 256
+    # Requests in flight on one decode worker before placement passes it over. By default none: a
+    # decode worker batches what its own limit allows and keeps the rest waiting for a place or
+    # for KV blocks, so its memory bounds it, and `max_queued_requests` bounds what waits for a
+    # first token. A fixed count refused work while the workers' KV memory was largely free.
+    max_inflight_per_decode: int = UNCAPPED
     # Requests each pool may hold admitted but without a token yet (router.admission); more are
     # refused at once with RESOURCE_EXHAUSTED and a retry hint. 0: unbounded.
     max_queued_requests: int = 0

@@ -18,8 +18,10 @@ ATTENTION_BACKENDS = ("auto", "flash", "torch")
 class EngineArgs:
     block_size: int = 16  # tokens per KV block; prefill and decode workers must agree
     num_kv_blocks: int | None = None  # None: sized from free memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # token budget per step; longer prompts are chunked
+    # Sequences batched per step and the token budget of a step (longer prompts are chunked).
+    # None: from the device, as `default_batch_limits` says; an engine always holds numbers.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # Triton decode kernels in the CUDA graphs (pdserve/engine/kernels/decode_kernels.py): split-KV
@@ -36,9 +38,9 @@ class EngineArgs:
             raise ValueError("block_size: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks: must be >= 1")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
@@ -52,6 +54,31 @@ class EngineArgs:
         """The fields named in options (e.g. `vars()` of parsed flags); other keys are ignored and
         a field not named keeps its default."""
         return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+# A GPU of this much memory or more (H100, H200, ...) batches as vLLM's OpenAI server does there.
+LARGE_GPU_BYTES = 70 << 30
+LARGE_GPU_LIMITS = BatchLimits(max_num_seqs=1024, max_num_batched_tokens=8192)
+SMALL_GPU_LIMITS = BatchLimits(max_num_seqs=256, max_num_batched_tokens=2048)
+# A CPU steps a batch in tens of milliseconds: a small batch keeps the inter-token time bounded.
+CPU_LIMITS = BatchLimits(max_num_seqs=64, max_num_batched_tokens=2048)
+
+
+def default_batch_limits(device_type: str, device_memory_bytes: int | None = None) -> BatchLimits:
+    """The batch limits a worker uses where none is set: sized from the device, as vLLM sizes
+    its own (1024 sequences and 8192 tokens a step on a GPU of 70 GiB or more, 256 and 2048 on a
+    smaller one), so a decode worker is limited by its KV memory rather than by a fixed count."""
+    if device_type == "cpu":
+        return CPU_LIMITS
+    if device_memory_bytes is not None and device_memory_bytes >= LARGE_GPU_BYTES:
+        return LARGE_GPU_LIMITS
+    return SMALL_GPU_LIMITS
 
 
 def engine_options(args: EngineArgs) -> dict[str, Any]:

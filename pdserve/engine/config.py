@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from pdserve.engine.args import EngineArgs
+from pdserve.engine.args import EngineArgs, default_batch_limits
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -198,7 +198,7 @@ class EngineConfig(EngineArgs):
     # Launch decode step n+1 before reading step n's tokens back (greedy decode batches only);
     # None: on where decode steps are CUDA graphs, the only place the host's time shows.
     overlap_decode: bool | None = None
-    cuda_graph_max_batch: int = 128
+    cuda_graph_max_batch: int = 512  # decode batches up to this run as CUDA graphs (capped by max_num_seqs)
     # Mixed steps (a prompt chunk beside running decodes): the one-query rows attend through the
     # Triton split-KV decode kernel, the rest through flash-attn (kernels/mixed_attention.py).
     # False (the default): off, since on an H200 it was no faster (docs/benchmarks.md); None: on
@@ -220,3 +220,17 @@ class EngineConfig(EngineArgs):
             raise ValueError("workers_on_host: must be >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be auto or dummy, not {self.load_format!r}")
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            limits = default_batch_limits(torch.device(self.device).type, _device_memory_bytes(self.device))
+            if self.max_num_seqs is None:
+                object.__setattr__(self, "max_num_seqs", limits.max_num_seqs)
+            if self.max_num_batched_tokens is None:
+                object.__setattr__(self, "max_num_batched_tokens", limits.max_num_batched_tokens)
+
+
+def _device_memory_bytes(device: str) -> int | None:
+    """Total memory of a CUDA device, None elsewhere (or where CUDA is not available here)."""
+    d = torch.device(device)
+    if d.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(d.index if d.index is not None else torch.cuda.current_device()).total_memory

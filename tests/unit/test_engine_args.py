@@ -99,3 +99,23 @@ def test_a_workers_engine_config_carries_the_servers_engine_settings(role, tmp_p
     assert (ec.model, ec.device, ec.dtype, ec.role) == (str(tmp_path), "cpu", torch.bfloat16, role)
     assert ec.workers_on_host == 5
     assert ec.detokenize is (role != "decode")  # the router turns decode tokens into text
+
+
+def test_batch_limits_come_from_the_device_when_unset():
+    from pdserve.engine.args import CPU_LIMITS, LARGE_GPU_LIMITS, SMALL_GPU_LIMITS, default_batch_limits
+
+    assert default_batch_limits("cpu") == CPU_LIMITS
+    assert default_batch_limits("cuda", 80 << 30) == LARGE_GPU_LIMITS  # H100 80GB, H200
+    assert default_batch_limits("cuda", 24 << 30) == SMALL_GPU_LIMITS
+    assert default_batch_limits("cuda", None) == SMALL_GPU_LIMITS  # memory unknown: the cautious limits
+    assert LARGE_GPU_LIMITS.max_num_seqs > SMALL_GPU_LIMITS.max_num_seqs > CPU_LIMITS.max_num_seqs
+
+
+def test_an_engine_config_always_holds_numbers():
+    from pdserve.engine.args import CPU_LIMITS
+    from pdserve.engine.config import EngineConfig
+
+    cfg = EngineConfig(model="m", device="cpu")
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (CPU_LIMITS.max_num_seqs, CPU_LIMITS.max_num_batched_tokens)
+    cfg = EngineConfig(model="m", device="cpu", max_num_seqs=3)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (3, CPU_LIMITS.max_num_batched_tokens)

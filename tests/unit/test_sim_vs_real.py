@@ -32,7 +32,7 @@ from pdserve.control.signals import Slo
 from pdserve.control.sim_workers import SimPrefill
 from pdserve.control.simulator import SimConfig
 from pdserve.control.trace import SimRequest, load_trace
-from pdserve.engine.args import EngineArgs
+from pdserve.engine.args import CPU_LIMITS
 
 CPU = load_perf_model("smollm2-135m-cpu")
 WARM = dataclasses.replace(CPU, cold_steps=0, request_s=0.0, request_token_s=0.0)  # no slow first step, no request cost
@@ -191,7 +191,7 @@ def test_queued_short_prompts_share_one_step_in_the_simulator():
     # The first arrival starts a step alone; the nine queued behind it share the next one.
     assert r["ttft_p50_ms"] == r["ttft_p90_ms"] == pytest.approx(1000 * (step(1) + step(9)), rel=1e-3)
     assert r["ttft_p90_ms"] < 1000 * (10 * WARM.prefill_s(100) - 7 * WARM.p0)  # not ten prefills in a row
-    assert SimConfig(workers=2).prefill_step_tokens == EngineArgs().max_num_batched_tokens
+    assert SimConfig(workers=2).prefill_step_tokens == CPU_LIMITS.max_num_batched_tokens  # the engine's default on CPU
 
 
 def test_other_load_must_be_measured_or_cores(capsys):
