@@ -329,7 +329,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_controller_args(p: argparse.ArgumentParser) -> None:
     # The same names and defaults as `pdserve simulate`'s (pdserve.control.cli).
     from pdserve.control.perf_model import DEFAULT_MODEL, builtin_models
-    from pdserve.control.policy import ControllerConfig
+    from pdserve.control.controller_config import ControllerConfig
     from pdserve.control.signals import Slo
 
     slo, interval = Slo(), ControllerConfig.__dataclass_fields__["min_interval_s"].default

@@ -1,5 +1,5 @@
 """The live P:D controller: every interval, read the router's signals, let the pure policy
-(`pdserve.control.policy.Controller`) decide, and start the flip it asks for through the role
+(`pdserve.control.controller.Controller`) decide, and start the flip it asks for through the role
 flipper (the `Actuator`). Every decision that is a flip, or a hold that nearly was one, is
 logged, added as an event to a `pdserve.controller` span, counted in the metrics and kept (the
 last `history`) for `Admin.GetController`.
@@ -28,7 +28,7 @@ from opentelemetry import trace
 from pdserve.control.actuator import Actuator
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.perf_model import DEFAULT_MODEL
-from pdserve.control.policy import Controller
+from pdserve.control.controller import Controller
 from pdserve.control.signals import Decision, Role, Signals
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2

@@ -1,5 +1,5 @@
 """Worker actors added and removed for the P:D controller (`pdserve serve --controller
---max-workers N`). Mechanism only: the policy (`pdserve.control.policy.Controller`) decides
+--max-workers N`). Mechanism only: the policy (`pdserve.control.controller.Controller`) decides
 when and where; this starts and stops actors.
 
 - An add starts an actor only where Ray reports the free resources for it

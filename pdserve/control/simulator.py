@@ -1,7 +1,7 @@
 """Discrete-event simulator of a disaggregated cluster: the router's own placement objects
 (`router.policy.PrefillPolicy`, `DecodePolicy`) place every request, simulated workers
 (`sim_workers`) take their times from a `PerfModel`, and with a controller the very policy
-the live cluster will run (`pdserve.control.policy.Controller`) decides the split, through an
+the live cluster will run (`pdserve.control.controller.Controller`) decides the split, through an
 `Actuator` that drains, flips and rejoins workers as the flip protocol does.
 """
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.perf_model import PerfModel
-from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.controller import Controller
+from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.results import RequestTimes, SimResult, summarize
 from pdserve.control.signals import Decision, Role, Signals, Slo
 from pdserve.control.sim_workers import SimDecode, SimPrefill

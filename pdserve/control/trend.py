@@ -1,5 +1,5 @@
 """A line fitted to recent samples of a few rates, and how far its trend stands out of the
-scatter around it. The policy's lead (`Controller.ahead`) takes from it only a trend that a line
+scatter around it. The policy's lead (`RateLead.ahead`) takes from it only a trend that a line
 describes well: a smooth swing does, a step, a burst or noise does not."""
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from pdserve.cluster.control_loop import ControlLoop, Reading, default_perf_mode
 from pdserve.cluster.control_plane import ClusterControl
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.perf_model import DEFAULT_MODEL, load_perf_model
-from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.controller import Controller
+from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Role, Signals, Slo
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb

@@ -12,7 +12,8 @@ from pdserve.cluster.control_loop import ControlLoop, Reading
 from pdserve.cluster.scaler import ScaleChange, room_for
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.perf_model import load_perf_model
-from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.controller import Controller
+from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Role, Signals, Slo
 from pdserve.telemetry.metrics import RouterMetrics
 

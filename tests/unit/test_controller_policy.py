@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from pdserve.control.capacity import CapacityConfig, CapacityModel
-from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.controller import Controller
+from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Role, Slo
 from tests.unit.controller_load import MODEL, PROMPT, signals
 
@@ -205,7 +206,7 @@ def test_a_measured_burst_length_stops_moves_late_in_the_next_burst():
 
 def test_a_move_pays_only_over_a_rest_longer_than_its_flip():
     ctrl = controller_with(8, flip_s=10.0)
-    from pdserve.control.policy import Loads
+    from pdserve.control.split_loads import Loads
 
     now, after = Loads(2.0, 0.3), Loads(1.0, 0.6)
     assert not ctrl.pays(10.0, now, after, Role.DECODE)  # over before the flip is done

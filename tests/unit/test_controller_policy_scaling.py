@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 
 from pdserve.cli import main
-from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.controller import Controller
+from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Role, Slo
 from pdserve.control.simulator import SimConfig, simulate
 from pdserve.control.trace import SimRequest

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.controller import Controller
+from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Role, Slo
 from tests.unit.controller_load import MODEL, signals
 

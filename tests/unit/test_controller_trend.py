@@ -1,12 +1,13 @@
 """The trend term of the controller's lead: a line fitted to the arrival rates of the last
 `trend_span_s`, which moves them on by the half window their means lag, less the scatter around
-the line (pdserve/control/trend.py, `Controller.ahead`)."""
+the line (pdserve/control/trend.py, `RateLead.ahead`)."""
 
 from __future__ import annotations
 
 import random
 
-from pdserve.control.policy import Controller, ControllerConfig
+from pdserve.control.controller import Controller
+from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Role, Slo
 from pdserve.control.trend import RateTrend, fit_line
 from tests.unit.controller_load import MODEL, signals
