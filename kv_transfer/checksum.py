@@ -1,21 +1,11 @@
 """Per-block checksums of KV blocks: the producer's, carried in the `KvHandle`, against the
-consumer's over the blocks a READ wrote, so that a request never decodes from KV that did not
-arrive as it was sent.
+consumer's over the blocks a READ wrote, so a request never decodes from KV that did not arrive
+as it was sent.
 
-A block's bytes are read as int64 words and cut into rows of up to 64 words (512 bytes); the
-checksum is ``sum_r (2r + 1) * rowsum_r`` modulo 2^64. Every weight is odd, so a change of any
-one word (a flipped byte, or any bytes within one aligned 8-byte word) changes it: ``delta * odd``
-is never 0 modulo 2^64 for a non-zero ``delta``. Rows weigh differently, so data moved between
-rows (a block shifted, halves swapped) changes it too; an all-zero block sums to 0, a stale
-block to its own old sum. It is an integrity check against faults (words swapped within one
-row go unseen), not a defence against someone forging blocks.
-
-Integer sums modulo 2^64 do not depend on the order of the additions, so the reduction gives
-the same result on any device, with any number of threads: a GPU producer and a CPU check agree.
-It runs on the pool's device as one pass over the blocks (row sums over contiguous memory, then
-a pass over the rows' sums, 1/64 of the data), and only one int64 per block comes back to the
-host. Consecutive block ids are taken as one slice of the pool (a view, no gather).
-"""
+A block is read as int64 words in rows of up to 64; the checksum is ``sum_r (2r + 1) * rowsum_r``
+modulo 2^64. Odd weights catch any one changed word, distinct weights data moved between rows;
+integer sums are order-free, so GPU and CPU agree. A fault check, not a defence against forgery.
+docs/kv-transfer.md, "Block checksums"."""
 
 from __future__ import annotations
 

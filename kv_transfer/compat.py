@@ -22,6 +22,9 @@ class KvCompatError(ValueError):
 
 @dataclass(frozen=True)
 class KvLayout:
+    """Everything two workers' KV pools must share for a block to mean the same on both; its
+    `compat_hash` travels in every `KvAgentInfo` and `KvHandle`."""
+
     model: str  # a fingerprint of the weights' identity (name + config), not a path
     dtype: str
     num_layers: int

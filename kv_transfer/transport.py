@@ -15,6 +15,8 @@ class KvTransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class TransferStats:
+    """What one READ moved: blocks, bytes and descriptors, and how long it took."""
+
     num_blocks: int
     num_bytes: int
     num_descriptors: int
@@ -26,6 +28,10 @@ class TransferStats:
 
 
 class KvTransport(Protocol):
+    """One worker's end of the KV data path: it describes its pool (`info`), connects to peers of
+    the same layout, READs a peer's blocks into its own with a notice to the producer, and drains
+    the notices sent to it."""
+
     worker_id: str
     name: str  # this end's agent name, the one a KvHandle names
     compat_hash: str  # of this end's KV layout (kv_transfer.compat)

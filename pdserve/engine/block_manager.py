@@ -1,17 +1,10 @@
 """Paged-KV block bookkeeping: reference counts, the prefix cache and LRU reuse.
 
-Every block is in exactly one state:
-  * in use   - ref_count > 0 (owned by one or more sequences, or pinned for a transfer),
-  * cached   - ref_count == 0 but holds a registered full-block hash, reusable by a prefix hit,
-  * free     - ref_count == 0 and no hash.
-Allocation takes free blocks first and only then evicts cached ones, least recently used first,
-so a freed prompt stays reusable for as long as memory allows. Which free blocks it takes is the
-free list's policy (`pdserve.engine.free_blocks`): runs of consecutive ids where it can, so a
-sequence's KV moves between workers in few transfer descriptors.
-
-With events enabled, every hash that enters or leaves the prefix cache is recorded so a router
-can keep an index of which worker holds which prefix (`KvEventLog`).
-"""
+A block is in use (ref_count > 0), cached (ref_count 0, a registered full-block hash, reusable by
+a prefix hit) or free. Allocation takes free blocks first, as runs of consecutive ids
+(`pdserve.engine.free_blocks`), then evicts cached ones least recently used first. With events
+on, every hash entering or leaving the cache is recorded for the router's prefix index
+(`KvEventLog`). docs/engine.md, "Block states and the prefix cache"."""
 
 from __future__ import annotations
 

@@ -56,6 +56,10 @@ class _InFlight:
 
 
 class LLMEngine:
+    """One model on one device, stepped: `add_request`, `step`, `abort`, and the P/D hand-over
+    (`pinned_kv`, `begin_import`, `commit_import`, `release`). Every worker and the offline `LLM`
+    run one; it takes no lock of its own (workers share it through `EngineLoop`'s lock)."""
+
     def __init__(self, cfg: EngineConfig) -> None:
         model_dir = Path(cfg.model)
         self.model_config = ModelConfig.from_dir(model_dir)

@@ -1,15 +1,10 @@
 """Runs scheduled batches on the device: owns the model, the KV pool and the CUDA graphs.
 
 Input preparation, the forward pass, sampling, and greedy decode steps launched without waiting
-for them; the graphs themselves are captured and replayed by `cuda_graphs`.
-
-KV pool layout: one tensor ``[num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim]``.
-Block-major, so all of a block's K and V for every layer are one contiguous span: a run of
-consecutive block ids is one contiguous region, and moving a prompt's KV between workers takes
-a few large descriptors instead of one per layer. The attention kernels read per-layer
-views of it with a block stride. The extra last block is scratch space for padded rows of
-CUDA-graph batches; the block manager never hands it out.
-"""
+for them; `cuda_graphs` captures and replays the graphs. The KV pool is one block-major tensor
+``[num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim]``, so a run of consecutive
+blocks is one contiguous region for a transfer; the extra last block is scratch for padded
+graph rows. docs/engine.md, "KV pool layout, and why"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """Continuous batching with a token budget, chunked prefill and preemption by recompute.
 
-Each step the scheduler gives every running sequence its next tokens first (one for a decode,
-the next chunk for a prompt still being prefilled), preempting the newest running sequences when
-KV blocks run out, and then admits waiting sequences while the token budget, the sequence limit
-and the free blocks allow. A prompt longer than the remaining budget is prefilled in chunks over
-several steps.
-
-Roles: ``both`` runs prompts to completion; ``prefill`` stops every sequence after its first token
-and keeps its KV blocks pinned until ``release_pinned``; ``decode`` also takes sequences whose
-prompt KV arrives from elsewhere (``begin_import`` allocates the blocks, matching its own prefix
-cache first, ``commit_import`` puts the sequence into the running batch, or, while the batch
-holds ``max_num_seqs`` sequences, into ``ready``, from which it joins as soon as a place frees:
-a step never runs more than ``max_num_seqs`` sequences). Every role recomputes after a preemption.
-"""
+Each step gives every running sequence its next tokens first (preempting the newest when blocks
+run out), then admits waiting ones while the budget, `max_num_seqs` and the free blocks allow.
+Roles: ``both`` runs prompts to completion; ``prefill`` stops after the first token and keeps the
+blocks pinned until ``release_pinned``; ``decode`` also takes imported sequences
+(``begin_import``, ``commit_import``; an import that finds the batch full waits in ``ready``).
+docs/engine.md, "Scheduling"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """Piecewise CUDA graphs of prefill and mixed steps: everything but attention, by token count.
 
-A prefill or mixed step (a prompt chunk beside running decodes) of a small model spends far
-longer on the host than on the device: a few hundred kernel launches through Python and the
-compiled regions' guards. Decode steps are whole graphs (`cuda_graphs`); these steps are not,
-because flash-attn's varlen attention takes the step's lengths as host integers. So the model is
-cut at each attention call, as vLLM's piecewise graphs do: per token bucket, L + 1 pieces
-(embedding and layer 0's projection; layer i-1's tail and layer i's projection; the last
-layer's tail and the final norm), each recorded over static buffers, with attention run eagerly
-between them on the step's real tokens only.
-
-A step of T tokens pads up to the next bucket. Padded rows read token 0 at position 0, write
-their K/V to the pool's scratch block, and are dropped; the real rows' matmuls are row-for-row
-those of an eager step (the library may pick another kernel for the padded row count, so on a
-GPU the values can differ in the last bits, as between batch sizes anywhere).
-
-`capture=False` keeps the pieces as plain calls over the same buffers, which is how the CPU
-tests check the cutting and padding against the whole-model forward.
-"""
+flash-attn's varlen call takes the step's lengths as host integers, so a prefill or mixed step
+cannot be one graph. The model is cut at each attention call: per token bucket, L + 1 pieces are
+recorded over static buffers and attention runs eagerly between them on the real tokens. A step
+pads to its bucket (padded rows write to the scratch block and are dropped). `capture=False`
+keeps the pieces as plain calls, which is how the CPU tests check the cutting.
+docs/engine.md, "Attention backends" and "Piecewise graphs: padding"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Convert a llama-architecture GGUF file into a Hugging Face-style model directory.
 
-The output directory holds ``config.json`` (``LlamaForCausalLM``), ``model.safetensors``
-(float32, HF tensor names), ``generation_config.json`` and, when the GGUF carries a
-tokenizer, ``tokenizer.json`` / ``tokenizer_config.json`` / ``special_tokens_map.json``.
-
-Weights are dequantized to float32: every GGUF block format (Q4_1, Q8_0, ...) decodes
-exactly into float32, and bf16 would round the decoded values a second time.
-
-llama.cpp's ``convert_hf_to_gguf.py`` reorders the rows of ``q_proj``/``k_proj`` so
-that each head's rotary pairs are interleaved (GPT-J rope layout)::
-
-    w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-HF's Llama applies rope with ``rotate_half`` (pairs split into two halves), so the
-converter applies the inverse reorder (see ``gguf_weights.unpermute_rope``).
-
-The work is split by job: ``gguf_fields`` reads the file's metadata and shape, ``gguf_weights``
-writes the tensors, ``gguf_tokenizer`` the tokenizer files; this module writes the config and
-puts the directory in place.
-"""
+Writes ``config.json`` (``LlamaForCausalLM``), ``model.safetensors`` (float32: every GGUF block
+format decodes exactly into float32), ``generation_config.json`` and the tokenizer files when
+the GGUF carries a tokenizer, and puts the directory in place. llama.cpp interleaves each head's
+rotary pairs in ``q_proj``/``k_proj``; ``gguf_weights.unpermute_rope`` undoes it. The metadata is
+``gguf_fields``', the tensors ``gguf_weights``', the tokenizer ``gguf_tokenizer``'s.
+docs/engine.md, "GGUF conversion"."""
 
 from __future__ import annotations
 

@@ -1,44 +1,11 @@
 """Triton kernels for decode steps in CUDA graphs (CUDA only; `EngineConfig.triton_decode_kernels`).
 
-At batch 1 a decode step reads every weight once and does almost no arithmetic. Its time is
-the weight bytes over memory bandwidth, plus whatever the step spends between and around its
-kernels. Through cuBLAS, flash-attn and the compiled elementwise chains a layer is about ten
-kernels. Each launch, ramp-up and tail costs a few microseconds in which the memory bus sits
-idle, and for a 1B model that adds up to as much time again as the weights take. These
-kernels cut a layer to five (six when attention splits), and each one starts while the
-previous one drains:
-
-- `gemv` multiplies one row by a weight matrix and can fold the layer's elementwise chains
-  into its prologue:
-  - the residual add and RMSNorm before the q/k/v and the gate/up projections;
-  - SiLU(gate) * up before the down projection.
-
-  Each program owns a few output features. Where N gives too few programs, K is split: the
-  last program of an output tile to arrive adds up the float32 partials. The arrival counters
-  it counts on must outlive every graph that uses them (`split_counters`). As the LM head it
-  also writes each program's best logit and index, and `_argmax_tiles_kernel` picks the
-  greedy token among them.
-- `decode_attention` is paged decode attention split over the context, followed by a small
-  kernel that merges the splits. flash-attn-4 has no split-KV on Hopper: it runs one program
-  per sequence and KV head, which is 8 programs for a 1B model at batch 1. At batch 1 the
-  attention kernel also applies RoPE to q and the new key and writes the key and value into
-  the cache (`RopeInputs`); it then loads its first cached keys and values before the grid
-  dependency (an earlier step wrote them) and takes the new token's from registers.
-- Programmatic dependent launch (batch 1). Each kernel is launched so that it may start
-  before the previous kernel has finished:
-  - it first loads only what no earlier kernel of the step writes (weights; for attention,
-    the keys and values earlier steps cached);
-  - it then waits on the grid dependency (`gdc_wait`) before it reads activations or writes
-    anything, so it never reads a stale input nor overwrites a buffer an earlier kernel
-    still reads;
-  - every kernel waits unconditionally, which makes the ordering transitive down the chain.
-
-  CUDA graphs record the dependency as a programmatic edge.
-
-Arithmetic follows the reference order: the residual add rounds to the activation dtype,
-RMSNorm runs in float32 and rounds before its weight multiply, SiLU rounds before the
-multiply by `up`; products accumulate in float32 and round once at the store.
-"""
+`gemv` multiplies one row by a weight matrix with the residual add and RMSNorm, or SiLU(gate)*up,
+folded into its prologue, splits K where N gives too few programs, and as the LM head also picks
+the greedy token. `decode_attention` is paged decode attention split over the context (RoPE and
+the cache write inside at batch 1), merged by a small kernel. At batch 1 each kernel is launched
+as a programmatic dependent of the one before: it loads weights first and waits on the grid
+dependency before it touches activations. Why and how: docs/engine.md, "Batch-1 decode kernels"."""
 
 from __future__ import annotations
 

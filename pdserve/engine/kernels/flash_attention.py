@@ -1,38 +1,11 @@
 """flash-attn backend over the paged KV pool (CUDA only).
 
-Prefers flash-attn-4 (`flash_attn.cute.flash_attn_varlen_func`, the CuTe-DSL kernels that run on
-Hopper and Blackwell); falls back to the classic `flash_attn` package (FA2) when only that is
-installed. Importing this module raises ImportError when neither imports, which is what
-`backends.flash_available()` checks.
-
-One call per layer and step covers prefill, chunked prefill over a cached prefix and decode:
-queries are packed varlen (`cu_seqlens_q`), keys/values are read from the paged cache through
-`page_table` (= the block tables) up to `seqused_k` (= the context lengths), and the causal mask
-is aligned bottom-right, so query j of a sequence with q_len queries and k_len keys sees keys
-0 .. k_len - q_len + j.
-
-Cache layout. The pool is block-major, ``[num_blocks + 1, num_layers, 2, block_size, kv_heads,
-head_dim]``, and a layer's K (or V) is the strided view ``pool[:, layer, 0]``: shape
-``[num_blocks + 1, block_size, kv_heads, head_dim]`` with the last three dims contiguous and a
-block stride of ``num_layers * 2 * block_size * kv_heads * head_dim``. flash-attn-4 takes it as
-is: its inputs only need a unit last stride and every other stride (and the base pointer)
-16-byte aligned (`cute_dsl_utils._is_aligned_layout`); the layout is passed to the kernel as
-dynamic strides, so no copy is made. A view that broke that rule would be copied whole
-(`.contiguous()`) by flash-attn-4 on every call, which is correct but slow; we check the rule
-here once per cache view and warn loudly instead of letting that happen silently.
-
-Page size. Any block size works (the GPU tests use 16 and 128). With block_size equal to the
-kernel's key tile (128 for head_dim <= 128 on Hopper) pages are loaded by TMA, whole: rows past
-a sequence's length in its last page are read and masked, so they must hold finite values (a
-NaN there would leak through P = 0 times NaN). The pool starts zeroed and only ever receives
-K/V values, so this holds unless the model itself produced NaNs.
-
-CUDA graphs. Decode steps (max_query_len == 1) are captured by the runner. Nothing in the call
-syncs with the host: the kernel is compiled on the warm-up call before capture (the compile key
-does not depend on the batch size or the lengths), lengths and tables are device tensors, and
-`max_seqlen_q` / `max_seqlen_k` are host integers that bound every replay (the runner passes
-max_model_len as max_seq_len for captured graphs).
-"""
+Prefers flash-attn-4 (the CuTe-DSL kernels), falls back to the classic `flash_attn` (FA2);
+importing this module raises ImportError when neither imports (`backends.flash_available()`).
+One varlen call per layer and step covers prefill, chunked prefill and decode, reading K/V
+through `page_table` up to `seqused_k`. The pool's strided per-layer views are passed as they
+are (checked once per view for flash-attn-4's alignment rule), and nothing in the call syncs with
+the host, so decode steps can be graphed. docs/engine.md, "flash-attn over the paged pool"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """Mixed steps with their decodes attending apart (`EngineConfig.mixed_decode_attention`).
 
-A mixed step (a prompt chunk beside running decodes) attends in one varlen flash-attn call, in
-which each one-query decode row still takes a whole query tile per sequence and head. This
-backend splits such a step: the rows of the sequences with one query go to a decode kernel
-(the Triton split-KV kernel on CUDA), the rest to the wrapped backend, and both write into one
-output in the step's row order. Decode steps and prefill steps (no row, or every row, of one
-query) go to the wrapped backend unchanged.
-
-The split is planned on the host from the step's query lengths (`row_split`), once per step: the
-metadata object is shared by all layers, so the plan and its device views are kept until a
-step with other metadata comes. Contiguous groups are views of the step's tensors; scattered
-ones are gathered with index tensors copied from pinned memory without waiting. Nothing syncs
-with the host. A mixed step's attention runs eagerly between the graph pieces of
-`step_graphs`, never inside a captured graph.
-"""
+A mixed step (a prompt chunk beside running decodes) is split: the one-query rows go to a decode
+kernel (the Triton split-KV kernel on CUDA), the rest to the wrapped backend, both writing into
+one output in the step's row order; decode-only and prefill-only steps pass through unchanged.
+The split is planned once per step from the host query lengths (`row_split`) and nothing syncs
+with the host. docs/engine.md, "Attention backends"."""
 
 from __future__ import annotations
 

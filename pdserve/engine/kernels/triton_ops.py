@@ -1,17 +1,10 @@
-"""RoPE and the KV-cache write in one Triton kernel (CUDA only).
+"""RoPE and the KV-cache write in one Triton kernel, and SiLU(gate)*up (CUDA only).
 
-A decode layer otherwise launches three kernels here: the compiled RoPE chain, then one
-`index_put` each for K and V into the paged pool. At batch 1 each is a few microseconds of
-launch and ramp-up for almost no data, 3 × 16-32 layers per step. `torch.compile` cannot fuse
-the write: the cache is a strided view of the block-major pool, and a compiled in-place write
-to it copies the whole view. This kernel rotates each token's query heads into a new tensor,
-rotates its key heads straight into the token's slot of the pool and copies its value heads
-there; one program per token for its query heads and one for its key/value heads.
-
-Arithmetic as the compiled chain does it: inputs and the cos/sin values rounded to the
-activation dtype (as the reference's `.to(q.dtype)`), products and sums in float32, one
-rounding at the store.
-"""
+One program per token rotates its query heads into a new tensor and its key heads straight into
+the token's slot of the paged pool, and copies its value heads there: three launches a layer
+become one, and `torch.compile` cannot fuse a write into the pool's strided view without copying
+it. Arithmetic as the compiled chain does it (inputs rounded to the activation dtype, float32
+math, one rounding at the store). docs/engine.md, "RoPE and the KV-cache write"."""
 
 from __future__ import annotations
 

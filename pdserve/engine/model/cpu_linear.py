@@ -1,15 +1,10 @@
 """Linear layers for CPU engines with their weights prepacked for oneDNN.
 
-`torch.nn.functional.linear` on CPU goes to an sgemm whose small-batch path is slow: a decode
-step's matmuls (1-8 rows) read their weights at a fraction of the memory bandwidth, which
-oneDNN's matmul on weights reordered once into its blocked layout reaches
-(`bench/engine.py --device cpu`; docs/benchmarks.md). Decode is a stream of weight reads, so
-that ratio is the step time.
-
-`pack_linears` swaps every `nn.Linear` of a loaded model (and the LM head, tied or not) for a
-`PackedLinear` holding the reordered weight. The arithmetic is the same matmul in float32
-accumulation, but a different kernel: results differ from sgemm's in the last bits.
-"""
+`F.linear` on CPU reads a decode step's small-batch weights at a fraction of memory bandwidth;
+oneDNN's matmul on weights reordered once into its blocked layout reaches it, and decode is a
+stream of weight reads (docs/benchmarks.md, "Engine (CPU)"). `pack_linears` swaps every
+`nn.Linear` (and the LM head) for a `PackedLinear`: the same float32-accumulated matmul, another
+kernel, so results differ from sgemm's in the last bits."""
 
 from __future__ import annotations
 
