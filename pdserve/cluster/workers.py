@@ -15,7 +15,6 @@ from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import KvLayout, model_fingerprint
 from kv_transfer.transport import KvTransport
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.worker_host import WorkerHost
 from pdserve.engine.args import engine_options
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
@@ -101,21 +100,6 @@ def build_decode(
     if wrap_transport is not None:
         transport = wrap_transport(transport)
     return DecodeWorker(worker_id, engine, transport, decode_config(cfg), tracer)
-
-
-def build_host(
-    role: str,
-    worker_id: str,
-    cfg: ServeConfig,
-    tracer: trace.Tracer | None = None,
-    wrap_transport: WrapTransport | None = None,
-) -> WorkerHost:
-    """A worker of `role` in a host that can flip it to the other role in place."""
-    if role not in ("prefill", "decode"):
-        raise ValueError(f"role: {role!r} is neither prefill nor decode")
-    build = build_prefill if role == "prefill" else build_decode
-    worker = build(worker_id, cfg, tracer, wrap_transport)
-    return WorkerHost(worker, role, prefill_config(cfg), decode_config(cfg), tracer)  # type: ignore[arg-type]
 
 
 def prefill_config(cfg: ServeConfig) -> PrefillConfig:
