@@ -26,9 +26,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.controller_traces import generate
-from pdserve.control.cli import plan
 from pdserve.control.perf_model import PerfModel, load_perf_model
 from pdserve.control.signals import Slo
+from pdserve.control.sim_commands import plan
 from pdserve.control.trace import load_trace
 
 

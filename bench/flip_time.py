@@ -31,8 +31,8 @@ if __package__ in (None, ""):
 
 import grpc  # noqa: E402
 
-from pdserve.cluster.config import ServeConfig  # noqa: E402
 from pdserve.cluster.serve import Cluster  # noqa: E402
+from pdserve.cluster.serve_config import ServeConfig  # noqa: E402
 from pdserve.engine.args import EngineArgs  # noqa: E402
 from pdserve_proto import inference_pb2 as pb  # noqa: E402
 from pdserve_proto import inference_pb2_grpc as pbg  # noqa: E402

@@ -35,8 +35,8 @@ if __package__ in (None, ""):
 import grpc
 
 from bench.report import cpu_name, markdown_table, write_json
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg

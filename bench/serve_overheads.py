@@ -284,8 +284,8 @@ async def serve_all(args: argparse.Namespace) -> tuple[list[Served], list[tuple[
     from bench.engine import decode_steps, prefill_time
     from bench.serve import served_model
     from pdserve import LLM
-    from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
 
     torch.set_num_threads(1)  # the baseline engine runs as a cluster worker does here
     llm = LLM(None, device="cpu")

@@ -263,8 +263,8 @@ async def replay(
 
 async def real_runs(reqs: Sequence[SimRequest], split: tuple[int, int], args: argparse.Namespace) -> dict:
     from bench.serve import served_model
-    from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.cluster.workers import cpu_threads_per_worker
 
     cfg = ServeConfig(

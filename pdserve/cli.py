@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from pdserve.cluster.pools import PlacementError
+from pdserve.cluster.node_pools import PlacementError
 from pdserve.cluster.ports import PortInUseError
 from pdserve.engine.args import (
     ATTENTION_BACKENDS,
@@ -327,9 +327,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_controller_args(p: argparse.ArgumentParser) -> None:
-    # The same names and defaults as `pdserve simulate`'s (pdserve.control.cli).
-    from pdserve.control.perf_model import DEFAULT_MODEL, builtin_models
+    # The same names and defaults as `pdserve simulate`'s (pdserve.control.sim_commands).
     from pdserve.control.controller_config import ControllerConfig
+    from pdserve.control.perf_model import DEFAULT_MODEL, builtin_models
     from pdserve.control.signals import Slo
 
     slo, interval = Slo(), ControllerConfig.__dataclass_fields__["min_interval_s"].default
@@ -365,7 +365,7 @@ def _add_controller_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_control_parsers(sub: argparse._SubParsersAction) -> None:
-    from pdserve.control import cli as control
+    from pdserve.control import sim_commands as control
 
     sim = sub.add_parser(
         "simulate",
@@ -452,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return route_forever(args)
         if args.command in ("simulate", "plan"):
-            from pdserve.control import cli as control
+            from pdserve.control import sim_commands as control
 
             return control.run_simulate(args) if args.command == "simulate" else control.run_plan(args)
         if args.command == "bench":

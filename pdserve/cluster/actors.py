@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.token_channel import ChannelInfo, ChannelUnavailable, TokenChannelClient, TokenChannelServer
 from pdserve.cluster.worker_client import Invoker, WorkerUnreachable
 from pdserve.cluster.worker_host import Role, WorkerHost

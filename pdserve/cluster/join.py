@@ -29,11 +29,11 @@ import ray
 from aiohttp import web
 
 from pdserve.cluster.actors import ray_invoker
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.ports import check_ports
-from pdserve.cluster.progress import Progress, quiet
 from pdserve.cluster.serve import NAMESPACE, start_edge
+from pdserve.cluster.serve_config import ServeConfig
+from pdserve.cluster.startup_lines import Progress, quiet
 from pdserve.cluster.worker_client import WorkerClient, new_router_id
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.telemetry.endpoint import unanswered_warning

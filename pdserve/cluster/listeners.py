@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 
 LOOPBACK_DEVICE = "lo"
 

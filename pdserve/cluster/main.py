@@ -10,9 +10,9 @@ import signal
 import sys
 from typing import Any
 
-from pdserve.cluster.config import ControllerSettings, ServeConfig
 from pdserve.cluster.listeners import listener_lines
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.telemetry.cluster_collector import ClusterCollector
 from pdserve.telemetry.http import MetricsServer
 from pdserve.telemetry.metrics import RouterMetrics

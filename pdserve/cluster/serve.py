@@ -17,15 +17,15 @@ import ray
 from aiohttp import web
 
 from pdserve.cluster.actors import ray_invoker, remote_class
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.control_plane import ClusterControl, build_control_loop
+from pdserve.cluster.admin_control import ClusterControl, build_control_loop
 from pdserve.cluster.listeners import kv_net_devices
+from pdserve.cluster.node_pools import PlacementError, actor_resources, cluster_nodes, unplaceable
 from pdserve.cluster.observability import RouterTelemetry
-from pdserve.cluster.pools import PlacementError, actor_resources, cluster_nodes, unplaceable
 from pdserve.cluster.ports import PortInUseError, check_ports
-from pdserve.cluster.progress import Progress, quiet, worker_ready_line, workers_line
 from pdserve.cluster.role_flip import FlipConfig, RoleFlipper
 from pdserve.cluster.scaler import WorkerScaler
+from pdserve.cluster.serve_config import ServeConfig
+from pdserve.cluster.startup_lines import Progress, quiet, worker_ready_line, workers_line
 from pdserve.cluster.worker_client import WorkerClient, new_router_id
 from pdserve.cluster.workers import cpu_threads_per_worker
 from pdserve.engine.config import ModelConfig

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdserve.cluster.pools import POOLS, pool_resource
+from pdserve.cluster.node_pools import POOLS, pool_resource
 
 NAMESPACE = "pdserve"  # as pdserve.cluster.serve names it; not imported: that module loads the router
 

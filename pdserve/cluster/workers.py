@@ -14,7 +14,7 @@ from decode_worker.worker import DecodeConfig, DecodeWorker
 from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import KvLayout, model_fingerprint
 from kv_transfer.transport import KvTransport
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import engine_options
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine

@@ -210,7 +210,7 @@ class InProcessCluster:
 
 @contextlib.contextmanager
 def _in_process_clusters(loop_thread: LoopThread, model_dir: Any) -> Iterator[Callable[..., InProcessCluster]]:
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
     built: list[InProcessCluster] = []
@@ -293,8 +293,8 @@ def model_dir() -> Any:
 # test module that asks for it: modules that need another shape define their own `cluster`.
 @pytest.fixture(scope="module")
 def cluster(loop_thread: LoopThread) -> Iterator[Any]:
-    from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
     cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, engine=EngineArgs(num_kv_blocks=384))

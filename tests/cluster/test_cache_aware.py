@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb

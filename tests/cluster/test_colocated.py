@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import SamplingParams
-from pdserve.cluster.config import ControllerSettings, ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig

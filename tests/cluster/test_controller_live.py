@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve.cluster.config import ControllerSettings
-from pdserve.cluster.control_plane import ClusterControl, build_control_loop
+from pdserve.cluster.admin_control import ClusterControl, build_control_loop
+from pdserve.cluster.serve_config import ControllerSettings
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
 from pdserve_proto import inference_pb2 as pb

@@ -20,9 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import SamplingParams
-from pdserve.cluster.config import ControllerSettings, ServeConfig
 from pdserve.cluster.control_loop import CPU_MODEL
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Role, Slo
 from pdserve.engine.args import EngineArgs

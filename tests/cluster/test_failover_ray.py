@@ -20,9 +20,9 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def cluster(loop_thread: Any) -> Iterator[Any]:
-    from pdserve.cluster.config import ServeConfig
-    from pdserve.engine.args import EngineArgs
     from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.engine.args import EngineArgs
 
     cfg = ServeConfig(device="cpu", dtype="float32", port=0, num_decode=2, engine=EngineArgs(num_kv_blocks=256))
     c = loop_thread.run(Cluster.start(cfg))

@@ -12,7 +12,7 @@ import pytest
 
 from kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb

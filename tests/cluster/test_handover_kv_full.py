@@ -34,7 +34,7 @@ def expected(model_dir: Any) -> list[list[int]]:
 
 
 def test_hand_overs_wait_for_a_full_decode_pool_and_every_request_is_exact(start_in_process, model_dir, expected, wait_until):
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=BLOCKS))
@@ -65,7 +65,7 @@ def test_requests_cancelled_while_waiting_in_line_free_everything(start_in_proce
     """Clients that give up while their hand-overs wait in line for blocks: their requests end
     (on the decode worker too: the router lets the hand-over land, then aborts it), the others
     still get exactly the offline tokens, and every block of both workers is free afterwards."""
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=BLOCKS))

@@ -14,7 +14,7 @@ import pytest
 
 from kv_transfer.checksum import block_checksums
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
 from pdserve_proto import inference_pb2 as pb

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.workers import build_prefill
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.sampling_params import SamplingParams

@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import SamplingParams
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.role_flip import FlipInFlight, FlipRefused
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
 from tests.cluster.greedy_streams import greedy_stream, greedy_streams

@@ -36,8 +36,8 @@ ROUTER_LEASE_S = 15.0  # the default
 
 @pytest.fixture(scope="module")
 def cluster(loop_thread: Any) -> Iterator[Any]:
-    from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
     cfg = ServeConfig(
@@ -165,7 +165,7 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_that_stops_polling(mode
     """In process, on a fake clock: the real engine's blocks come back when the lease runs out,
     another router's request goes on, and the late router finds its request aborted."""
     from decode_worker.worker import DecodeConfig, DecodeWorker
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.cluster.workers import build_agent, build_engine
     from pdserve.engine.args import EngineArgs
 
@@ -210,7 +210,7 @@ def test_each_router_sees_every_kv_event_of_a_shared_worker(model_dir: Any):
     (with one shared event log, the second got an empty batch numbered as if nothing had
     happened, and never learnt of the prompt)."""
     from decode_worker.worker import DecodeConfig, DecodeWorker
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.cluster.workers import build_agent, build_engine
     from pdserve.engine.args import EngineArgs
     from pdserve.engine.hashing import block_hashes

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.worker_client import WorkerClient, WorkerUnreachable, local_invoker, new_router_id
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs

@@ -17,8 +17,8 @@ import grpc
 import ray
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg

@@ -31,9 +31,9 @@ CONFIG = LLAMA_1024
 async def _scenario(model_dir: str) -> tuple[list[int], list]:
     import grpc
 
-    from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.scaler import ScaleConfig, WorkerScaler, ray_free, room_for
     from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
     from pdserve.control.signals import Role
     from pdserve_proto import inference_pb2 as pb
     from pdserve_proto import inference_pb2_grpc as pbg

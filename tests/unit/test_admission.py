@@ -56,8 +56,8 @@ def test_a_negative_limit_is_refused():
 
 def test_the_flag_reaches_the_serve_config():
     from pdserve.cli import _build_parser
-    from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.main import config_from_args
+    from pdserve.cluster.serve_config import ServeConfig
 
     assert config_from_args(_build_parser().parse_args(["serve", "--max-queued-requests", "32"])).max_queued_requests == 32
     assert config_from_args(_build_parser().parse_args(["serve"])).max_queued_requests == 0

@@ -54,7 +54,7 @@ def test_an_admin_key_alone_leaves_the_data_plane_open():
 def test_keys_never_show_in_a_repr():
     keys = ApiKeys(data=(DATA,), admin=(ADMIN,))
     assert DATA not in repr(keys) and ADMIN not in repr(keys)
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig
 
     assert DATA not in repr(ServeConfig(api_keys=keys))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.workers import cpu_threads_per_worker
 
 

@@ -14,12 +14,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdserve.cluster.admin_control import ClusterControl
 from pdserve.cluster.control_loop import ControlLoop, Reading, default_perf_model
-from pdserve.cluster.control_plane import ClusterControl
 from pdserve.control.capacity import CapacityModel
-from pdserve.control.perf_model import DEFAULT_MODEL, load_perf_model
 from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
+from pdserve.control.perf_model import DEFAULT_MODEL, load_perf_model
 from pdserve.control.signals import Role, Signals, Slo
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb

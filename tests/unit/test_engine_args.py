@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.cli import _build_parser
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.main import config_from_args
+from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.workers import engine_config
 from pdserve.engine.args import EngineArgs, engine_options
 from pdserve.engine.config import EngineConfig

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.listeners import is_loopback, kv_net_devices, listener_lines
+from pdserve.cluster.serve_config import ServeConfig
 from router.auth import ApiKeys
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.pools import (
+from pdserve.cluster.node_pools import (
     POOL_SHARE,
     NodeOffer,
     actor_resources,

@@ -71,9 +71,9 @@ def test_without_a_floor_every_step_is_a_poll():
 
 def test_the_flag_reaches_the_router_config():
     from pdserve.cli import _build_parser
-    from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.join import router_config
     from pdserve.cluster.main import config_from_args, router_config_from_args
+    from pdserve.cluster.serve_config import ServeConfig
 
     assert config_from_args(_build_parser().parse_args(["serve", "--poll-interval-ms", "5"])).poll_interval_s == 0.005
     assert config_from_args(_build_parser().parse_args(["serve"])).poll_interval_s == 0.0

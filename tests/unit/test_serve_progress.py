@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.cluster.progress import worker_ready_line, workers_line
+from pdserve.cluster.startup_lines import worker_ready_line, workers_line
 from pdserve_proto import kv_pb2
 
 

@@ -234,7 +234,7 @@ def test_a_request_of_impossible_length_closes_the_connection(served: Any) -> No
 
 
 def test_an_unknown_token_transport_is_refused() -> None:
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig
 
     with pytest.raises(ValueError, match="token_transport"):
         ServeConfig(token_transport="grpc")

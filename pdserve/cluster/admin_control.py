@@ -9,12 +9,12 @@ from typing import Protocol
 import grpc
 from opentelemetry import trace
 
-from pdserve.cluster.config import ControllerSettings
 from pdserve.cluster.control_loop import ControlLoop, FlipActuator, RouterSignals, Scaler, default_perf_model
+from pdserve.cluster.serve_config import ControllerSettings
 from pdserve.control.capacity import CapacityModel
-from pdserve.control.perf_model import load_perf_model
 from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
+from pdserve.control.perf_model import load_perf_model
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
 from router.control_plane import NO_FLIPS
