@@ -1,31 +1,12 @@
 #!/usr/bin/env python3
 """Free-list policy under churn: transfer descriptors per prompt, and what allocation costs.
 
-A prefill worker's and a decode worker's ``BlockManager`` (prefix cache off: this is about free
-lists) serve the same stream of requests, once with each free list of
-``pdserve.engine.free_blocks``: ``fifo`` (first freed, first reused) and ``runs`` (the engine's).
-The prefill side allocates a prompt chunk by chunk (as the scheduler's chunked prefill does: after
-the sequence's last block, with room for the whole prompt) and frees it once the decode side has pulled it; the decode side allocates
-the whole prompt at import, grows one block at a time while it decodes, then frees everything.
-Prompt and output lengths are random (fixed seed); requests arrive at a fixed rate (about 85 % of
-what the decode pool can hold by default; ``--arrive-every 0`` queues them all at once, and both
-pools run full), are admitted while blocks last, and blocks are freed in another order than they
-were taken.
-
-For every prompt after the warm-up, the transfer descriptors its KV needs are counted exactly as
-``kv_transfer`` builds them (runs consecutive on both sides, ``split_large`` at
-``MAX_BLOCKS_PER_DESCRIPTOR``). Allocation cost is the wall time inside ``allocate`` and
-``release`` over the whole run, per block handed out (CPU timings: noisy on a shared machine).
-
-With ``--prefix-cache`` every block is registered in the prefix cache (under a hash of its own,
-so nothing is ever hit): freed blocks stay cached and, once the pool is full of them, every
-allocation evicts, least recently used first. That is a serving worker's steady state. Then the
-rows compare eviction policies (the free list no longer matters): ``lru``, the engine's, and
-``lru+runs``, which extends each evicted block by its cached-free successors (whole runs, out of
-LRU order). ``--shared-docs D`` gives the trace prefixes to hit: each prompt is one of D
-documents (Zipf popularity, 16-192 blocks) and a suffix of its own (1-32 blocks); both sides
-look their prompt up in their cache first, so the rows also show what each policy costs in
-hits, and descriptors count only the blocks that move.
+A prefill and a decode worker's ``BlockManager`` serve one random stream of requests (prompts
+allocated chunk by chunk, imported whole, grown a block at a time while decoding, freed in another
+order), once per free list of ``pdserve.engine.free_blocks`` (``fifo``, ``runs``). Descriptors per
+prompt are counted as ``kv_transfer`` builds them; cost is wall time in ``allocate`` + ``release``
+per block. ``--prefix-cache`` registers every block (eviction decides: rows ``lru`` and
+``lru+runs``); ``--shared-docs D`` adds prefixes to hit. docs/benchmarks.md, "KV transfer".
 
     python bench/block_churn.py [--requests 3000] [--pool-blocks 8192] [--arrive-every 3] [--prefix-cache] [--shared-docs 0] [--seed 0] [--json out.json]
 """

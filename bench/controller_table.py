@@ -3,15 +3,11 @@ every static P:D split and the controller in the simulator, and a plot of the co
 pools against the load over time.
 
     python bench/controller_table.py --out-dir ctl-results [--workers 8,32] [--kinds phase,sine,bursts,constant]
-        [--slo-ttft-ms 1000] [--slo-itl-ms 30] [--perf-model llama3-8b-h100] [--plot docs/img/controller_phase.png]
-        [--reuse-statics]
+        [--slo-ttft-ms 1000] [--slo-itl-ms 30] [--perf-model llama3-8b-h100] [--plot FILE.png] [--reuse-statics]
 
-Traces are written by bench/controller_traces.py's generator into --out-dir (one per kind and
-size, seed 0), with the rate scaled to the size; the same files replay with `pdserve plan`.
-With --reuse-statics, a static sweep already in --out-dir for the same trace (its SHA-256),
-performance model and SLOs is kept and only the controller is simulated again: the static
-splits do not depend on the policy, and at 32 workers they are 31 of the 32 simulations.
-"""
+Traces come from bench/controller_traces.py (seed 0, rate scaled to the size). --reuse-statics
+keeps a static sweep already in --out-dir for the same trace, model and SLOs and simulates only
+the controller again."""
 
 from __future__ import annotations
 

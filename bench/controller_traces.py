@@ -1,16 +1,10 @@
 """Traces for the P:D controller's simulator (`pdserve simulate`, `pdserve plan`): JSON lines
-`{"t", "input_len", "output_len"}` with Poisson arrivals whose mix of long-prompt and
-long-output requests changes over time.
+`{"t", "input_len", "output_len"}`, Poisson arrivals whose mix of prompt-heavy (long prompt,
+short answer) and decode-heavy (short prompt, long answer) requests changes over time, at a rate
+scaled to --workers. Kinds: phase (alternating phases), sine (the decode-heavy share follows a
+sinusoid), bursts (a decode-heavy base with prompt-heavy bursts), constant (a fixed mix).
 
     python bench/controller_traces.py --kind phase|sine|bursts|constant --workers 8 --out F.jsonl
-
-Two request kinds: prompt-heavy (long prompt, short answer: RAG, summarisation) and
-decode-heavy (short prompt, long answer: generation). The rate scales with --workers so that a
-trace loads 8 and 32 workers alike.
-- phase: alternating phases of prompt-heavy and decode-heavy traffic (a phase shift).
-- sine: the decode-heavy share follows a sinusoid, total rate constant.
-- bursts: a steady decode-heavy base, with bursts of prompt-heavy requests.
-- constant: a fixed mix (the no-reversal check).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """How much single-thread engines slow each other when they share a host's cores: the measured
-`share_slowdown` table of a CPU performance model, which the simulator's host model applies
-when more workers are busy than there are cores.
+`share_slowdown` table of a CPU performance model (the simulator's host model).
+
+For each k in --engines, k processes (one torch thread each) run a loop of a 256-token prefill
+and 8 decode steps of batch 4 from a common start; one engine alone is the baseline before each k.
+The slowdown at k is max(1, k / cores) times the measured CPU-time ratio to the baseline (CPU
+time is what other work on the host does not stretch); the wall-time ratio is printed beside it.
+--perf-model FILE writes the table into that model.
 
     python bench/core_sharing.py [--engines 2 3 4] [--rounds 2] [--seconds 15] [--perf-model FILE]
-
-For each k in --engines, k processes (one torch thread each, as `pdserve serve` gives a worker
-on a host with as many cores as workers) load the default model and, from a common start, run
-for --seconds a loop of a 256-token prefill and 8 decode steps of batch 4 (context ~128), timing
-every step in wall time and in the thread's CPU time. Baseline in the same run: one engine
-alone, before each k in every round.
-
-A step of k engines on C cores takes max(1, k / C) times its CPU time when nothing else runs
-(each gets C / k of a core) and its CPU time itself grows when they share caches and memory
-bandwidth. The table's slowdown at k is max(1, k / C) times the measured CPU-time ratio against
-the baseline (median over rounds; prefill's and decode's ratios averaged): CPU time is what
-other work on a shared host does not stretch, so the table holds on a busy host too. The
-wall-time ratio is printed beside it (on a quiet host the two agree). The table's key is busy
-engines per core, k / cores, from (0, 1) and (1 / cores, 1). With --perf-model FILE the table
-is written into that model's `share_slowdown`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 #!/usr/bin/env python3
 """CPU decode (and mixed) step time, this checkout beside a baseline revision, interleaved in one run.
 
-The default model (SmolLM2-135M-Instruct, float32) decodes a batch of sequences (random prompts
-of mixed lengths, greedy, `ignore_eos`) in one engine per code tree, each in its own process
-with the same torch thread count. Every tree runs `--steps` `engine.step()` calls in turn, for
-`--rounds` rounds (ABBA order), so drifts of a shared, noisy host fall on both alike; the table
-gives the median, 10th and 90th percentile step of each. The trees' generated tokens are
-compared at the end: a change to the step must not change them. `--profile` adds top-level
-torch ops per step and their profiled time (matmuls apart from the rest).
-
-`--mixed N`: the timed steps are mixed steps instead, what a colocated worker runs whenever a
-request arrives: before each, a new request with an N-token random prompt (one output token)
-is added, so the step prefills it beside the batch's decodes; a decode step (not timed) follows
-each, after which the new request is gone.
-
+The default model decodes a batch of random prompts (greedy) in one engine per code tree, each in
+its own process, for --rounds rounds of --steps steps in ABBA order; the table gives each tree's
+step p10/p50/p90, and the generated tokens must match. --profile adds top-level ops and profiled
+time; --mixed N times mixed steps (an N-token prompt beside the decodes); --stub-matmuls times
+what is left without the matmuls (its tokens are not compared).
     python bench/cpu_decode_step.py --baseline HEAD~1 [--batch 4] [--threads 1] [--rounds 12] [--steps 8] [--profile]
     python bench/cpu_decode_step.py --baseline HEAD~1 --mixed 64 --rounds 8 --steps 2
-
-`--stub-matmuls`: every packed matmul returns a tensor of the right shape without computing
-(one kept per shape), so the step times what is left: attention, norms, the elementwise ops,
-Python and the engine's bookkeeping. Its tokens are meaningless (not compared).
     python bench/cpu_decode_step.py            # this checkout alone
 """
 

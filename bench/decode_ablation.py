@@ -1,20 +1,11 @@
 #!/usr/bin/env python3
 """What each choice of the decode kernels buys, measured in the engine.
 
-Builds the Llama-3.2-1B-shaped model of `bench/engine.py` (or, with `--shape 8b`, the
-Llama-3-8B one; random bf16 weights) once per variant, with CUDA graphs up to `--batch`
-sequences (default 1), and times a decode step of that many at a context of ~512 tokens
-the way `bench/engine.py` does (30 steps back to back over one synchronization; median of 3
-rounds), next to the graph's replay alone. Each variant changes one choice of
-`pdserve/engine/kernels/decode_kernels.py` from the outside, the engine's code otherwise as shipped:
-
-- `lm head: cuBLAS + argmax`: the final norm, `F.linear`, the float cast and `torch.argmax`
-  in place of the fused LM-head GEMV with its argmax;
-- `gemv tiles: ...`: another tiling rule for every matmul (`decode_tiles.gemv_tile`);
-- `attention splits N`: the context split N ways instead of one program per SM (at any
-  batch; the other variants change only batch-1 steps).
-
-The default runs first and last: the spread between those two rows is the noise.
+Builds the 1B (or, with --shape 8b, the 8B) shape of `bench/engine.py` once per variant and times
+a decode step of --batch sequences at ~512 tokens of context as `bench/engine.py` does, beside the
+graph's replay alone. Each variant changes one choice of `pdserve/engine/kernels/decode_kernels.py`
+from the outside: `lm-cublas` (cuBLAS + argmax for the LM head), another GEMV tiling rule, or N
+attention splits. The default runs first and last: their spread is the noise.
 
     python bench/decode_ablation.py [--shape 1b|8b] [--batch N] [--variants default,lm-cublas,...] [--json out.json]
 """

@@ -1,16 +1,11 @@
 #!/usr/bin/env python3
 """The small-batch decode kernels (pdserve/engine/kernels/decode_kernels.py) beside what they replace.
 
-For the matmuls of a Llama-3.2-1B- and a Llama-3-8B-shaped layer (and the 1B LM head) at
-batch 1: cuBLAS (`F.linear`), our GEMV with its default tile, and the best tile of a small
-sweep, each as µs per call and TB/s of weight bytes. For decode attention at batch 1, 4
-and 32: flash-attn-4 (when it imports) against the split-KV kernel.
-
-Timing. Each op is recorded 32 times in a CUDA graph and replayed; the time is the replay's
-over 32, median of 7 replays. The 32 calls cycle through copies of the weights (or caches)
-that together exceed the L2 cache, so every call reads from HBM as in a real step. `--pdl`
-rows launch the same kernels as programmatic dependents, which is how a decode step runs
-them: a kernel's ramp-up then overlaps its predecessor's tail.
+At batch 1, each matmul of a 1B and an 8B layer (and the 1B LM head): cuBLAS, our GEMV with its
+default tile and the best tile of a small sweep, in µs and TB/s of weights; decode attention at
+batch 1, 4 and 32 against flash-attn-4. Each op is recorded 32 times in a CUDA graph over weight
+copies larger than L2 (so every call reads HBM), median of 7 replays; `--pdl` rows launch them as
+programmatic dependents, as a decode step does.
 
     python bench/decode_kernels.py [--json out.json] [--no-sweep]
 """

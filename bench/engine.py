@@ -1,21 +1,11 @@
 #!/usr/bin/env python3
 """Engine micro-benchmark: decode step time and prefill throughput beside their floors.
 
-GPU (``--device cuda``): Llama-3.2-1B- and Llama-3-8B-shaped models with random weights
-(``load_format="dummy"``), bf16, CUDA graphs on. For each shape:
-
-* decode step time at batch 1, 32 and 128, steady state (every sequence decoding, context
-  ~512 tokens): the wall time of 30 ``engine.step()`` calls back to back over one device
-  synchronization, per step (the JSON also has the median of steps synchronized one by one,
-  which hides no host work behind the device's). Floor = (weight bytes + KV bytes read)
-  / device copy bandwidth measured in the same run (a large ``torch`` copy, bytes read + written,
-  median). Target: batch 1 within 1.5x of the floor.
-* prefill of one 4096-token prompt: tokens/s and achieved FLOP/s as % of the bf16 matmul rate
-  measured in the same run (8192^3 ``torch.matmul``, median). Floor = FLOPs / that rate.
-  Target: >= 50 %.
-
-CPU (``--device cpu``): the default model (SmolLM2-135M, float32) at batch 1 and 8: decode
-tokens/s (steady state) and end-to-end generate tokens/s.
+GPU: 1B- and 8B-shaped models with random bf16 weights, CUDA graphs on. Decode at batch 1, 32 and
+128 (context ~512): 30 ``engine.step()`` calls over one synchronization, per step, against (weight
++ KV bytes) / the copy bandwidth measured in the same run (target: batch 1 within 1.5x). Prefill
+of one 4096-token prompt as % of the same run's bf16 matmul rate (target: >= 50 %). CPU: the
+default model at batch 1 and 8, decode and end-to-end tokens/s. docs/benchmarks.md, "Engine".
 
     python bench/engine.py --device cuda [--shapes 1b,8b] [--json out.json] [--profile [1,32]]
     python bench/engine.py --device cpu

@@ -1,16 +1,12 @@
 """Measure the in-place role flip (drain, switch, probe) on a real cluster, under load.
 
-Starts a cluster of one prefill and one decode worker through Ray (`--device cpu` or `cuda`, one
-GPU each), keeps a few streams running, and flips the prefill worker to decode and back
-`--flips` times. Each flip's phases come from the flipper's own record (`RoleChange`). The
-baseline in the same run is what the flip replaces: stopping the worker and starting a fresh one
-in its place (`Cluster.remove_worker`, `Cluster.add_worker`: model load and links included).
+One prefill and one decode worker through Ray, a few streams running, the prefill worker flipped
+to decode and back --flips times; phases from the flipper's own `RoleChange`. Baseline in the same
+run: stopping the worker and starting a fresh one (`Cluster.remove_worker`, `add_worker`).
+`--perf-model FILE` writes the median flip time into that model's `flip_s`.
 
     python bench/flip_time.py --device cpu [--flips 4] [--model DIR] [--json out.json]
     python bench/flip_time.py --device cuda --dtype bfloat16 --model DIR
-
-`--perf-model FILE` writes the median flip time into that performance model's `flip_s` (the
-controller's decision interval follows it).
 """
 
 from __future__ import annotations

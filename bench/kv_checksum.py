@@ -1,19 +1,10 @@
 #!/usr/bin/env python3
 """What the per-block KV checksum (`kv_transfer.checksum`) costs, beside a copy of the same bytes.
 
-For each KV shape, a pool laid out as the engine's (block-major ``[blocks + 1, layers, 2,
-block_size, kv_heads, head_dim]``) holds one prompt's blocks (``--prompt-tokens``, default 2048,
-at 16 tokens a block) of random data. Timed, interleaved, ``--reps`` times each (medians):
-
-* checksum: ``block_checksums(pool, ids)``, what the prefill worker does when it pins a prompt
-  and the decode worker after its READ (the reduction on the pool's device, then the one int64
-  per block copied to the host);
-* copy (the baseline): ``dst[:n].copy_(src[:n])``, a device-to-device copy of the same blocks
-  into a second pool, the least a transfer of them costs on that device.
-
-Shapes: the default model as the CPU workers run it (SmolLM2-135M: 30 layers, 3 KV heads, head
-dim 64, float32), and the 1B / 8B GPU shapes (16 layers, 8 KV heads, head dim 64; 32 layers, 8
-KV heads, head dim 128; bfloat16). The block ids are consecutive, as a fresh prompt's are.
+For the default model's KV shape (float32) and the 1B and 8B GPU shapes (bf16), one prompt's
+blocks (--prompt-tokens, consecutive ids) in a pool laid out as the engine's: timed, interleaved,
+medians of --reps, ``block_checksums(pool, ids)`` (what each side of a hand-over runs) against
+``dst.copy_(src)`` of the same blocks into a second pool (the least a transfer costs).
 
     python bench/kv_checksum.py --device cpu [--reps 20] [--prompt-tokens 2048]
     python bench/kv_checksum.py --device cuda

@@ -1,16 +1,9 @@
 """TTFT and the hand-over with and without `--kv-transfer-overlap`, on a long-prompt workload.
 
-Starts one cluster through Ray (one prefill and one decode worker, each its own process; `--device
-cpu` or `cuda`, one GPU each) and sends it `--requests` long prompts, one at a time, alternating
-between overlap off and on (the router's setting, switched between requests on the same workers,
-so both modes see the same machine state). Each prompt is `--prompt-tokens` random token ids (new
-ones each request: no prefix-cache hit on either worker), prefilled in chunks of `--chunk-tokens`
-(the engine's `max_num_batched_tokens`), then `--max-tokens` tokens are decoded.
-
-Per request, from the client's side of the gRPC stream: TTFT (the prefill worker's first token),
-the second token (the decode worker's first, after the KV hand-over) and the gap between the two,
-which is what the overlap shortens. The first token itself still comes when the prefill ends.
-Medians per mode, after `--warmup` requests of each mode not counted.
+One Ray cluster (1 prefill, 1 decode worker) gets --requests long random prompts one at a time,
+prefilled in --chunk-tokens chunks, the router's overlap setting alternating between requests on
+the same workers. Per request, from the client: TTFT, the second token (the decode worker's first,
+after the hand-over) and the gap between them; medians per mode after --warmup requests.
 
     python bench/kv_overlap.py --device cpu [--requests 20] [--prompt-tokens 2048] [--chunk-tokens 256]
     python bench/kv_overlap.py --device cuda --dtype bfloat16 --model DIR --prompt-tokens 16384 --chunk-tokens 2048

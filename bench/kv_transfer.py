@@ -1,62 +1,14 @@
 #!/usr/bin/env python3
 """KV-transfer micro-benchmark: GB/s of ``kv_transfer`` READs beside a same-run baseline.
 
-The block list is the KV of one 4096-token prompt of a Llama-3-8B-shaped model: 32 layers,
-8 kv heads, head_dim 128, bf16, block_size 16 -> 256 blocks of 2 MiB (512 MiB). Both pools
-are laid out as in ``pdserve/engine/runner.py`` (block-major
-``[num_blocks + 1, layers, 2, block_size, kv_heads, head_dim]``, the last block scratch) and
-hold ``--pool-blocks`` blocks (default 1024) so that fragmented block lists have room.
+Two processes hold pools laid out as the engine's (8B shape, 2 MiB blocks); the consumer READs the
+producer's blocks through ``KvTransferAgent`` as a decode worker does, every READ checked against
+the source. Cases: contiguous ids, ids fragmented as after churn, and a "raw" READ posted on NIXL
+directly. Baselines: a TCP and a Unix socket on CPU (target: >= the socket), torch's peer copy on
+GPU (target: >= 90 %). --variants repeats with diagnostic agent settings (``inflightN`` READs in
+flight, the progress thread, ...), ``shipped`` first.
 
-A producer and a consumer run in two processes (multiprocessing, spawn; on GPU the producer's
-pool is on the first card of ``--gpus``, the consumer's on the second) and exchange their
-``KvAgentInfo`` protobuf bytes over a Pipe; the consumer READs from the producer through
-``kv_transfer.agent.KvTransferAgent`` exactly as a decode worker does (with a "pulled"
-notification; the producer drains notifications every millisecond, as a prefill worker's loop
-does). Destination blocks are zeroed before, and checked after, every READ: per-block sums of
-int64 words against the producer's pattern every time, every word (``torch.equal``) after the
-last repetition of each case -- a READ that moves garbage fails the run. Each size is measured
-with
-
-* contiguous block ids on both sides (one run, split into descriptors of at most
-  ``MAX_BLOCKS_PER_DESCRIPTOR`` blocks), and
-* fragmented ids as an allocator hands them out after churn: each side's free list is its pool
-  cut into runs of random length 1..32, shuffled (fixed seed, a different one per side); the
-  descriptor count after coalescing is printed,
-* for the main size a diagnostic "raw" READ: the same descriptors posted on the NIXL agent
-  directly and busy-polled, to separate ``KvTransferAgent.read`` overhead (descriptor building,
-  its sleep-based polling) from the transport.
-
-Baselines, in the same two processes, measured before the NIXL agents exist:
-
-* ``--device cpu``: a plain stream socket -- TCP over 127.0.0.1 and a Unix-domain socket --
-  moving the same number of bytes out of the producer's pool into the consumer's pool
-  (``sendall`` of one memoryview, ``recv_into`` a preallocated memoryview, kernel buffer sizes
-  left to the kernel: forcing 4-32 MiB SO_SNDBUF/SO_RCVBUF was slower on loopback). The ratio
-  column uses the faster of the two at the same size. Target: NIXL >= the socket.
-* ``--device cuda``: torch's peer copy ``dst.copy_(src)`` of the same bytes from the producer's
-  card to the consumer's card (default cuda:0 -> cuda:1). Target: NIXL >= 90 % of it.
-
-``--variants`` repeats the main-size cases with diagnostic NIXL agent settings, each in a fresh
-pair of processes (an agent's busy progress thread must not share the machine with another's):
-``prog-thread`` (NIXL's own progress thread on, kv_transfer's earlier default),
-``no-prog-thread`` (``enable_prog_thread=False``: the application drives UCX progress -- the
-consumer while it polls its READ, the producer in its 1 ms notification poll; now the default),
-``prog-thread-delay`` (the progress thread kept, but with NIXL's ``pthrDelay`` at 100 us instead
-of the 0 that ``nixl_agent`` hard-codes, so it sleeps in ``poll()`` instead of spinning) and
-``err-none`` (UCX backend parameter ``ucx_error_handling_mode=none``, which admits UCX's
-shared-memory transports), ``inflightN`` (the consumer's agent shares each block list out to N
-READs in flight, ``reads_in_flight=N``; ``inflight1`` is one READ of all descriptors), or
-'+'-joined combinations. ``shipped`` is kv_transfer unmodified and
-is always run first. Each pair also reports the CPU use of an idle process holding an agent.
-
-UCX is asked to log its transport choice (``UCX_LOG_LEVEL=info``, ``UCX_PROTO_INFO=y`` into a
-temporary ``UCX_LOG_FILE``) unless those are set already or ``--no-ucx-info`` is given; the
-lanes and the protocol UCX picked for the READ (``ucp_get``) are printed with the results.
-
-    python bench/kv_transfer.py --device cpu [--reps 5] [--sizes 64,256,1024] [--json out.json]
-    python bench/kv_transfer.py --device cpu --sizes 256 --variants shipped,no-prog-thread,prog-thread-delay,err-none
-    python bench/kv_transfer.py --device cuda [--gpus 0,1] [--variants shipped,prog-thread-delay]
-    python bench/kv_transfer.py --device cuda --sizes 256,1024 --variants shipped,inflight1,inflight2,inflight4,inflight8
+    python bench/kv_transfer.py --device cpu|cuda [--gpus 0,1] [--reps 5] [--sizes 256,1024] [--variants shipped,inflight2] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 #!/usr/bin/env python3
 """The mixed step: a prefill chunk beside running decodes, against its parts in the same run.
 
-A colocated worker (and a decode worker prefilling locally) runs steps that carry a chunk of a
-new prompt together with one token of every running sequence. The decodes' inter-token latency
-is then the whole mixed step. This measures, on one engine with the serving defaults
-(chunked prefill at `--chunk` tokens a step, CUDA graphs for decode-only steps, the 1B shape
-of bench/engine.py with random weights):
-
-* decode-only step at batch B (every sequence decoding, context ~`--context`);
-* prefill-only step of one `--chunk`-token prompt (no decodes running);
-* mixed step: the same prompt added while the B sequences decode: the first step after it;
-
-each synchronized and timed alone, median of `--reps`. The baseline in the same run is the sum
-of the parts (prefill-only + decode-only): a mixed step at or below it costs nothing for being
-mixed; above it is what mixing adds (the decodes leave their graph, attention over two shapes).
-With `--profile`, a kernel breakdown of one mixed and one prefill-only step. Each is measured
-with the prefill and mixed steps as piecewise CUDA graphs (the default) and without them
-(`--prefill-graphs both`, the default; `on` or `off` for one).
-
-`--mixed-decodes ab` measures the mixed step twice per repetition on the same engine and
-sequences, once with its decode rows split off to the Triton split-KV kernel
-(`EngineConfig.mixed_decode_attention`) and once with every row through flash-attn, in
-alternating order (on-off, off-on, ...), and reports both medians; `on` / `off` measure one
-side only. Without a GPU the split side runs the kernel in Triton's interpreter
-(`TRITON_INTERPRET=1`, the tiny shape), which checks the script, not the speed.
+On one engine (the 1B shape, random weights, serving defaults): the decode-only step at batch B,
+the prefill-only step of one --chunk-token prompt and the mixed step of both, each synchronized,
+median of --reps; the sum of the parts is the baseline. --profile adds a kernel breakdown;
+--prefill-graphs on|off|both toggles piecewise graphs; --mixed-decodes ab times the mixed step
+with its decode rows split to the split-KV kernel and without, alternating.
 
     python bench/mixed_step.py --device cuda [--batches 16,64] [--chunk 2048] [--context 3000] [--profile]
     python bench/mixed_step.py --device cuda --batches 64 --mixed-decodes ab --reps 20

@@ -1,40 +1,12 @@
 #!/usr/bin/env python3
 """Do KV READs polled by other threads slow a worker's engine loop through the GIL?
 
-A decode worker runs its engine loop on one thread while request threads run
-``KvTransferAgent.read`` for their hand-overs; all of them share the process's GIL. A thread
-that polls without ever giving the GIL away keeps it until the interpreter's switch interval
-(``sys.getswitchinterval()``, 5 ms) forces a hand-over, so the loop, each time it releases the
-GIL (a GPU sync, a sleep), may wait that long to get it back. ``read()`` now gives the GIL away
-on every poll (``time.sleep(0)``); before, it polled back to back for its first 5 ms.
-
-This benchmark puts that in one process on CPU, with the real agent:
-
-* a producer ``KvTransferAgent`` in a spawned process (as a prefill worker: its pool holds the
-  prompt's blocks, and it drains notifications every millisecond, which drives its side),
-* in this process a consumer ``KvTransferAgent`` connected to it (as a decode worker),
-* an "engine loop" thread: each iteration releases the GIL for a while (``--release sleep``:
-  ``time.sleep``; ``--release torch``: a single-threaded torch matmul, which releases the GIL,
-  calibrated to the same time) standing for a GPU sync, then does ``--work-us`` of pure Python
-  work, and records the iteration's duration,
-* K reader threads (``--threads``, default 0,1,2,4,8), each running ``consumer.read(...)`` of a
-  prompt-sized block list back to back (each into its own local blocks).
-
-Polling modes: ``sleep0`` is ``kv_transfer``'s polling as shipped; ``spin`` reproduces the
-earlier polling (back to back without ``sleep(0)`` for the first ``READ_SPIN_S``) by giving the
-agent module a ``time`` whose ``sleep(0)`` returns at once -- the agent's code is not changed.
-In both modes that ``time`` also counts the polls (one Python call more per poll, both alike). Each window of
-``--window-s`` seconds is one (mode, K) pair; a repetition runs every pair, and the pairs are
-interleaved so drift on the host hits all of them alike. Reported per (release, mode, K): the
-loop's iteration time p50/p99 and their ratio to K=0 of the same mode, the p99 of its GIL
-releases (from the call until it has the GIL back), the READs' aggregate
-GB/s, median READ time and polls per READ, medians over ``--reps`` repetitions.
-
-On CPU a READ is a copy (UCX's cma: ``process_vm_readv``) done by the consumer's own thread,
-inside the READ's post (``transfer()``) or its polls: a prompt-sized READ is often done before
-the first poll (the "polls/READ" column), so it cannot show the polling's cost; the short READ
-ends while ``read()`` spins, as a GPU READ of a prompt does. These are not a GPU's numbers: there
-the copy runs on the links while the thread only polls its state.
+In one process on CPU: a consumer ``KvTransferAgent`` connected to a producer in a spawned
+process, an "engine loop" thread that releases the GIL (--release sleep|torch) then does --work-us
+of Python, and K threads running ``consumer.read`` back to back. ``sleep0`` polls as shipped,
+``spin`` as before (back to back). Reported per (release, mode, K): the loop's iteration p50/p99
+against K=0, its GIL-release p99, READ GB/s, polls per READ. A prompt-sized CPU READ often ends
+inside its post, so the short READ is the GPU-like case.
 
     python bench/read_gil.py [--reps 3] [--window-s 2] [--threads 0,1,2,4,8] [--release sleep,torch]
 """

@@ -1,15 +1,9 @@
 """Replay a trace against the router's placement policy with simulated prefill workers.
 
-The policy is the router's own (`router.policy.PrefillPolicy`), fed the way the router feeds
-it: a placement per arrival, `finish` when the prefill is done, KV event batches as workers
-produce them. A simulated worker is the engine's real `BlockManager` (its prefix cache, LRU
-eviction and KV events) in front of a FIFO queue: one prompt at a time, taking
-`overhead_s + per_token_s * uncached tokens`, hits counted as the engine counts them (whole
-blocks, never the block holding the last prompt token). TTFT is queueing plus that time.
-
-`ideal_hit_rate` replays the same trace, in arrival order, into one worker holding the whole
-cluster's cache: the best any placement could do without copying KV between workers.
-"""
+The policy is the router's own (`router.policy.PrefillPolicy`), fed as the router feeds it. A
+simulated worker is the engine's real `BlockManager` in front of a FIFO queue, a prompt taking
+`overhead_s + per_token_s * uncached tokens`; TTFT is queueing plus that. `ideal_hit_rate`
+replays the trace into one worker holding the whole cluster's cache."""
 
 from __future__ import annotations
 

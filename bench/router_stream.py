@@ -1,39 +1,13 @@
 """The router's CPU per streamed token: the real `Router` and its OpenAI HTTP server in one
 process over N synthetic decode workers, loaded over HTTP from another process.
 
-Each synthetic decode worker is a `DecodeHandle` in the router's process, no engine and no
-Ray: `submit` puts the request into its batch, and the worker steps back to back while the batch
-is not empty, a step taking d0 + d1 * batch seconds and giving every request in it one token
-(one `TokenUpdate` per request per step, as `DecodeWorker._on_step` delivers them). `poll`
-behaves like `DecodeWorker.poll`: it returns every update after the acked one, numbered, and when
-there is none it waits for the end of the running step (or, with an empty batch, for a submit,
-up to wait_s). Steps are accounted lazily when a poll or submit looks, so no thread runs them;
-the worker's own CPU (building and serializing the updates) is timed with the thread's CPU clock
-and taken out of the router's: the router's part is parsing the serialized answer, as it does an
-answer that came over the wire, and everything after it. A prompt's prefill is not modelled: a
-submitted request joins the running step.
-
-The load generator (this process) sends the chat workload of `pdserve bench serve` (token-id
-prompts, `ignore_eos`, streamed /v1/completions with usage) at Poisson arrivals, and times every
-event. The router's process reports its CPU (all threads) before and after the run.
-
-Reported per run: delivered output tokens/s, the router's CPU ms per 1000 tokens and per 1000 SSE
-chunks (events with a choice), tokens per chunk, the decode workers' polls per 1000 tokens, and
-TTFT and per-request ITL (as `pdserve bench serve` defines it) p50/p99 from the client. Runs: 1, 2
-and 4 workers at the same offered load, and 4 workers at a load that saturates the router.
-
-    python bench/router_stream.py [--workers 1,2,4] [--rate 20] [--requests 200]
-                                  [--saturate-rate 80] [--saturate-requests 400]
-                                  [--d0-ms 1.5] [--d1-ms 0.03] [--poll-cpu-us 0] [--poll-interval-ms 0]
-                                  [--compare OLD_TREE] [--json]
-
-`--compare OLD_TREE` runs every configuration twice, first with the router code of another
-checkout (e.g. `git worktree add ../old <commit>`) and then with this one's, one after the other.
-
-A real decode worker's poll is a Ray actor call, which costs the router's process far more than
-this in-process one (`bench/relay.py` reports how much). `--poll-cpu-us` burns that much CPU on
-the event loop's thread per poll, counted as the router's. `--poll-interval-ms` is the router's
-own floor on the interval between one worker's polls (`pdserve serve --poll-interval-ms`).
+A synthetic worker is an in-process `DecodeHandle` (no engine, no Ray) stepping d0 + d1 * batch
+seconds, one update per request per step, whose `poll` behaves as `DecodeWorker.poll`; its own
+CPU is taken out of the router's. The load is `pdserve bench serve`'s chat workload. Reported:
+router CPU per 1000 tokens and SSE events, tokens per event, polls per 1000 tokens, TTFT, ITL.
+--compare OLD_TREE runs an older checkout's router first; --poll-cpu-us models a Ray poll's cost.
+    python bench/router_stream.py [--workers 1,2,4] [--rate 20] [--requests 200] [--saturate-rate 80]
+        [--saturate-requests 400] [--poll-cpu-us 0] [--poll-interval-ms 0] [--compare OLD_TREE] [--json]
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""Serving benchmark: load any OpenAI-compatible server (pdserve's HTTP API, vLLM, ...) over
-streamed /v1/completions and report TTFT, inter-token and end-to-end latency (p50/p90/p99),
-output tokens/s, requests/s and goodput under a TTFT and an ITL SLO, as JSON.
+"""Serving benchmark: load any OpenAI-compatible server over streamed /v1/completions and report
+TTFT, inter-token and end-to-end latency (p50/p90/p99), output tokens/s, requests/s and goodput
+under a TTFT and an ITL SLO, as JSON. Requests are token ids with `ignore_eos` and greedy
+sampling, so every server does the same work; --sweep draws a latency-goodput curve with its knee.
+A failed request counts against goodput; over --max-error-share failed, the command exits 1.
 
     pdserve bench serve --url http://127.0.0.1:8000 [--workload chat|rag|codegen|trace:FILE]
                         [--requests N] (--rate R | --concurrency C | --sweep R1,R2,...)
                         [--slo-ttft-ms T] [--slo-itl-ms I] [--plot curve.png] [--out report.json]
     python bench/serve.py ...        (the same, from a source checkout)
-
-Every request is token ids with `ignore_eos` and greedy sampling, so each server does the same
-work: exactly the prompt and output lengths the workload drew. With --sweep, one run per rate
-and a latency-goodput curve (needs matplotlib: `pip install -e ".[bench]"`) with its knee.
-
-A failed request counts as sent and not as good; a run where more than --max-error-share of the
-requests failed makes the command exit 1 and say why (after writing the report).
 """
 
 from __future__ import annotations

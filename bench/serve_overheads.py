@@ -1,34 +1,12 @@
 """What serving costs on a real local CPU cluster beyond the engine steps a performance model
-times: the per-request cost before the first token, the KV hand-over (first token to the decode
-worker's first step: pinning, checksums, the READ, the start call, the relay), the decode
-loop's cost per step and per sequence beyond the engine step, and the CPU the router's process
-spends per streamed token (which the simulator's host model charges to the cores).
+times: before the first token, the KV hand-over, the decode loop per step and per sequence, and
+the router's CPU per streamed token. A 1P:1D cluster serves requests one at a time and --batch at
+once over HTTP; before each, this process times the same prefill and decode step on an engine of
+its own, so each cost is a ratio to that baseline (the host's other load cancels), turned into
+seconds with the model's own figure. CPU seconds come from /proc per thread.
 
-    python bench/serve_overheads.py [--perf-model NAME|FILE] [--reps 6] [--json out.json]
-                                    [--write-model FILE]
+    python bench/serve_overheads.py [--perf-model NAME|FILE] [--reps 6] [--json out.json] [--write-model FILE]
     python bench/serve_overheads.py --samples out.json --write-model FILE   (no cluster)
-
-A 1P:1D cluster (`Cluster.start`, float32, the default SmolLM2-135M, each worker with the
-torch threads `pdserve serve` gives it) serves, after a warm-up, over the HTTP API as
-`bench/sim_vs_real.py` sends (token-id prompts, greedy, ignore_eos):
-- one request at a time (an idle cluster: no queue, no batch), prompts of --lengths tokens,
-  outputs of --outputs tokens;
-- --batch requests at once, prompts of the shortest length.
-The client times every streamed event. On an idle cluster each event is one token (checked: a
-request whose events are fewer than its tokens is left out), so the first gap is the hand-over
-plus one served decode step, and the later gaps are served steps.
-
-Baseline in the same run: before each request, this process times the same work on its own
-engine (one torch thread): the prompt's prefill and the decode step of the same batch and
-context. A shared host's other load slows both alike, so each cost is measured as a ratio to
-that baseline and turned into seconds with the performance model's own figure for the same
-work (measured on a quiet host): e.g. the hand-over is (first gap - served step) / engine step
-x the model's step. CPU seconds (not stretched by other load) come from /proc, per thread:
-this process (the router and the load generator, as in `bench/sim_vs_real.py`), Ray's
-processes, and the worker actors' threads other than each one's busiest (its engine loop);
-less what the same threads use idle over the same time, regressed on the output length, they
-give the CPU a streamed token costs outside the engines. An idle cluster's cores in all
-(measured between repetitions) are the host model's background load.
 """
 
 from __future__ import annotations

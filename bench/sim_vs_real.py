@@ -1,23 +1,10 @@
-"""The simulator against a real cluster: replay one trace on a real local cluster (Ray, CPU) with
-a static P:D split, simulate the same trace and split with a performance model, and print how
-far the simulator's TTFT, ITL, end-to-end latency and goodput are from the real ones.
+"""The simulator against a real cluster: replay one trace on a real local cluster (Ray, CPU) with a
+static P:D split, simulate the same trace and split with a performance model, and print how far
+the simulator's TTFT, ITL, end-to-end latency and goodput are from the real ones (real: the median
+over repetitions, with their range; each repetition sends fresh prompts, so nothing hits a cache).
 
-    python bench/sim_vs_real.py --split 1:1 [--reps 2] [--trace F.jsonl] [--perf-model NAME|FILE]
-                                [--json out.json]
-    python bench/sim_vs_real.py --real out.json [more.json ...] --perf-model OTHER.json
-                                (simulate again, repetitions of several runs together, no cluster)
-
-Without --trace a trace is made (Poisson arrivals, prompts log-uniform in [--input-min,
---input-max], outputs uniform in [--output-min, --output-max]) and written next to --json.
-The real run sends every request at its trace time over the cluster's OpenAI HTTP API (token-id
-prompts, greedy, ignore_eos: exactly the trace's lengths). Each repetition sends fresh random
-prompts of the trace's lengths, so that none hits the prefix cache of the one before (the
-simulator, given lengths alone, models no hits either). The workers run as `pdserve serve` runs
-them: float32, this host's cores shared out among them unless --cpu-threads.
-
-Both sides' percentiles use the simulator's estimator (`pdserve.control.results.quantile`) on
-per-request values; goodput is requests within both SLOs per second of the trace's arrivals.
-The real column is the median over the repetitions, with their range.
+    python bench/sim_vs_real.py --split 1:1 [--reps 2] [--trace F.jsonl] [--perf-model NAME|FILE] [--json out.json]
+    python bench/sim_vs_real.py --real out.json [more.json ...] --perf-model OTHER.json   (no cluster)
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""Synthetic request traces for the router benchmark.
-
-One JSON object a line: {"t": seconds, "input_ids": [...], "output_len": n, "session": id}.
-Four kinds of traffic, mixed by share of requests, arriving as Poisson streams:
-
-  * sessions: multi-turn chats. Each picks a system prompt by Zipf popularity; turn i's prompt
-    is the system prompt, every earlier user message and reply, and a new user message, so
-    each turn extends the previous turn's prompt (reuse private to the session);
-  * rag: a question after a retrieved context (a system prompt and a few documents) picked by
-    Zipf popularity among many topics (reuse shared by everyone asking about the topic);
-  * unique: prompts that share nothing but the chat template;
-  * hot (optional): one system prompt in front of a share of all requests, the popular
-    "default assistant" that pure affinity would pile onto one worker.
-
-Every chat-style prompt starts with the same few template tokens, as real chat templates do;
-this is what makes a ring key of only the first block useless.
-
-Presets (`--preset`): `mixed` (the default mix), `hot` (half of all requests behind one hot
-system prompt, at twice the rate: hot requests are cheap, and balance only matters once the
-workers are busy) and `private` (two-turn sessions with their own system prompts and no template:
-every reuse is private to one session, the case where round-robin keeps only 1/N of the hits).
+"""Synthetic request traces for the router benchmark: one JSON object a line,
+{"t": seconds, "input_ids": [...], "output_len": n, "session": id}, Poisson arrivals of a mix of
+multi-turn sessions (private reuse), RAG questions over Zipf-popular contexts (shared reuse),
+unique prompts and, optionally, one hot system prompt. Every chat-style prompt starts with the
+same template tokens, which makes a ring key of only the first block useless. Presets: `mixed`,
+`hot` (half the requests behind one system prompt) and `private` (two-turn sessions, no template).
 
     python bench/traces.py --out trace.jsonl [--preset mixed|hot|private] [--requests 4000] [--rate 200]
 """

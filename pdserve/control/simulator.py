@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.control.capacity import CapacityModel
-from pdserve.control.perf_model import PerfModel
 from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
+from pdserve.control.perf_model import PerfModel
 from pdserve.control.results import RequestTimes, SimResult, summarize
 from pdserve.control.signals import Decision, Role, Signals, Slo
 from pdserve.control.sim_workers import SimDecode, SimPrefill
