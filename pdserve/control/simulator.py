@@ -1,8 +1,8 @@
 """Discrete-event simulator of a disaggregated cluster: the router's own placement objects
 (`router.policy.PrefillPolicy`, `DecodePolicy`) place every request, simulated workers
 (`sim_workers`) take their times from a `PerfModel`, and with a controller the very policy
-the live cluster will run (`pdserve.control.controller.Controller`) decides the split, through an
-`Actuator` that drains, flips and rejoins workers as the flip protocol does.
+the live cluster will run (`pdserve.control.controller.Controller`) decides the split, through
+`sim_actuator.SimActuator`, which drains, flips and rejoins workers as the flip protocol does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.perf_model import PerfModel
 from pdserve.control.results import RequestTimes, SimResult, summarize
-from pdserve.control.signals import Decision, Role, Signals, Slo
+from pdserve.control.signals import Decision, Signals, Slo
+from pdserve.control.sim_actuator import SimActuator
 from pdserve.control.sim_workers import SimDecode, SimPrefill
 from pdserve.control.trace import SimRequest
 from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy
@@ -55,7 +56,7 @@ class SimConfig:
             raise ValueError(f"max_workers: {self.max_workers} is below workers ({self.workers}); it must be >= them")
 
 
-class _Sim:
+class Simulation:
     def __init__(self, reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig,
                  progress: Callable[[float], None] | None) -> None:
         self.reqs, self.model, self.cfg, self.progress = reqs, model, cfg, progress
@@ -76,16 +77,11 @@ class _Sim:
         self.placed: dict[int, object] = {}
         self.uncached: dict[int, int] = {}
         self.waiting: deque[tuple[int, int, float]] = deque()  # (request, context, tokens left) for a decode slot
-        self.draining: dict[str, tuple[Role, float]] = {}  # worker -> (role it leaves, drain start)
-        self.switching: set[str] = set()
-        self.starting: dict[str, Role] = {}  # added workers until their start is done
-        self.removing: set[str] = set()  # draining to leave the cluster (not to flip)
-        self.next_name = cfg.workers
+        self.act = SimActuator(self, first_name=cfg.workers)
         self.arrivals: deque[tuple[float, int, int, int]] = deque()  # (t, uncached, prompt, output) in the window
         self.recent: deque[tuple[float, float, float | None]] = deque()  # (t, ttft, itl) finished
         self.timeline: list[dict] = []
         self.decisions: list[Decision] = []
-        self.flips: list[tuple[float, Role]] = []
         self.capacity = CapacityModel(model)
         self.ctrl = None
         if cfg.prefill is None:
@@ -163,8 +159,8 @@ class _Sim:
         w.ending = []
         if w.queue:
             self.start_prefill(w, now)
-        elif name in self.draining:
-            self.drained(name, now)
+        elif name in self.act.draining:
+            self.act.drained(name, now)
 
     # ----- decode -------------------------------------------------------------------------
 
@@ -218,8 +214,8 @@ class _Sim:
             self.finish(i, now)
         self.schedule(w, now)
         self.admit(now)
-        if name in self.draining and not w.batch:
-            self.drained(name, now)
+        if name in self.act.draining and not w.batch:
+            self.act.drained(name, now)
 
     def finish(self, i: int, now: float) -> None:
         t = self.times[i]
@@ -239,10 +235,10 @@ class _Sim:
         ctx = sum(w.context for w in self.decode.values()) + sum(c for _, c, _ in self.waiting)
         ttfts = sorted(x[1] for x in self.recent)
         itls = sorted(x[2] for x in self.recent if x[2] is not None)
-        live = [w for n, w in self.decode.items() if n not in self.draining]
+        live = [w for n, w in self.decode.items() if n not in self.act.draining]
         return Signals(
             now=now,
-            prefill_workers=len([n for n in self.prefill if n not in self.draining]),
+            prefill_workers=len([n for n in self.prefill if n not in self.act.draining]),
             decode_workers=len(live),
             arriving_prompt_tokens_s=sum(a[1] for a in self.arrivals) / window,
             arriving_requests_s=len(self.arrivals) / window,
@@ -253,8 +249,8 @@ class _Sim:
             decode_kv_use=sum(w.reserved for w in live) / max(1, len(live) * self.model.kv_tokens),
             ttft_p90_ms=1000 * ttfts[int(0.9 * len(ttfts))] if ttfts else None,
             itl_p90_ms=1000 * itls[int(0.9 * len(itls))] if itls else None,
-            change_in_flight=self.in_flight(),
-            total_workers=len(self.prefill) + len(self.decode) + len(self.switching) + len(self.starting),
+            change_in_flight=self.act.in_flight(),
+            total_workers=len(self.prefill) + len(self.decode) + len(self.act.switching) + len(self.act.starting),
         )
 
     def tick(self, now: float) -> None:
@@ -264,112 +260,10 @@ class _Sim:
         d = self.ctrl.decide(s, self.capacity.estimate())
         if d.action != "hold" or d.close:
             self.decisions.append(d)
-        if d.action == "add":  # the difference to the target split, started together
-            for pool, k in ((Role.PREFILL, d.target_prefill - d.prefill), (Role.DECODE, d.target_decode - d.decode)):
-                for _ in range(k):
-                    self.add(pool, now)
-        if d.action == "remove" and d.pool is not None:
-            w = self.pick(d.pool)
-            if w is not None:
-                self.retire(w, d.pool, now)
-        if d.action == "flip" and d.flip_from is not None:
-            for _ in range(d.count):
-                w = self.pick(d.flip_from)
-                if w is not None:
-                    self.flip(w, d.flip_from.other, now)
+        self.act.apply(d, now)
         self.sample(now, s)
         if self.pending():
             self.push(now + interval, "tick")
-
-    def in_flight(self) -> bool:
-        return bool(self.draining or self.switching or self.starting)
-
-    def add(self, pool: Role, now: float) -> None:
-        """A new worker joins `pool` cold once the model's start time has passed."""
-        name = f"w{self.next_name}"
-        self.next_name += 1
-        self.starting[name] = pool
-        self.push(now + self.model.start_s, "started", name)
-
-    def started(self, name: str, now: float) -> None:
-        pool = self.starting.pop(name)
-        self.capacity.started(name)
-        assert self.ctrl is not None
-        self.ctrl.observe_start(self.model.start_s)
-        self.join(name, pool, now)
-
-    def retire(self, name: str, pool: Role, now: float) -> None:
-        """Out of placement now; drained as for a flip, then gone."""
-        self.removing.add(name)
-        self.flip(name, pool.other, now, record=False)
-
-    def pick(self, donor: Role) -> str | None:
-        if donor is Role.PREFILL:
-            cands = [(w.queued_tokens, n) for n, w in self.prefill.items() if n not in self.draining]
-        else:
-            cands = [(w.reserved, n) for n, w in self.decode.items() if n not in self.draining]
-        return min(cands)[1] if len(cands) > 1 else None
-
-    def flip(self, name: str, to: Role, now: float, record: bool = True) -> None:
-        """Out of placement now; drained, then switched (flip_s), then in the other pool."""
-        leaving = to.other
-        self.draining[name] = (leaving, now)
-        if record:
-            self.flips.append((now, leaving))
-        if leaving is Role.PREFILL:
-            self.pp.remove_worker(name)
-            if self.prefill[name].idle:
-                self.drained(name, now)
-        else:
-            self.dp.remove_worker(name)
-            if not self.decode[name].batch:
-                self.drained(name, now)
-            else:
-                self.push(now + self.cfg.drain_deadline_s, "deadline", name)
-
-    def deadline(self, name: str, now: float) -> None:
-        """Streams still on a draining decode worker resume on another one (mid-stream resume)."""
-        w = self.decode.get(name)
-        if w is None or name not in self.draining:
-            return
-        w.advance(now)
-        for i in list(w.admitted):
-            ctx = w.admitted[i][1] + int(w.v - w.admitted[i][0])
-            left = w.remove(i)
-            self.placed.pop(i, None)
-            self.waiting.appendleft((i, ctx, left))
-        self.drained(name, now)
-        self.admit(now)
-
-    def drained(self, name: str, now: float) -> None:
-        leaving, _ = self.draining[name]
-        (self.prefill if leaving is Role.PREFILL else self.decode).pop(name)
-        if name in self.removing:  # it leaves the cluster
-            self.removing.discard(name)
-            self.draining.pop(name)
-            self.sample(now, None)
-            return
-        self.switching.add(name)
-        self.push(now + self.model.flip_s, "switched", name)
-
-    def switched(self, name: str, now: float) -> None:
-        leaving, started = self.draining.pop(name)
-        self.switching.discard(name)
-        self.capacity.started(name)
-        assert self.ctrl is not None
-        self.ctrl.observe_flip(now - started)
-        self.join(name, leaving.other, now)
-
-    def join(self, name: str, pool: Role, now: float) -> None:
-        """A worker (new, or flipped) enters `pool`'s placement."""
-        if pool is Role.DECODE:
-            self.decode[name] = SimDecode(name, self.model, now)
-            self.dp.add_worker(name)
-            self.admit(now)
-        else:
-            self.prefill[name] = self.new_prefill(name)
-            self.pp.add_worker(name)
-        self.sample(now, None)
 
     # ----- the host ---------------------------------------------------------------------------
 
@@ -394,8 +288,8 @@ class _Sim:
     # ----- the loop ---------------------------------------------------------------------------
 
     def sample(self, now: float, s: Signals | None) -> None:
-        row = {"t": round(now, 3), "prefill": len(self.prefill) - sum(1 for n in self.draining if n in self.prefill),
-               "decode": len(self.decode) - sum(1 for n in self.draining if n in self.decode)}
+        row = {"t": round(now, 3), "prefill": len(self.prefill) - sum(1 for n in self.act.draining if n in self.prefill),
+               "decode": len(self.decode) - sum(1 for n in self.act.draining if n in self.decode)}
         if s is not None:
             row.update(rps=round(s.arriving_requests_s, 3), prompt_tok_s=round(s.arriving_prompt_tokens_s, 1),
                        output_tok_s=round(s.arriving_output_tokens_s, 1))
@@ -413,10 +307,10 @@ class _Sim:
         handlers = {
             "prefilled": lambda now, p: self.prefilled(*p, now),
             "decoded": lambda now, p: self.decoded(*p, now),
-            "deadline": lambda now, p: self.deadline(p, now),
+            "deadline": lambda now, p: self.act.deadline(p, now),
             "handed": lambda now, p: self.handed(p, now),
-            "switched": lambda now, p: self.switched(p, now),
-            "started": lambda now, p: self.started(p, now),
+            "switched": lambda now, p: self.act.switched(p, now),
+            "started": lambda now, p: self.act.started(p, now),
             "tick": lambda now, p: self.tick(now),
         }
         last_report = 0
@@ -437,17 +331,17 @@ class _Sim:
             if self.cfg.cores is not None:
                 self.restretch(now)
         dwell = self.ctrl.dwell_s if self.ctrl is not None else 0.0
-        return summarize(self.times, self.reqs, self.cfg.slo, self.flips, dwell, self.timeline, self.decisions)
+        return summarize(self.times, self.reqs, self.cfg.slo, self.act.flips, dwell, self.timeline, self.decisions)
 
 
 def simulate(reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig,
              progress: Callable[[float], None] | None = None) -> SimResult:
-    return _Sim(reqs, model, cfg, progress).run()
+    return Simulation(reqs, model, cfg, progress).run()
 
 
 def simulate_with_times(
     reqs: Sequence[SimRequest], model: PerfModel, cfg: SimConfig
 ) -> tuple[SimResult, list[RequestTimes]]:
     """As `simulate`, with each request's times too (in trace order), to set beside a real run's."""
-    sim = _Sim(reqs, model, cfg, None)
+    sim = Simulation(reqs, model, cfg, None)
     return sim.run(), sim.times
