@@ -92,7 +92,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--kv-transfer-overlap", action="store_true",
         help="the decode worker pulls a prompt's KV chunk by chunk while the prompt is still being prefilled, so "
-        "that little is left to move after the prefill (default: off; see docs/architecture.md)",
+        "that little is left to move after the prefill (default: off; see docs/kv-transfer.md)",
     )
     srv.add_argument(
         "--placement-policy", choices=PLACEMENT_POLICIES, default="index",
