@@ -3,11 +3,9 @@ its own client span, with what it measured recorded in the router's metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 from opentelemetry import trace
 
@@ -19,26 +17,23 @@ from router.config import RouterConfig
 from router.handles import RouterError
 from router.inflight import InFlight
 from router.measured import PrefillTimes
-from router.policy import PrefillPolicy
-
-_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
 
 class WorkerCalls:
+    """The calls that put a request on a worker, one attempt each (`Failover` repeats them)."""
+
     def __init__(
         self,
         config: RouterConfig,
         tracer: trace.Tracer,
         metrics: RouterMetrics,
-        prefill_policy: PrefillPolicy,
         prefill_times: PrefillTimes | None = None,
     ) -> None:
         self.config = config
         self.tracer = tracer
         self.metrics = metrics
-        self.prefill_policy = prefill_policy
         self.prefill_times = prefill_times  # each prefill's compute time, for the P:D controller's capacity fit
 
     async def prefill(self, r: InFlight, progress_to: str = "") -> worker_pb2.PrefillResult:
@@ -59,7 +54,7 @@ class WorkerCalls:
             raise
         finally:
             cached_tokens = handle.cached_prompt_tokens if handle is not None else None
-            self.prefill_policy.finish(r.p_at, time.monotonic(), cached_tokens)
+            r.prefill_ended(time.monotonic(), cached_tokens)
             self.metrics.prefill_wait.observe(time.monotonic() - sent)
             if cached_tokens is not None:
                 span.set_attribute("pdserve.cached_tokens", cached_tokens)
@@ -75,8 +70,8 @@ class WorkerCalls:
         span = self.tracer.start_span("pdserve.decode.start", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.d_at.worker})
         try:
-            start = await hand_over(
-                r, r.decode.start(r.ids, r.params, r.rid, handle, self.config.decode_start_timeout_s, **traced(span))
+            start = await r.shielded(
+                r.decode.start(r.ids, r.params, r.rid, handle, self.config.decode_start_timeout_s, **traced(span))
             )
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
@@ -102,9 +97,9 @@ class WorkerCalls:
         prefetch = getattr(r.decode, "prefetch", None)
         if prefetch is None:
             return ""
-        r.prefetching = True  # from the call on the worker may hold it, whatever the call's outcome
+        r.prefetch_begun()
         try:
-            answer = await hand_over(r, prefetch(r.ids, r.params, r.rid, self.config.control_timeout_s))
+            answer = await r.shielded(prefetch(r.ids, r.params, r.rid, self.config.control_timeout_s))
         except RouterError as exc:
             log.info("request %s: no KV prefetch on %s (%s); the hand-over pulls it all", r.rid, r.d_at.worker,
                      exc.message)
@@ -116,26 +111,14 @@ class WorkerCalls:
         span = self.tracer.start_span("pdserve.decode.submit", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.d_at.worker})
         try:
-            return await hand_over(
-                r, r.decode.submit(ids, params, r.rid, self.config.decode_start_timeout_s, **traced(span))
+            return await r.shielded(
+                r.decode.submit(ids, params, r.rid, self.config.decode_start_timeout_s, **traced(span))
             )
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
         finally:
             span.end()
-
-
-async def hand_over(r: InFlight, call: Awaitable[_T]) -> _T:
-    """Await a call that puts the request on its decode worker (start, submit). If the caller
-    is cancelled meanwhile, the call still runs to its end, and cleanup waits for it before
-    aborting: an abort that overtook it would find nothing to free, and the request would
-    then run on the worker with nobody listening."""
-    task = asyncio.ensure_future(call)
-    r.hand_over = task
-    result = await asyncio.shield(task)
-    r.hand_over = None
-    return result
 
 
 def traced(span: trace.Span) -> dict[str, Any]:

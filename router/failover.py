@@ -20,9 +20,10 @@ from typing import TypeVar
 import grpc
 
 from pdserve.engine.hashing import block_hashes
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.metrics import RouterMetrics
+from pdserve_proto import worker_pb2
 from router.background import Background
+from router.calls import WorkerCalls
 from router.config import RouterConfig
 from router.handles import RouterError
 from router.inflight import InFlight
@@ -34,27 +35,33 @@ _T = TypeVar("_T")
 
 
 class Failover:
+    """The calls that put a request on a worker (`WorkerCalls`), each moved to another worker of
+    its pool when the one it went to fails it."""
+
     def __init__(
-        self, config: RouterConfig, pools: WorkerPools, metrics: RouterMetrics, background: Background
+        self, config: RouterConfig, pools: WorkerPools, metrics: RouterMetrics, background: Background,
+        calls: WorkerCalls,
     ) -> None:
         self.config = config
         self.pools = pools
         self.metrics = metrics
         self.background = background
+        self.calls = calls
 
-    async def prefill(self, r: InFlight, call: Callable[[], Awaitable[_T]]) -> _T:
-        """`call` (the prefill on `r.prefill`); if the worker fails it, again on another prefill
-        worker, up to `max_prefill_attempts` workers, then UNAVAILABLE."""
+    async def prefill(self, r: InFlight, progress_to: str = "") -> worker_pb2.PrefillResult:
+        """The prefill on `r.prefill`; if the worker fails it, again on another prefill worker,
+        up to `max_prefill_attempts` workers, then UNAVAILABLE."""
         cfg, pools = self.config, self.pools
         while True:
             try:
-                return await call()
+                return await self.calls.prefill(r, progress_to)
             except RouterError as exc:
                 if not exc.worker_failed:
                     raise
                 assert r.p_at is not None and r.prefill is not None
                 failed, failed_handle = r.p_at.worker, r.prefill
-                tried = pools.worker_failed(r, failed, exc)
+                pools.worker_failed(failed, exc)
+                tried = r.failed_on(failed, pools.prefills)
                 self.background.best_effort(
                     failed_handle.release(r.rid, cfg.control_timeout_s), f"release of {r.rid} on {failed}"
                 )
@@ -66,15 +73,21 @@ class Failover:
                 if p_at is None:
                     why = f"prefill: no other prefill worker after {failed} failed: {exc.message}"
                     raise _unavailable(why) from exc
-                pools.let_go(r, failed)
-                r.p_at, r.prefill = p_at, pools.prefills[p_at.worker]
-                pools.hold(r, p_at.worker)
+                r.place_prefill(p_at)
                 self.metrics.failovers.labels("prefill").inc()
                 log.warning(
                     "request %s: prefill worker %s failed (%s); retrying on %s", r.rid, failed, exc.message, p_at.worker
                 )
 
-    async def hand_over(self, r: InFlight, call: Callable[[], Awaitable[_T]]) -> _T:
+    async def start(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
+        """The KV hand-over to `r.decode`, moved on as `_on_decode` says."""
+        return await self._on_decode(r, lambda: self.calls.start(r, handle))
+
+    async def submit(self, r: InFlight) -> worker_pb2.DecodeSubmit:
+        """The whole request to `r.decode`, to prefill there and decode, moved on as `_on_decode` says."""
+        return await self._on_decode(r, lambda: self.calls.submit(r, r.ids, r.params))
+
+    async def _on_decode(self, r: InFlight, call: Callable[[], Awaitable[_T]]) -> _T:
         """`call` (a start or submit on `r.decode`); if the decode worker fails it before taking
         the request, the same call on another decode worker. Whatever the failed worker had sent
         for the request before its call failed is dropped: the next one starts from the same
@@ -89,10 +102,8 @@ class Failover:
                 if dropped := r.stream.discard_queued():
                     log.info("request %s: dropped %d updates of the failed decode worker", r.rid, dropped)
 
-    async def resume(
-        self, r: InFlight, lost: RouterError, submit: Callable[[list[int], SamplingParams], Awaitable[object]]
-    ) -> None:
-        """The decode worker died mid-stream: `submit` the prompt and every token already sent
+    async def resume(self, r: InFlight, lost: RouterError) -> None:
+        """The decode worker died mid-stream: submit the prompt and every token already sent
         to another decode worker, which goes on from there. The client sees each token once:
         the ones it has are part of the new prompt, and a token the lost worker made but never
         delivered is made again."""
@@ -100,7 +111,7 @@ class Failover:
         params = r.params.after(len(r.generated))
         while True:
             try:
-                await submit(r.ids + r.generated, params)
+                await self.calls.submit(r, r.ids + r.generated, params)
                 return
             except RouterError as exc:
                 if not exc.worker_failed:
@@ -112,21 +123,18 @@ class Failover:
         its call there); UNAVAILABLE after `max_decode_attempts` workers or when none is left."""
         cfg, pools = self.config, self.pools
         failed, failed_handle = r.d_at.worker, r.decode
-        tried = pools.worker_failed(r, failed, exc)
+        pools.worker_failed(failed, exc)
+        tried = r.failed_on(failed, pools.decodes)
         # A worker that only missed a deadline may still hold the request: free it there.
         self.background.best_effort(failed_handle.abort(r.rid, cfg.control_timeout_s), f"abort of {r.rid} on {failed}")
-        r.stream.worker = None  # nothing more from the failed worker reaches this stream
+        r.leave_decode_worker()
         if tried >= cfg.max_decode_attempts:
             raise _unavailable(f"decode: {tried} decode workers failed; last: {exc.message}") from exc
         ids = r.ids + r.generated
         d_at = pools.decode_policy.place(block_hashes(ids, cfg.block_size), len(ids), cfg.max_inflight_per_decode)
         if d_at is None:
             raise _unavailable(f"decode: no other decode worker after {failed} failed: {exc.message}") from exc
-        pools.decode_policy.finish(r.d_at)
-        pools.let_go(r, failed)
-        r.d_at, r.decode = d_at, pools.decodes[d_at.worker]
-        r.stream.worker = d_at.worker
-        pools.hold(r, d_at.worker)
+        r.move_decode(d_at)
         self.metrics.failovers.labels(stage).inc()
         log.warning("request %s: decode worker %s failed (%s); moved to %s", r.rid, failed, exc.message, d_at.worker)
 

@@ -8,7 +8,6 @@ import time
 
 from router.config import RouterConfig
 from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.inflight import InFlight
 from router.membership import PoolMembership
 from router.policy import DecodePolicy, PrefillPolicy
 
@@ -76,18 +75,14 @@ class WorkerPools:
         """Requests `worker` still serves (a prefill worker's until their KV is pulled)."""
         return self._busy.get(worker, 0)
 
-    def hold(self, r: InFlight, worker: str) -> None:
-        r.busy.append(worker)
+    def hold(self, worker: str) -> None:
+        """One more request counts `worker` as its own (`InFlight.hold`)."""
         self._busy[worker] = self._busy.get(worker, 0) + 1
 
-    def let_go(self, r: InFlight, worker: str) -> None:
-        r.busy.remove(worker)
+    def let_go(self, worker: str) -> None:
         self._busy[worker] -= 1
 
-    def worker_failed(self, r: InFlight, worker: str, exc: RouterError) -> int:
-        """`worker` failed a call for `r`: it leaves placement until its health check answers
-        again, and `r` does not go back to it. Returns how many workers of that pool failed `r`."""
-        r.tried.add(worker)
-        prefill = worker in self.prefills
-        (self.prefill_members if prefill else self.decode_members).report_failure(worker, exc.message)
-        return len(r.tried & (self.prefills.keys() if prefill else self.decodes.keys()))
+    def worker_failed(self, worker: str, exc: RouterError) -> None:
+        """`worker` failed a call: it leaves placement until its health check answers again."""
+        members = self.prefill_members if worker in self.prefills else self.decode_members
+        members.report_failure(worker, exc.message)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from router.config import RouterConfig
 from router.deadline import stop_tasks
 from router.handles import DecodeHandle
-from router.inflight import Stream, WorkerLost
+from router.token_stream import Stream, WorkerLost
 
 log = logging.getLogger(__name__)
 

@@ -4,17 +4,16 @@ prefilled on its decode worker: always in a colocated cluster (no prefill pool),
 conditional disaggregation when little of it is missing from that worker's prefix cache
 (`router.policy.prefill_locally`).
 
-Tokens come back from decode workers through one long-poll per worker (`router.relay`); a
-worker that fails a call or goes silent hands its requests to another (`router.failover`).
-Text is produced here, at the edge, from the whole token stream (a prefill worker's first token
-included), so chunks never split a UTF-8 character and stop strings see all of the text.
+Tokens come back from decode workers through one long-poll per worker (`router.relay`) and
+reach the client as chunks (`router.client_stream`); a worker that fails a call or goes silent
+hands its requests to another (`router.failover`). Each request's state, and everything it
+holds until it ends, is an `InFlight` (`router.inflight`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections import Counter
@@ -23,7 +22,6 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import Histogram
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.hashing import block_hashes
@@ -38,17 +36,17 @@ from router.config import RouterConfig
 from router.errors import to_router_error
 from router.failover import Failover
 from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.inflight import InFlight, Stream, WorkerLost
+from router.client_stream import ClientStream, chunk
+from router.inflight import Books, InFlight, Phase
 from router.load_signals import LoadSignals, watch_pool_sizes
 from router.parsing import parse_request
 from router.policy import DecodePolicy, Placement, PrefillPolicy, prefill_locally
 from router.pools import WorkerPools
 from router.relay import TokenRelay
+from router.token_stream import Stream
 from router.stats import StreamMetrics, cluster_stats, placement_stats
 
 __all__ = ["Router", "RouterConfig"]
-
-log = logging.getLogger(__name__)
 
 # A hand-over refused for want of free KV blocks is tried again after these waits (doubling).
 HANDOVER_RETRY_FIRST_S = 0.01
@@ -56,6 +54,9 @@ HANDOVER_RETRY_MAX_S = 0.25
 
 
 class Router:
+    """Admits, places and serves requests: each is prefilled on a prefill worker and handed
+    over to a decode worker (`_serve_remote`), or prefilled on its decode worker (`_serve_local`)."""
+
     def __init__(
         self,
         config: RouterConfig,
@@ -76,13 +77,13 @@ class Router:
         watch_pool_sizes(self.metrics, self.pools)
         self.relay = TokenRelay(config, self.pools.decode_members.report_failure)
         self._background = Background()
-        self.failover = Failover(config, self.pools, self.metrics, self._background)
-        self.calls = WorkerCalls(
-            config, self.tracer, self.metrics, self.pools.prefill_policy, self.load.prefill_times
-        )
+        self.calls = WorkerCalls(config, self.tracer, self.metrics, self.load.prefill_times)
+        self.failover = Failover(config, self.pools, self.metrics, self._background, self.calls)
+        self.client_stream = ClientStream(config, self.tracer, self.failover)
         self._prefill_locations: Counter[str] = Counter()  # requests by where their prompt was prefilled
         # Admitted requests without a token yet, per pool: what bounded admission counts.
         self.queues = {pool: PoolQueue(pool, config.max_queued_requests) for pool in ("prefill", "decode")}
+        self._books = Books(self.pools, self.queues, self.relay.streams, self._background, config.control_timeout_s)
 
     @property
     def prefills(self) -> dict[str, PrefillHandle]:
@@ -206,31 +207,18 @@ class Router:
         self.metrics.prompt_tokens.inc(len(ids))
         self.metrics.prefill_location.labels(where).inc()
         self._prefill_locations[where] += 1
-        self.relay.streams[rid] = r.stream  # before any worker call, so no token of this request is dropped
-        for w in ([r.d_at.worker] if r.p_at is None else [r.p_at.worker, r.d_at.worker]):
-            self.pools.hold(r, w)
+        r.open()  # before any worker call, so no token of this request is dropped
         try:
             path = self._serve_local(r) if r.local else self._serve_remote(r)
             async with contextlib.aclosing(path) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+                async for out in chunks:
+                    yield out
         except (asyncio.CancelledError, GeneratorExit):
-            self._cleanup_later(r)
             raise
         except Exception as exc:
-            self._cleanup_later(r)
             raise to_router_error(exc, "generate") from exc
         finally:
-            for span in r.open_spans:  # a request that failed or was cancelled mid-stream
-                if span.is_recording():
-                    span.end()
-            self.relay.streams.pop(rid, None)
-            r.stream.close()
-            for pool in list(r.queued):  # failed or cancelled before its token
-                self._dequeue(r, pool, served=False)
-            self.pools.decode_policy.finish(r.d_at)
-            for w in list(r.busy):  # the prefill worker too: it holds the KV until it is pulled
-                self.pools.let_go(r, w)
+            r.close()  # every path ends here: what the request holds goes back, once
 
     def _place(self, rid: str, ids: list[int], params: SamplingParams, ctx: Any) -> InFlight:
         """Choose the decode worker, then whether the prompt is prefilled there (`prefill_locally`,
@@ -244,63 +232,47 @@ class Router:
         route = self.tracer.start_span("pdserve.route", context=ctx)
         hashes = block_hashes(ids, cfg.block_size)
         d_at = pools.decode_policy.place(hashes, len(ids), cfg.max_inflight_per_decode)
-        local = d_at is not None and prefill_locally(
-            len(ids), d_at.matched_blocks * cfg.block_size, bool(pools.prefill_policy.workers),
-            cfg.placement.max_local_prefill_tokens,
-        )
-        p_at = None
-        overflow = False
-        if d_at is not None and not local:
-            refusal = self.queues["prefill"].refusal()
-            if refusal is not None:
-                pools.decode_policy.finish(d_at)
-                route.end()
-                raise _refused(refusal)
-            p_at = pools.prefill_policy.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill)
-            # Every prefill worker at its cap: the decode worker prefills rather than refuse.
-            overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
-        if overflow:
-            self.metrics.prefill_overflows.inc()
-        if route.is_recording():
-            route.set_attributes({**_placement_attributes(p_at, d_at, local), "pdserve.prefill.overflow": overflow})
-        route.end()
-        if d_at is None or (p_at is None and not local):
-            if d_at is not None:
-                pools.decode_policy.finish(d_at)
-            full = "decode" if d_at is None else "prefill"
-            if not (pools.decode_policy if full == "decode" else pools.prefill_policy).workers:
-                # Nothing to wait for: every worker of the pool is down or leaving it.
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{full} pool: no worker in placement")
-            hint = retry_after_ms(self.queues[full].recent_queue_s)
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{full} pool: every worker is at capacity; retry after {hint} ms", retry_after_ms=hint)
-        r = InFlight(
-            rid, ids, params, ctx, d_at, pools.decodes[d_at.worker], p_at,
-            None if p_at is None else pools.prefills[p_at.worker], IncrementalDetokenizer(self.tokenizer, params.stop),
-            Stream(d_at.worker),
-        )
-        self._enqueue(r, "decode" if local else "prefill")
+        if d_at is None:
+            _end_route(route, None, None, False, False)
+            raise _full("decode", pools.decode_policy.workers, self.queues["decode"])
+        r = InFlight(self._books, rid, ids, params, ctx, IncrementalDetokenizer(self.tokenizer, params.stop), d_at)
+        try:
+            local = prefill_locally(
+                len(ids), d_at.matched_blocks * cfg.block_size, bool(pools.prefill_policy.workers),
+                cfg.placement.max_local_prefill_tokens,
+            )
+            overflow = False
+            if not local:
+                refusal = self.queues["prefill"].refusal()
+                if refusal is not None:
+                    route.end()
+                    raise _refused(refusal)
+                p_at = pools.prefill_policy.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill)
+                if p_at is not None:
+                    r.place_prefill(p_at)
+                # Every prefill worker at its cap: the decode worker prefills rather than refuse.
+                overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
+            if overflow:
+                self.metrics.prefill_overflows.inc()
+            _end_route(route, r.p_at, d_at, local, overflow)
+            if r.p_at is None and not local:
+                raise _full("prefill", pools.prefill_policy.workers, self.queues["prefill"])
+        except BaseException:
+            r.close()  # gives the placement back
+            raise
+        r.enqueue("decode" if local else "prefill")
         return r
-
-    def _enqueue(self, r: InFlight, pool: str) -> None:
-        r.queued[pool] = time.monotonic()
-        self.queues[pool].enter()
-
-    def _dequeue(self, r: InFlight, pool: str, served: bool) -> None:
-        entered = r.queued.pop(pool, None)
-        if entered is not None:
-            self.queues[pool].leave(entered, time.monotonic(), served)
 
     async def _serve_remote(self, r: InFlight) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Disaggregated: prefill on a prefill worker (its first token goes to the client at once),
         hand the KV over to the decode worker, then relay the decode worker's tokens."""
         assert r.prefill is not None
+        r.enter(Phase.PREFILLING)
         # Overlap: the decode worker allocates the blocks now and READs them chunk by chunk as the
         # prefill worker announces them final; the hand-over below then moves only the rest.
         progress_to = await self.calls.prefetch(r) if self.config.kv_transfer_overlap else ""
-        handle = await self.failover.prefill(r, lambda: self.calls.prefill(r, progress_to))
-        self._dequeue(r, "prefill", served=True)
-        r.pinned_on_prefill = True
+        handle = await self.failover.prefill(r, progress_to)
+        r.dequeue("prefill", served=True)
         r.cached = handle.cached_prompt_tokens
         self.metrics.cached_prompt_tokens.inc(r.cached)
         r.completion = 1
@@ -308,27 +280,27 @@ class Router:
         if r.detok.add([handle.first_token]) is not None:
             reason = "stop"
         if reason:
-            await self._release_prefill(r)
+            await r.release_prefill_kv()
             if r.prefetching:
-                await self._abort_prefetch(r)
-            yield self._chunk(r, [handle.first_token], reason)
+                await r.abort_prefetch()
+            r.finished()
+            yield chunk(r, [handle.first_token], reason)
             return
-        yield self._chunk(r, [handle.first_token], "")
+        yield chunk(r, [handle.first_token], "")
 
-        r.on_decode = True
-        self._enqueue(r, "decode")  # past its prefill: joins the decode queue whatever its length
+        r.enter(Phase.HANDING_OVER)  # from here the decode worker may hold the request
+        r.enqueue("decode")  # past its prefill: joins the decode queue whatever its length
         # A decode worker that fails before it has pulled: the same handle goes to another one
         # (the prefill worker still holds the blocks under its lease).
         start = await self._start_when_room(r, handle)
-        r.prefetching = False  # the start took it over (or another decode worker has the request)
+        r.prefetch_taken_over()  # the start took it over (or another decode worker has the request)
         handed_over = time.monotonic()
         if start.recomputed:
-            await self._release_prefill(r)
-        r.pinned_on_prefill = False  # pulled: the prefill worker frees on the notification
-        assert r.p_at is not None
-        self.pools.let_go(r, r.p_at.worker)  # so draining the prefill worker waits no longer for this stream
-        async for chunk in self._relay_tokens(r, handed_over, self.metrics.decode_wait):
-            yield chunk
+            await r.release_prefill_kv()
+        # Pulled: the prefill worker frees on the notification, and draining it waits no longer for this stream.
+        r.enter(Phase.DECODING)
+        async for out in self.client_stream.relay(r, handed_over, self.metrics.decode_wait):
+            yield out
 
     async def _start_when_room(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
         """The hand-over; while the decode worker has no free KV blocks for the prompt, the same
@@ -340,7 +312,7 @@ class Router:
         waited = 0.0
         while True:
             try:
-                start = await self.failover.hand_over(r, lambda: self.calls.start(r, handle))
+                start = await self.failover.start(r, handle)
             except RouterError as exc:
                 if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
@@ -360,151 +332,19 @@ class Router:
             waited += delay
             delay = min(2 * delay, HANDOVER_RETRY_MAX_S)
 
-    async def _release_prefill(self, r: InFlight) -> None:
-        """Free the request's KV on its prefill worker: nothing will pull it. A worker that has
-        died since it answered, or is too busy to answer now, costs the request nothing: a dead
-        worker's KV went with it, and a live one's lease frees it."""
-        assert r.prefill is not None
-        try:
-            await r.prefill.release(r.rid, self.config.control_timeout_s)
-        except RouterError as exc:
-            log.info("release of %s on %s: %s", r.rid, r.prefill.worker_id, exc.message)
-        r.pinned_on_prefill = False
-
-    async def _abort_prefetch(self, r: InFlight) -> None:
-        """The request ended at its first token: free the blocks its decode worker prefetched."""
-        try:
-            await r.decode.abort(r.rid, self.config.control_timeout_s)
-        except RouterError as exc:
-            log.info("abort of the prefetch of %s on %s: %s", r.rid, r.d_at.worker, exc.message)
-        r.prefetching = False
-
     async def _serve_local(self, r: InFlight) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Colocated, or conditionally not disaggregated: the decode worker prefills the prompt
         itself, and every token, the first included, comes through its relay."""
         sent = time.monotonic()
-        r.on_decode = True  # from the call on the worker may hold the request, whatever the call's outcome
-        submitted = await self.failover.hand_over(r, lambda: self.calls.submit(r, r.ids, r.params))
+        r.enter(Phase.HANDING_OVER)  # from the call on the worker may hold the request, whatever the call's outcome
+        submitted = await self.failover.submit(r)
+        r.enter(Phase.DECODING)
         r.cached = submitted.cached_prompt_tokens
         self.metrics.cached_prompt_tokens.inc(r.cached)
         self.pools.decode_policy.prefilled_here(r.d_at, r.cached)
         # Until its first token the request is being prefilled: that wait is the prefill's.
-        async for chunk in self._relay_tokens(r, sent, self.metrics.prefill_wait):
-            yield chunk
-
-    async def _relay_tokens(
-        self, r: InFlight, since: float, first_wait: Histogram
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """The decode worker's tokens of this request, as chunks, until it finishes: the common
-        tail of both paths. `first_wait` observes the time from `since` to the first of them."""
-        first = self.tracer.start_span("pdserve.decode.first_token", context=r.ctx,
-                                       attributes={"pdserve.worker_id": r.d_at.worker})
-        r.open_spans.append(first)
-        stream_span: trace.Span | None = None
-        pending: tuple[list[int], str] | RouterError | None = None  # read while coalescing; handled next
-        while True:
-            if pending is not None:
-                item, pending = pending, None
-            else:
-                item = await r.stream.next(self.config.token_timeout_s)
-                if item is None:  # silent for token_timeout_s
-                    item = await self._silent(r)
-                    if item is None:
-                        continue
-            if isinstance(item, WorkerLost):
-                if item.worker == r.d_at.worker:  # else: about a worker this request already left
-                    await self.failover.resume(r, item, lambda ids, params: self.calls.submit(r, ids, params))
-                continue
-            if isinstance(item, RouterError):
-                raise item
-            tokens, reason = item
-            if stream_span is None:
-                self._dequeue(r, "decode", served=True)
-                first.end()
-                first_wait.observe(time.monotonic() - since)
-                stream_span = self.tracer.start_span("pdserve.stream", context=r.ctx,
-                                                     attributes={"pdserve.worker_id": r.d_at.worker})
-                r.open_spans.append(stream_span)
-            tokens, reason, stopped, pending = self._take_queued(r, tokens, reason)
-            if stopped:
-                await r.decode.abort(r.rid, self.config.control_timeout_s)
-            if reason:
-                r.on_decode = False
-                stream_span.set_attributes({"pdserve.completion_tokens": r.completion, "pdserve.finish_reason": reason})
-                stream_span.end()
-            yield self._chunk(r, tokens, reason)
-            if reason:
-                return
-
-    @staticmethod
-    def _take_queued(
-        r: InFlight, tokens: list[int], reason: str
-    ) -> tuple[list[int], str, bool, tuple[list[int], str] | RouterError | None]:
-        """`tokens` and the updates queued behind them, for one chunk: a poll that carries
-        several engine steps, or a client that reads slower than they come, costs one chunk
-        (one SSE event) instead of one per step. Each update goes through the detokenizer as it
-        came, so the text and where a stop string cuts it are what they would be chunk by chunk.
-        Stops at a finish, a stop string, or an item that is not tokens (returned, to be
-        handled next). Returns (tokens, finish reason, stopped by a stop string, that item)."""
-        out = list(tokens)
-        queue = r.stream.queue
-        stopped = False
-        while True:
-            r.completion += len(tokens)
-            if r.detok.add(tokens) is not None:
-                reason, stopped = "stop", True
-            if reason or queue.empty():
-                return out, reason, stopped, None
-            item = queue.get_nowait()
-            if not isinstance(item, tuple):
-                return out, reason, stopped, item
-            tokens, reason = item
-            out += tokens
-
-    async def _silent(self, r: InFlight) -> WorkerLost | None:
-        """No token of `r` for `token_timeout_s`: a `WorkerLost` if its decode worker fails its
-        health check (the stream resumes elsewhere), else None: the worker is alive and the
-        request only waits its turn there, as long as its caller's own deadline allows."""
-        worker = r.d_at.worker
-        try:
-            await r.decode.health(self.config.control_timeout_s)
-        except RouterError as exc:
-            if exc.worker_failed:
-                return WorkerLost(worker, f"decode worker {worker} sent nothing for {self.config.token_timeout_s}s "
-                                          f"and failed its health check ({exc.message})")
-        log.info("request %s: no token from %s for %ss; the worker is alive, waiting on", r.rid, worker,
-                 self.config.token_timeout_s)
-        return None
-
-    def _chunk(self, r: InFlight, tokens: list[int], reason: str) -> inference_pb2.GenerateResponse:
-        r.generated += tokens
-        resp = inference_pb2.GenerateResponse(
-            request_id=r.rid, token_ids=tokens, text=r.detok.stream_delta(finished=bool(reason)), finish_reason=reason
-        )
-        if reason:
-            resp.usage.prompt_tokens = len(r.ids)
-            resp.usage.completion_tokens = r.completion
-            resp.usage.cached_prompt_tokens = r.cached
-        return resp
-
-    def _cleanup_later(self, r: InFlight) -> None:
-        """Free the request on the workers without blocking the cancelled caller."""
-
-        async def cleanup() -> None:
-            if r.hand_over is not None:  # let a start/submit still on its way land first
-                await asyncio.gather(r.hand_over, return_exceptions=True)
-            t = self.config.control_timeout_s
-            release = r.prefill is not None and (r.pinned_on_prefill or not r.on_decode)
-            results = await asyncio.gather(
-                r.decode.abort(r.rid, t) if r.on_decode or r.prefetching else asyncio.sleep(0),
-                r.prefill.release(r.rid, t) if release and r.prefill is not None else asyncio.sleep(0),
-                return_exceptions=True,
-            )
-            for res in results:
-                if isinstance(res, BaseException):
-                    log.warning("cleanup of %s: %s", r.rid, res)
-
-        self._background.spawn(cleanup())
+        async for out in self.client_stream.relay(r, sent, self.metrics.prefill_wait):
+            yield out
 
     async def drain_cleanups(self) -> None:
         await self._background.drain()
@@ -513,6 +353,22 @@ class Router:
 def _refused(refusal: Refusal) -> RouterError:
     """A pool's queue is full (`router.admission`): refused before any worker call, with a hint."""
     return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, retry_after_ms=refusal.retry_after_ms)
+
+
+def _full(pool: str, workers: list[str], queue: PoolQueue) -> RouterError:
+    """No worker of `pool` has room: RESOURCE_EXHAUSTED with a retry hint, or UNAVAILABLE when
+    the pool has no worker in placement at all (nothing to wait for: all down or leaving)."""
+    if not workers:
+        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{pool} pool: no worker in placement")
+    hint = retry_after_ms(queue.recent_queue_s)
+    return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"{pool} pool: every worker is at capacity; retry after {hint} ms", retry_after_ms=hint)
+
+
+def _end_route(route: trace.Span, p_at: Placement | None, d_at: Placement | None, local: bool, overflow: bool) -> None:
+    if route.is_recording():
+        route.set_attributes({**_placement_attributes(p_at, d_at, local), "pdserve.prefill.overflow": overflow})
+    route.end()
 
 
 def _placement_attributes(p_at: Placement | None, d_at: Placement | None, local: bool) -> dict[str, Any]:

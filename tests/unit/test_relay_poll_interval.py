@@ -11,7 +11,7 @@ import pytest
 
 from pdserve_proto import worker_pb2
 from router.config import RouterConfig
-from router.inflight import Stream
+from router.token_stream import Stream
 from router.relay import TokenRelay
 
 

@@ -12,9 +12,10 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import worker_pb2
-from router.inflight import Stream, WorkerLost
+from router.client_stream import ClientStream
 from router.membership import MembershipConfig
 from router.router import Router, RouterConfig
+from router.token_stream import Stream, WorkerLost
 
 
 class Letters:
@@ -113,7 +114,7 @@ def test_coalescing_stops_at_an_item_that_is_not_tokens_and_hands_it_back():
     lost = WorkerLost("decode-0", "gone")
     for item in ([1], ""), ([2], ""), lost, ([3], ""):
         r.stream.queue.put_nowait(item)
-    tokens, reason, stopped, pending = Router._take_queued(r, [0], "")
+    tokens, reason, stopped, pending = ClientStream._take_queued(r, [0], "")
     assert (tokens, reason, stopped, pending) == ([0, 1, 2], "", False, lost)
     assert r.completion == 4 and r.detok.stream_delta(finished=False) == "abc"
     assert r.stream.queue.get_nowait() == ([3], "")  # still queued, behind the failover
@@ -124,5 +125,5 @@ def test_coalescing_ends_at_a_finish_and_leaves_what_follows():
     late = WorkerLost("decode-0", "late")
     r.stream.queue.put_nowait(([1], "length"))
     r.stream.queue.put_nowait(late)
-    assert Router._take_queued(r, [0], "") == ([0, 1], "length", False, None)
+    assert ClientStream._take_queued(r, [0], "") == ([0, 1], "length", False, None)
     assert r.stream.queue.get_nowait() is late
