@@ -112,6 +112,9 @@ class LLMEngine:
         )
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous one's tokens were read
+        # Rows of the step whose tokens the last `step()` call read back (both 0: it read none).
+        self.last_step_decodes = 0
+        self.last_step_prefills = 0
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -259,6 +262,7 @@ class LLMEngine:
         next call."""
         if self._inflight is not None:
             return self._step_overlapped(self._inflight)
+        self.last_step_decodes = self.last_step_prefills = 0
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -266,6 +270,11 @@ class LLMEngine:
             self._inflight = _InFlight(scheduled, self.runner.launch_greedy_decode(scheduled))
             return []
         sampled = self.runner.execute(scheduled)
+        # A decode row computes one token past its prompt; a row still in its prompt is prefill.
+        decodes = sum(
+            1 for item in scheduled if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+        )
+        self.last_step_decodes, self.last_step_prefills = decodes, len(scheduled) - decodes
         return self._finish_step(scheduled, sampled)
 
     def _overlappable(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -281,6 +290,7 @@ class LLMEngine:
             launch = self.runner.launch_greedy_decode(following, current.launch)
             self.num_overlapped_steps += 1
         tokens = self.runner.collect(current.launch)
+        self.last_step_decodes, self.last_step_prefills = len(current.scheduled), 0
         # Aborted while in flight: its token is dropped (its blocks were freed in stream order).
         live = [(item, t) for item, t in zip(current.scheduled, tokens) if item.seq.status is SeqStatus.RUNNING]
         outputs = self._finish_step([item for item, _ in live], {item.seq.request_id: (t, None) for item, t in live})
@@ -347,7 +357,7 @@ class LLMEngine:
     # ----- introspection -------------------------------------------------------------------
 
     def block_stats(self) -> BlockStats:
-        return self.blocks.check_integrity()
+        return self.blocks.stats()
 
     def load_stats(self) -> dict[str, int]:
         """KV pool and queue figures under the names workers report them with."""
