@@ -1,32 +1,12 @@
 """The P:D controller: from the signals, choose how many of the budget's workers prefill and how
-many decode, and whether to flip one worker now. Pure: no clock, no I/O; the caller passes the
-time in the signals and applies (or simulates) the flips.
+many decode, and whether to flip workers now. Pure: no clock, no I/O; the caller passes the time
+in the signals and applies (or simulates) the flips.
 
-Stable by construction:
-- the split is the one that minimises the larger of the two pools' predicted loads
-  (`split_loads`), and a flip is made only when it lowers that maximum by the hysteresis margin,
-  predicted with the donor pool one worker smaller (its survivors' load, the N/(N-1) case). A
-  flip back would have to lower the maximum again, which under the same load it cannot (and it
-  needs twice the margin, so that measurement noise cannot either): no 2<->1 oscillation;
-- nothing moves while both pools are comfortably below their limits;
-- the same flip must be proposed by `confirm` consecutive intervals; after a flip, the next one
-  in the same direction waits an interval, one in the opposite direction the dwell time;
-- at most one change in flight; a change moves up to `max_step` workers (a quarter of the
-  budget, at least one), the survivors' load predicted for all of them together; a step cut to
-  `max_step` is judged by the margin of the whole move to the target (and must itself lower the
-  larger load);
-- the decision interval follows the measured flip time (`interval_s`), and the arrival rates are
-  projected to when a flip decided now would be done (`rate_lead`);
-- a move weighs its own cost (`pays`): while its workers drain and switch (the measured flip
-  time) the donor pool is already smaller and the receiver not yet larger, so a move is made
-  only if, over the time the demand that calls for it is expected to go on, the load-time it
-  saves beats that. How long a demand goes on is measured: the durations of the past stretches
-  in which the same pool (else the other) wanted workers; before there are any, a stretch is
-  expected to last as long again as it has lasted so far. A burst over before its move pays
-  back moves nothing;
-- a reserve for demand that recurs (`reserve`), and, with a ceiling above the budget, adding and
-  removing workers (`scaling`).
-"""
+Stable by construction (docs/controller.md, "Policy"): a flip must lower the larger predicted load
+by the hysteresis margin (twice that to undo the last one), be proposed `confirm` intervals
+running, wait out the dwell and pay back its drain and switch over the demand's expected rest
+(`pays`); one change is in flight at a time. The reserve for recurring demand (`reserve`) and
+adding and removing workers (`scaling`) have modules of their own."""
 
 from __future__ import annotations
 

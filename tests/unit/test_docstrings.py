@@ -31,7 +31,6 @@ PENDING: set[str] = {
     "pdserve/cluster/scaler.py",  # owned elsewhere, being restructured
     "pdserve/cluster/serve.py::Cluster",  # owned elsewhere, being restructured
     "pdserve/cluster/token_channel.py",  # owned elsewhere, being restructured
-    "pdserve/control/controller.py",  # owned elsewhere, being restructured
     "pdserve/control/perf_model.py",  # owned elsewhere, being restructured
     "pdserve/worker/early_ends.py",  # owned elsewhere, being restructured
     "pdserve/worker/engine_loop.py",  # owned elsewhere, being restructured
