@@ -1,4 +1,5 @@
-"""`pdserve serve --device cuda` on two GPUs (1 prefill + 1 decode worker on Ray, KV over NIXL),
+"""`pdserve serve --device cuda` on two GPUs (1 prefill + 1 decode worker on Ray, KV over NIXL; and
+colocated, two decode workers that prefill their own prompts),
 as a user starts it, against the offline engine on the same weights and dtype: the greedy tokens
 of each prompt, through the OpenAI HTTP API (the `openai` client, token-id prompts) and through
 gRPC, must be the offline engine's, token for token.
@@ -65,8 +66,9 @@ def _grpc_address(log: Path) -> str | None:
     return None
 
 
-def serve_and_compare(tmp_path: Path, device: str, dtype: str) -> None:
-    """The whole check; `device`/`dtype` are cuda/bfloat16 here (cpu/float32 runs it without a GPU)."""
+def serve_and_compare(tmp_path: Path, device: str, dtype: str, prefill: int = 1, decode: int = 1) -> None:
+    """The whole check; `device`/`dtype` are cuda/bfloat16 here (cpu/float32 runs it without a GPU);
+    `prefill`/`decode`: the pools' sizes (no prefill pool: colocated, each decode worker prefills)."""
     from bench.random_model import write_model
     from pdserve import LLM, SamplingParams
 
@@ -90,7 +92,7 @@ def serve_and_compare(tmp_path: Path, device: str, dtype: str) -> None:
     log = tmp_path / "serve.log"
     argv = [
         sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model_dir), "--device", device, "--dtype", dtype,
-        "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", str(port),
+        "--prefill", str(prefill), "--decode", str(decode), "--port", "0", "--http-port", str(port),
         "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(KV_BLOCKS),
     ]  # fmt: skip
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
@@ -169,5 +171,6 @@ def with_timeout_stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-def test_served_greedy_tokens_equal_the_offline_engine(tmp_path):
-    serve_and_compare(tmp_path, "cuda", "bfloat16")
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (0, 2)], ids=["1p1d", "colocated"])
+def test_served_greedy_tokens_equal_the_offline_engine(tmp_path, prefill, decode):
+    serve_and_compare(tmp_path, "cuda", "bfloat16", prefill, decode)
