@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from pdserve.cluster.actors import ray_invoker  # noqa: E402
+from pdserve.cluster.actors import RayWorker  # noqa: E402
 from pdserve.cluster.token_channel import ChannelInfo, TokenChannelServer  # noqa: E402
 from pdserve.cluster.worker_client import WorkerClient  # noqa: E402
 from pdserve_proto import worker_pb2  # noqa: E402
@@ -67,9 +67,15 @@ class SyntheticDecode:
 
         threading.Thread(target=loop, daemon=True).start()
 
-    def poll(
-        self, wait_s: float, router_id: str = "", acked: int | None = None, limit: int = 0
-    ) -> worker_pb2.TokenUpdates:
+    def poll(self, request: worker_pb2.PollRequest) -> worker_pb2.TokenUpdates:
+        """worker.proto's `Poll`, as a decode worker actor answers it."""
+        return self._take(request.wait_s)
+
+    def poll_one(self, wait_s: float) -> worker_pb2.TokenUpdates:
+        """One update per call: the naive baseline."""
+        return self._take(wait_s, limit=1)
+
+    def _take(self, wait_s: float, limit: int = 0) -> worker_pb2.TokenUpdates:
         with self._cond:
             if not self._outbox:
                 self._cond.wait(wait_s)
@@ -84,12 +90,12 @@ class SyntheticDecode:
 
 
 async def drain(actor, per_token: bool, transport: str) -> tuple[int, list[float], float, int]:
-    handle = WorkerClient("synthetic", ray_invoker(actor, token_channel=transport == "socket"))
+    handle = WorkerClient("synthetic", RayWorker(actor, token_channel=transport == "socket"))
     received, lat_steps, polls = 0, [], 0
     t0 = time.perf_counter()
     while True:
         if per_token:
-            updates = await asyncio.wait_for(actor.poll.remote(0.05, "", 1), 5.0)
+            updates = await asyncio.wait_for(actor.poll_one.remote(0.05), 5.0)
         else:
             updates = await handle.poll(0.05, 5.0)
         polls += 1

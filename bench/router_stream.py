@@ -95,15 +95,14 @@ class SyntheticDecode:
     def _step_s(self) -> float:
         return self.d0_s + self.d1_s * len(self.live)
 
-    async def submit(
-        self, ids: list[int], params: Any, rid: str, timeout_s: float, trace_context: Any = None
-    ) -> Any:
+    async def submit(self, request: Any, timeout_s: float) -> Any:
         from pdserve_proto import worker_pb2
 
         t0 = time.thread_time()
         now = time.monotonic()
         self._advance(now)
-        self.live[rid] = _Live(rid, params.max_tokens)
+        rid = request.request_id
+        self.live[rid] = _Live(rid, request.params.max_tokens)
         if self.step_end is None:
             self.step_end = now + self._step_s()
         self.submitted.set()

@@ -1,11 +1,190 @@
+from pdserve_proto import inference_pb2 as _inference_pb2
 from pdserve_proto import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerError(_message.Message):
+    __slots__ = ("code", "message")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        UNSPECIFIED: _ClassVar[WorkerError.Code]
+        WRONG_ROLE: _ClassVar[WorkerError.Code]
+        ENGINE_STOPPED: _ClassVar[WorkerError.Code]
+        NO_FREE_BLOCKS: _ClassVar[WorkerError.Code]
+        KV_INCOMPATIBLE: _ClassVar[WorkerError.Code]
+        REQUEST_ENDED: _ClassVar[WorkerError.Code]
+        DEADLINE_EXCEEDED: _ClassVar[WorkerError.Code]
+        INVALID_REQUEST: _ClassVar[WorkerError.Code]
+        INTERNAL: _ClassVar[WorkerError.Code]
+    UNSPECIFIED: WorkerError.Code
+    WRONG_ROLE: WorkerError.Code
+    ENGINE_STOPPED: WorkerError.Code
+    NO_FREE_BLOCKS: WorkerError.Code
+    KV_INCOMPATIBLE: WorkerError.Code
+    REQUEST_ENDED: WorkerError.Code
+    DEADLINE_EXCEEDED: WorkerError.Code
+    INVALID_REQUEST: WorkerError.Code
+    INTERNAL: WorkerError.Code
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: WorkerError.Code
+    message: str
+    def __init__(self, code: _Optional[_Union[WorkerError.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerSamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "output_offset")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: bool
+    output_offset: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., output_offset: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "params", "request_id", "timeout_s", "trace_context", "progress_to")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_TO_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: WorkerSamplingParams
+    request_id: str
+    timeout_s: float
+    trace_context: _containers.ScalarMap[str, str]
+    progress_to: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., progress_to: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class StartRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "params", "request_id", "prefilled", "trace_context", "router_id")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: WorkerSamplingParams
+    request_id: str
+    prefilled: PrefillResult
+    trace_context: _containers.ScalarMap[str, str]
+    router_id: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., prefilled: _Optional[_Union[PrefillResult, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., router_id: _Optional[str] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "params", "request_id", "router_id")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: WorkerSamplingParams
+    request_id: str
+    router_id: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "params", "request_id", "trace_context", "router_id")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: WorkerSamplingParams
+    request_id: str
+    trace_context: _containers.ScalarMap[str, str]
+    router_id: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., router_id: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Freed(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
+
+class PollRequest(_message.Message):
+    __slots__ = ("wait_s", "router_id", "acked")
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    wait_s: float
+    router_id: str
+    acked: int
+    def __init__(self, wait_s: _Optional[float] = ..., router_id: _Optional[str] = ..., acked: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ("wait_s", "full", "router_id")
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    wait_s: float
+    full: bool
+    router_id: str
+    def __init__(self, wait_s: _Optional[float] = ..., full: _Optional[bool] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("handle", "first_token", "finish_reason", "cached_prompt_tokens", "queue_seconds")

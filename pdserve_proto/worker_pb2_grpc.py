@@ -3,6 +3,8 @@
 import grpc
 import warnings
 
+from pdserve_proto import inference_pb2 as pdserve__proto_dot_inference__pb2
+from pdserve_proto import worker_pb2 as pdserve__proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +24,465 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class WorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_unary(
+                '/pdserve.v1.Worker/Prefill',
+                request_serializer=pdserve__proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.PrefillResult.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/pdserve.v1.Worker/Release',
+                request_serializer=pdserve__proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.Freed.FromString,
+                _registered_method=True)
+        self.Start = channel.unary_unary(
+                '/pdserve.v1.Worker/Start',
+                request_serializer=pdserve__proto_dot_worker__pb2.StartRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.DecodeStart.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/pdserve.v1.Worker/Prefetch',
+                request_serializer=pdserve__proto_dot_worker__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.DecodePrefetch.FromString,
+                _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/pdserve.v1.Worker/Submit',
+                request_serializer=pdserve__proto_dot_worker__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.DecodeSubmit.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.v1.Worker/Abort',
+                request_serializer=pdserve__proto_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.Freed.FromString,
+                _registered_method=True)
+        self.Poll = channel.unary_unary(
+                '/pdserve.v1.Worker/Poll',
+                request_serializer=pdserve__proto_dot_worker__pb2.PollRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.TokenUpdates.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/pdserve.v1.Worker/Health',
+                request_serializer=pdserve__proto_dot_worker__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.WorkerHealth.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/pdserve.v1.Worker/Stats',
+                request_serializer=pdserve__proto_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_inference__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.KvEvents = channel.unary_unary(
+                '/pdserve.v1.Worker/KvEvents',
+                request_serializer=pdserve__proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
+
+
+class WorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Prefill(self, request, context):
+        """Prefill role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Start(self, request, context):
+        """Decode role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Poll(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Both roles.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KvEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.PrefillResult.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.Freed.SerializeToString,
+            ),
+            'Start': grpc.unary_unary_rpc_method_handler(
+                    servicer.Start,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.StartRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.DecodeStart.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.PrefetchRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.DecodePrefetch.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.SubmitRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.DecodeSubmit.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.Freed.SerializeToString,
+            ),
+            'Poll': grpc.unary_unary_rpc_method_handler(
+                    servicer.Poll,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.PollRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.TokenUpdates.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.HealthRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.WorkerHealth.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve__proto_dot_inference__pb2.WorkerStats.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=pdserve__proto_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=pdserve__proto_dot_worker__pb2.KvEventBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Worker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Worker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Worker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Prefill',
+            pdserve__proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.PrefillResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Release',
+            pdserve__proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.Freed.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Start(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Start',
+            pdserve__proto_dot_worker__pb2.StartRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.DecodeStart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Prefetch',
+            pdserve__proto_dot_worker__pb2.PrefetchRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.DecodePrefetch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Submit',
+            pdserve__proto_dot_worker__pb2.SubmitRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.DecodeSubmit.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Abort',
+            pdserve__proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.Freed.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Poll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Poll',
+            pdserve__proto_dot_worker__pb2.PollRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.TokenUpdates.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Health',
+            pdserve__proto_dot_worker__pb2.HealthRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.WorkerHealth.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Stats',
+            pdserve__proto_dot_worker__pb2.StatsRequest.SerializeToString,
+            pdserve__proto_dot_inference__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/KvEvents',
+            pdserve__proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            pdserve__proto_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from opentelemetry import trace
 
@@ -45,10 +44,11 @@ class WorkerCalls:
         sent = time.monotonic()
         handle = None
         try:
-            more = {"progress_to": progress_to} if progress_to else {}
-            handle = await r.prefill.prefill(
-                r.ids, r.params, r.rid, self.config.prefill_timeout_s, **traced(span), **more
+            request = worker_pb2.PrefillRequest(
+                prompt_token_ids=r.ids, params=worker_params(r.params), request_id=r.rid,
+                trace_context=carrier_of(span), progress_to=progress_to,
             )
+            handle = await r.prefill.prefill(request, self.config.prefill_timeout_s)
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
@@ -70,9 +70,11 @@ class WorkerCalls:
         span = self.tracer.start_span("pdserve.decode.start", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.d_at.worker})
         try:
-            start = await r.shielded(
-                r.decode.start(r.ids, r.params, r.rid, handle, self.config.decode_start_timeout_s, **traced(span))
+            request = worker_pb2.StartRequest(
+                prompt_token_ids=r.ids, params=worker_params(r.params), request_id=r.rid, prefilled=handle,
+                trace_context=carrier_of(span),
             )
+            start = await r.shielded(r.decode.start(request, self.config.decode_start_timeout_s))
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
@@ -99,7 +101,8 @@ class WorkerCalls:
             return ""
         r.prefetch_begun()
         try:
-            answer = await r.shielded(prefetch(r.ids, r.params, r.rid, self.config.control_timeout_s))
+            request = worker_pb2.PrefetchRequest(prompt_token_ids=r.ids, params=worker_params(r.params), request_id=r.rid)
+            answer = await r.shielded(prefetch(request, self.config.control_timeout_s))
         except RouterError as exc:
             log.info("request %s: no KV prefetch on %s (%s); the hand-over pulls it all", r.rid, r.d_at.worker,
                      exc.message)
@@ -111,9 +114,10 @@ class WorkerCalls:
         span = self.tracer.start_span("pdserve.decode.submit", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.d_at.worker})
         try:
-            return await r.shielded(
-                r.decode.submit(ids, params, r.rid, self.config.decode_start_timeout_s, **traced(span))
+            request = worker_pb2.SubmitRequest(
+                prompt_token_ids=ids, params=worker_params(params), request_id=r.rid, trace_context=carrier_of(span)
             )
+            return await r.shielded(r.decode.submit(request, self.config.decode_start_timeout_s))
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
@@ -121,8 +125,10 @@ class WorkerCalls:
             span.end()
 
 
-def traced(span: trace.Span) -> dict[str, Any]:
-    """The keyword that carries `span` to a worker; none when tracing is off, so handles written
-    without tracing (test doubles, older workers) are called exactly as before."""
-    carrier = carrier_of(span)
-    return {"trace_context": carrier} if carrier else {}
+def worker_params(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
+    """`params` as a worker call carries them (worker.proto)."""
+    return worker_pb2.WorkerSamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        seed=params.seed, stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs, output_offset=params.output_offset,
+    )

@@ -1,8 +1,7 @@
-"""Map exceptions to the gRPC status a client should see, with a short message: the first line of
-the error the worker raised, without the host's wrapping (a Ray actor's error carries its
-traceback and terminal colours), which goes to the router's log instead. Worker-specific errors
-(no free KV blocks, incompatible KV layouts) are mapped by the worker adapter
-(`pdserve.cluster.worker_client`), which knows the worker packages; this module does not."""
+"""The gRPC status a client should see for what failed. `from_worker_error` is the one place a
+worker's answer (a `WorkerError` code from worker.proto) becomes a status; `to_router_error`
+maps the router's own exceptions and a host's failures (a Ray error carries its traceback and
+terminal colours: the client gets its first line, the log the rest)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import re
 
 import grpc
 
+from pdserve_proto import worker_pb2
 from router.handles import RouterError
 
 log = logging.getLogger(__name__)
@@ -44,3 +44,31 @@ def to_router_error(exc: BaseException, what: str) -> RouterError:
     if isinstance(exc, TimeoutError):
         return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: timed out ({reason})")
     return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {type(original(exc)).__name__}: {reason}")
+
+
+_Code = worker_pb2.WorkerError.Code
+
+
+def from_worker_error(err: worker_pb2.WorkerError, what: str) -> RouterError:
+    """What the client is told about an error a worker answered `what` with."""
+    code, reason = err.code, err.message
+    if code in (_Code.WRONG_ROLE, _Code.ENGINE_STOPPED):
+        # It left this pool (a flip) or its engine loop stopped: alive enough to answer, but it
+        # will serve nothing more of this role. The router takes it out of placement and moves
+        # the request, as for a dead worker.
+        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {reason}", worker_failed=True)
+    if code == _Code.NO_FREE_BLOCKS:
+        log.info("%s: %s", what, reason)
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: no free KV blocks; retry later")
+    if code == _Code.KV_INCOMPATIBLE:
+        # The two workers disagree on the KV layout or protocol: a deployment fault, not the client's.
+        return RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {reason}")
+    if code == _Code.REQUEST_ENDED:
+        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {reason}")
+    if code == _Code.DEADLINE_EXCEEDED:
+        return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: timed out ({reason})")
+    if code == _Code.INVALID_REQUEST:
+        return RouterError(grpc.StatusCode.INVALID_ARGUMENT, reason)
+    # INTERNAL, or a code this router does not know: the server's fault, never the client's.
+    log.warning("%s: the worker failed: %s", what, reason)
+    return RouterError(grpc.StatusCode.INTERNAL, f"{what}: {reason}")

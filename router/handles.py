@@ -1,18 +1,7 @@
-"""How the router talks to workers, whatever hosts them (Ray actors, or objects in this process).
-
-The two Protocols speak worker.proto's messages only (`pdserve_proto.worker_pb2`); one adapter
-implements both for every host (`pdserve.cluster.worker_client.WorkerClient`). Every method is
-async and takes a deadline; implementations turn worker-side failures into `RouterError`s with
-the gRPC status the client should see. `prefill` and `start` also take the
-W3C trace context of the router's span (`trace_context`), passed only when tracing is on;
-so does `submit`, which hands a whole request to a decode worker to prefill itself.
-
-A decode handle speaks for one router. Several routers may share the decode workers (`pdserve
-router`), so the contract is per router: `start` and `submit` tag the request with the handle's
-router, `poll` returns only that router's updates, and a worker aborts the requests of a router
-that has not polled for its lease (a dead router leaves nothing running). Prefill needs no tag:
-its KV is held under its own lease until pulled.
-"""
+"""How the router talks to workers, whatever hosts them: one Protocol per role over worker.proto's
+messages only (its `service Worker` declares the calls). One adapter implements both for every
+host (`pdserve.cluster.worker_client.WorkerClient`); each call takes a deadline, and a worker's
+`WorkerError` becomes a `RouterError` with the client's gRPC status (`router.errors`)."""
 
 from __future__ import annotations
 
@@ -20,8 +9,6 @@ from typing import Protocol
 
 import grpc
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
 
 
@@ -43,19 +30,16 @@ class RouterError(Exception):
 
 
 class PrefillHandle(Protocol):
+    """A prefill worker as the router calls it. Its KV is held under its own lease until pulled,
+    so no call carries a router's id. A request's `trace_context` is the W3C context of the
+    router's span (empty when tracing is off)."""
+
     worker_id: str
 
-    async def prefill(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        timeout_s: float,
-        trace_context: TraceCarrier | None = None,
-        progress_to: str = "",
-    ) -> worker_pb2.PrefillResult: ...
-    # `progress_to` (`--kv-transfer-overlap`; passed only when set): a decode worker's agent,
-    # from its `prefetch`, that the worker tells as the prompt's blocks become final.
+    # The handle sets `request.timeout_s` (the worker's own deadline) to `timeout_s`.
+    # `request.progress_to` (`--kv-transfer-overlap`): a decode worker's agent, from its
+    # `prefetch`, that the worker tells as the prompt's blocks become final.
+    async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> worker_pb2.PrefillResult: ...
 
     async def release(self, request_id: str, timeout_s: float) -> None: ...
 
@@ -70,36 +54,24 @@ class PrefillHandle(Protocol):
 
 
 class DecodeHandle(Protocol):
+    """A decode worker as one router calls it. Several routers may share the decode workers
+    (`pdserve router`), so the handle fills in its router's `router_id` on `start`, `prefetch`
+    and `submit`, `poll` returns only that router's updates, and a worker aborts the requests
+    of a router that has not polled for its lease (a dead router leaves nothing running)."""
+
     worker_id: str
 
-    async def start(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        prefilled: worker_pb2.PrefillResult,
-        timeout_s: float,
-        trace_context: TraceCarrier | None = None,
-    ) -> worker_pb2.DecodeStart: ...
+    async def start(self, request: worker_pb2.StartRequest, timeout_s: float) -> worker_pb2.DecodeStart: ...
 
     # `--kv-transfer-overlap`: get ready to pull the KV of a prompt still being prefilled (its
     # blocks are allocated, and READ as the prefill worker announces them); the `start` that
     # follows reads only what is still missing. Optional: the router overlaps nothing without it.
-    async def prefetch(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
-    ) -> worker_pb2.DecodePrefetch: ...
+    async def prefetch(self, request: worker_pb2.PrefetchRequest, timeout_s: float) -> worker_pb2.DecodePrefetch: ...
 
     # Prefill and decode the whole request on this worker (colocated serving, or a prompt short
     # enough for conditional disaggregation to keep it here). Returns once the worker has queued
     # it; every token, the first included, comes through `poll`.
-    async def submit(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        timeout_s: float,
-        trace_context: TraceCarrier | None = None,
-    ) -> worker_pb2.DecodeSubmit: ...
+    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.DecodeSubmit: ...
 
     async def abort(self, request_id: str, timeout_s: float) -> None: ...
 

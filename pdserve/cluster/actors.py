@@ -1,6 +1,7 @@
-"""The Ray actor hosting one worker of either role, and the invoker the router's `WorkerClient`
-calls it through. Threaded actors: a prefill call blocks until its prompt is done, while other
-calls (release, stats, more prefills) go on concurrently."""
+"""The Ray actor hosting one worker of either role, and the transport the router's `WorkerClient`
+calls it through (`RayWorker`). The actor's methods are worker.proto's `service Worker`, one
+per call taking its request message (`WorkerBoundary`). Threaded actors: a prefill call blocks
+until its prompt is done, while other calls (release, stats, more prefills) go on concurrently."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ import ray
 
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.token_channel import ChannelInfo, ChannelUnavailable, TokenChannelClient, TokenChannelServer
-from pdserve.cluster.worker_client import Invoker, WorkerUnreachable
+from pdserve.cluster.worker_boundary import WorkerBoundary
+from pdserve.cluster.worker_client import WorkerUnreachable
 from pdserve.cluster.worker_host import Role, WorkerHost
 from pdserve.telemetry.tracing import build_tracing
-from pdserve_proto import worker_pb2
+from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 256
 
 
-class WorkerActor(WorkerHost):
-    """A `WorkerHost` as a Ray actor: the same calls, with health checks in their own
-    concurrency group and the start-up link test."""
+class WorkerActor(WorkerBoundary):
+    """A `WorkerHost` as a Ray actor: worker.proto's calls, with health checks in their own
+    concurrency group, and the cluster's own calls (links, role flips, the start-up link test)."""
 
     def __init__(self, role: Role, worker_id: str, cfg: ServeConfig) -> None:
         from pdserve.cluster.workers import build_decode, build_prefill, decode_config, prefill_config
@@ -35,7 +37,8 @@ class WorkerActor(WorkerHost):
         self._serve_cfg = cfg  # for `serve_info`
         build = build_prefill if role == "prefill" else build_decode
         worker = build(worker_id, cfg, self.tracing.tracer)
-        super().__init__(worker, role, prefill_config(cfg), decode_config(cfg), self.tracing.tracer)
+        self.host = WorkerHost(worker, role, prefill_config(cfg), decode_config(cfg), self.tracing.tracer)
+        super().__init__(self.host)
         # On the node's address, as Ray's own listeners are (loopback for a local cluster).
         self._channel = (
             TokenChannelServer(self.poll, ray.util.get_node_ip_address()) if cfg.token_transport == "socket" else None
@@ -52,12 +55,23 @@ class WorkerActor(WorkerHost):
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
-        super().close()
+        self.host.close()
+
+    # ----- the cluster's calls (set-up, role flips) -----------------------------------------
+
+    def agent_info(self) -> kv_pb2.KvAgentInfo:
+        return self.host.agent_info()
+
+    def connect(self, info: kv_pb2.KvAgentInfo) -> None:
+        self.host.connect(info)
+
+    def switch_role(self, role: Role, idle_timeout_s: float = 10.0) -> worker_pb2.WorkerHealth:
+        return self.host.switch_role(role, idle_timeout_s)
 
     def link_test(self, prefill_agent: str) -> float:
         from pdserve.cluster.workers import link_self_test
 
-        return link_self_test(self._decode(), prefill_agent)
+        return link_self_test(self.host._decode(), prefill_agent)
 
     def flush_traces(self, timeout_s: float = 10.0) -> bool:
         return self.tracing.flush(timeout_s)
@@ -65,13 +79,13 @@ class WorkerActor(WorkerHost):
     # Its own concurrency group: a health check never waits behind the work calls filling
     # the default group's threads, so a busy worker is never mistaken for a dead one.
     @ray.method(concurrency_group="health")
-    def health(self) -> worker_pb2.WorkerHealth:
-        return super().health()
+    def health(self, request: worker_pb2.HealthRequest | None = None) -> worker_pb2.WorkerHealth | worker_pb2.WorkerError:
+        return super().health(request)
 
     # ----- routers that join running workers (`pdserve router`) ------------------------------
 
     def serve_info(self) -> worker_pb2.ServeInfo:
-        engine, placement = self.worker.engine, self._serve_cfg.placement
+        engine, placement = self.host.engine, self._serve_cfg.placement
         return worker_pb2.ServeInfo(
             model_dir=engine.cfg.model,
             block_size=engine.cfg.block_size,
@@ -96,22 +110,55 @@ def remote_class(num_gpus: float) -> Any:
     )(WorkerActor)
 
 
-def ray_invoker(actor: Any, token_channel: bool = True) -> Invoker:
-    """Calls on a `WorkerActor`; a dead or unreachable actor raises `WorkerUnreachable`.
+class RayWorker:
+    """worker.proto's calls on a `WorkerActor` (`pdserve.cluster.worker_client.WorkerTransport`);
+    a dead or unreachable actor raises `WorkerUnreachable`.
 
     `poll` goes over the worker's token channel where it has one (`token_channel`), else, and
     whenever the channel itself fails, over Ray: Ray then says whether the worker is gone."""
-    channel = TokenChannelClient(lambda: actor.token_channel.remote()) if token_channel else None
 
-    async def invoke(name: str, *args: Any) -> Any:
-        if name == "poll" and channel is not None and channel.usable:
+    def __init__(self, actor: Any, token_channel: bool = True) -> None:
+        self.actor = actor
+        self._channel = TokenChannelClient(lambda: actor.token_channel.remote()) if token_channel else None
+
+    async def prefill(self, request: worker_pb2.PrefillRequest) -> Any:
+        return await _remote(self.actor.prefill, request)
+
+    async def release(self, request: worker_pb2.ReleaseRequest) -> Any:
+        return await _remote(self.actor.release, request)
+
+    async def start(self, request: worker_pb2.StartRequest) -> Any:
+        return await _remote(self.actor.start, request)
+
+    async def prefetch(self, request: worker_pb2.PrefetchRequest) -> Any:
+        return await _remote(self.actor.prefetch, request)
+
+    async def submit(self, request: worker_pb2.SubmitRequest) -> Any:
+        return await _remote(self.actor.submit, request)
+
+    async def abort(self, request: worker_pb2.AbortRequest) -> Any:
+        return await _remote(self.actor.abort, request)
+
+    async def poll(self, request: worker_pb2.PollRequest) -> worker_pb2.TokenUpdates | worker_pb2.WorkerError:
+        if self._channel is not None and self._channel.usable:
             try:
-                return await channel.poll(*args)
+                return await self._channel.poll(request)
             except ChannelUnavailable as exc:
                 log.debug("%s; this poll goes over Ray", exc)
-        try:
-            return await getattr(actor, name).remote(*args)
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerUnreachable(f"{type(exc).__name__}: {exc}") from exc
+        return await _remote(self.actor.poll, request)
 
-    return invoke
+    async def health(self, request: worker_pb2.HealthRequest) -> Any:
+        return await _remote(self.actor.health, request)
+
+    async def stats(self, request: worker_pb2.StatsRequest) -> inference_pb2.WorkerStats | worker_pb2.WorkerError:
+        return await _remote(self.actor.stats, request)
+
+    async def kv_events(self, request: worker_pb2.KvEventsRequest) -> Any:
+        return await _remote(self.actor.kv_events, request)
+
+
+async def _remote(method: Any, request: Any) -> Any:
+    try:
+        return await method.remote(request)
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerUnreachable(f"{type(exc).__name__}: {exc}") from exc

@@ -28,7 +28,7 @@ import grpc
 import ray
 from aiohttp import web
 
-from pdserve.cluster.actors import ray_invoker
+from pdserve.cluster.actors import RayWorker
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.ports import check_ports
 from pdserve.cluster.serve import NAMESPACE, start_edge
@@ -149,7 +149,7 @@ class JoinedRouter:
                 )
             router_id = new_router_id()
             telemetry = RouterTelemetry.create(cfg)
-            clients = {wid: WorkerClient(wid, ray_invoker(a), router_id=router_id) for wid, (_, a) in workers.items()}
+            clients = {wid: WorkerClient(wid, RayWorker(a), router_id=router_id) for wid, (_, a) in workers.items()}
             router = Router(
                 router_config(info, cfg.max_queued_requests, cfg.poll_interval_s),
                 load_tokenizer(model_dir),
@@ -189,7 +189,7 @@ class JoinedRouter:
         for wid, (role, actor) in listed.items():
             if wid in self.workers:
                 continue
-            client = WorkerClient(wid, ray_invoker(actor), router_id=self.router_id)
+            client = WorkerClient(wid, RayWorker(actor), router_id=self.router_id)
             if role == "decode":
                 await self.router.add_decode(client)
             else:
@@ -251,7 +251,7 @@ async def _list_workers(health_timeout_s: float) -> tuple[set[str], dict[str, tu
     answers = await asyncio.gather(*(health(a) for a in handles.values()), return_exceptions=True)
     out = {}
     for (wid, actor), h in zip(handles.items(), answers):
-        if isinstance(h, BaseException):
+        if isinstance(h, (BaseException, worker_pb2.WorkerError)):
             # Dead, still loading its model, or too slow now: listed again at the next turn.
             log.info("worker %s: no health answer (%s); not placing on it for now", wid, type(h).__name__)
             continue

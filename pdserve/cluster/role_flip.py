@@ -27,7 +27,6 @@ from opentelemetry import trace
 
 from pdserve.cluster.worker_client import WorkerClient
 from pdserve.control.signals import Role
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2, worker_pb2
 from router.deadline import within
 from router.router import Router
@@ -180,10 +179,12 @@ class RoleFlipper:
         """One small greedy request in the new role, cleaned up after."""
         ids, timeout = list(self.cfg.probe_prompt), self.cfg.probe_timeout_s
         if role == "prefill":
-            await client.prefill(ids, SamplingParams(max_tokens=1, temperature=0.0), rid, timeout)
+            params = worker_pb2.WorkerSamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1)
+            await client.prefill(worker_pb2.PrefillRequest(prompt_token_ids=ids, params=params, request_id=rid), timeout)
             await client.release(rid, timeout)
             return
-        await client.submit(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), rid, timeout)
+        params = worker_pb2.WorkerSamplingParams(max_tokens=2, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True)
+        await client.submit(worker_pb2.SubmitRequest(prompt_token_ids=ids, params=params, request_id=rid), timeout)
         while True:  # nobody else polls a worker out of placement: every update is the probe's
             updates = await client.poll(0.2, timeout)
             if any(u.request_id == rid and u.finish_reason for u in updates.updates):

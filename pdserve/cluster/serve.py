@@ -16,7 +16,7 @@ import grpc
 import ray
 from aiohttp import web
 
-from pdserve.cluster.actors import ray_invoker, remote_class
+from pdserve.cluster.actors import RayWorker, remote_class
 from pdserve.cluster.admin_control import ClusterControl, build_control_loop
 from pdserve.cluster.listeners import kv_net_devices
 from pdserve.cluster.node_pools import PlacementError, actor_resources, cluster_nodes, unplaceable
@@ -154,8 +154,8 @@ class Cluster:
             router = Router(
                 router_cfg,
                 load_tokenizer(model_dir),
-                [WorkerClient(i.worker_id, ray_invoker(a), router_id=router_id) for i, a in zip(p_infos, prefills)],
-                [WorkerClient(i.worker_id, ray_invoker(a), router_id=router_id) for i, a in zip(d_infos, decodes)],
+                [WorkerClient(i.worker_id, RayWorker(a), router_id=router_id) for i, a in zip(p_infos, prefills)],
+                [WorkerClient(i.worker_id, RayWorker(a), router_id=router_id) for i, a in zip(d_infos, decodes)],
                 tracer=telemetry.tracing.tracer,
                 metrics=telemetry.metrics,
             )
@@ -196,7 +196,7 @@ class Cluster:
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
             links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
             await within(asyncio.gather(*links), 60)
-            client = WorkerClient(worker_id, ray_invoker(actor), router_id=self.router_id)
+            client = WorkerClient(worker_id, RayWorker(actor), router_id=self.router_id)
             if role == "prefill":
                 await self.router.add_prefill(client)
             else:
@@ -252,7 +252,7 @@ class Cluster:
 
     def client(self, worker_id: str) -> WorkerClient:
         _, actor, _ = self._workers[worker_id]
-        return WorkerClient(worker_id, ray_invoker(actor), router_id=self.router_id)
+        return WorkerClient(worker_id, RayWorker(actor), router_id=self.router_id)
 
     def _flipped(self, change: inference_pb2.RoleChange) -> None:
         if change.ok:

@@ -1,28 +1,9 @@
-"""The token channel: a decode worker's `poll` over a plain TCP connection instead of a Ray call.
-
-Why: the relay long-polls every decode worker once per engine step, and a Ray actor call costs
-the router's process about 1 ms of CPU whatever it carries (submission, the hand-back of its
-future into asyncio, Ray's I/O thread). Four GPU workers stepping every 2.5 ms are then more
-than a core of the router's before a token is streamed. The same request and answer over a
-connection the router keeps open cost a few tens of microseconds on each side.
-
-The semantics are `DecodeWorker.poll`'s, unchanged: the request carries the router's id and the
-last update it received (`acked`), so an answer lost with a connection is sent again on the next
-poll. Only the transport differs.
-
-Wire format (all integers big-endian):
-
-- The worker sends ``MAGIC`` and a 16-byte nonce; the router answers with
-  HMAC-SHA256(key, nonce). The key is a random 32 bytes per worker, handed to the router over Ray
-  (whose own calls are authenticated), so only a process that may call the worker over Ray can
-  open its channel, and the key itself never crosses the channel.
-- A request: ``u32 length`` then ``f64 wait_s, i64 acked (-1: None), utf-8 router id``.
-- An answer: ``u32 length, u8 status`` then a serialized `TokenUpdates` (status 0) or an error
-  message (1: the worker has flipped to prefill, `WrongRole`; 2: its engine loop stopped,
-  `EngineStopped`; 3: another error). Nothing on the channel is unpickled.
-
-The worker serves each connection on a thread of its own (a poll blocks until its updates
-come, as it does on Ray's threads); a router keeps one connection per poll in flight.
+"""The token channel: worker.proto's `Poll` of a decode worker over a TCP connection the router
+keeps open, instead of a Ray actor call, which costs the router's process about 1 ms of CPU
+whatever it carries. Only the transport differs: a `PollRequest` in, the `TokenUpdates` or the
+`WorkerError` the worker would answer over Ray out. The worker serves each connection on a
+thread of its own (a poll blocks until its updates come); a router keeps one connection per
+poll in flight.
 """
 
 from __future__ import annotations
@@ -39,25 +20,30 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from pdserve.cluster.worker_host import WrongRole
-from pdserve.engine.loop import EngineStopped
 from pdserve_proto import worker_pb2
 
 log = logging.getLogger(__name__)
 
+# Wire format (integers big-endian). The worker sends MAGIC and a 16-byte nonce; the router
+# answers HMAC-SHA256(key, nonce). The key is 32 random bytes per worker, handed to the router
+# over Ray (whose calls are authenticated), so only a process that may call the worker over Ray
+# opens its channel, and the key never crosses it. Then a request is `u32 length` and a
+# serialized `PollRequest`; an answer `u32 length, u8 kind` and a serialized `TokenUpdates`
+# (kind 0) or `WorkerError` (kind 1). Nothing on the channel is unpickled.
 MAGIC = b"PDTC1"
 _NONCE = 16
 _DIGEST = 32
-_REQUEST = struct.Struct("!dq")
 _LENGTH = struct.Struct("!I")
 _ANSWER = struct.Struct("!IB")
-_OK, _WRONG_ROLE, _ENGINE_STOPPED, _ERROR = 0, 1, 2, 3
+_UPDATES, _ERROR = 0, 1
 # A request is a few dozen bytes: a larger length means a peer that does not speak this protocol.
 _MAX_REQUEST = 4096
 MAX_CONNECTIONS = 64  # routers x polls in flight: a few per router; the rest are refused
 HANDSHAKE_TIMEOUT_S = 5.0
 
-PollFn = Callable[[float, str, "int | None"], worker_pb2.TokenUpdates]
+# The worker's `Poll` (`pdserve.cluster.worker_boundary.WorkerBoundary.poll`): it answers its
+# errors as `WorkerError`s rather than raising them.
+PollFn = Callable[[worker_pb2.PollRequest], "worker_pb2.TokenUpdates | worker_pb2.WorkerError"]
 
 
 @dataclass(frozen=True)
@@ -144,16 +130,14 @@ class TokenChannelServer:
                 if head is None:
                     return  # the router closed it
                 (length,) = _LENGTH.unpack(head)
-                if not _REQUEST.size <= length <= _MAX_REQUEST:
+                if length > _MAX_REQUEST:
                     log.warning("token channel: a request of %d bytes; closing the connection", length)
                     return
                 body = _recv_exact(conn, length)
                 if body is None:
                     return
-                wait_s, acked = _REQUEST.unpack_from(body)
-                router_id = body[_REQUEST.size:].decode()
-                status, payload = self._answer(wait_s, router_id, None if acked < 0 else acked)
-                conn.sendall(_ANSWER.pack(len(payload), status) + payload)
+                kind, payload = self._answer(body)
+                conn.sendall(_ANSWER.pack(len(payload), kind) + payload)
         except OSError:
             pass  # the router went away mid-answer: it polls again, and `acked` resends what it missed
         finally:
@@ -172,15 +156,15 @@ class TokenChannelServer:
         conn.settimeout(None)  # a poll may wait for its updates; a dead router closes the socket
         return True
 
-    def _answer(self, wait_s: float, router_id: str, acked: int | None) -> tuple[int, bytes]:
+    def _answer(self, body: bytes) -> tuple[int, bytes]:
         try:
-            return _OK, self._poll(wait_s, router_id, acked).SerializeToString()
-        except WrongRole as exc:
-            return _WRONG_ROLE, str(exc).encode()
-        except EngineStopped as exc:
-            return _ENGINE_STOPPED, str(exc).encode()
-        except Exception as exc:  # the router gets the worker's error, as over Ray
-            return _ERROR, f"{type(exc).__name__}: {exc}".encode()
+            answer = self._poll(worker_pb2.PollRequest.FromString(body))
+        except Exception as exc:  # a request that does not parse; the poll itself answers its errors
+            answer = worker_pb2.WorkerError(
+                code=worker_pb2.WorkerError.INTERNAL, message=f"token channel: {type(exc).__name__}: {exc}"
+            )
+        kind = _ERROR if isinstance(answer, worker_pb2.WorkerError) else _UPDATES
+        return kind, answer.SerializeToString()
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -221,16 +205,15 @@ class TokenChannelClient:
     def usable(self) -> bool:
         return not self._none and time.monotonic() >= self._down_until
 
-    async def poll(self, wait_s: float, router_id: str, acked: int | None) -> worker_pb2.TokenUpdates:
+    async def poll(self, request: worker_pb2.PollRequest) -> worker_pb2.TokenUpdates | worker_pb2.WorkerError:
         conn = await self._take()
         reader, writer = conn
         done = False
         try:
-            rid = router_id.encode()
-            body = _REQUEST.pack(wait_s, -1 if acked is None else acked) + rid
+            body = request.SerializeToString()
             writer.write(_LENGTH.pack(len(body)) + body)
             head = await reader.readexactly(_ANSWER.size)
-            length, status = _ANSWER.unpack(head)
+            length, kind = _ANSWER.unpack(head)
             payload = await reader.readexactly(length)
             done = True
         except (OSError, asyncio.IncompleteReadError) as exc:
@@ -240,14 +223,9 @@ class TokenChannelClient:
                 self._idle.append(conn)
             else:  # failed or cancelled mid-call: its answer may still come, so the connection is unusable
                 writer.close()
-        if status == _OK:
-            return worker_pb2.TokenUpdates.FromString(payload)
-        message = payload.decode(errors="replace")
-        if status == _WRONG_ROLE:
-            raise WrongRole(message)
-        if status == _ENGINE_STOPPED:
-            raise EngineStopped(message)
-        raise RuntimeError(message)
+        if kind == _ERROR:
+            return worker_pb2.WorkerError.FromString(payload)
+        return worker_pb2.TokenUpdates.FromString(payload)
 
     def close(self) -> None:
         for _, writer in self._idle:

@@ -1,11 +1,12 @@
 """The router's client of one worker, whatever hosts it: one adapter for both `router.handles`
-Protocols, over an invoker that runs a named worker method with its arguments.
+Protocols, over a transport with one typed method per call of worker.proto's `service Worker`.
 
-Hosts differ only in the invoker: a Ray actor (`pdserve.cluster.actors.ray_invoker`) or an
-object in this process (`local_invoker`: tests and single-process serving). Every call runs
-under its deadline, and failures become `RouterError`s: `worker_failed` where the worker itself
-failed the call (died, unreachable, past the deadline, its engine loop stopped), so the router
-moves the request on.
+Hosts differ only in the transport: a Ray actor (`pdserve.cluster.actors.RayWorker`) or an
+object in this process (`LocalWorker`: tests and single-process serving). A transport answers a
+call's result message or the worker's `WorkerError`, which `router.errors.from_worker_error`
+maps; every call runs under its deadline, and a worker that fails the call itself (died,
+unreachable, past the deadline and its health check) is `worker_failed`, so the router moves the
+request on.
 """
 
 from __future__ import annotations
@@ -15,26 +16,19 @@ import contextvars
 import functools
 import logging
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from kv_transfer.compat import KvCompatError
-from pdserve.cluster.worker_host import WrongRole
-from pdserve.engine.block_manager import NoFreeBlocksError
-from pdserve.engine.loop import EngineStopped
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
-from router.errors import short_reason, to_router_error
+from router.errors import from_worker_error, to_router_error
 from router.handles import RouterError
 
 log = logging.getLogger(__name__)
 
-# (worker method name, its positional arguments) -> what the method returned
-Invoker = Callable[..., Awaitable[Any]]
+_R = TypeVar("_R")
 
 # A prefill call gets the worker's own deadline plus this, so the worker's clearer timeout
 # error arrives before the router gives up on it.
@@ -47,12 +41,23 @@ def new_router_id() -> str:
 
 
 class WorkerUnreachable(Exception):
-    """Raised by an invoker when the worker's host is gone (a dead actor), not the worker's call."""
+    """Raised by a transport when the worker's host is gone (a dead actor), not the worker's call."""
 
 
-# Worker methods that never wait (no engine lock, no queue): run inline, not on a thread, so a
-# thread pool filled by long work calls cannot delay them.
-_INLINE = frozenset({"health"})
+class WorkerTransport(Protocol):
+    """worker.proto's `service Worker` as the router calls it: each call answers its result or
+    the worker's `WorkerError`, and raises `WorkerUnreachable` when the host is gone."""
+
+    async def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResult | worker_pb2.WorkerError: ...
+    async def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.Freed | worker_pb2.WorkerError: ...
+    async def start(self, request: worker_pb2.StartRequest) -> worker_pb2.DecodeStart | worker_pb2.WorkerError: ...
+    async def prefetch(self, request: worker_pb2.PrefetchRequest) -> worker_pb2.DecodePrefetch | worker_pb2.WorkerError: ...
+    async def submit(self, request: worker_pb2.SubmitRequest) -> worker_pb2.DecodeSubmit | worker_pb2.WorkerError: ...
+    async def abort(self, request: worker_pb2.AbortRequest) -> worker_pb2.Freed | worker_pb2.WorkerError: ...
+    async def poll(self, request: worker_pb2.PollRequest) -> worker_pb2.TokenUpdates | worker_pb2.WorkerError: ...
+    async def health(self, request: worker_pb2.HealthRequest) -> worker_pb2.WorkerHealth | worker_pb2.WorkerError: ...
+    async def stats(self, request: worker_pb2.StatsRequest) -> inference_pb2.WorkerStats | worker_pb2.WorkerError: ...
+    async def kv_events(self, request: worker_pb2.KvEventsRequest) -> worker_pb2.KvEventBatch | worker_pb2.WorkerError: ...
 
 
 # Threads a worker in this process runs calls on, as a Ray actor has its own (`ACTOR_CONCURRENCY`):
@@ -61,53 +66,83 @@ _INLINE = frozenset({"health"})
 LOCAL_CONCURRENCY = 64
 
 
-def local_invoker(worker: Any) -> Invoker:
-    """Calls on a worker object in this process, each on a thread of the worker's own pool so the
-    event loop never blocks."""
-    threads = ThreadPoolExecutor(LOCAL_CONCURRENCY, thread_name_prefix=f"local-{getattr(worker, 'worker_id', 'worker')}")
+class LocalWorker:
+    """A `WorkerTransport` over the service object of a worker in this process
+    (`pdserve.cluster.worker_boundary.WorkerBoundary`): each call on a thread of the worker's
+    own pool, so the event loop never blocks; `health`, which never waits, inline."""
 
-    async def inline(name: str, *args: Any) -> Any:
-        return getattr(worker, name)(*args)
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self._threads = ThreadPoolExecutor(
+            LOCAL_CONCURRENCY, thread_name_prefix=f"local-{getattr(service, 'worker_id', 'worker')}"
+        )
 
-    def invoke(name: str, *args: Any) -> Awaitable[Any]:
-        if name in _INLINE:
-            return inline(name, *args)
-        call = functools.partial(contextvars.copy_context().run, getattr(worker, name), *args)
-        return asyncio.get_running_loop().run_in_executor(threads, call)
+    def _run(self, method: Callable[[Any], _R], request: Any) -> Awaitable[_R]:
+        call = functools.partial(contextvars.copy_context().run, method, request)
+        return asyncio.get_running_loop().run_in_executor(self._threads, call)
 
-    return invoke
+    async def prefill(self, request: worker_pb2.PrefillRequest) -> Any:
+        return await self._run(self.service.prefill, request)
+
+    async def release(self, request: worker_pb2.ReleaseRequest) -> Any:
+        return await self._run(self.service.release, request)
+
+    async def start(self, request: worker_pb2.StartRequest) -> Any:
+        return await self._run(self.service.start, request)
+
+    async def prefetch(self, request: worker_pb2.PrefetchRequest) -> Any:
+        return await self._run(self.service.prefetch, request)
+
+    async def submit(self, request: worker_pb2.SubmitRequest) -> Any:
+        return await self._run(self.service.submit, request)
+
+    async def abort(self, request: worker_pb2.AbortRequest) -> Any:
+        return await self._run(self.service.abort, request)
+
+    async def poll(self, request: worker_pb2.PollRequest) -> Any:
+        return await self._run(self.service.poll, request)
+
+    async def health(self, request: worker_pb2.HealthRequest) -> Any:
+        return self.service.health(request)
+
+    async def stats(self, request: worker_pb2.StatsRequest) -> Any:
+        return await self._run(self.service.stats, request)
+
+    async def kv_events(self, request: worker_pb2.KvEventsRequest) -> Any:
+        return await self._run(self.service.kv_events, request)
 
 
 class WorkerClient:
-    """Implements `router.handles.PrefillHandle` and `DecodeHandle` over one invoker.
+    """Implements `router.handles.PrefillHandle` and `DecodeHandle` over one transport.
 
     A call past its deadline is not taken as the worker's death: a loaded worker answers work
     late. The client then asks the worker's health (`health_timeout_s`), which is answered
     apart from work; only a worker that fails that too is `worker_failed`. A busy one gives
     DEADLINE_EXCEEDED for that call and stays in service.
 
-    A client speaks for one router, `router_id`: the decode calls that start a request carry it,
-    and `poll` returns only that router's tokens (routers sharing workers never take each
-    other's). "" is a router id like any other, for a client used alone."""
+    A client speaks for one router, `router_id`: it fills in the `router_id` of the decode calls
+    that start a request, and `poll` returns only that router's tokens (routers sharing workers
+    never take each other's). "" is a router id like any other, for a client used alone."""
 
-    def __init__(self, worker_id: str, invoke: Invoker, health_timeout_s: float = 5.0, router_id: str = "") -> None:
+    def __init__(
+        self, worker_id: str, worker: WorkerTransport, health_timeout_s: float = 5.0, router_id: str = ""
+    ) -> None:
         self.worker_id = worker_id
-        self._invoke = invoke
+        self.worker = worker
         self.health_timeout_s = health_timeout_s
         self.router_id = router_id
 
-    async def _call(self, what: str, timeout_s: float, name: str, *args: Any) -> Any:
+    async def _call(self, what: str, timeout_s: float, answer: Awaitable[Any], is_health: bool = False) -> Any:
         # `asyncio.timeout` rather than `within`: only a deadline that really expired is this
-        # call's. A TimeoutError the worker raised (a prefill past its own deadline, a KV lease
-        # with no room left for a READ; Ray's error subclasses it too) is its answer, mapped below.
+        # call's. A TimeoutError raised on the way (by the host, not the worker) is mapped below.
         deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
-                return await self._invoke(name, *args)
+                result = await answer
         except TimeoutError as exc:
             if not deadline.expired():
-                raise _worker_error(exc, what) from exc
-            if name != "health":
+                raise to_router_error(exc, what) from exc
+            if not is_health:
                 await self.health(self.health_timeout_s)  # raises worker_failed if it is down
                 raise RouterError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -120,14 +155,15 @@ class WorkerClient:
             raise
         except WorkerUnreachable as exc:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {exc}", worker_failed=True) from exc
-        except Exception as exc:
-            # Ray re-raises a worker's exception as a subclass of the original type, so these
-            # checks hold for both hosts.
-            raise _worker_error(exc, what) from exc
+        except Exception as exc:  # the host failed the call (not the worker's answer)
+            raise to_router_error(exc, what) from exc
+        if isinstance(result, worker_pb2.WorkerError):
+            raise from_worker_error(result, what)
+        return result
 
     async def health(self, timeout_s: float) -> worker_pb2.WorkerHealth:
         """The worker's health, `worker_failed` if it does not answer or its engine has stopped."""
-        health = await self._call("health check", timeout_s, "health")
+        health = await self._call("health check", timeout_s, self.worker.health(worker_pb2.HealthRequest()), True)
         if not health.engine_alive:
             raise RouterError(
                 grpc.StatusCode.UNAVAILABLE, f"health check: the engine of {self.worker_id} has stopped", worker_failed=True
@@ -136,86 +172,39 @@ class WorkerClient:
 
     # ----- prefill -------------------------------------------------------------------------
 
-    async def prefill(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        timeout_s: float,
-        trace_context: TraceCarrier | None = None,
-        progress_to: str = "",
-    ) -> worker_pb2.PrefillResult:
-        return await self._call(
-            "prefill", timeout_s + PREFILL_MARGIN_S, "prefill",
-            prompt_token_ids, params, request_id, timeout_s, trace_context, progress_to,
-        )
+    async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> worker_pb2.PrefillResult:
+        request.timeout_s = timeout_s
+        return await self._call("prefill", timeout_s + PREFILL_MARGIN_S, self.worker.prefill(request))
 
     async def release(self, request_id: str, timeout_s: float) -> None:
-        await self._call("release", timeout_s, "release", request_id)
+        await self._call("release", timeout_s, self.worker.release(worker_pb2.ReleaseRequest(request_id=request_id)))
 
     # ----- decode --------------------------------------------------------------------------
 
-    async def start(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        prefilled: worker_pb2.PrefillResult,
-        timeout_s: float,
-        trace_context: TraceCarrier | None = None,
-    ) -> worker_pb2.DecodeStart:
-        return await self._call(
-            "decode start", timeout_s, "start", prompt_token_ids, params, request_id, prefilled, trace_context, self.router_id
-        )
+    async def start(self, request: worker_pb2.StartRequest, timeout_s: float) -> worker_pb2.DecodeStart:
+        request.router_id = self.router_id
+        return await self._call("decode start", timeout_s, self.worker.start(request))
 
-    async def prefetch(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, timeout_s: float
-    ) -> worker_pb2.DecodePrefetch:
-        return await self._call(
-            "decode prefetch", timeout_s, "prefetch", prompt_token_ids, params, request_id, self.router_id
-        )
+    async def prefetch(self, request: worker_pb2.PrefetchRequest, timeout_s: float) -> worker_pb2.DecodePrefetch:
+        request.router_id = self.router_id
+        return await self._call("decode prefetch", timeout_s, self.worker.prefetch(request))
 
-    async def submit(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        timeout_s: float,
-        trace_context: TraceCarrier | None = None,
-    ) -> worker_pb2.DecodeSubmit:
-        return await self._call(
-            "decode submit", timeout_s, "submit", prompt_token_ids, params, request_id, trace_context, self.router_id
-        )
+    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.DecodeSubmit:
+        request.router_id = self.router_id
+        return await self._call("decode submit", timeout_s, self.worker.submit(request))
 
     async def abort(self, request_id: str, timeout_s: float) -> None:
-        await self._call("abort", timeout_s, "abort", request_id)
+        await self._call("abort", timeout_s, self.worker.abort(worker_pb2.AbortRequest(request_id=request_id)))
 
     async def poll(self, wait_s: float, timeout_s: float, acked: int | None = None) -> worker_pb2.TokenUpdates:
-        return await self._call("poll", timeout_s, "poll", wait_s, self.router_id, acked)
+        request = worker_pb2.PollRequest(wait_s=wait_s, router_id=self.router_id, acked=acked)
+        return await self._call("poll", timeout_s, self.worker.poll(request))
 
     # ----- both ----------------------------------------------------------------------------
 
     async def stats(self, timeout_s: float) -> inference_pb2.WorkerStats:
-        return await self._call("stats", timeout_s, "stats")
+        return await self._call("stats", timeout_s, self.worker.stats(worker_pb2.StatsRequest()))
 
     async def kv_events(self, wait_s: float, full: bool, timeout_s: float) -> worker_pb2.KvEventBatch:
-        return await self._call("kv events", timeout_s, "kv_events", wait_s, full, self.router_id)
-
-
-def _worker_error(exc: BaseException, what: str) -> RouterError:
-    """What the client is told about an error the worker answered with."""
-    if isinstance(exc, KvCompatError):
-        # The two workers disagree on the KV layout or protocol: a deployment fault, not the client's.
-        return RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {short_reason(exc)}")
-    if isinstance(exc, WrongRole):
-        # A placement that reached the worker after it flipped: it has left this pool. The
-        # router treats it as gone from the pool and places the request on another worker.
-        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {short_reason(exc)}", worker_failed=True)
-    if isinstance(exc, EngineStopped):
-        # Its engine loop crashed: alive enough to answer, but it will serve nothing more. The
-        # router takes it out of placement and moves its requests, as for a dead worker.
-        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what}: {short_reason(exc)}", worker_failed=True)
-    if isinstance(exc, NoFreeBlocksError):
-        log.info("%s: %s", what, exc)
-        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: no free KV blocks; retry later")
-    return to_router_error(exc, what)
+        request = worker_pb2.KvEventsRequest(wait_s=wait_s, full=full, router_id=self.router_id)
+        return await self._call("kv events", timeout_s, self.worker.kv_events(request))

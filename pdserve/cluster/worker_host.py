@@ -4,10 +4,9 @@ The host owns what outlives a role: the engine (weights, KV pool, prefix cache) 
 transport registered over that pool. The role's own structures (a `PrefillWorker` with its
 leases, or a `DecodeWorker` with its token outbox) sit on top and are rebuilt by
 `switch_role`. Every role flip adds one to `epoch`: a call placed for the old role (a late
-placement) finds the other role and fails cleanly with `WrongRole`, which the router takes as
-"this worker left the pool" and places elsewhere.
-
-Ray hosts it as `pdserve.cluster.actors.WorkerActor`; tests host it in-process.
+placement) finds the other role and fails with `WrongRole` (the code WRONG_ROLE), which the
+router takes as "this worker left the pool" and places elsewhere. Ray hosts it in
+`pdserve.cluster.actors.WorkerActor`; tests host it in-process.
 """
 
 from __future__ import annotations
@@ -38,8 +37,9 @@ class WrongRole(RuntimeError):
 
 
 class WorkerHost:
-    """Forwards each call to the worker of its current role; the router-facing methods are
-    those of `pdserve.cluster.worker_client.WorkerClient`."""
+    """Forwards each call to the worker of its current role, with the roles' own signatures
+    (engine types); `pdserve.cluster.worker_boundary.WorkerBoundary` serves worker.proto's
+    calls over it."""
 
     def __init__(
         self,

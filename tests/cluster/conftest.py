@@ -60,6 +60,26 @@ def _all_blocks_free(channel: grpc.Channel) -> Callable[[], bool]:
     return check
 
 
+class _Mortal:
+    """A worker's transport that fails every call once the test has killed the worker, as a
+    dead actor's calls do (`WorkerUnreachable`)."""
+
+    def __init__(self, transport: Any, worker_id: str, dead: set[str]) -> None:
+        self._transport, self._worker_id, self._dead = transport, worker_id, dead
+
+    def __getattr__(self, call: str) -> Any:
+        from pdserve.cluster.worker_client import WorkerUnreachable
+
+        method = getattr(self._transport, call)
+
+        async def guarded(request: Any) -> Any:
+            if self._worker_id in self._dead:
+                raise WorkerUnreachable(f"ActorDiedError: {self._worker_id} was killed by the test")
+            return await method(request)
+
+        return guarded
+
+
 def _greedy(max_tokens: int, **kw: Any) -> inference_pb2.SamplingParams:
     return inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
@@ -122,8 +142,8 @@ class InProcessCluster:
                 p.agent.connect(d.agent.info())
         self.dead: set[str] = set()
         wrap = wrap_client or (lambda client, role: client)
-        self.prefills = [wrap(WorkerClient(w.worker_id, self._invoker(w)), "prefill") for w in self.prefill_workers]
-        self.decodes = [wrap(WorkerClient(w.worker_id, self._invoker(w)), "decode") for w in self.decode_workers]
+        self.prefills = [wrap(WorkerClient(w.worker_id, self._transport(w)), "prefill") for w in self.prefill_workers]
+        self.decodes = [wrap(WorkerClient(w.worker_id, self._transport(w)), "decode") for w in self.decode_workers]
         mc = ModelConfig.from_dir(model_dir)
         rc = RouterConfig(
             model_id=model_dir.name, max_model_len=mc.max_model_len, vocab_size=mc.vocab_size, **(router_overrides or {})
@@ -150,17 +170,10 @@ class InProcessCluster:
     def decode(self) -> Any:
         return self.decode_workers[0]
 
-    def _invoker(self, worker: Any) -> Callable[..., Any]:
-        from pdserve.cluster.worker_client import WorkerUnreachable, local_invoker
+    def _transport(self, worker: Any) -> Any:
+        from pdserve.cluster.worker_boundary import local_worker
 
-        invoke = local_invoker(worker)
-
-        def call(name: str, *args: Any) -> Any:
-            if worker.worker_id in self.dead:
-                raise WorkerUnreachable(f"ActorDiedError: {worker.worker_id} was killed by the test")
-            return invoke(name, *args)
-
-        return call
+        return _Mortal(local_worker(worker), worker.worker_id, self.dead)
 
     def kill(self, worker_id: str) -> None:
         worker = next(w for w in (*self.prefill_workers, *self.decode_workers) if w.worker_id == worker_id)

@@ -135,11 +135,11 @@ class DiesMidPrompt:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
 
-    async def prefill(self, ids: list[int], params: Any, rid: str, *args: Any, **kwargs: Any) -> Any:
-        c = self.cluster[0]
+    async def prefill(self, request: Any, timeout_s: float) -> Any:
+        c, rid = self.cluster[0], request.request_id
         if c.dead:
-            return await self.client.prefill(ids, params, rid, *args, **kwargs)
-        call = asyncio.ensure_future(self.client.prefill(ids, params, rid, *args, **kwargs))
+            return await self.client.prefill(request, timeout_s)
+        call = asyncio.ensure_future(self.client.prefill(request, timeout_s))
         deadline = time.monotonic() + 60
         while c.decode.prefetch_reads == 0 and time.monotonic() < deadline and not call.done():
             await asyncio.sleep(0.005)

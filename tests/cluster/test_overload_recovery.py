@@ -25,6 +25,7 @@ from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
+from pdserve_proto import worker_pb2
 
 pytestmark = pytest.mark.cluster
 
@@ -55,30 +56,44 @@ def expected(model_dir: Any) -> list[list[int]]:
 class HostQueue:
     """Fault injection: the host of a worker runs its `method` calls `delay_s` after they were
     sent, and never recalls one whose caller stopped waiting (a Ray actor runs a call queued
-    behind busy threads all the same); other calls run at once. Installed as the invoker of the
-    router's client of that worker, so the client's deadlines apply as they do over Ray."""
+    behind busy threads all the same); other calls run at once. Installed as the transport of
+    the router's client of that worker, so the client's deadlines apply as they do over Ray."""
 
     def __init__(self, client: Any, method: str, delay_s: float) -> None:
-        self.invoke, self.method, self.delay_s = client._invoke, method, delay_s
+        self.transport, self.method, self.delay_s = client.worker, method, delay_s
         self.sent: list[asyncio.Task] = []
-        client._invoke = self
+        client.worker = self
 
-    def __call__(self, name: str, *args: Any) -> Any:
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.transport, name)
         if name != self.method:
-            return self.invoke(name, *args)
+            return call
 
-        async def deliver() -> Any:
-            await asyncio.sleep(self.delay_s)
-            return await self.invoke(name, *args)
+        def queued(request: Any) -> Any:
+            async def deliver() -> Any:
+                await asyncio.sleep(self.delay_s)
+                return await call(request)
 
-        task = asyncio.ensure_future(deliver())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # answered to nobody: no warning
-        self.sent.append(task)
-        return asyncio.shield(task)
+            task = asyncio.ensure_future(deliver())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # answered to nobody: no warning
+            self.sent.append(task)
+            return asyncio.shield(task)
+
+        return queued
 
     def answers(self) -> list[str]:
-        """What the worker answered each delayed call that has run: "ok" or the error."""
-        return ["ok" if t.exception() is None else str(t.exception()) for t in self.sent if t.done()]
+        """What the worker answered each delayed call that has run: "ok" or the error it
+        answered (a `WorkerError`'s message)."""
+        out = []
+        for t in self.sent:
+            if not t.done():
+                continue
+            if t.exception() is not None:
+                out.append(str(t.exception()))
+            else:
+                answer = t.result()
+                out.append(answer.message if isinstance(answer, worker_pb2.WorkerError) else "ok")
+        return out
 
 
 def _flood(channel: grpc.Channel) -> list[str]:

@@ -34,13 +34,15 @@ import grpc
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
-from pdserve.cluster.worker_client import WorkerClient, WorkerUnreachable, local_invoker, new_router_id
+from pdserve.cluster.worker_boundary import local_worker
+from pdserve.cluster.worker_client import WorkerClient, WorkerUnreachable, new_router_id
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
+from pdserve_proto import worker_pb2
 from router.grpc_server import start_grpc_server
 from router.handles import RouterError
 from router.membership import MembershipConfig
@@ -134,14 +136,14 @@ class Tap:
                 )
         return result
 
-    async def prefill(self, ids: list[int], params: SamplingParams, request_id: str, *a: Any, **kw: Any) -> Any:
-        return await self._tapped("prefill", request_id, ids, params, request_id, *a, **kw)
+    async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> Any:
+        return await self._tapped("prefill", request.request_id, request, timeout_s)
 
-    async def start(self, ids: list[int], params: SamplingParams, request_id: str, *a: Any, **kw: Any) -> Any:
-        return await self._tapped("start", request_id, ids, params, request_id, *a, **kw)
+    async def start(self, request: worker_pb2.StartRequest, timeout_s: float) -> Any:
+        return await self._tapped("start", request.request_id, request, timeout_s)
 
-    async def submit(self, ids: list[int], params: SamplingParams, request_id: str, *a: Any, **kw: Any) -> Any:
-        return await self._tapped("submit", request_id, ids, params, request_id, *a, **kw)
+    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> Any:
+        return await self._tapped("submit", request.request_id, request, timeout_s)
 
     async def poll(self, *args: Any, **kwargs: Any) -> Any:
         delay = self.cluster.poll_delay_s.get(self.worker_id, 0.0)
@@ -151,6 +153,43 @@ class Tap:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
+
+
+class _Severable:
+    """One router's transport to one worker: every call fails as Ray's would once the router or
+    the worker is dead, or when the worker dies while the call is in flight; a poll's answer can
+    be held back (`late_polls`)."""
+
+    def __init__(self, cluster: FaultCluster, worker: Any, replica: RouterReplica) -> None:
+        self._cluster, self._replica = cluster, replica
+        self._worker = local_worker(worker)
+        self._wid = worker.worker_id
+
+    def __getattr__(self, call: str) -> Any:
+        method = getattr(self._worker, call)
+        cluster, replica, wid = self._cluster, self._replica, self._wid
+
+        async def severable(request: Any) -> Any:
+            if replica.dead:  # a dead router sends nothing
+                raise WorkerUnreachable(f"router {replica.router_id} was killed by the test; {call} not sent")
+            killed = cluster._killed.setdefault(wid, asyncio.Event())
+            if wid in cluster.dead:
+                raise WorkerUnreachable(f"ActorDiedError: {wid} was killed by the test")
+            work = asyncio.ensure_future(method(request))
+            death = asyncio.ensure_future(killed.wait())
+            try:
+                await asyncio.wait({work, death}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                death.cancel()
+            if not work.done():  # killed while the call was in flight: it fails as Ray's would
+                work.cancel()
+                raise WorkerUnreachable(f"ActorDiedError: {wid} was killed by the test during {call}")
+            late = cluster.late_polls.pop(wid, 0.0) if call == "poll" else 0.0
+            if late:  # the worker has answered (its outbox is drained), the answer travels slowly
+                await asyncio.sleep(late)
+            return work.result()
+
+        return severable
 
 
 class MortalRouter(Router):
@@ -376,34 +415,8 @@ class FaultCluster:
         p.agent.connect(d.agent.info())
 
     def _client(self, worker: Any, replica: RouterReplica) -> Tap:
-        client = WorkerClient(worker.worker_id, self._invoker(worker, replica), router_id=replica.router_id)
+        client = WorkerClient(worker.worker_id, _Severable(self, worker, replica), router_id=replica.router_id)
         return Tap(client, self, replica)
-
-    def _invoker(self, worker: Any, replica: RouterReplica) -> Callable[..., Any]:
-        invoke = local_invoker(worker)
-        wid = worker.worker_id
-
-        async def call(name: str, *args: Any) -> Any:
-            if replica.dead:  # a dead router sends nothing
-                raise WorkerUnreachable(f"router {replica.router_id} was killed by the test; {name} not sent")
-            killed = self._killed.setdefault(wid, asyncio.Event())
-            if wid in self.dead:
-                raise WorkerUnreachable(f"ActorDiedError: {wid} was killed by the test")
-            work = asyncio.ensure_future(invoke(name, *args))
-            death = asyncio.ensure_future(killed.wait())
-            try:
-                await asyncio.wait({work, death}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                death.cancel()
-            if not work.done():  # killed while the call was in flight: it fails as Ray's would
-                work.cancel()
-                raise WorkerUnreachable(f"ActorDiedError: {wid} was killed by the test during {name}")
-            late = self.late_polls.pop(wid, 0.0) if name == "poll" else 0.0
-            if late:  # the worker has answered (its outbox is drained), the answer travels slowly
-                await asyncio.sleep(late)
-            return work.result()
-
-        return call
 
     def kill(self, worker_id: str, fault: int | None = None) -> None:
         """On the loop's thread: the worker dies. Its engine stops; calls to it fail; READs of

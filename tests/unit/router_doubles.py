@@ -46,20 +46,22 @@ class FakeDecode:
         self.emitting.set()
         self.trace_contexts: list[dict | None] = []
 
-    async def submit(self, ids, params, rid, timeout_s, trace_context=None) -> worker_pb2.DecodeSubmit:
+    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.DecodeSubmit:
+        ids, rid = list(request.prompt_token_ids), request.request_id
         if self.submit_gate is not None:
             self.calls.append(("submit waiting", rid))
             await self.submit_gate.wait()
         self.calls.append(("submit", rid))
-        self.trace_contexts.append(trace_context)
+        self.trace_contexts.append(dict(request.trace_context) or None)
         cached = _cache(self.blocks, ids)
-        self.live[rid] = params.max_tokens
+        self.live[rid] = request.params.max_tokens
         return worker_pb2.DecodeSubmit(cached_prompt_tokens=cached)
 
-    async def start(self, ids, params, rid, prefilled, timeout_s, trace_context=None) -> worker_pb2.DecodeStart:
+    async def start(self, request: worker_pb2.StartRequest, timeout_s: float) -> worker_pb2.DecodeStart:
+        rid = request.request_id
         self.calls.append(("start", rid))
-        _cache(self.blocks, ids)
-        self.live[rid] = params.max_tokens - 1  # the prefill worker sampled the first
+        _cache(self.blocks, list(request.prompt_token_ids))
+        self.live[rid] = request.params.max_tokens - 1  # the prefill worker sampled the first
         return worker_pb2.DecodeStart()
 
     async def abort(self, rid, timeout_s) -> None:
@@ -94,7 +96,8 @@ class FakePrefill:
         self.waiting: list[str] = []  # prefills held at `gate`
         self.gate: asyncio.Event | None = None
 
-    async def prefill(self, ids, params, rid, timeout_s, trace_context=None) -> worker_pb2.PrefillResult:
+    async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> worker_pb2.PrefillResult:
+        rid = request.request_id
         if self.gate is not None:
             self.waiting.append(rid)
             await self.gate.wait()

@@ -11,7 +11,8 @@ import time
 import grpc
 import pytest
 
-from pdserve.cluster.worker_client import WorkerClient, local_invoker
+from pdserve.cluster.worker_boundary import local_worker
+from pdserve.cluster.worker_client import WorkerClient
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import worker_pb2
 from router.handles import RouterError
@@ -29,17 +30,27 @@ async def _wait_until(cond, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def _invoker(work_s: float, health_s: float, engine_alive: bool = True):
+class _Transport:
+    """A worker host whose every call `c` answers `answer(c, request)`."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    def __getattr__(self, call: str):
+        return lambda request: self.answer(call, request)
+
+
+def _worker(work_s: float, health_s: float, engine_alive: bool = True) -> _Transport:
     """A worker whose work calls take `work_s` and whose health check takes `health_s`."""
 
-    async def invoke(name: str, *args: object) -> object:
-        if name == "health":
+    async def answer(call: str, request: object) -> object:
+        if call == "health":
             await asyncio.sleep(health_s)
             return worker_pb2.WorkerHealth(worker_id="w", role="prefill", engine_alive=engine_alive)
         await asyncio.sleep(work_s)
-        return worker_pb2.PrefillResult()
+        return worker_pb2.Freed()
 
-    return invoke
+    return _Transport(answer)
 
 
 def _prefill(client: WorkerClient) -> worker_pb2.PrefillResult:
@@ -48,7 +59,7 @@ def _prefill(client: WorkerClient) -> worker_pb2.PrefillResult:
 
 
 def test_a_late_call_to_a_healthy_worker_is_deadline_exceeded_not_a_failed_worker():
-    client = WorkerClient("w", _invoker(work_s=1.0, health_s=0.0), health_timeout_s=0.5)
+    client = WorkerClient("w", _worker(work_s=1.0, health_s=0.0), health_timeout_s=0.5)
     with pytest.raises(RouterError) as err:
         _prefill(client)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -62,11 +73,12 @@ def test_a_timeout_the_worker_answers_with_is_its_answer_not_a_late_call():
     so neither the health check nor "alive but busy" applies."""
     asked: list[str] = []
 
-    async def invoke(name: str, *args: object) -> object:
-        asked.append(name)
-        raise TimeoutError("lease_deadline: only 0.0s left on the KV lease of r1")
+    class Leased:
+        def release(self, request_id: str) -> bool:
+            asked.append("release")
+            raise TimeoutError("lease_deadline: only 0.0s left on the KV lease of r1")
 
-    client = WorkerClient("w", invoke, health_timeout_s=0.5)
+    client = WorkerClient("w", local_worker(Leased()), health_timeout_s=0.5)
     began = time.monotonic()
     with pytest.raises(RouterError) as err:
         asyncio.run(client.release("r1", 5.0))
@@ -77,14 +89,14 @@ def test_a_timeout_the_worker_answers_with_is_its_answer_not_a_late_call():
 
 
 def test_a_late_call_to_a_worker_that_fails_its_health_check_is_a_failed_worker():
-    client = WorkerClient("w", _invoker(work_s=1.0, health_s=1.0), health_timeout_s=0.05)
+    client = WorkerClient("w", _worker(work_s=1.0, health_s=1.0), health_timeout_s=0.05)
     with pytest.raises(RouterError) as err:
         _prefill(client)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.worker_failed
 
 
 def test_a_worker_whose_engine_stopped_is_a_failed_worker():
-    client = WorkerClient("w", _invoker(work_s=0.0, health_s=0.0, engine_alive=False))
+    client = WorkerClient("w", _worker(work_s=0.0, health_s=0.0, engine_alive=False))
     with pytest.raises(RouterError) as err:
         asyncio.run(client.health(1.0))
     assert err.value.worker_failed and "engine" in err.value.message
@@ -106,7 +118,7 @@ class _BlockingWorker:
 
 def test_in_process_health_answers_while_every_worker_thread_is_blocked():
     worker = _BlockingWorker()
-    client = WorkerClient("w", local_invoker(worker))
+    client = WorkerClient("w", local_worker(worker))
 
     async def go() -> float:
         # More blocked calls than the default thread pool has threads.
@@ -158,7 +170,8 @@ class _SlowDecode:
         self.health_checks = 0
         self._due: list[tuple[float, str]] = []
 
-    async def submit(self, ids, params, rid, timeout_s, **_: object) -> worker_pb2.DecodeSubmit:
+    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.DecodeSubmit:
+        rid = request.request_id
         self.submitted.append(rid)
         self._due.append((time.monotonic() + self.delay_s, rid))
         return worker_pb2.DecodeSubmit()

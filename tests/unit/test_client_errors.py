@@ -10,8 +10,12 @@ import pytest
 import ray.exceptions
 from aiohttp.test_utils import TestClient, TestServer
 
+from kv_transfer.compat import KvCompatError
+from pdserve.cluster.worker_boundary import WorkerBoundary, local_worker
 from pdserve.cluster.worker_client import WorkerClient
+from pdserve.cluster.worker_host import WrongRole
 from pdserve.engine.block_manager import NoFreeBlocksError
+from pdserve_proto import worker_pb2
 from router.errors import short_reason, to_router_error
 from router.handles import RouterError
 from router.http_server import build_app
@@ -28,40 +32,99 @@ def _ray_wrapped(cause: BaseException) -> BaseException:
     return ray.exceptions.RayTaskError("WorkerActor.start", _RAY_TRACEBACK, cause).as_instanceof_cause()
 
 
-def test_a_ray_wrapped_error_is_shortened_to_the_workers_own_first_line():
-    wrapped = _ray_wrapped(ValueError("sampling_params.top_p: must be in (0, 1], got 2.0\nmore detail"))
-    assert isinstance(wrapped, ValueError) and "\x1b[" in str(wrapped)
-    assert short_reason(wrapped) == "sampling_params.top_p: must be in (0, 1], got 2.0"
-    err = to_router_error(wrapped, "decode start")
-    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.message == "sampling_params.top_p: must be in (0, 1], got 2.0"
+_PARAMS = worker_pb2.WorkerSamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=-1)
 
 
-def test_no_free_blocks_from_a_ray_worker_reaches_the_client_without_ray_internals():
-    async def fails(name: str, *args: object) -> object:
-        raise _ray_wrapped(NoFreeBlocksError("need 9 blocks, 2 free"))
+class _Raises:
+    """A worker (either role) whose every call raises `exc`."""
 
-    client = WorkerClient("d0", fails)
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+        self.worker_id = "w0"
+
+    def __getattr__(self, name: str):
+        def call(*args: object) -> object:
+            raise self.exc
+
+        return call
+
+
+def _fails(exc: BaseException) -> WorkerClient:
+    return WorkerClient("w0", local_worker(_Raises(exc)))
+
+
+def _submit(client: WorkerClient, params: worker_pb2.WorkerSamplingParams = _PARAMS) -> object:
+    request = worker_pb2.SubmitRequest(prompt_token_ids=[1, 2, 3], params=params, request_id="r1")
+    return asyncio.run(client.submit(request, 5.0))
+
+
+def _prefill(client: WorkerClient) -> object:
+    request = worker_pb2.PrefillRequest(prompt_token_ids=[1, 2, 3], params=_PARAMS, request_id="r1")
+    return asyncio.run(client.prefill(request, 5.0))
+
+
+def test_a_ray_wrapped_error_is_shortened_to_its_own_first_line():
+    wrapped = _ray_wrapped(RuntimeError("object store full\nmore detail"))
+    assert "\x1b[" in str(wrapped)
+    assert short_reason(wrapped) == "object store full"
+
+
+def test_no_free_blocks_reaches_the_client_as_a_retry_later():
     with pytest.raises(RouterError) as err:
-        asyncio.run(client.submit([1, 2, 3], None, "r1", 5.0))  # type: ignore[arg-type]
+        _submit(_fails(NoFreeBlocksError("need 9 blocks, 2 free")))
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.message == "decode submit: no free KV blocks; retry later"
     assert not err.value.worker_failed
 
 
 def test_a_call_for_the_role_a_worker_left_moves_the_request_elsewhere():
-    from pdserve.cluster.worker_host import WrongRole
-
-    async def flipped(name: str, *args: object) -> object:
-        raise _ray_wrapped(WrongRole("role: p0 is a decode worker (epoch 1), not a prefill worker"))
-
     with pytest.raises(RouterError) as err:
-        asyncio.run(WorkerClient("p0", flipped).prefill([1, 2, 3], None, "r1", 5.0))  # type: ignore[arg-type]
+        _prefill(_fails(WrongRole("role: p0 is a decode worker (epoch 1), not a prefill worker")))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.worker_failed
-    assert "epoch 1" in err.value.message and "\x1b[" not in err.value.message
+    assert "epoch 1" in err.value.message
 
 
-def test_an_unexpected_error_names_its_type_not_its_host():
+def test_incompatible_kv_is_a_deployment_fault_not_the_clients():
+    # KvCompatError is a ValueError: it must not fall under the generic ValueError rule.
+    with pytest.raises(RouterError) as err:
+        _submit(_fails(KvCompatError("kv layout: 32 layers here, 28 there")))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and not err.value.worker_failed
+
+
+def test_a_generic_value_error_inside_a_worker_is_the_servers_fault():
+    with pytest.raises(RouterError) as err:
+        _submit(_fails(ValueError("request_id: 'r1' is already in use\nmore detail")))
+    assert err.value.code == grpc.StatusCode.INTERNAL and not err.value.worker_failed
+    assert err.value.message == "decode submit: ValueError: request_id: 'r1' is already in use"
+
+
+def test_invalid_params_in_the_request_are_the_clients_fault():
+    bad = worker_pb2.WorkerSamplingParams(max_tokens=4, temperature=0.0, top_p=2.0, top_k=-1)
+    with pytest.raises(RouterError) as err:
+        _submit(_fails(AssertionError("never called")), bad)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message == "params.top_p: must be in (0, 1], got 2.0"
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "status", "failed"),
+    [
+        (WrongRole("x"), worker_pb2.WorkerError.WRONG_ROLE, grpc.StatusCode.UNAVAILABLE, True),
+        (NoFreeBlocksError("x"), worker_pb2.WorkerError.NO_FREE_BLOCKS, grpc.StatusCode.RESOURCE_EXHAUSTED, False),
+        (KvCompatError("x"), worker_pb2.WorkerError.KV_INCOMPATIBLE, grpc.StatusCode.FAILED_PRECONDITION, False),
+        (TimeoutError("x"), worker_pb2.WorkerError.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, False),
+        (RuntimeError("x"), worker_pb2.WorkerError.INTERNAL, grpc.StatusCode.INTERNAL, False),
+    ],
+)
+def test_each_exception_is_one_code_at_the_boundary_and_one_status_at_the_router(exc, code, status, failed):
+    answer = WorkerBoundary(_Raises(exc)).release(worker_pb2.ReleaseRequest(request_id="r1"))
+    assert isinstance(answer, worker_pb2.WorkerError) and answer.code == code
+    with pytest.raises(RouterError) as err:
+        asyncio.run(_fails(exc).release("r1", 5.0))
+    assert err.value.code == status and err.value.worker_failed == failed
+
+
+def test_an_unexpected_host_error_names_its_type_not_its_host():
     err = to_router_error(_ray_wrapped(RuntimeError("engine loop stopped")), "prefill")
     assert err.code == grpc.StatusCode.UNAVAILABLE
     assert err.message == "prefill: RuntimeError: engine loop stopped"

@@ -30,7 +30,6 @@ PENDING: set[str] = {
     "pdserve/cluster/role_flip.py",  # owned elsewhere, being restructured
     "pdserve/cluster/scaler.py",  # owned elsewhere, being restructured
     "pdserve/cluster/serve.py::Cluster",  # owned elsewhere, being restructured
-    "pdserve/cluster/token_channel.py",  # owned elsewhere, being restructured
     "pdserve/control/perf_model.py",  # owned elsewhere, being restructured
     "pdserve/worker/early_ends.py",  # owned elsewhere, being restructured
     "pdserve/worker/engine_loop.py",  # owned elsewhere, being restructured
@@ -51,9 +50,6 @@ PENDING: set[str] = {
     "router/grpc_auth.py::ApiKeyInterceptor",  # owned elsewhere, being restructured
     "router/grpc_server.py::AdminServicer",  # owned elsewhere, being restructured
     "router/grpc_server.py::InferenceServicer",  # owned elsewhere, being restructured
-    "router/handles.py",  # owned elsewhere, being restructured
-    "router/handles.py::DecodeHandle",  # owned elsewhere, being restructured
-    "router/handles.py::PrefillHandle",  # owned elsewhere, being restructured
     "router/inflight.py::Phase",  # owned elsewhere, being restructured
     "router/limits.py::InputLimits",  # owned elsewhere, being restructured
     "router/load_signals.py::DecodeWorkerLoad",  # owned elsewhere, being restructured

@@ -12,10 +12,11 @@ import time
 
 import grpc
 import pytest
-import ray.exceptions
 
+from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve.cluster.worker_client import WorkerClient
 from pdserve.engine.loop import EngineLoop, EngineStopped
+from pdserve_proto import worker_pb2
 from router.handles import RouterError
 
 
@@ -115,21 +116,24 @@ def test_engine_stopped_survives_pickling_with_its_message():
     assert type(again) is EngineStopped and str(again) == str(err)
 
 
-@pytest.mark.parametrize("through_ray", [False, True])
-def test_the_client_takes_engine_stopped_for_a_failed_worker(through_ray: bool):
+@pytest.mark.parametrize("over_the_wire", [False, True])
+def test_the_client_takes_engine_stopped_for_a_failed_worker(over_the_wire: bool):
     cause = EngineStopped.of("decode-0-loop", KeyError("seq-17"))
-    raised = (
-        ray.exceptions.RayTaskError("WorkerActor.poll", "Traceback ...", cause).as_instanceof_cause()
-        if through_ray
-        else cause
-    )
     asked: list[str] = []
 
-    async def invoke(name: str, *args: object) -> object:
-        asked.append(name)
-        raise raised
+    class Stopped:
+        def poll(self, wait_s: float, router_id: str = "", acked: int | None = None) -> object:
+            asked.append("poll")
+            raise cause
 
-    client = WorkerClient("decode-0", invoke)
+    boundary = WorkerBoundary(Stopped())
+
+    class Host:  # a host that carries the answer as bytes (Ray, the token channel)
+        async def poll(self, request: worker_pb2.PollRequest) -> object:
+            answer = boundary.poll(request)
+            return type(answer).FromString(answer.SerializeToString()) if over_the_wire else answer
+
+    client = WorkerClient("decode-0", Host())  # type: ignore[arg-type]
     with pytest.raises(RouterError) as err:
         asyncio.run(client.poll(0.05, 5.0))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.worker_failed

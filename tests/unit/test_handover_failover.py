@@ -36,8 +36,9 @@ class Decode:
         self.left: dict[str, int] = {}
         self.polled = asyncio.Event()
 
-    async def start(self, ids, params, rid, prefilled, timeout_s, trace_context=None) -> worker_pb2.DecodeStart:
-        self.next[rid], self.left[rid] = 0, params.max_tokens - 1
+    async def start(self, request: worker_pb2.StartRequest, timeout_s: float) -> worker_pb2.DecodeStart:
+        rid = request.request_id
+        self.next[rid], self.left[rid] = 0, request.params.max_tokens - 1
         if not self.shared.failed_once:
             self.shared.failed_once = True
             self.polled.clear()
@@ -70,7 +71,8 @@ class Decode:
 class Prefill:
     worker_id = "prefill-0"
 
-    async def prefill(self, ids, params, rid, timeout_s, trace_context=None) -> worker_pb2.PrefillResult:
+    async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> worker_pb2.PrefillResult:
+        rid = request.request_id
         return worker_pb2.PrefillResult(handle=kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id), first_token=FIRST)
 
     async def release(self, rid, timeout_s) -> None:

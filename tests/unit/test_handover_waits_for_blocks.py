@@ -27,7 +27,8 @@ class LeasedPrefill(FakePrefill):
         self.lease_s = lease_s
         self.released: list[str] = []
 
-    async def prefill(self, ids, params, rid, timeout_s, trace_context=None) -> worker_pb2.PrefillResult:
+    async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> worker_pb2.PrefillResult:
+        rid = request.request_id
         self.prefilled.append(rid)
         handle = kv_pb2.KvHandle(request_id=rid, worker_id=self.worker_id, lease_deadline=time.time() + self.lease_s)
         return worker_pb2.PrefillResult(handle=handle, first_token=7)
@@ -46,12 +47,13 @@ class FullDecode(FakeDecode):
         self.error = error or RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, FULL)
         self.refused = 0
 
-    async def start(self, ids, params, rid, prefilled, timeout_s, trace_context=None) -> worker_pb2.DecodeStart:
+    async def start(self, request: worker_pb2.StartRequest, timeout_s: float) -> worker_pb2.DecodeStart:
+        rid = request.request_id
         if self.refused < self.full_for:
             self.refused += 1
             self.calls.append(("refused", rid))
             raise self.error
-        return await super().start(ids, params, rid, prefilled, timeout_s, trace_context)
+        return await super().start(request, timeout_s)
 
 
 async def collect(router, rid: str, max_tokens: int = 4) -> tuple[list[int], RouterError | None]:

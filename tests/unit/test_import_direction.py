@@ -103,6 +103,40 @@ def test_the_rules_forbid_the_backward_edges(module, imported):
     assert not may_import(module, imported)
 
 
+# The router's worker client speaks worker.proto only: errors cross as `WorkerError` codes, never
+# as the engine's or a worker's exception classes, so it imports nothing of either (nor of the
+# worker-side adapter that turns those exceptions into codes).
+WORKER_CLIENT = ("router/handles.py", "router/errors.py", "pdserve/cluster/worker_client.py")
+WORKER_CLIENT_MAY_IMPORT = ("pdserve_proto", "pdserve.telemetry", "router.handles", "router.errors")
+
+
+def _within(imported: str, prefixes: tuple[str, ...]) -> bool:
+    return any(imported == p or imported.startswith(p + ".") for p in prefixes)
+
+
+def test_the_worker_client_imports_no_engine_or_worker_code():
+    violations = [
+        f"{rel} imports {imported}"
+        for rel in WORKER_CLIENT
+        for imported in first_party_imports(ROOT / rel)
+        if not _within(imported, WORKER_CLIENT_MAY_IMPORT)
+    ]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_worker_client_rule_forbids_worker_exceptions(tmp_path):
+    bad = tmp_path / "client.py"
+    bad.write_text(
+        "from pdserve.engine.block_manager import NoFreeBlocksError\n"
+        "from decode_worker.early_aborts import RequestAborted\n"
+        "from prefill_worker.prefiller import PrefillCancelled\n"
+        "from pdserve.cluster.worker_host import WrongRole\n"
+        "from pdserve_proto import worker_pb2\n"
+    )
+    allowed = [i for i in first_party_imports(bad) if _within(i, WORKER_CLIENT_MAY_IMPORT)]
+    assert allowed == ["pdserve_proto"]
+
+
 def test_the_checker_catches_a_backwards_import(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text("from router.server import serve\nimport pdserve.engine.model\n")

@@ -37,7 +37,7 @@ class StepsInOnePoll:
         self.blocks = BlockManager(16, 16)
         self.blocks.enable_events()
 
-    async def submit(self, ids, params, rid, timeout_s, trace_context=None) -> worker_pb2.DecodeSubmit:
+    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.DecodeSubmit:
         self.submitted.set()
         return worker_pb2.DecodeSubmit()
 

@@ -31,7 +31,8 @@ class CacheOnlyPrefill:
         self.dead = False
         self.gate: asyncio.Event | None = None  # when set, prefills wait for it
 
-    async def prefill(self, ids, params, rid, timeout_s) -> worker_pb2.PrefillResult:
+    async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> worker_pb2.PrefillResult:
+        ids, rid = list(request.prompt_token_ids), request.request_id
         if self.gate is not None:
             await self.gate.wait()
         hashes = block_hashes(ids, 16)
@@ -63,7 +64,7 @@ class CacheOnlyPrefill:
 class IdleDecode:
     worker_id = "decode-0"
 
-    async def start(self, ids, params, rid, prefilled, timeout_s) -> worker_pb2.DecodeStart:
+    async def start(self, request: worker_pb2.StartRequest, timeout_s: float) -> worker_pb2.DecodeStart:
         return worker_pb2.DecodeStart()
 
     async def abort(self, rid, timeout_s) -> None:

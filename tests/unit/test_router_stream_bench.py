@@ -7,14 +7,19 @@ from __future__ import annotations
 import asyncio
 
 from bench.router_stream import SyntheticDecode, WorkerModel
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve_proto import worker_pb2
+
+
+def _submit(rid: str, max_tokens: int) -> worker_pb2.SubmitRequest:
+    params = worker_pb2.WorkerSamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1)
+    return worker_pb2.SubmitRequest(prompt_token_ids=[1, 2], params=params, request_id=rid)
 
 
 def test_each_step_gives_each_request_one_numbered_update_until_its_last():
     async def go() -> list:
         d = SyntheticDecode("d0", WorkerModel(d0_ms=2.0, d1_ms=0.0))
-        await d.submit([1, 2], SamplingParams(max_tokens=3), "a", 1.0)
-        await d.submit([1, 2], SamplingParams(max_tokens=5), "b", 1.0)
+        await d.submit(_submit("a", 3), 1.0)
+        await d.submit(_submit("b", 5), 1.0)
         await asyncio.sleep(0.005)  # two steps or more have ended
         first = await d.poll(0.05, 1.0, 0)
         again = await d.poll(0.05, 1.0, 0)  # nothing acked: the same updates, and any new ones

@@ -1,6 +1,7 @@
 """The token channel (`pdserve.cluster.token_channel`): a decode worker's `poll` over TCP, with the
-worker's key, its errors, and a router that gives up on a call mid-way; and `ray_invoker`'s
-fall-back to Ray when the channel fails. Real sockets on loopback; the worker is a function."""
+worker's key, its errors, and a router that gives up on a call mid-way; and `RayWorker`'s
+fall-back to Ray when the channel fails. Real sockets on loopback; the worker is a function
+behind the worker's boundary (`WorkerBoundary`), as in a worker actor."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.cluster.actors import ray_invoker
+from pdserve.cluster.actors import RayWorker
 from pdserve.cluster.token_channel import ChannelInfo, ChannelUnavailable, TokenChannelClient, TokenChannelServer
+from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve.cluster.worker_host import WrongRole
 from pdserve.engine.loop import EngineStopped
 from pdserve_proto import worker_pb2
@@ -47,6 +49,10 @@ class Outbox:
             self.cond.notify_all()
 
 
+def _request(wait_s: float, router_id: str, acked: int | None) -> worker_pb2.PollRequest:
+    return worker_pb2.PollRequest(wait_s=wait_s, router_id=router_id, acked=acked)
+
+
 def _client(info: ChannelInfo | None, **kw: Any) -> TokenChannelClient:
     async def fetch() -> ChannelInfo | None:
         return info
@@ -57,7 +63,7 @@ def _client(info: ChannelInfo | None, **kw: Any) -> TokenChannelClient:
 @pytest.fixture
 def served() -> Any:
     outbox = Outbox()
-    server = TokenChannelServer(outbox.poll, "127.0.0.1")
+    server = TokenChannelServer(WorkerBoundary(outbox).poll, "127.0.0.1")
     yield outbox, server
     server.close()
 
@@ -70,8 +76,8 @@ def test_a_poll_round_trips_every_field(served: Any) -> None:
 
     async def go() -> tuple[worker_pb2.TokenUpdates, worker_pb2.TokenUpdates]:
         client = _client(server.info())
-        first = await client.poll(0.5, "router-a", 41)
-        second = await client.poll(0.01, "router-b", None)  # nothing pending: an empty answer after the wait
+        first = await client.poll(_request(0.5, "router-a", 41))
+        second = await client.poll(_request(0.01, "router-b", None))  # nothing pending: an empty answer after the wait
         client.close()
         return first, second
 
@@ -81,25 +87,23 @@ def test_a_poll_round_trips_every_field(served: Any) -> None:
     assert outbox.calls == [(0.5, "router-a", 41), (0.01, "router-b", None)]
 
 
-def test_the_workers_errors_come_back_as_their_types(served: Any) -> None:
+def test_the_workers_errors_come_back_as_their_codes(served: Any) -> None:
     outbox, server = served
 
     async def poll() -> Any:
         client = _client(server.info())
         try:
-            return await client.poll(0.5, "r", None)
+            return await client.poll(_request(0.5, "r", None))
         finally:
             client.close()
 
+    E = worker_pb2.WorkerError
     outbox.error = WrongRole("role: w is a prefill worker (epoch 1), not a decode worker")
-    with pytest.raises(WrongRole, match="not a decode worker"):
-        asyncio.run(poll())
+    assert asyncio.run(poll()) == E(code=E.WRONG_ROLE, message=str(outbox.error))
     outbox.error = EngineStopped("engine loop stopped: boom")
-    with pytest.raises(EngineStopped, match="boom"):
-        asyncio.run(poll())
+    assert asyncio.run(poll()) == E(code=E.ENGINE_STOPPED, message="engine loop stopped: boom")
     outbox.error = ValueError("bad acked")
-    with pytest.raises(RuntimeError, match="ValueError: bad acked"):
-        asyncio.run(poll())
+    assert asyncio.run(poll()) == E(code=E.INTERNAL, message="ValueError: bad acked")
 
 
 def test_a_connection_without_the_key_gets_nothing(served: Any) -> None:
@@ -110,10 +114,10 @@ def test_a_connection_without_the_key_gets_nothing(served: Any) -> None:
 
     async def go() -> worker_pb2.TokenUpdates:
         with pytest.raises(ChannelUnavailable):
-            await _client(wrong).poll(0.2, "r", None)
+            await _client(wrong).poll(_request(0.2, "r", None))
         client = _client(info)  # the worker still serves those that have it
         try:
-            return await client.poll(0.2, "r", None)
+            return await client.poll(_request(0.2, "r", None))
         finally:
             client.close()
 
@@ -141,12 +145,12 @@ def test_a_poll_given_up_mid_way_never_answers_the_next_one(served: Any) -> None
         client = _client(server.info())
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.1):
-                await client.poll(1.0, "r", None)  # the worker holds it: nothing pending
+                await client.poll(_request(1.0, "r", None))  # the worker holds it: nothing pending
         outbox.put(_updates(("late", [1])))  # answers the abandoned poll
         await asyncio.sleep(0.2)
         outbox.put(_updates(("next", [2])))
         try:
-            return await client.poll(1.0, "r", 1)
+            return await client.poll(_request(1.0, "r", 1))
         finally:
             client.close()
 
@@ -157,7 +161,7 @@ def test_no_channel_or_a_refused_one_is_unavailable_and_not_retried_at_once() ->
     async def go() -> None:
         none = _client(None)
         with pytest.raises(ChannelUnavailable):
-            await none.poll(0.1, "r", None)
+            await none.poll(_request(0.1, "r", None))
         assert not none.usable
 
         with socket.socket() as s:  # a port nobody listens on
@@ -165,7 +169,7 @@ def test_no_channel_or_a_refused_one_is_unavailable_and_not_retried_at_once() ->
             port = s.getsockname()[1]
         refused = _client(ChannelInfo("127.0.0.1", port, b"k" * 32), retry_after_s=30.0)
         with pytest.raises(ChannelUnavailable):
-            await refused.poll(0.1, "r", None)
+            await refused.poll(_request(0.1, "r", None))
         assert not refused.usable  # the caller goes over Ray until the retry time
 
     asyncio.run(go())
@@ -183,30 +187,30 @@ class _Method:
 
 
 class _FakeActor:
-    """A `WorkerActor` as `ray_invoker` sees it: methods with `.remote`."""
+    """A `WorkerActor` as `RayWorker` sees it: methods with `.remote`."""
 
     def __init__(self, info: ChannelInfo | None) -> None:
         self.ray_polls: list[tuple[Any, ...]] = []
         self.token_channel = _Method(lambda: info)
         self.poll = _Method(self._poll)
 
-    def _poll(self, *args: Any) -> worker_pb2.TokenUpdates:
-        self.ray_polls.append(args)
+    def _poll(self, request: worker_pb2.PollRequest) -> worker_pb2.TokenUpdates:
+        self.ray_polls.append((request.wait_s, request.router_id, request.acked if request.HasField("acked") else None))
         return _updates(("over-ray", [9]))
 
 
-def test_the_invoker_polls_over_the_channel_and_falls_back_to_ray(served: Any) -> None:
+def test_the_transport_polls_over_the_channel_and_falls_back_to_ray(served: Any) -> None:
     outbox, server = served
     actor = _FakeActor(server.info())
-    invoke = ray_invoker(actor)
+    worker = RayWorker(actor)
 
     async def go() -> tuple[list[str], list[str], list[str]]:
         outbox.put(_updates(("over-channel", [1])))
-        first = await invoke("poll", 0.5, "router", None)
+        first = await worker.poll(_request(0.5, "router", None))
         server.close()  # the channel goes away (and its open connection with it)
         await asyncio.sleep(0.05)
-        second = await invoke("poll", 0.5, "router", 1)
-        third = await invoke("poll", 0.5, "router", 1)  # the refused reconnect is not retried at once
+        second = await worker.poll(_request(0.5, "router", 1))
+        third = await worker.poll(_request(0.5, "router", 1))  # the refused reconnect is not retried at once
         return ([u.request_id for u in first.updates], [u.request_id for u in second.updates],
                 [u.request_id for u in third.updates])
 
@@ -214,7 +218,7 @@ def test_the_invoker_polls_over_the_channel_and_falls_back_to_ray(served: Any) -
     assert actor.ray_polls == [(0.5, "router", 1), (0.5, "router", 1)]
 
     without = _FakeActor(None)  # a worker started with --token-transport ray
-    answer = asyncio.run(ray_invoker(without)("poll", 0.1, "r", None))
+    answer = asyncio.run(RayWorker(without).poll(_request(0.1, "r", None)))
     assert answer.updates[0].request_id == "over-ray" and len(without.ray_polls) == 1
 
 

@@ -1,0 +1,176 @@
+"""The worker's side of worker.proto's `service Worker`: one method per call, taking its request
+message and answering the result message, or a `WorkerError` in place of it.
+
+This is the one place a worker's exceptions become error codes; the router reads only the codes
+(`router.errors.from_worker_error`). The role classes keep their Python signatures (engine
+types); messages are converted here, on the way in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from decode_worker.early_aborts import RequestAborted
+from kv_transfer.compat import KvCompatError
+from pdserve.cluster.worker_client import LocalWorker
+from pdserve.cluster.worker_host import WrongRole
+from pdserve.engine.block_manager import NoFreeBlocksError
+from pdserve.engine.loop import EngineStopped
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.telemetry.context import TraceCarrier
+from pdserve_proto import inference_pb2, worker_pb2
+from prefill_worker.worker import PrefillCancelled
+
+log = logging.getLogger(__name__)
+
+Code = worker_pb2.WorkerError.Code
+_T = TypeVar("_T")
+MAX_MESSAGE_CHARS = 300
+
+
+class InvalidRequest(ValueError):
+    """The request's own content is wrong (the client's fault, INVALID_REQUEST); a ValueError
+    of any other kind inside a worker is the server's (INTERNAL)."""
+
+
+# Checked in order: KvCompatError is a ValueError, so it comes before any ValueError.
+_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (WrongRole, Code.WRONG_ROLE),
+    (EngineStopped, Code.ENGINE_STOPPED),
+    (NoFreeBlocksError, Code.NO_FREE_BLOCKS),
+    (KvCompatError, Code.KV_INCOMPATIBLE),
+    (RequestAborted, Code.REQUEST_ENDED),
+    (PrefillCancelled, Code.REQUEST_ENDED),
+    (TimeoutError, Code.DEADLINE_EXCEEDED),
+    (InvalidRequest, Code.INVALID_REQUEST),
+)
+
+
+def error_of(exc: BaseException) -> worker_pb2.WorkerError:
+    """The code and one-line reason a worker answers for `exc`."""
+    lines = str(exc).strip().splitlines()
+    reason = lines[0].strip() if lines else ""
+    code = next((c for cls, c in _CODES if isinstance(exc, cls)), Code.INTERNAL)
+    if code == Code.INTERNAL:
+        log.error("worker call failed", exc_info=exc)  # a fault of ours: the traceback stays here
+        reason = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+    if len(reason) > MAX_MESSAGE_CHARS:
+        reason = reason[: MAX_MESSAGE_CHARS - 3] + "..."
+    return worker_pb2.WorkerError(code=code, message=reason)
+
+
+def sampling_params_of(msg: worker_pb2.WorkerSamplingParams) -> SamplingParams:
+    """The engine's params for `msg`; InvalidRequest if they are not valid."""
+    try:
+        return SamplingParams(
+            max_tokens=msg.max_tokens,
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            top_k=msg.top_k,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            logprobs=msg.logprobs,
+            output_offset=msg.output_offset,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(f"params.{exc}") from None
+
+
+def _carrier(trace_context: Any) -> TraceCarrier | None:
+    return dict(trace_context) if trace_context else None
+
+
+def _request(ids: Any, request_id: str) -> list[int]:
+    if not request_id:
+        raise InvalidRequest("request_id: required")
+    return list(ids)
+
+
+class WorkerBoundary:
+    """`service Worker` over `target`: a `WorkerHost` (either role, flips included) or one role
+    worker itself (in-process tests). Every call answers its result or a `WorkerError`."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    @property
+    def worker_id(self) -> str:
+        return self.target.worker_id
+
+    def _answer(self, call: Callable[[], _T]) -> _T | worker_pb2.WorkerError:
+        try:
+            return call()
+        except Exception as exc:
+            return error_of(exc)
+
+    # ----- prefill -------------------------------------------------------------------------
+
+    def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResult | worker_pb2.WorkerError:
+        def call() -> worker_pb2.PrefillResult:
+            ids = _request(request.prompt_token_ids, request.request_id)
+            return self.target.prefill(
+                ids, sampling_params_of(request.params), request.request_id, request.timeout_s,
+                _carrier(request.trace_context), request.progress_to,
+            )
+
+        return self._answer(call)
+
+    def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.Freed | worker_pb2.WorkerError:
+        return self._answer(lambda: worker_pb2.Freed(held=bool(self.target.release(request.request_id))))
+
+    # ----- decode --------------------------------------------------------------------------
+
+    def start(self, request: worker_pb2.StartRequest) -> worker_pb2.DecodeStart | worker_pb2.WorkerError:
+        def call() -> worker_pb2.DecodeStart:
+            ids = _request(request.prompt_token_ids, request.request_id)
+            return self.target.start(
+                ids, sampling_params_of(request.params), request.request_id, request.prefilled,
+                _carrier(request.trace_context), request.router_id,
+            )
+
+        return self._answer(call)
+
+    def prefetch(self, request: worker_pb2.PrefetchRequest) -> worker_pb2.DecodePrefetch | worker_pb2.WorkerError:
+        def call() -> worker_pb2.DecodePrefetch:
+            ids = _request(request.prompt_token_ids, request.request_id)
+            return self.target.prefetch(ids, sampling_params_of(request.params), request.request_id, request.router_id)
+
+        return self._answer(call)
+
+    def submit(self, request: worker_pb2.SubmitRequest) -> worker_pb2.DecodeSubmit | worker_pb2.WorkerError:
+        def call() -> worker_pb2.DecodeSubmit:
+            ids = _request(request.prompt_token_ids, request.request_id)
+            return self.target.submit(
+                ids, sampling_params_of(request.params), request.request_id,
+                _carrier(request.trace_context), request.router_id,
+            )
+
+        return self._answer(call)
+
+    def abort(self, request: worker_pb2.AbortRequest) -> worker_pb2.Freed | worker_pb2.WorkerError:
+        return self._answer(lambda: worker_pb2.Freed(held=bool(self.target.abort(request.request_id))))
+
+    def poll(self, request: worker_pb2.PollRequest) -> worker_pb2.TokenUpdates | worker_pb2.WorkerError:
+        acked = request.acked if request.HasField("acked") else None
+        return self._answer(lambda: self.target.poll(request.wait_s, request.router_id, acked))
+
+    # ----- both ----------------------------------------------------------------------------
+
+    def health(self, request: worker_pb2.HealthRequest | None = None) -> worker_pb2.WorkerHealth | worker_pb2.WorkerError:
+        return self._answer(self.target.health)
+
+    def stats(self, request: worker_pb2.StatsRequest | None = None) -> inference_pb2.WorkerStats | worker_pb2.WorkerError:
+        return self._answer(self.target.stats)
+
+    def kv_events(self, request: worker_pb2.KvEventsRequest) -> worker_pb2.KvEventBatch | worker_pb2.WorkerError:
+        return self._answer(lambda: self.target.kv_events(request.wait_s, request.full, request.router_id))
+
+
+def local_worker(target: Any) -> LocalWorker:
+    """The transport a `WorkerClient` uses for `target` (a `WorkerHost` or a role worker) in
+    this process."""
+    return LocalWorker(WorkerBoundary(target))
