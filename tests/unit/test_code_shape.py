@@ -29,13 +29,10 @@ PENDING_SIZE: set[str] = {
     "decode_worker/worker.py",  # owned elsewhere, being restructured
     "decode_worker/worker.py::DecodeWorker",  # owned elsewhere, being restructured
     "pdserve/engine/engine.py::LLMEngine",  # owned elsewhere, being restructured
-    "router/router.py",  # owned elsewhere, being restructured
-    "router/router.py::Router",  # owned elsewhere, being restructured
 }
 
 # Basenames still found in more than one package.
 PENDING_NAMES: set[str] = {
-    "config.py",  # owned elsewhere, being restructured (router/config.py, pdserve/engine/config.py)
     "worker.py",  # owned elsewhere, being restructured (prefill_worker/, decode_worker/)
 }
 
