@@ -1,23 +1,49 @@
 """Serving on GPUs, end to end: start each server configuration on the same GPUs in turn, drive
 the same workloads against it at a sweep of Poisson rates, stop it; one JSON per (server,
-workload, rate), one markdown table and one latency-throughput plot for them all.
+workload, rate), one markdown table, a comparison with `vllm serve`, the decode step in serving
+beside the offline engine's, and a latency-throughput plot for them all.
 
-    python bench/gpu_serve.py --gpus 2 --shape 1b --vllm-site DIR --out OUT [--servers a,b] [--dry-run]
+    python bench/gpu_serve.py --gpus 2 --profile knee-1b --vllm-site DIR --out OUT [--servers a,b] [--dry-run]
     python bench/gpu_serve.py --device cpu --out OUT        (the default model, tiny workloads)
-    python bench/gpu_serve.py --report-only --out OUT       (the table and plot of what OUT holds)
+    python bench/gpu_serve.py --report-only --out OUT       (the tables and plot of what OUT holds)
+    python bench/gpu_serve.py --engine-steps --profile knee-1b --out OUT   (only the engine's steps)
 
 Servers (names are stable; `--servers` picks some): on 2 GPUs pdserve-1p1d, pdserve-colocated,
-vllm-dp2 and, when named or with --vllm-pd, vllm-1p1d (vLLM's NixlConnector behind
-bench/vllm_pd_proxy.py); on 4 GPUs pdserve-2p2d, pdserve-3p1d, pdserve-colocated, vllm-dp4.
-Each server starts once and every workload and rate runs against it; start-ups dominate the
-time. Workloads (bench/gpu_serve_plan.py): long-prompt, chat, prefix-sharing, sent as token ids
-with ignore_eos and greedy sampling, so every server does the same work. Goodput counts requests
-within TTFT <= --slo-ttft-ms and mean ITL <= --slo-itl-ms.
+vllm-serve-dp2 and, when named or with --vllm-pd, vllm-serve-1p1d (vLLM's NixlConnector behind
+bench/vllm_pd_proxy.py); on 4 GPUs pdserve-2p2d, pdserve-3p1d, pdserve-colocated, vllm-serve-dp4.
+vLLM starts as its users start it, `vllm serve MODEL --data-parallel-size N` (one API server per
+data-parallel rank), with vLLM's defaults for the card and only --load-format dummy and
+--max-model-len added; vllm-apiserver-dp2/-dp4, run only when named, is the weaker
+`vllm.entrypoints.openai.api_server` form (one API server process). Each server's exact command
+lines are in OUT/commands__<server>.sh. Each server starts once and every workload and rate runs
+against it. Workloads (bench/gpu_serve_workloads.py): long-prompt, chat, prefix-sharing, sent as
+token ids with ignore_eos and greedy sampling, so every server does the same work. Goodput counts
+requests within TTFT <= --slo-ttft-ms and mean ITL <= --slo-itl-ms.
+
+Profiles (--profile, one flag each): knee-1b (1B; long-prompt and chat at 48/96/160 req/s),
+knee-8b (8B; long-prompt 8/16/24, chat 16/32/48), interference (8B; chat 24/32/40, long-prompt
+12/16; TTFT <= 1000 ms, mean ITL <= 12 ms). Rates are for 2 GPUs, doubled on 4. The report
+marks each rate where `vllm serve` kept >= 80 % SLO attainment and gives pdserve's best / vLLM
+and disaggregated / colocated goodput.
+
+Decode step in serving: pdserve's /metrics (pdserve_engine_step_seconds and
+pdserve_engine_step_sequences_total by worker, step kind and batch bucket) is read before and
+after each pdserve run; per decode worker, the busiest batch bucket's mean step and mean batch go
+into the run's JSON. After the servers, the offline engine (bench/gpu_serve_engine.py, one GPU)
+is timed at those batch sizes and each workload's mean decode context, and the table puts the
+two side by side (--no-engine-steps: skip; --engine-steps: only that, from OUT's runs).
+
+Time limits: --budget-s B ends the invocation within B seconds: a server starts, a run begins and
+the engine phase runs only where its worst case still fits; what did not is listed. Every run's
+JSON and table.md are written as each run ends, so a call cut short keeps what it finished.
+--dry-run prints the plan with its estimated time and, past --budget-s, how to split it with
+--servers into calls that fit.
 
 The model is a random-weight Llama directory (--shape 1b|8b) written once into --model-dir:
 pdserve loads its safetensors, vLLM the same config and tokenizer with --load-format dummy. vLLM
-runs with PYTHONPATH set to --vllm-site alone; pdserve with the checkout, --pdserve-site and the
-PYTHONPATH this script runs with, never vLLM's folder.
+runs with PYTHONPATH set to --vllm-site alone (the folder vLLM was installed into with pip
+--target) and --vllm-python; pdserve with the checkout, --pdserve-site and the PYTHONPATH this
+script runs with, never vLLM's folder.
 
 Every child runs in its own session and is killed, with everything it started, when its server
 is done, on an error and on Ctrl-C / SIGTERM. Logs: OUT/logs/<server>.<process>.log.
@@ -27,46 +53,42 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_serve_diag import Target, collect
+from bench.gpu_serve_args import build_parser, resolve
+from bench.gpu_serve_diag import BUDGET_S, Target, collect, scrape
+from bench.gpu_serve_engine import engine_phase
 from bench.gpu_serve_plan import (
-    DEFAULT_RATES,
-    WORKLOADS,
+    STARTUP_S,
+    STOP_S,
     Launch,
     LaunchContext,
     Plan,
-    Process,
     admin_key,
     describe,
     launch,
-    parse_rates,
     parse_variants,
-    requests_per_run,
     select_servers,
 )
+from bench.gpu_serve_procs import REPO, ServerRun, _session_members, command_line, free_port, vllm_missing
 from bench.gpu_serve_report import (
-    load,
-    plot,
-    report_text,
+    ENGINE_ROWS,
+    MACHINE,
+    commands_file,
     run_file,
     run_folder,
     run_record,
@@ -75,143 +97,20 @@ from bench.gpu_serve_report import (
     server_runs_glob,
     server_watch_glob,
     watch_file,
+    write_report,
 )
+from bench.gpu_serve_steps import run_steps
 from bench.gpu_serve_watch import summarize as summarize_watch
 from bench.gpu_serve_watch import watch
 from bench.gpu_serve_watch import write as write_watch
+from bench.gpu_serve_workloads import WORKLOADS, requests_per_run
 from bench.report import cpu_name
 from bench.serve import LoadConfig, run_load, served_model
 from bench.serve_failures import diagnosis_reason, failure_report
 from bench.serve_metrics import Slo, summarize
 from bench.serve_workload import Request
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-# ----- processes ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session_members(sid: int) -> list[int]:
-    """Processes of session `sid` (a child started with start_new_session: its pid), from /proc."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == sid:  # after the command: state, ppid, pgrp, session
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-@dataclass
-class Running:
-    process: Process
-    popen: subprocess.Popen
-    log: Path
-
-
-@dataclass
-class ServerRun:
-    """The processes of one server while it runs; stop() ends them and whatever they started."""
-
-    launch: Launch
-    logs: Path
-    running: list[Running] = field(default_factory=list)
-
-    def start(self) -> None:
-        for p in self.launch.processes:
-            log = self.logs / f"{self.launch.server.name}.{p.name}.log"
-            env = os.environ | p.env
-            with open(log, "w") as f:
-                f.write(f"$ {' '.join(f'{k}={shlex.quote(v)}' for k, v in p.env.items())} {shlex.join(p.argv)}\n")
-                f.flush()
-                popen = subprocess.Popen(
-                    p.argv, env=env, cwd=REPO if p.in_repo else self.logs, stdout=f, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )  # fmt: skip
-            self.running.append(Running(p, popen, log))
-
-    def dead(self) -> str | None:
-        """Why the server is gone (a process exited), or None while all run."""
-        for r in self.running:
-            code = r.popen.poll()
-            if code is not None:
-                return f"{r.process.name} exited with code {code}: {last_line(r.log)}"
-        return None
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        urls = [r.process.health_url for r in self.running if r.process.health_url]
-        urls.append(self.launch.url + "/v1/models")
-        while True:
-            if why := self.dead():
-                raise RuntimeError(why)
-            if all(http_ok(u) for u in urls):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not healthy after {timeout_s:.0f} s (see {self.logs})")
-            time.sleep(1.0)
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM to each process group, SIGKILL to what is left after grace_s, then to anything
-        still in their sessions (servers start helpers that leave the group)."""
-        for r in self.running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(r.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for r in self.running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.popen.wait(max(0.1, deadline - time.monotonic()))
-        for r in self.running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(r.popen.pid, signal.SIGKILL)
-            for pid in _session_members(r.popen.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.popen.wait(10)
-        self.running.clear()
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def last_line(log: Path) -> str:
-    try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "(no log)"
-    return (lines[-1] if len(lines) > 1 else "(nothing logged)")[:300]
-
-
-def vllm_missing(ctx: LaunchContext) -> str | None:
-    """Why vLLM cannot start from ctx (one line), or None."""
-    from bench.gpu_serve_plan import VLLM_ENV, vllm_pythonpath
-
-    py = ctx.vllm_python or "python"
-    env = os.environ | VLLM_ENV | {"PYTHONPATH": vllm_pythonpath(ctx)}
-    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
-    try:
-        code = subprocess.run([py, "-c", probe], check=False, env=env, timeout=60, capture_output=True).returncode
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"vllm: cannot run {py}: {exc}"
-    if code != 0:
-        where = f"--vllm-site {ctx.vllm_site}" if ctx.vllm_site else "no --vllm-site given"
-        return f"vllm: not importable by {py} ({where})"
-    return None
+SCRAPE_TIMEOUT_S = 10.0
 
 
 # ----- one server -----------------------------------------------------------------------------
@@ -232,14 +131,41 @@ class Settings:
     diagnose_below: float = 0.5  # completed share under which the server is looked at after a run
     py_spy: str | None = None  # py-spy for those looks; None: no stacks
     failures_listed: int = 50  # failed requests listed one by one in a run's JSON
+    end: float = float("inf")  # time.monotonic() by which the invocation must be over (--budget-s)
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def run_fits(self, n: int, rate: float) -> bool:
+        """A run of n requests at rate, its last requests timing out and the server's stop, fits."""
+        return n / rate + self.request_timeout_s + STOP_S <= self.left()
 
 
-Diagnose = Callable[[str, str], dict]  # (folder name, reason) -> the index of what was saved
+Diagnose = Callable[[str, str, float], dict]  # (folder name, reason, budget s) -> the index of what was saved
+
+
+async def _scrape(url: str | None) -> tuple[str | None, str | None]:
+    """(/metrics text, None) or (None, why not)."""
+    if url is None:
+        return None, "no /metrics"
+    try:
+        return await asyncio.to_thread(scrape, url, SCRAPE_TIMEOUT_S), None
+    except Exception as exc:  # noqa: BLE001 - a failed read leaves the run without step figures
+        return None, f"/metrics: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def _steps(before: tuple[str | None, str | None], after: tuple[str | None, str | None]) -> dict:
+    if before[0] is None or after[0] is None:
+        return {"error": before[1] or after[1]}
+    steps = run_steps(before[0], after[0])
+    if not steps["steps_by_kind"]:
+        steps["error"] = "no pdserve_engine_step_seconds steps on /metrics during the run"
+    return steps
 
 
 async def _drive(
     launch_: Launch, plan: Plan, st: Settings, out: Path, record: dict, alive: Callable[[], str | None],
-    diagnose: Diagnose,
+    diagnose: Diagnose, progress: Callable[[], None],
 ) -> None:  # fmt: skip
     model = await served_model(launch_.url)
     record["model_id"] = model
@@ -247,6 +173,7 @@ async def _drive(
         sample = WORKLOADS[w].requests(st.warmup, st.seed + 99, st.scale)
         reqs = [Request(r.prompt, min(r.output_len, 8)) for r in sample]
         await run_load(LoadConfig(launch_.url, model, None, 2, st.seed, st.request_timeout_s, False), reqs)
+    pdserve = launch_.server.kind == "pdserve"
     for w in plan.workloads:
         for k, rate in enumerate(plan.rates[w]):
             # Each rate its own prompts (the same on every server): a rate must not find the
@@ -258,8 +185,12 @@ async def _drive(
             if time.monotonic() + n / rate > st.deadline:
                 record.setdefault("not_run", []).append(f"{w} at {rate:g}/s: past --deadline-s")
                 continue
+            if not st.run_fits(n, rate):
+                record.setdefault("not_run", []).append(f"{w} at {rate:g}/s: past --budget-s")
+                continue
             reqs = WORKLOADS[w].requests(n, seed, st.scale)
             cfg = LoadConfig(launch_.url, model, rate, None, seed, st.request_timeout_s, False)
+            before = await _scrape(launch_.metrics_url) if pdserve else (None, None)
             stop_watch = asyncio.Event()
             watcher = asyncio.create_task(watch(launch_.metrics_url, stop_watch)) if launch_.metrics_url else None
             try:
@@ -267,10 +198,13 @@ async def _drive(
             finally:
                 stop_watch.set()
                 samples = await watcher if watcher is not None else []
+            after = await _scrape(launch_.metrics_url) if pdserve else (None, None)
             summary = summarize(results, duration, st.slo)
             extra = {"requests_sent": n, "scale": st.scale, "seed": seed}
             run = run_record(record, w, rate, summary, extra)
             run["failures"] = failure_report(results, st.failures_listed)
+            if pdserve:
+                run["engine_steps"] = _steps(before, after)
             if watcher is not None:
                 write_watch(out / watch_file(record["server"], w, rate), samples)
                 run["watch"] = summarize_watch(samples)
@@ -280,8 +214,10 @@ async def _drive(
             if why := diagnosis_reason(summary, st.diagnose_below, st.stop_below):
                 print(f"gpu_serve: {record['server']} {w} {rate:g}/s: {why}; looking at the server",
                       file=sys.stderr, flush=True)  # fmt: skip
-                run["diagnostics"] = diagnose(run_folder(record["server"], w, rate), why)
+                budget = min(BUDGET_S, st.left() - STOP_S - st.request_timeout_s)
+                run["diagnostics"] = diagnose(run_folder(record["server"], w, rate), why, max(1.0, budget))
                 path.write_text(json.dumps(run, indent=1) + "\n")
+            progress()
             print(
                 f"gpu_serve: {record['server']} {w} {rate:g}/s: {summary['completed']}/{n} ok, goodput "
                 f"{summary['goodput_req_s']:.2f} req/s, TTFT p99 {summary['ttft_ms']['p99']} ms, "
@@ -293,9 +229,12 @@ async def _drive(
                 break
 
 
-def run_server(launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, out: Path) -> dict:
+def run_server(
+    launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, out: Path, progress: Callable[[], None] = lambda: None
+) -> dict:  # fmt: skip
     """Start, warm up, run every workload and rate, stop. Returns the server's record (also in
-    OUT/server__<name>.json); a failure is its `error`, one line."""
+    OUT/server__<name>.json, written first as cut short, so that a call killed mid-server says
+    so); a failure is its `error`, one line."""
     s = launch_.server
     record: dict = {"server": s.name, "gpus": s.gpus, "kind": s.kind, "url": launch_.url, "startup_s": None}
     record["processes"] = [{"name": p.name, "argv": list(p.argv), "env": p.env} for p in launch_.processes]
@@ -309,20 +248,25 @@ def run_server(launch_: Launch, plan: Plan, st: Settings, ctx: LaunchContext, ou
     srv = ServerRun(launch_, out / "logs")
     key, closed = admin_key(ctx.pdserve_args, os.environ) if s.kind == "pdserve" else (None, None)
 
-    def diagnose(folder: str, reason: str) -> dict:
+    def diagnose(folder: str, reason: str, budget_s: float) -> dict:
         sessions = tuple(r.popen.pid for r in srv.running)
         target = Target(launch_.admin, key, closed, launch_.metrics_url, sessions, st.py_spy)
-        return collect(out / folder, target, reason, _session_members)
+        return collect(out / folder, target, reason, _session_members, budget_s=budget_s)
 
     if record["error"] is None:
         t0 = time.monotonic()
+        (out / commands_file(s.name)).write_text("".join(f"# {s.name} [{p.name}]\n{command_line(p)}\n"
+                                                         for p in launch_.processes))  # fmt: skip
+        cut = record | {"error": "cut short: the invocation ended while this server ran"}
+        (out / server_file(s.name)).write_text(json.dumps(cut, indent=1) + "\n")
         try:
             print(f"gpu_serve: starting {s.name}", file=sys.stderr, flush=True)
             srv.start()
-            srv.wait_healthy(min(st.startup_timeout_s, max(1.0, st.deadline - time.monotonic())))
+            limit = min(st.startup_timeout_s, st.deadline - time.monotonic(), st.left() - STOP_S)
+            srv.wait_healthy(max(1.0, limit))
             record["startup_s"] = round(time.monotonic() - t0, 1)
             print(f"gpu_serve: {s.name} up in {record['startup_s']} s", file=sys.stderr, flush=True)
-            asyncio.run(_drive(launch_, plan, st, out, record, srv.dead, diagnose))
+            asyncio.run(_drive(launch_, plan, st, out, record, srv.dead, diagnose, progress))
         except Exception as exc:  # noqa: BLE001 - one server's failure is reported, the others still run
             record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         finally:
@@ -350,81 +294,9 @@ def machine(device: str, gpus: int) -> dict:
     return info
 
 
-def where(info: dict) -> str:
-    """The date and the machine: the card and how many, or the CPU."""
-    cards = info.get("cards")
-    machine_ = f"{cards[0]} x{info.get('gpus')}" if cards else f"CPU {info.get('cpu', '?')} ({info.get('cores')} cores)"
-    return f"{info.get('date_utc', '?')} UTC, {machine_}"
-
-
-def header(info: dict) -> str:
-    return f"{where(info)}; `{info.get('command', '?')}`"
-
-
-def write_report(out: Path, workloads: tuple[str, ...] = (), order: tuple[str, ...] = ()) -> str:
-    runs, servers = load(out)
-    info = json.loads((out / "machine.json").read_text()) if (out / "machine.json").is_file() else {}
-    text = report_text(runs, servers, header(info) if info else "", workloads, order)
-    (out / "table.md").write_text(text)
-    if runs:
-        try:
-            plot(runs, out / "serve-gpu.png", where(info) if info else "", workloads, order)
-        except (ImportError, OSError, ValueError) as exc:
-            print(f"gpu_serve: plot: {exc} (the table is complete)", file=sys.stderr)
-    return text
-
-
-def _csv(v: str) -> list[str]:
-    return [x.strip() for x in v.split(",") if x.strip()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/gpu_serve.py", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="every JSON, log, table and plot goes here")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the default model, tiny workloads")
-    p.add_argument("--gpus", type=int, default=2, choices=[2, 4])
-    p.add_argument("--gpu-ids", type=_csv, default=None, help="which GPUs (default: 0..gpus-1)")
-    p.add_argument("--servers", type=_csv, default=None, help="comma-separated subset of the configurations")
-    p.add_argument("--vllm-pd", action="store_true", help="also run vllm-1p1d (vLLM's NixlConnector; best effort)")
-    p.add_argument("--shape", default="1b", choices=["1b", "8b"], help="the random-weight model's shape")
-    p.add_argument("--model", default=None, help="serve this model directory instead of writing a random one")
-    p.add_argument("--model-dir", type=Path, default=None, help="where the random model is written (and reused)")
-    p.add_argument("--workloads", type=_csv, default=list(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
-    p.add_argument("--rates", action="append", default=[], metavar="[WORKLOAD=]R1,R2,...", help="Poisson rates")
-    p.add_argument("--duration-s", type=float, default=4.0, help="requests per run: rate x this (default: 4)")
-    p.add_argument("--requests", type=int, default=None, help="a fixed number of requests per run instead")
-    p.add_argument("--scale", type=float, default=None, help="multiply the workloads' lengths (cpu default: 0.05)")
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (default: 1000; cpu 3000)")
-    p.add_argument("--slo-itl-ms", type=float, default=None, help="mean ITL SLO per request (default: 50; cpu 250)")
-    p.add_argument("--stop-below", type=float, default=0.25, help="skip higher rates once SLO attainment is below")
-    p.add_argument(
-        "--diagnose-below", type=float, default=0.5, metavar="SHARE",
-        help="after a run that completed less than this share of its requests (or fell under --stop-below), save "
-        "the server's Admin.GetStats, /metrics and py-spy dumps into the run's folder (default: 0.5)",
-    )
-    p.add_argument("--py-spy", default=shutil.which("py-spy"), metavar="PATH", help="py-spy (default: on PATH)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context cap of every server (default: 8192)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2, help="requests per workload sent before measuring")
-    p.add_argument("--request-timeout-s", type=float, default=30.0, help="deadline of each request (default: 30)")
-    p.add_argument("--startup-timeout-s", type=float, default=300.0)
-    p.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
-    p.add_argument("--vllm-site", default=None, help="vLLM's site folder: its PYTHONPATH, alone")
-    p.add_argument("--vllm-python", default=sys.executable, help="the interpreter for vLLM (default: this one)")
-    p.add_argument("--pdserve-site", default=None, help="pdserve's site folder, put on pdserve's PYTHONPATH")
-    p.add_argument("--pdserve-args", default="", help="extra `pdserve serve` flags, one string")
-    p.add_argument(
-        "--variant", action="append", default=[], metavar="NAME=FLAGS",
-        help="define a pdserve variant: `--servers pdserve-1p1d,pdserve-1p1d+NAME` runs both, the second "
-        "with FLAGS added (e.g. --variant eager=--no-prefill-cuda-graphs); repeatable",
-    )
-    p.add_argument("--vllm-args", default="", help="extra vLLM server flags, one string")
-    p.add_argument("--dry-run", action="store_true", help="print the plan; start nothing")
-    p.add_argument("--report-only", action="store_true", help="rebuild the table and plot from --out")
-    return p
-
-
-def _model(args: argparse.Namespace) -> tuple[str, dict]:
+def _model(args: argparse.Namespace, shape: str, weights: bool) -> tuple[str, dict]:
+    """The model directory. weights False (no pdserve server to load them): config and tokenizer
+    only, in a folder of their own; vLLM and the engine-step child draw random weights."""
     if args.model:
         return args.model, {"dir": args.model}
     if args.device == "cpu":
@@ -432,15 +304,23 @@ def _model(args: argparse.Namespace) -> tuple[str, dict]:
 
         path = str(resolve_model(None))
         return path, {"dir": path, "default": True}
-    from bench.random_model import shape_config, write_model
+    from bench.random_model import shape_config, write_model, write_tokenizer
 
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
-    target = args.model_dir or cache / "bench-models" / f"llama-{args.shape}-random"
+    target = args.model_dir or cache / "bench-models" / f"llama-{shape}-random"
+    if not weights:
+        target = target.with_name(target.name + "-config")
     if args.dry_run:
         return str(target), {"dir": str(target)}
+    cfg = shape_config(shape)
+    if not weights:
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_tokenizer(target, cfg["vocab_size"], cfg.get("bos_token_id"), cfg.get("eos_token_id"))
+        return str(target), {"dir": str(target), "weights": False}
     import torch
 
-    info = write_model(target, shape_config(args.shape), 0, "cuda" if torch.cuda.is_available() else "cpu")
+    info = write_model(target, cfg, 0, "cuda" if torch.cuda.is_available() else "cpu")
     print(f"gpu_serve: model {target}: {info['bytes'] / 1e9:.1f} GB, {info['seconds']} s", file=sys.stderr)
     return str(target), info
 
@@ -450,44 +330,28 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    start = time.monotonic()  # --deadline-s counts from here, the model's writing included
+    args = build_parser(__doc__ or "").parse_args(argv)
+    start = time.monotonic()  # --deadline-s and --budget-s count from here, the model's writing included
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    workloads = tuple(args.workloads)
-    unknown = [w for w in workloads if w not in WORKLOADS]
-    if unknown:
-        print(f"gpu_serve: --workloads: unknown {', '.join(unknown)}", file=sys.stderr)
-        return 2
     try:
         servers = select_servers(args.gpus, args.servers, args.vllm_pd, parse_variants(args.variant))
+        c = resolve(args)
     except ValueError as exc:
         print(f"gpu_serve: {exc}", file=sys.stderr)
         return 2
     order = tuple(s.name for s in servers)
+    workloads, rates, scale, shape, max_len = c.workloads, c.rates, c.scale, c.shape, c.max_len
+    slo = Slo(c.slo_ttft_ms / 1000, c.slo_itl_ms / 1000)
     if args.report_only:
         print(write_report(out, workloads, order))
         return 0
-    cpu = args.device == "cpu"
-    scale = args.scale if args.scale is not None else (0.05 if cpu else 1.0)
-    per_gpus = 1.0 if cpu else args.gpus / 2  # the defaults are for 2 GPUs: 4 serve about twice the load
-    defaults = {w: tuple(r * per_gpus for r in rs) for w, rs in DEFAULT_RATES["cpu" if cpu else args.shape].items()}
-    rates = parse_rates(args.rates, workloads, defaults)
-    max_len = args.max_model_len or (1024 if cpu else 8192)  # cpu: a KV pool sized for short requests
-    # A CPU decodes the default model at ~100 ms a token: the GPU SLOs would leave no goodput to compare.
-    slo = Slo(
-        (args.slo_ttft_ms or (3000.0 if cpu else 1000.0)) / 1000, (args.slo_itl_ms or (250.0 if cpu else 50.0)) / 1000
-    )
-    need = max(WORKLOADS[w].max_len(scale) for w in workloads)
-    if need > max_len:
-        print(f"gpu_serve: --max-model-len {max_len} is below the longest request ({need} tokens)", file=sys.stderr)
-        return 2
-    if args.gpu_ids and len(args.gpu_ids) < args.gpus:
-        print(f"gpu_serve: --gpu-ids: {len(args.gpu_ids)} given for --gpus {args.gpus}", file=sys.stderr)
-        return 2
     if not args.dry_run:
         signal.signal(signal.SIGTERM, _on_sigterm)
-    model, model_info = _model(args)
+    engine_only = args.engine_steps
+    weights = not engine_only and any(s.kind == "pdserve" for s in servers)
+    model, model_info = _model(args, shape, weights)
+    cpu = args.device == "cpu"
     ctx = LaunchContext(
         python=sys.executable, repo=str(REPO), model=model, device=args.device,
         dtype="float32" if cpu else "bfloat16", max_model_len=max_len,
@@ -497,32 +361,46 @@ def main(argv: list[str] | None = None) -> int:
         vllm_args=tuple(shlex.split(args.vllm_args)),
     )  # fmt: skip
     extra_ports = {"vllm-pd": 4, "pdserve": 2}  # vllm-pd: instances and side channels; pdserve: gRPC, /metrics
-    launches = tuple(
+    launches = () if engine_only else tuple(
         launch(s, ctx, free_port(), [free_port() for _ in range(extra_ports.get(s.kind, 0))]) for s in servers
-    )
-    plan = Plan(launches, workloads, rates, args.duration_s, args.requests, scale)
-    print(describe(plan, out), file=sys.stderr)
+    )  # fmt: skip
+    plan = Plan(launches, workloads, rates, args.duration_s, args.requests, scale, args.request_timeout_s,
+                engine_steps=not args.no_engine_steps)  # fmt: skip
+    print(describe(plan, out, args.budget_s), file=sys.stderr)
     if args.dry_run:
         return 0
-    info = machine(args.device, args.gpus) | {"model": model_info, "shape": None if cpu else args.shape}
-    info |= {"slo": {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000}, "plan": describe(plan, out)}
-    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
     st = Settings(
         slo=slo, duration_s=args.duration_s, requests=args.requests,
         scale=scale, seed=args.seed, request_timeout_s=args.request_timeout_s,
         startup_timeout_s=args.startup_timeout_s, stop_below=args.stop_below, warmup=args.warmup,
         deadline=start + args.deadline_s if args.deadline_s else float("inf"),
         diagnose_below=args.diagnose_below, py_spy=args.py_spy,
+        end=start + args.budget_s if args.budget_s else float("inf"),
     )  # fmt: skip
+    if engine_only:
+        why = engine_phase(out, ctx, scale, args.seed, st.left())
+        print(write_report(out, workloads, order, with_plot=False))
+        print(f"gpu_serve: {why}" if why else f"gpu_serve: {out / ENGINE_ROWS}", file=sys.stderr)
+        return 1 if why else 0
+    info = machine(args.device, args.gpus) | {"model": model_info, "shape": None if cpu else shape}
+    info |= {"profile": args.profile, "slo": {"ttft_ms": c.slo_ttft_ms, "itl_ms": c.slo_itl_ms}}
+    info["plan"] = describe(plan, out)
+    (out / MACHINE).write_text(json.dumps(info, indent=1) + "\n")
     failed = []
     try:
         for lc in launches:
-            if time.monotonic() > st.deadline:
-                failed.append(f"{lc.server.name}: not started, past --deadline-s")
+            first = plan.server_runs(lc)[0] if plan.server_runs(lc) else None
+            worst_first = STARTUP_S.get(lc.server.kind, 90.0) + STOP_S
+            worst_first += first[3] / first[2] + st.request_timeout_s if first else 0.0
+            if time.monotonic() > st.deadline or worst_first > st.left():
+                failed.append(f"{lc.server.name}: not started, past --deadline-s or --budget-s")
                 continue
-            rec = run_server(lc, plan, st, ctx, out)
+            rec = run_server(lc, plan, st, ctx, out, lambda: write_report(out, workloads, order, with_plot=False))
             if rec["error"]:
                 failed.append(f"{lc.server.name}: {rec['error']}")
+        pdserve = any(lc.server.kind == "pdserve" for lc in launches)
+        if plan.engine_steps and pdserve and (why := engine_phase(out, ctx, scale, args.seed, st.left())):
+            failed.append(why)
     except KeyboardInterrupt:
         print("gpu_serve: interrupted; servers stopped", file=sys.stderr)
         write_report(out, workloads, order)

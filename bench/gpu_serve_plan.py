@@ -1,92 +1,18 @@
 """What `bench/gpu_serve.py` runs, as data: the server configurations and the command lines that
-start them, the workloads, the rates, the plan of one invocation and how long it should take.
-Pure: no process is started and no file is read here.
+start them, the plan of one invocation, how long it should take and how to split it into calls
+that each fit a time limit. Pure: no process is started and no file is read here.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.serve_workload import Request, Shape, lognormal, prefix_groups
-
-# ----- workloads ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Lengths in tokens at scale 1 (a GPU serving a 1B-8B model); `scale` shrinks them for a CPU."""
-
-    name: str
-    shape: Shape  # prompt (or, with a prefix, the suffix after it) and output lengths
-    max_input: int
-    max_output: int
-    prefix_len: int = 0  # > 0: every prompt starts with one of `groups` shared prefixes this long
-    groups: int = 0
-
-    def requests(self, n: int, seed: int, scale: float = 1.0) -> list[Request]:
-        max_input = max(1, round(self.max_input * scale))
-        if self.prefix_len:
-            return prefix_groups(n, seed, self.groups, self.prefix_len, self.shape, max_input, self.max_output, scale)
-        return lognormal(self.shape, n, seed, max_input, self.max_output, scale)
-
-    def max_len(self, scale: float = 1.0) -> int:
-        """The longest prompt + output a request can have: the context the servers must allow."""
-        return round(self.prefix_len * scale) + max(1, round(self.max_input * scale)) + self.max_output
-
-
-# Lognormal medians from means: mean = median * exp(sigma^2 / 2).
-WORKLOADS: dict[str, Workload] = {
-    # RAG-like: a long retrieved context, a short answer; nearly fixed lengths.
-    "long-prompt": Workload("long-prompt", Shape(3000, 150, sigma=0.1), max_input=3600, max_output=180),
-    # Chat: means ~1000 prompt and ~200 output tokens, lognormal sigma 0.5.
-    "chat": Workload("chat", Shape(882, 176, sigma=0.5), max_input=4000, max_output=600),
-    # 8 shared 2048-token prefixes (system prompts, documents), each request its own ~128-token
-    # question and ~128-token answer: what a prefix cache (and cache-aware placement) is for.
-    "prefix-sharing": Workload(
-        "prefix-sharing", Shape(128, 128, sigma=0.5), max_input=512, max_output=512, prefix_len=2048, groups=8
-    ),
-}
-
-# Offered rates (requests/s) by model shape, chosen to run from well below to beyond what two
-# GPUs serve within the SLOs; `--rates` replaces them. "cpu": the default model at --device cpu.
-DEFAULT_RATES: dict[str, dict[str, tuple[float, ...]]] = {
-    "1b": {"long-prompt": (4, 8, 16, 32), "chat": (4, 8, 16, 32), "prefix-sharing": (4, 8, 16, 32)},
-    "8b": {"long-prompt": (1, 2, 4, 8), "chat": (1, 2, 4, 8), "prefix-sharing": (2, 4, 8, 16)},
-    "cpu": {"long-prompt": (0.5, 1), "chat": (0.5, 1), "prefix-sharing": (0.5, 1)},
-}
-
-
-def parse_rates(
-    specs: Sequence[str], workloads: Sequence[str], defaults: dict[str, tuple[float, ...]]
-) -> dict[str, tuple[float, ...]]:
-    """`--rates` values: "R1,R2,..." for every workload or "WORKLOAD=R1,R2,..." for one; the rest
-    keep their defaults. Rates come back sorted (the sweep stops at the first saturated one)."""
-    out = {w: tuple(defaults[w]) for w in workloads}
-    for spec in specs:
-        name, sep, values = spec.rpartition("=")
-        try:
-            rates = tuple(sorted(float(v) for v in values.split(",") if v.strip()))
-        except ValueError as exc:
-            raise ValueError(f"--rates {spec!r}: rates must be numbers") from exc
-        if not rates or any(r <= 0 for r in rates):
-            raise ValueError(f"--rates {spec!r}: give positive rates")
-        if sep and name not in out:
-            raise ValueError(f"--rates {spec!r}: unknown workload {name!r}; one of {', '.join(out)}")
-        for w in [name] if sep else list(out):
-            out[w] = rates
-    return {w: tuple(sorted(r)) for w, r in out.items()}
-
-
-def requests_per_run(rate: float, duration_s: float, fixed: int | None, least: int = 4) -> int:
-    """--requests N, else the arrivals of duration_s at this rate (at least `least`)."""
-    return fixed if fixed else max(least, math.ceil(rate * duration_s))
-
+from bench.gpu_serve_workloads import WORKLOADS, requests_per_run
 
 # ----- servers --------------------------------------------------------------------------------
 
@@ -94,8 +20,10 @@ def requests_per_run(rate: float, duration_s: float, fixed: int | None, least: i
 @dataclass(frozen=True)
 class Server:
     """One configuration on `gpus` GPUs. kind: pdserve (prefill/decode workers on Ray), vllm
-    (data-parallel engines behind one API server) or vllm-pd (vLLM prefill and decode instances
-    with NixlConnector behind a proxy)."""
+    (`vllm serve --data-parallel-size N`: N engines, one API server per engine, as vLLM's users
+    start it), vllm-apiserver (the same engines behind ONE API server process, the
+    `vllm.entrypoints.openai.api_server` module: a weaker baseline, kept to show the difference)
+    or vllm-pd (`vllm serve` prefill and decode instances with NixlConnector behind a proxy)."""
 
     name: str
     kind: str
@@ -113,17 +41,20 @@ SERVERS: dict[int, tuple[Server, ...]] = {
     2: (
         Server("pdserve-1p1d", "pdserve", 2, prefill=1, decode=1),
         Server("pdserve-colocated", "pdserve", 2, prefill=0, decode=2),
-        Server("vllm-dp2", "vllm", 2),
-        Server("vllm-1p1d", "vllm-pd", 2, prefill=1, decode=1),
+        Server("vllm-serve-dp2", "vllm", 2),
+        Server("vllm-serve-1p1d", "vllm-pd", 2, prefill=1, decode=1),
+        Server("vllm-apiserver-dp2", "vllm-apiserver", 2),
     ),
     4: (
         Server("pdserve-2p2d", "pdserve", 4, prefill=2, decode=2),
         Server("pdserve-3p1d", "pdserve", 4, prefill=3, decode=1),
         Server("pdserve-colocated", "pdserve", 4, prefill=0, decode=4),
-        Server("vllm-dp4", "vllm", 4),
+        Server("vllm-serve-dp4", "vllm", 4),
+        Server("vllm-apiserver-dp4", "vllm-apiserver", 4),
     ),
 }
-OPTIONAL = {"vllm-1p1d"}  # run only when named (--servers) or with --vllm-pd
+OPTIONAL = {"vllm-serve-1p1d"}  # run only when named (--servers) or with --vllm-pd
+NAMED_ONLY = {"vllm-apiserver-dp2", "vllm-apiserver-dp4"}  # run only when named in --servers
 
 
 def select_servers(
@@ -137,7 +68,7 @@ def select_servers(
     known = {s.name: s for s in SERVERS[gpus]}
     variants = variants or {}
     if not names:
-        return [s for s in SERVERS[gpus] if s.name not in OPTIONAL or with_optional]
+        return [s for s in SERVERS[gpus] if s.name not in NAMED_ONLY and (s.name not in OPTIONAL or with_optional)]
     unknown = [n for n in names if n.split("+", 1)[0] not in known]
     if unknown:
         raise ValueError(f"--servers: unknown {', '.join(unknown)} for {gpus} GPUs; one of {', '.join(known)}")
@@ -255,6 +186,21 @@ def _flags(flags: dict[str, object]) -> tuple[str, ...]:
     return tuple(x for k, v in flags.items() for x in (k, str(v)))
 
 
+def vllm_argv(ctx: LaunchContext, port: int, extra: tuple[str, ...], api_server_module: bool = False) -> tuple[str, ...]:
+    """`vllm serve MODEL ...` as its users run it (`python -m vllm.entrypoints.cli.main serve`):
+    vLLM's own defaults for the card (memory share, batch limits, CUDA graphs, api_server_count =
+    data-parallel size), only what a random-weight model directory needs (--load-format dummy,
+    --max-model-len) and where to listen. api_server_module: the one-API-server module instead,
+    with the same flags (`--model MODEL`)."""
+    flags = {"--load-format": "dummy", "--max-model-len": ctx.max_model_len, "--host": "127.0.0.1", "--port": port}
+    python = ctx.vllm_python or "python"
+    if api_server_module:
+        head: tuple[str, ...] = (python, "-m", "vllm.entrypoints.openai.api_server", "--model", ctx.model)
+    else:
+        head = (python, "-m", "vllm.entrypoints.cli.main", "serve", ctx.model)
+    return (*head, *_flags(flags), *extra, *ctx.vllm_args)
+
+
 def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[int] = ()) -> Launch:
     """The processes that make up `server`, listening for the OpenAI API on 127.0.0.1:port.
     extra_ports: pdserve's gRPC and /metrics ports (2; without them gRPC takes a free port and
@@ -279,21 +225,9 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
         metrics = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port is not None else None
         return Launch(server, (Process("server", argv, env, url + "/health"),), url, admin, metrics)
     env = VLLM_ENV | {"PYTHONPATH": vllm_pythonpath(ctx)}
-
-    def vllm(p: int, extra: tuple[str, ...]) -> tuple[str, ...]:
-        flags = {"--model": ctx.model, "--load-format": "dummy", "--dtype": ctx.dtype}
-        flags |= {"--max-model-len": ctx.max_model_len, "--host": "127.0.0.1", "--port": p, "--seed": 0}
-        return (
-            ctx.vllm_python or "python",
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            *_flags(flags),
-            *extra,
-            *ctx.vllm_args,
-        )
-
-    if server.kind == "vllm":
-        argv = vllm(port, ("--data-parallel-size", str(server.gpus)))
+    if server.kind in ("vllm", "vllm-apiserver"):
+        dp = ("--data-parallel-size", str(server.gpus))
+        argv = vllm_argv(ctx, port, dp, api_server_module=server.kind == "vllm-apiserver")
         proc = Process("server", argv, env | {"CUDA_VISIBLE_DEVICES": devices}, url + "/health", in_repo=False)
         return Launch(server, (proc,), url)
     if server.kind == "vllm-pd":
@@ -305,7 +239,7 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
         def instance(name: str, gpu: int, p: int, side: int) -> Process:
             nixl = {"UCX_NET_DEVICES": "all", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
             env_ = env | nixl | {"CUDA_VISIBLE_DEVICES": str(gpu)}
-            return Process(name, vllm(p, kv), env_, f"http://127.0.0.1:{p}/health", in_repo=False)
+            return Process(name, vllm_argv(ctx, p, kv), env_, f"http://127.0.0.1:{p}/health", in_repo=False)
 
         proxy = (ctx.python, str(Path(ctx.repo) / "bench" / "vllm_pd_proxy.py"), "--port", str(port))
         proxy += ("--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}")
@@ -320,6 +254,15 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
 
 # ----- the plan -------------------------------------------------------------------------------
 
+# Seconds from a server's start to its health (vLLM: ~75 s on an H100 for a 1B model, about half
+# of it Python imports), and to stop it.
+STARTUP_S = {"pdserve": 75.0, "vllm": 90.0, "vllm-apiserver": 90.0, "vllm-pd": 120.0}
+STOP_S = 15.0
+WARMUP_S = 3.0  # a workload's warm-up requests
+DRAIN_S = 2.5  # a run's last requests, where the rate is served
+ENGINE_LOAD_S = 90.0  # the engine-step child: start, load, CUDA graphs
+ENGINE_BATCH_S = 10.0  # one batch size: its prompts' prefill and the timed steps
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -329,30 +272,59 @@ class Plan:
     duration_s: float
     requests: int | None  # fixed requests per run, else rate * duration_s
     scale: float
+    request_timeout_s: float = 30.0
+    engine_steps: bool = False  # time the engine's decode step after the servers
 
     def runs(self) -> list[tuple[str, str, float, int]]:
         """(server, workload, rate, requests) in the order they run: each server once, every
         workload and rate against it."""
+        return [run for lc in self.launches for run in self.server_runs(lc)]
+
+    def server_runs(self, lc: Launch) -> list[tuple[str, str, float, int]]:
         return [
             (lc.server.name, w, r, requests_per_run(r, self.duration_s, self.requests))
-            for lc in self.launches
             for w in self.workloads
             for r in self.rates[w]
         ]
 
-    def estimate_s(self, startup_s: float = 60.0, drain_s: float = 2.5, warmup_s: float = 3.0) -> float:
-        """Seconds the whole invocation should take with no rate saturated: each server's start and
-        warm-up, then every run's arrivals plus the time its last requests take to finish."""
-        total = 0.0
+    def server_s(self, lc: Launch, worst: bool = False) -> float:
+        """Seconds one server takes: start, warm-up, every run's arrivals and its last requests
+        (worst: each run's last requests take the whole request timeout), stop."""
+        total = STARTUP_S.get(lc.server.kind, 90.0) + WARMUP_S * len(self.workloads) + STOP_S
+        tail = self.request_timeout_s if worst else DRAIN_S
+        return total + sum(n / rate + tail for _, _, rate, n in self.server_runs(lc))
+
+    def engine_s(self, launches: tuple[Launch, ...] | None = None) -> float:
+        """The engine-step phase: a batch size per decode worker and run of the pdserve servers."""
+        pd = [lc for lc in (self.launches if launches is None else launches) if lc.server.kind == "pdserve"]
+        if not self.engine_steps or not pd:
+            return 0.0
+        batches = sum(max(1, lc.server.decode) * len(self.server_runs(lc)) for lc in pd)
+        return ENGINE_LOAD_S + ENGINE_BATCH_S * batches
+
+    def estimate_s(self, worst: bool = False) -> float:
+        """Seconds the whole invocation should take (worst: every run's last requests time out)."""
+        return sum(self.server_s(lc, worst) for lc in self.launches) + self.engine_s()
+
+    def split(self, budget_s: float) -> list[tuple[tuple[str, ...], float]]:
+        """Servers grouped, in order, into calls that each should fit budget_s; each group with
+        its estimate (the engine-step phase goes with the pdserve servers' group). A server that
+        alone exceeds the budget is a group of its own."""
+        groups: list[list[Launch]] = []
         for lc in self.launches:
-            total += startup_s + warmup_s * len(self.workloads) + 5.0  # 5: stopping it
-        for _, _, rate, n in self.runs():
-            total += n / rate + drain_s
-        return total
+            if groups and self._group_s([*groups[-1], lc]) <= budget_s:
+                groups[-1].append(lc)
+            else:
+                groups.append([lc])
+        return [(tuple(lc.server.name for lc in g), self._group_s(g)) for g in groups]
+
+    def _group_s(self, group: list[Launch]) -> float:
+        return sum(self.server_s(lc) for lc in group) + self.engine_s(tuple(group))
 
 
-def describe(plan: Plan, out: Path) -> str:
-    """The plan as text: each server's processes and environment, the workloads and rates."""
+def describe(plan: Plan, out: Path, budget_s: float | None = None) -> str:
+    """The plan as text: each server's processes and environment, the workloads and rates, the
+    time it should take and, where that is over budget_s, how to split it into calls."""
     lines = [f"output: {out}", f"workloads (scale {plan.scale:g}):"]
     for w in plan.workloads:
         spec = WORKLOADS[w]
@@ -362,13 +334,21 @@ def describe(plan: Plan, out: Path) -> str:
             f"{round(spec.shape.output_median * plan.scale)} tokens; rates {', '.join(f'{r:g}' for r in plan.rates[w])} req/s"
         )
     for lc in plan.launches:
-        lines.append(f"server {lc.server.name} ({lc.server.gpus} GPUs), load on {lc.url}:")
+        lines.append(f"server {lc.server.name} ({lc.server.gpus} GPUs, ~{plan.server_s(lc):.0f} s), load on {lc.url}:")
         for p in lc.processes:
             env = " ".join(f"{k}={v}" for k, v in sorted(p.env.items()))
             lines.append(f"  [{p.name}] {env} {shlex.join(p.argv)}")
     runs = plan.runs()
+    engine = f", engine steps ~{plan.engine_s():.0f} s" if plan.engine_s() else ""
     lines.append(
-        f"{len(runs)} runs, {sum(n for *_, n in runs)} requests; about {plan.estimate_s() / 60:.1f} min "
-        "(60 s a server start-up, 2.5 s for a run's last requests; longer where a rate saturates)"
+        f"{len(runs)} runs, {sum(n for *_, n in runs)} requests; about {plan.estimate_s() / 60:.1f} min{engine} "
+        f"(start-ups {', '.join(f'{k} {v:g} s' for k, v in STARTUP_S.items())}; {DRAIN_S:g} s for a run's last "
+        f"requests), at most {plan.estimate_s(worst=True) / 60:.1f} min if every run's last requests take the "
+        f"{plan.request_timeout_s:g} s request timeout"
     )
+    if budget_s is not None and plan.estimate_s() > budget_s:
+        lines.append(f"over the {budget_s:g} s budget; in calls of {budget_s:g} s each (same --out folder name, then "
+                     "--report-only over their files together):")  # fmt: skip
+        for k, (names, secs) in enumerate(plan.split(budget_s), 1):
+            lines.append(f"  call {k}: --servers {','.join(names)}  (~{secs:.0f} s)")
     return "\n".join(lines)

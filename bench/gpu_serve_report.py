@@ -1,17 +1,25 @@
-"""`bench/gpu_serve.py`'s results: the JSON of one run and of one server, the table of them all and
-the latency-throughput plot. Pure apart from reading the output folder and writing the PNG."""
+"""`bench/gpu_serve.py`'s results: the JSON of one run and of one server, the table of them all,
+the comparison with vLLM, the decode step in serving beside the engine's, and the
+latency-throughput plot. Pure apart from reading the output folder and writing table.md and the
+PNG."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.gpu_serve_compare import compare_table
+from bench.gpu_serve_steps import steps_table
 from bench.report import markdown_table
 
 RUN_GLOB = "run__*.json"
 SERVER_GLOB = "server__*.json"
+ENGINE_ROWS = "engine_steps.jsonl"  # bench/gpu_serve_engine.py's rows
+ENGINE_JOBS = "engine_jobs.json"
+MACHINE = "machine.json"
 
 
 def run_file(server: str, workload: str, rate: float) -> str:
@@ -42,6 +50,11 @@ def server_watch_glob(server: str) -> str:
 
 def server_file(server: str) -> str:
     return f"server__{server}.json"
+
+
+def commands_file(server: str) -> str:
+    """The exact command lines of a server's processes, one shell line each, for the docs to quote."""
+    return f"commands__{server}.sh"
 
 
 def run_record(server: dict, workload: str, rate: float, summary: dict, extra: dict) -> dict:
@@ -111,15 +124,73 @@ def servers_table(servers: Sequence[dict], order: Sequence[str] = ()) -> str:
     return markdown_table(["server", "GPUs", "start-up s", "status", "rates not run (saturated)"], body)
 
 
+def load_engine(out: Path) -> tuple[dict, list[dict]]:
+    """The engine-step child's info line and rows (the last row of each (workload, batch) wins)."""
+    path = out / ENGINE_ROWS
+    if not path.is_file():
+        return {}, []
+    info: dict = {}
+    rows: dict[tuple[str, int], dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if "info" in obj:
+            info = obj["info"]
+        elif "workload" in obj and "batch" in obj:
+            rows[(obj["workload"], obj["batch"])] = obj
+    return info, list(rows.values())
+
+
+def _engine_note(info: dict) -> str:
+    if not info:
+        return ""
+    where = info.get("card") or info.get("device", "?")
+    return (f"Engine steps: the offline engine on one {where} (max_num_seqs {info.get('max_num_seqs')}, "
+            f"{info.get('kv_blocks')} KV blocks, CUDA graphs {'on' if info.get('cuda_graphs') else 'off'}), "
+            "every sequence decoding at the workload's mean decode context, steps back to back.")  # fmt: skip
+
+
 def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
-                workloads: Sequence[str] = (), order: Sequence[str] = ()) -> str:  # fmt: skip
+                workloads: Sequence[str] = (), order: Sequence[str] = (),
+                engine: tuple[dict, list[dict]] = ({}, [])) -> str:  # fmt: skip
     slo = next((r["summary"]["slo"] for r in runs), None)
     note = (
         f"Goodput: requests/s that finished within TTFT <= {slo['ttft_ms']:g} ms and mean ITL <= {slo['itl_ms']:g} ms."
         if slo else "No runs."
     )  # fmt: skip
-    parts = [header, runs_table(runs, workloads, order), note, servers_table(servers, order)]
+    saturated = {s["server"]: s.get("saturated_at") or {} for s in servers}
+    steps = steps_table(runs, engine[1])
+    steps_head = "Decode step in serving (busiest batch bucket of each decode worker) beside the engine's:"
+    parts = [header, runs_table(runs, workloads, order), note, compare_table(runs, saturated),
+             servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0])]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def where(info: dict) -> str:
+    """The date and the machine: the card and how many, or the CPU."""
+    cards = info.get("cards")
+    machine_ = f"{cards[0]} x{info.get('gpus')}" if cards else f"CPU {info.get('cpu', '?')} ({info.get('cores')} cores)"
+    return f"{info.get('date_utc', '?')} UTC, {machine_}"
+
+
+def header(info: dict) -> str:
+    return f"{where(info)}; `{info.get('command', '?')}`"
+
+
+def write_report(out: Path, workloads: Sequence[str] = (), order: Sequence[str] = (), with_plot: bool = True) -> str:
+    """OUT/table.md (and, with_plot, OUT/serve-gpu.png) from what OUT holds; returns the text."""
+    runs, servers = load(out)
+    info = json.loads((out / MACHINE).read_text()) if (out / MACHINE).is_file() else {}
+    text = report_text(runs, servers, header(info) if info else "", workloads, order, load_engine(out))
+    (out / "table.md").write_text(text)
+    if runs and with_plot:
+        try:
+            plot(runs, out / "serve-gpu.png", where(info) if info else "", workloads, order)
+        except (ImportError, OSError, ValueError) as exc:
+            print(f"gpu_serve: plot: {exc} (the table is complete)", file=sys.stderr)
+    return text
 
 
 def plot(

@@ -36,7 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_serve import free_port, http_ok
+from bench.gpu_serve_procs import free_port, http_ok
 from bench.serve import LoadConfig, run_load, served_model
 from bench.serve_metrics import RequestResult
 from bench.serve_workload import Request

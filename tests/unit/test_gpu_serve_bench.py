@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_serve import ServerRun, main, vllm_missing
+from bench.gpu_serve import main
 from bench.gpu_serve_plan import (
-    DEFAULT_RATES,
-    WORKLOADS,
     Launch,
     LaunchContext,
     Plan,
@@ -25,12 +23,12 @@ from bench.gpu_serve_plan import (
     Server,
     describe,
     launch,
-    parse_rates,
     parse_variants,
-    requests_per_run,
     select_servers,
 )
+from bench.gpu_serve_procs import ServerRun, vllm_missing
 from bench.gpu_serve_report import load, plot, report_text, run_file, run_record, runs_table, server_file
+from bench.gpu_serve_workloads import DEFAULT_RATES, WORKLOADS, parse_rates, requests_per_run
 from bench.serve_metrics import RequestResult, Slo, summarize
 
 CTX = LaunchContext(
@@ -41,14 +39,15 @@ CTX = LaunchContext(
 
 
 def test_servers_by_gpu_count_and_names():
-    assert [s.name for s in select_servers(2, None, False)] == ["pdserve-1p1d", "pdserve-colocated", "vllm-dp2"]
-    assert "vllm-1p1d" in [s.name for s in select_servers(2, None, True)]
+    assert [s.name for s in select_servers(2, None, False)] == ["pdserve-1p1d", "pdserve-colocated", "vllm-serve-dp2"]
+    assert [s.name for s in select_servers(2, None, True)][-1] == "vllm-serve-1p1d"  # the api_server form: named only
     four = select_servers(4, None, False)
-    assert [s.name for s in four] == ["pdserve-2p2d", "pdserve-3p1d", "pdserve-colocated", "vllm-dp4"]
+    assert [s.name for s in four] == ["pdserve-2p2d", "pdserve-3p1d", "pdserve-colocated", "vllm-serve-dp4"]
     assert [(s.prefill, s.decode) for s in four[:3]] == [(2, 2), (3, 1), (0, 4)]
-    assert [s.name for s in select_servers(2, ["vllm-dp2"], False)] == ["vllm-dp2"]
-    with pytest.raises(ValueError, match="vllm-dp4"):
-        select_servers(2, ["vllm-dp4"], False)
+    assert [s.name for s in select_servers(2, ["vllm-serve-dp2"], False)] == ["vllm-serve-dp2"]
+    assert [s.kind for s in select_servers(2, ["vllm-apiserver-dp2"], False)] == ["vllm-apiserver"]
+    with pytest.raises(ValueError, match="vllm-serve-dp4"):
+        select_servers(2, ["vllm-serve-dp4"], False)
     with pytest.raises(ValueError, match="--gpus"):
         select_servers(3, None, False)
 
@@ -63,7 +62,7 @@ def test_a_pdserve_variant_is_its_base_with_flags_added():
     with pytest.raises(ValueError, match="no --variant fast=FLAGS"):
         select_servers(2, ["pdserve-1p1d+fast"], False, variants)
     with pytest.raises(ValueError, match="variants are for pdserve"):
-        select_servers(2, ["vllm-dp2+eager"], False, variants)
+        select_servers(2, ["vllm-serve-dp2+eager"], False, variants)
     with pytest.raises(ValueError, match="unknown pdserve-9p9d"):
         select_servers(2, ["pdserve-9p9d+eager"], False, variants)
     with pytest.raises(ValueError, match="^--variant:"):
@@ -84,29 +83,44 @@ def test_pdserve_command_and_environment():
     assert lc.url == "http://127.0.0.1:8100" and p.health_url == "http://127.0.0.1:8100/health"
 
 
-def test_vllm_gets_its_own_site_folder_alone():
-    lc = launch(Server("vllm-dp2", "vllm", 2), CTX, 8200)
+def test_vllm_starts_as_vllm_serve_with_its_own_site_folder_alone():
+    lc = launch(Server("vllm-serve-dp2", "vllm", 2), CTX, 8200)
     (p,) = lc.processes
     assert p.env["PYTHONPATH"] == "/sites/vllm" and not p.in_repo  # not even the checkout as working directory
     assert {p.env[k] for k in ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE")} == {"0", "1"}
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     argv = list(p.argv)
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    # `vllm serve MODEL`, one API server per data-parallel rank (vLLM's default for --data-parallel-size)
+    assert argv[:5] == ["/py/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", "/models/llama-1b"]
     assert argv[argv.index("--load-format") + 1] == "dummy"
     assert argv[argv.index("--data-parallel-size") + 1] == "2"
-    assert argv[argv.index("--model") + 1] == "/models/llama-1b"
+    assert argv[argv.index("--max-model-len") + 1] == "8192" and argv[argv.index("--port") + 1] == "8200"
+    # Nothing that changes how vLLM serves beyond what the random-weight model needs.
+    for weakened in ("--api-server-count", "--gpu-memory-utilization", "--max-num-seqs", "--enforce-eager", "--model"):
+        assert weakened not in argv
+    ctx = LaunchContext(**(CTX.__dict__ | {"vllm_args": ("--enable-prefix-caching",)}))
+    assert launch(Server("vllm-serve-dp2", "vllm", 2), ctx, 8200).processes[0].argv[-1] == "--enable-prefix-caching"
+
+
+def test_the_api_server_form_is_the_same_flags_through_the_one_process_module():
+    (p,) = launch(Server("vllm-apiserver-dp2", "vllm-apiserver", 2), CTX, 8200).processes
+    argv = list(p.argv)
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/llama-1b"]
+    assert argv[argv.index("--data-parallel-size") + 1] == "2" and argv[argv.index("--load-format") + 1] == "dummy"
 
 
 def test_vllm_pd_is_two_instances_and_a_proxy_on_one_gpu_each():
-    lc = launch(Server("vllm-1p1d", "vllm-pd", 2, 1, 1), CTX, 8300, [8301, 8302, 8303, 8304])
+    lc = launch(Server("vllm-serve-1p1d", "vllm-pd", 2, 1, 1), CTX, 8300, [8301, 8302, 8303, 8304])
     pre, dec, proxy = lc.processes
     assert (pre.env["CUDA_VISIBLE_DEVICES"], dec.env["CUDA_VISIBLE_DEVICES"]) == ("2", "3")
     assert pre.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != dec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     for p in (pre, dec):
+        assert list(p.argv[2:4]) == ["vllm.entrypoints.cli.main", "serve"]
         cfg = json.loads(p.argv[list(p.argv).index("--kv-transfer-config") + 1])
         assert cfg["kv_connector"] == "NixlConnector"
     assert "/sites/vllm" not in proxy.env["PYTHONPATH"] and "8301" in " ".join(proxy.argv)
     with pytest.raises(ValueError, match="4 extra ports"):
-        launch(Server("vllm-1p1d", "vllm-pd", 2, 1, 1), CTX, 8300)
+        launch(Server("vllm-serve-1p1d", "vllm-pd", 2, 1, 1), CTX, 8300)
 
 
 def test_rates_defaults_overrides_and_errors():
@@ -158,29 +172,29 @@ def _run(server: str, workload: str, rate: float, ttft: float, gpus: int = 2) ->
 
 
 def test_table_and_plot_from_run_files(tmp_path):
-    for server, ttft in (("pdserve-1p1d", 0.2), ("vllm-dp2", 1.5)):
+    for server, ttft in (("pdserve-1p1d", 0.2), ("vllm-serve-dp2", 1.5)):
         for rate in (2.0, 4.0):
             run = _run(server, "chat", rate, ttft)
             (tmp_path / run_file(server, "chat", rate)).write_text(json.dumps(run))
-    for name, error in (("pdserve-1p1d", None), ("vllm-dp2", None), ("vllm-1p1d", "vllm: not importable")):
+    for name, error in (("pdserve-1p1d", None), ("vllm-serve-dp2", None), ("vllm-serve-1p1d", "vllm: not importable")):
         rec = {"server": name, "gpus": 2, "startup_s": None if error else 40.5, "error": error}
         (tmp_path / server_file(name)).write_text(
-            json.dumps(rec | {"saturated_at": {"chat": 4.0}} if name == "vllm-dp2" else rec)
+            json.dumps(rec | {"saturated_at": {"chat": 4.0}} if name == "vllm-serve-dp2" else rec)
         )
     runs, servers = load(tmp_path)
     assert len(runs) == 4 and len(servers) == 3
-    table = runs_table(runs, ["chat"], ["pdserve-1p1d", "vllm-dp2"])
+    table = runs_table(runs, ["chat"], ["pdserve-1p1d", "vllm-serve-dp2"])
     rows = [line for line in table.splitlines()[2:]]
-    assert [row.split("|")[2].strip() for row in rows] == ["pdserve-1p1d"] * 2 + ["vllm-dp2"] * 2
+    assert [row.split("|")[2].strip() for row in rows] == ["pdserve-1p1d"] * 2 + ["vllm-serve-dp2"] * 2
     pd4 = next(r for r in runs if r["server"] == "pdserve-1p1d" and r["rate"] == 4.0)
     assert pd4["per_gpu"]["goodput_req_s"] == pytest.approx(pd4["summary"]["goodput_req_s"] / 2, abs=1e-4)
     assert pd4["summary"]["goodput_req_s"] > 0
-    vl = next(r for r in runs if r["server"] == "vllm-dp2")
+    vl = next(r for r in runs if r["server"] == "vllm-serve-dp2")
     assert vl["summary"]["goodput_req_s"] == 0  # TTFT 1.5 s is over the 1 s SLO
-    text = report_text(runs, servers, "header line", ["chat"], ["pdserve-1p1d", "vllm-dp2", "vllm-1p1d"])
+    text = report_text(runs, servers, "header line", ["chat"], ["pdserve-1p1d", "vllm-serve-dp2", "vllm-serve-1p1d"])
     assert "failed: vllm: not importable" in text and "chat above 4/s" in text and "TTFT <= 1000 ms" in text
     png = tmp_path / "p.png"
-    plot(runs, png, "title", ["chat"], ["pdserve-1p1d", "vllm-dp2"])
+    plot(runs, png, "title", ["chat"], ["pdserve-1p1d", "vllm-serve-dp2"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -267,10 +281,10 @@ def test_a_server_that_cannot_start_is_a_one_line_failure_and_its_old_runs_go(tm
     from bench.gpu_serve import Settings, run_server
 
     ctx = LaunchContext(**(CTX.__dict__ | {"vllm_site": str(tmp_path / "no-site"), "vllm_python": sys.executable}))
-    lc = launch(Server("vllm-dp2", "vllm", 2), ctx, 9100)
-    stale = tmp_path / run_file("vllm-dp2", "chat", 4)
-    stale.write_text(json.dumps(_run("vllm-dp2", "chat", 4, 0.1)))
-    keep = tmp_path / run_file("vllm-dp4", "chat", 4)
+    lc = launch(Server("vllm-serve-dp2", "vllm", 2), ctx, 9100)
+    stale = tmp_path / run_file("vllm-serve-dp2", "chat", 4)
+    stale.write_text(json.dumps(_run("vllm-serve-dp2", "chat", 4, 0.1)))
+    keep = tmp_path / run_file("vllm-serve-dp4", "chat", 4)
     keep.write_text("{}")
     (tmp_path / "logs").mkdir()
     plan = Plan((lc,), ("chat",), {"chat": (4.0,)}, 4.0, None, 1.0)
@@ -278,5 +292,5 @@ def test_a_server_that_cannot_start_is_a_one_line_failure_and_its_old_runs_go(tm
     rec = run_server(lc, plan, st, ctx, tmp_path)
     assert rec["error"].startswith("vllm: not importable") and "\n" not in rec["error"]
     assert rec["startup_s"] is None and not stale.exists() and keep.exists()
-    assert json.loads((tmp_path / server_file("vllm-dp2")).read_text())["error"] == rec["error"]
+    assert json.loads((tmp_path / server_file("vllm-serve-dp2")).read_text())["error"] == rec["error"]
     assert not list((tmp_path / "logs").iterdir())  # nothing was started

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_serve import _session_members
 from bench.gpu_serve_diag import Target, collect, python_processes
 from bench.gpu_serve_plan import LaunchContext, Server, admin_key, launch
+from bench.gpu_serve_procs import _session_members
 
 PY_SPY = shutil.which("py-spy")
 
@@ -120,8 +120,8 @@ def test_admin_stats_over_grpc_with_the_admin_key_and_zeros_shown():
     import threading
 
     from bench.gpu_serve_diag import admin_stats
-    from router.auth import ApiKeys
-    from router.grpc_server import start_grpc_server
+    from router.edge.auth import ApiKeys
+    from router.edge.grpc_server import start_grpc_server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -1,0 +1,204 @@
+"""The decode step in serving beside the engine's own step, for `bench/gpu_serve.py`.
+
+pdserve's router serves every worker's engine steps on its /metrics: a histogram
+`pdserve_engine_step_seconds{worker,kind,batch}` (kind decode|prefill|mixed, batch a bucket of
+the step's sequences) and a counter `pdserve_engine_step_sequences_total{worker,kind,batch}`.
+Read before and after a run, their difference says, per worker, how many steps of each kind and
+batch bucket ran, how long they took and how many sequences they carried: the busiest bucket's
+mean step and mean batch are what the offline engine is then timed at (bench/gpu_serve_engine.py).
+
+Pure: text in, figures out; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from bench.report import markdown_table
+
+STEP_SECONDS = "pdserve_engine_step_seconds"
+STEP_SEQUENCES = "pdserve_engine_step_sequences_total"
+BATCH_BUCKETS = (
+    "1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65-128", "129-256", "257-512", "513-1024", "1025+",
+)  # fmt: skip
+DECODE = "decode"
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?\s*$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+Key = tuple[str, str, str]  # (worker, kind, batch bucket)
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Cumulative figures of one (worker, kind, batch bucket): steps, their seconds, sequences."""
+
+    steps: float = 0.0
+    seconds: float = 0.0
+    sequences: float = 0.0
+
+    def __add__(self, other: StepTotals) -> StepTotals:
+        return StepTotals(self.steps + other.steps, self.seconds + other.seconds, self.sequences + other.sequences)
+
+    def minus(self, before: StepTotals) -> StepTotals:
+        """The figures since `before`; a series that went backwards was reset (its worker
+        restarted) and counts from zero, as Prometheus' increase() does."""
+        if self.steps < before.steps or self.seconds < before.seconds or self.sequences < before.sequences:
+            return self
+        return StepTotals(self.steps - before.steps, self.seconds - before.seconds, self.sequences - before.sequences)
+
+
+def _labels(text: str | None) -> dict[str, str]:
+    return {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(text or "")}
+
+
+def parse_steps(metrics_text: str) -> dict[Key, StepTotals]:
+    """The step series of one /metrics read, by (worker, kind, batch); series that differ in other
+    labels only are added up. Lines of other families, comments and `_created` samples are
+    skipped."""
+    out: dict[Key, StepTotals] = {}
+    for line in metrics_text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.group(1), _labels(m.group(2)), m.group(3)
+        if name == STEP_SECONDS + "_count":
+            part = StepTotals(steps=_number(value))
+        elif name == STEP_SECONDS + "_sum":
+            part = StepTotals(seconds=_number(value))
+        elif name == STEP_SEQUENCES:
+            part = StepTotals(sequences=_number(value))
+        else:
+            continue
+        key = (labels.get("worker", ""), labels.get("kind", ""), labels.get("batch", ""))
+        out[key] = out.get(key, StepTotals()) + part
+    return out
+
+
+def _number(text: str) -> float:
+    v = float(text)  # "+Inf" and "NaN" parse; neither is a count a run can use
+    return v if math.isfinite(v) else 0.0
+
+
+def delta(before: Mapping[Key, StepTotals], after: Mapping[Key, StepTotals]) -> dict[Key, StepTotals]:
+    """What ran between two reads: every series of `after` less its value in `before` (zero
+    where it was not there yet); series with no step in between are left out."""
+    out = {}
+    for key, now in after.items():
+        d = now.minus(before.get(key, StepTotals()))
+        if d.steps > 0:
+            out[key] = d
+    return out
+
+
+def _bucket_order(bucket: str) -> int:
+    return BATCH_BUCKETS.index(bucket) if bucket in BATCH_BUCKETS else len(BATCH_BUCKETS)
+
+
+def worker_summary(steps: Mapping[Key, StepTotals], kind: str = DECODE) -> dict[str, dict]:
+    """Per worker that ran steps of `kind`: every bucket's steps, mean step (ms) and mean batch;
+    the busiest bucket (most steps; the larger batch on a tie) and the figures over all buckets."""
+    out: dict[str, dict] = {}
+    workers = sorted({w for w, k, _ in steps if k == kind})
+    for w in workers:
+        mine = {b: t for (w_, k, b), t in steps.items() if w_ == w and k == kind}
+        buckets = {b: _figures(t) for b, t in sorted(mine.items(), key=lambda kv: _bucket_order(kv[0]))}
+        busiest = max(mine, key=lambda b: (mine[b].steps, _bucket_order(b)))
+        total = sum(mine.values(), StepTotals())
+        out[w] = {"busiest": {"batch_bucket": busiest, **_figures(mine[busiest])}, "all": _figures(total),
+                  "buckets": buckets}  # fmt: skip
+    return out
+
+
+def _figures(t: StepTotals) -> dict:
+    return {
+        "steps": round(t.steps),
+        "mean_step_ms": round(1e3 * t.seconds / t.steps, 4),
+        "mean_batch": round(t.sequences / t.steps, 2),
+    }
+
+
+def run_steps(before_text: str, after_text: str) -> dict:
+    """A run's `engine_steps` record: the decode workers' summary and every kind's step counts."""
+    steps = delta(parse_steps(before_text), parse_steps(after_text))
+    kinds: dict[str, int] = {}
+    for (_, k, _), t in steps.items():
+        kinds[k] = kinds.get(k, 0) + round(t.steps)
+    return {"decode": worker_summary(steps, DECODE), "steps_by_kind": kinds}
+
+
+# ----- the engine's step at the serving batch -------------------------------------------------
+
+
+def decode_context(requests: Iterable[tuple[int, int]]) -> int:
+    """The mean context of a decode step over a workload's requests (prompt, output lengths):
+    each request decodes `output` steps at contexts prompt .. prompt + output - 1."""
+    steps = total = 0
+    for prompt, output in requests:
+        steps += output
+        total += output * prompt + output * (output - 1) // 2
+    if steps == 0:
+        raise ValueError("decode_context: no output tokens")
+    return round(total / steps)
+
+
+def engine_jobs(runs: Sequence[dict]) -> dict[str, list[int]]:
+    """The batch sizes to time the engine at, per workload: every decode worker's busiest-bucket
+    mean batch (rounded) over the runs that carry step figures."""
+    jobs: dict[str, set[int]] = {}
+    for r in runs:
+        for w in ((r.get("engine_steps") or {}).get("decode") or {}).values():
+            jobs.setdefault(r["workload"], set()).add(max(1, round(w["busiest"]["mean_batch"])))
+    return {w: sorted(b) for w, b in jobs.items()}
+
+
+def _engine_index(engine: Sequence[dict]) -> dict[tuple[str, int], dict]:
+    return {(e["workload"], e["batch"]): e for e in engine}
+
+
+def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
+    """One row per (server, workload, rate, decode worker): the serving decode step (busiest
+    bucket), its mean batch, the engine's step at that batch and their ratio (None where the
+    engine was not timed there)."""
+    index = _engine_index(engine)
+    rows = []
+    for r in sorted(runs, key=lambda r: (r["server"], r["workload"], r["rate"])):
+        for worker, w in sorted(((r.get("engine_steps") or {}).get("decode") or {}).items()):
+            b = w["busiest"]
+            e = index.get((r["workload"], max(1, round(b["mean_batch"]))))
+            engine_ms = e.get("step_ms") if e else None
+            rows.append({
+                "server": r["server"], "workload": r["workload"], "rate": r["rate"], "worker": worker,
+                "bucket": b["batch_bucket"], "steps": b["steps"], "serving_ms": b["mean_step_ms"],
+                "batch": b["mean_batch"], "engine_ms": engine_ms,
+                "engine_context": e.get("context") if e else None,
+                "ratio": round(b["mean_step_ms"] / engine_ms, 3) if engine_ms else None,
+                "engine_error": e.get("error") if e else None,
+            })  # fmt: skip
+    return rows
+
+
+def steps_table(runs: Sequence[dict], engine: Sequence[dict]) -> str:
+    """The markdown table of `steps_rows`; "" when no run carries step figures."""
+    rows = steps_rows(runs, engine)
+    if not rows:
+        return ""
+    head = ["server", "workload", "rate req/s", "worker", "serving decode step ms", "batch (bucket, steps)",
+            "engine step ms at that batch (context)", "serving / engine"]  # fmt: skip
+    body = []
+    for x in rows:
+        engine_ms = "-" if x["engine_ms"] is None else f"{x['engine_ms']:.2f} ({x['engine_context']})"
+        if x["engine_ms"] is None and x["engine_error"]:
+            engine_ms = f"- ({x['engine_error'][:60]})"
+        body.append([
+            x["server"], x["workload"], f"{x['rate']:g}", x["worker"], f"{x['serving_ms']:.2f}",
+            f"{x['batch']:.1f} ({x['bucket']}, {x['steps']})", engine_ms,
+            "-" if x["ratio"] is None else f"{x['ratio']:.2f}x",
+        ])  # fmt: skip
+    return markdown_table(head, body)

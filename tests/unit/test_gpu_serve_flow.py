@@ -1,0 +1,195 @@
+"""bench/gpu_serve.py end to end without a GPU: the named profiles and the time plan of --dry-run,
+then a whole invocation against fake servers (a pdserve stand-in whose /metrics counts engine
+steps, and a `vllm` package on its own site folder started as `vllm serve`), the engine timed
+at the batches the runs showed on a tiny CPU model, and the tables written from it all."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_serve
+from bench.gpu_serve import Settings, main, run_server
+from bench.gpu_serve_engine import engine_phase
+from bench.gpu_serve_plan import Launch, LaunchContext, Plan, Process, Server, launch, select_servers
+from bench.gpu_serve_procs import free_port
+from bench.gpu_serve_report import commands_file, load, load_engine, server_file, write_report
+from bench.gpu_serve_workloads import DEFAULT_RATES, PROFILES
+from bench.serve_metrics import Slo
+
+# One OpenAI-ish server: streamed completions (a token a millisecond), /health, /v1/models and a
+# /metrics whose engine-step series grow with the tokens served (a decode step per token at
+# batch 40, bucket 33-64, 4 ms each; a prefill step per request).
+FAKE = textwrap.dedent('''
+    import asyncio, json, sys
+    from aiohttp import web
+    argv = sys.argv[1:]
+    port = int(argv[argv.index("--port") + 1])
+    model = argv[argv.index("serve") + 1] if "serve" in argv else argv[argv.index("--model") + 1]
+    totals = {"decode": [0, 0.0, 0], "prefill": [0, 0.0, 0]}
+
+    async def completions(request):
+        body = await request.json()
+        n = body["max_tokens"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        totals["prefill"][0] += 1; totals["prefill"][1] += 0.01; totals["prefill"][2] += 1
+        for _ in range(n):
+            await asyncio.sleep(0.001)
+            totals["decode"][0] += 1; totals["decode"][1] += 0.004; totals["decode"][2] += 40
+            await resp.write(b"data: " + json.dumps({"choices": [{"text": "t"}]}).encode() + b"\\n\\n")
+        usage = {"completion_tokens": n, "prompt_tokens": len(body["prompt"])}
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\\n\\ndata: [DONE]\\n\\n")
+        return resp
+
+    async def metrics(request):
+        lines = []
+        for kind, (steps, secs, seqs) in totals.items():
+            worker, batch = ("decode-0", "33-64") if kind == "decode" else ("prefill-0", "1")
+            lab = f'batch="{batch}",kind="{kind}",worker="{worker}"'
+            lines += [f"pdserve_engine_step_seconds_count{{{lab}}} {float(steps)}",
+                      f"pdserve_engine_step_seconds_sum{{{lab}}} {secs}",
+                      f"pdserve_engine_step_sequences_total{{{lab}}} {float(seqs)}"]
+        return web.Response(text="\\n".join(lines) + "\\n")
+
+    async def ok(request):
+        return web.json_response({"data": [{"id": model}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", ok)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", metrics)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+''')
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "bos_token_id": 298, "eos_token_id": 299,
+}  # fmt: skip
+
+
+def test_profiles_are_one_flag_each_with_their_rates_and_slos(tmp_path, capsys):
+    assert PROFILES["interference"].shape == "8b" and PROFILES["interference"].slo_itl_ms == 12.0
+    assert PROFILES["interference"].rates == {"chat": (24, 32, 40), "long-prompt": (12, 16)}
+    assert PROFILES["knee-1b"].rates == {"long-prompt": (48, 96, 160), "chat": (48, 96, 160)}
+    assert PROFILES["knee-8b"].rates == {"long-prompt": (8, 16, 24), "chat": (16, 32, 48)}
+    args = ["--dry-run", "--out", str(tmp_path), "--vllm-site", "/v", "--budget-s", "540"]
+    assert main([*args, "--profile", "interference"]) == 0
+    err = capsys.readouterr().err
+    assert "chat: " in err and "rates 24, 32, 40 req/s" in err and "rates 12, 16 req/s" in err
+    assert "prefix-sharing" not in err and "/bench-models/llama-8b-random " in err
+    assert "vllm.entrypoints.cli.main serve" in err and "--data-parallel-size 2" in err
+    assert "over the 540 s budget" in err and "call 1: --servers " in err
+    assert main([*args, "--profile", "knee-1b", "--gpus", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "rates 96, 192, 320 req/s" in err and "llama-1b-random" in err  # 4 GPUs: twice the 2-GPU rates
+    assert main([*args, "--profile", "knee-8b", "--rates", "chat=1", "--workloads", "chat"]) == 0
+    assert "rates 1 req/s" in capsys.readouterr().err  # flags beside the profile win
+    assert main([*args, "--shape", "8b"]) == 0
+    assert f"rates {', '.join(f'{r:g}' for r in DEFAULT_RATES['8b']['chat'])} req/s" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json")) and not list(tmp_path.glob("commands__*"))  # a dry run writes nothing
+
+
+def test_the_plan_splits_into_calls_that_fit_a_budget():
+    ctx = LaunchContext("/py", "/src", "/m", "cuda", "bfloat16", 8192)
+    launches = tuple(launch(s, ctx, 9000 + i, [9100 + i, 9200 + i]) for i, s in enumerate(select_servers(2, None, False)))
+    plan = Plan(launches, ("long-prompt", "chat"), dict(PROFILES["knee-1b"].rates), 4.0, None, 1.0, engine_steps=True)
+    assert plan.estimate_s() < plan.estimate_s(worst=True)
+    assert plan.engine_s() > 0 and Plan(launches, plan.workloads, plan.rates, 4.0, None, 1.0).engine_s() == 0
+    calls = plan.split(540)
+    assert [n for names, _ in calls for n in names] == [lc.server.name for lc in launches]  # each once, in order
+    assert all(secs <= 540 or len(names) == 1 for names, secs in calls)
+    assert sum(secs for _, secs in calls) == pytest.approx(plan.estimate_s())
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    (tmp_path / "fake_server.py").write_text(FAKE)
+    site = tmp_path / "vllm-site"
+    pkg = site / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (site / "vllm", site / "vllm" / "entrypoints", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(FAKE)
+    from bench.random_model import write_model
+
+    write_model(tmp_path / "model", TINY, seed=1)
+    return tmp_path
+
+
+def test_a_whole_invocation_against_fake_servers_then_the_engine_at_their_batches(fakes, monkeypatch):
+    out = fakes / "out"
+    (out / "logs").mkdir(parents=True)
+    ctx = LaunchContext(
+        python=sys.executable, repo=str(Path(gpu_serve.__file__).resolve().parents[1]), model=str(fakes / "model"),
+        device="cpu", dtype="float32", max_model_len=2048, vllm_site=str(fakes / "vllm-site"),
+        vllm_python=sys.executable,
+    )  # fmt: skip
+    port, metrics = free_port(), None
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    fake_pdserve = Launch(
+        Server("pdserve-1p1d", "pdserve", 2, 1, 1),
+        (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
+                 health_url=f"http://127.0.0.1:{port}/health"),),
+        f"http://127.0.0.1:{port}", None, metrics,
+    )
+    vllm = launch(Server("vllm-serve-dp2", "vllm", 2), ctx, free_port())
+    rates = {"chat": (4.0, 8.0)}
+    plan = Plan((fake_pdserve, vllm), ("chat",), rates, 1.0, None, 0.1, 10.0, engine_steps=True)
+    st = Settings(Slo(3.0, 0.25), 1.0, None, 0.1, 0, 10.0, 60.0, 0.25, 1, float("inf"), py_spy=None)
+    written = []
+    for lc in plan.launches:
+        rec = run_server(lc, plan, st, ctx, out, lambda: written.append(write_report(out, ("chat",), (), False)))
+        assert rec["error"] is None and rec["startup_s"] is not None
+    assert len(written) == 4  # the table after every run, not only at the end
+    runs, _ = load(out)
+    assert sorted((r["server"], r["rate"]) for r in runs) == [
+        ("pdserve-1p1d", 4.0), ("pdserve-1p1d", 8.0), ("vllm-serve-dp2", 4.0), ("vllm-serve-dp2", 8.0)
+    ]
+    pd = next(r for r in runs if r["server"] == "pdserve-1p1d" and r["rate"] == 8.0)
+    busiest = pd["engine_steps"]["decode"]["decode-0"]["busiest"]
+    assert busiest["batch_bucket"] == "33-64" and busiest["mean_batch"] == 40.0 and busiest["mean_step_ms"] == 4.0
+    # Only this run's steps: the warm-up and the run at 4/s are not in it.
+    assert busiest["steps"] == pd["summary"]["output_tokens"]
+    assert "engine_steps" not in next(r for r in runs if r["server"] == "vllm-serve-dp2")
+    vllm_cmd = (out / commands_file("vllm-serve-dp2")).read_text()
+    assert "-m vllm.entrypoints.cli.main serve " in vllm_cmd and f"PYTHONPATH={fakes / 'vllm-site'}" in vllm_cmd
+    assert "--data-parallel-size 2" in vllm_cmd and json.loads((out / server_file("vllm-serve-dp2")).read_text())["error"] is None
+    # The engine at the batch the runs showed, on one CPU, at the workload's mean decode context.
+    assert engine_phase(out, ctx, 0.1, 0, left_s=300.0) is None
+    info, rows = load_engine(out)
+    assert info["device"] == "cpu" and [r["batch"] for r in rows] == [40]
+    assert rows[0]["step_ms"] > 0 and abs(rows[0]["context"] - rows[0]["target_context"]) <= 2
+    text = write_report(out, ("chat",), ("pdserve-1p1d", "vllm-serve-dp2"))
+    assert "Decode step in serving" in text and "4.00" in text and "40.0 (33-64," in text
+    assert "vLLM kept >= 80% SLO attainment" in text
+    assert engine_phase(out, ctx, 0.1, 0, left_s=10.0).startswith("engine steps: not run, 10 s left")
+
+
+def test_a_budget_too_short_for_a_run_leaves_it_listed_and_the_server_record_says_why(fakes):
+    out = fakes / "out"
+    (out / "logs").mkdir(parents=True)
+    port = free_port()
+    lc = Launch(
+        Server("pdserve-colocated", "pdserve", 2, 0, 2),
+        (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
+                 health_url=f"http://127.0.0.1:{port}/health"),),
+        f"http://127.0.0.1:{port}", None, f"http://127.0.0.1:{port}/metrics",
+    )
+    ctx = LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+    plan = Plan((lc,), ("chat",), {"chat": (4.0,)}, 1.0, None, 0.02, 30.0)
+    import time
+
+    # 60 s left: the server starts, but a run whose requests may take the 30 s timeout plus the
+    # server's stop is not begun with (4 / 4 + 30 + 15) > 40 s... left is 60 s: it fits; 40 s does not.
+    st = Settings(Slo(3.0, 0.25), 1.0, None, 0.02, 0, 30.0, 60.0, 0.25, 1, float("inf"), end=time.monotonic() + 40)
+    rec = run_server(lc, plan, st, ctx, out)
+    assert rec["error"] is None and rec["not_run"] == ["chat at 4/s: past --budget-s"]
+    assert not load(out)[0]

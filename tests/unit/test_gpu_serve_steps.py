@@ -1,0 +1,194 @@
+"""bench/gpu_serve.py's decode step in serving, without a GPU: the engine-step series read from a
+router's /metrics text, their difference over a run, the busiest batch bucket per decode worker,
+the engine jobs those give, the serving/engine table, and the comparison with `vllm serve`."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.gpu_serve_compare import compare_rows, compare_table
+from bench.gpu_serve_steps import (
+    StepTotals,
+    decode_context,
+    delta,
+    engine_jobs,
+    parse_steps,
+    run_steps,
+    steps_rows,
+    steps_table,
+    worker_summary,
+)
+
+
+def _series(worker: str, kind: str, batch: str, count: float, total_s: float, seqs: float, role: str) -> str:
+    labels = f'batch="{batch}",kind="{kind}",role="{role}",worker="{worker}"'
+    buckets = "".join(
+        f'pdserve_engine_step_seconds_bucket{{batch="{batch}",kind="{kind}",le="{le}",role="{role}",'
+        f'worker="{worker}"}} {count if le != "0.001" else 0.0}\n'
+        for le in ("0.001", "0.005", "0.01", "0.05", "+Inf")
+    )
+    return (
+        buckets
+        + f"pdserve_engine_step_seconds_count{{{labels}}} {count}\n"
+        + f"pdserve_engine_step_seconds_sum{{{labels}}} {total_s}\n"
+        + f"pdserve_engine_step_seconds_created{{{labels}}} 1.7957922647111146e+09\n"
+    ), f"pdserve_engine_step_sequences_total{{{labels}}} {seqs}\n"
+
+
+def metrics_text(series: list[tuple[str, str, str, float, float, float]]) -> str:
+    """A router's /metrics as prometheus_client writes it: other families around, HELP/TYPE lines,
+    `_created` gauges, a label value with a comma and an escaped quote in another family."""
+    hist, seqs = [], []
+    for worker, kind, batch, count, total_s, n in series:
+        h, s = _series(worker, kind, batch, count, total_s, n, worker.split("-")[0])
+        hist.append(h)
+        seqs.append(s)
+    return (
+        "# HELP pdserve_requests_in_flight Requests in flight at the router.\n"
+        "# TYPE pdserve_requests_in_flight gauge\n"
+        "pdserve_requests_in_flight 17.0\n"
+        '# HELP pdserve_request_errors_total Failed requests.\n# TYPE pdserve_request_errors_total counter\n'
+        'pdserve_request_errors_total{reason="decode pool: every worker is at capacity, \\"429\\""} 3.0\n'
+        '# HELP pdserve_worker_requests Requests on a worker by state.\n# TYPE pdserve_worker_requests gauge\n'
+        'pdserve_worker_requests{role="decode",state="running",worker="decode-0"} 64.0\n'
+        "# HELP pdserve_engine_step_seconds Engine step wall time by worker, kind and batch bucket.\n"
+        "# TYPE pdserve_engine_step_seconds histogram\n"
+        + "".join(hist)
+        + "# HELP pdserve_engine_step_sequences_total Sequences stepped.\n"
+        "# TYPE pdserve_engine_step_sequences_total counter\n"
+        + "".join(seqs)
+        + 'pdserve_engine_step_sequences_created{batch="1",kind="decode",role="decode",worker="decode-0"} 1.79e+09\n'
+    )
+
+
+BEFORE = metrics_text([
+    ("decode-0", "decode", "33-64", 1000.0, 4.0, 45000.0),
+    ("decode-0", "decode", "65-128", 10.0, 0.06, 700.0),
+    ("decode-0", "mixed", "33-64", 5.0, 0.1, 200.0),
+    ("prefill-0", "prefill", "1", 300.0, 9.0, 300.0),
+])  # fmt: skip
+AFTER = metrics_text([
+    ("decode-0", "decode", "33-64", 1400.0, 6.0, 64200.0),  # +400 steps, 2.0 s, 19200 sequences: 5 ms at 48
+    ("decode-0", "decode", "65-128", 1010.0, 7.06, 90700.0),  # +1000 steps, 7.0 s, 90000 sequences: 7 ms at 90
+    ("decode-0", "decode", "17-32", 50.0, 0.15, 1200.0),  # new series: 50 steps, 3 ms at 24
+    ("decode-0", "mixed", "33-64", 5.0, 0.1, 200.0),  # no step in the run
+    ("prefill-0", "prefill", "1", 350.0, 10.5, 350.0),
+])  # fmt: skip
+
+
+def test_parse_reads_count_sum_and_sequences_by_worker_kind_and_batch():
+    steps = parse_steps(AFTER)
+    assert steps[("decode-0", "decode", "33-64")] == StepTotals(1400.0, 6.0, 64200.0)
+    assert steps[("prefill-0", "prefill", "1")] == StepTotals(350.0, 10.5, 350.0)
+    assert len(steps) == 5  # buckets (le), _created and the other families are not series of steps
+    assert parse_steps("") == {} and parse_steps("garbage line\n# only a comment\n") == {}
+
+
+def test_series_that_differ_in_other_labels_add_up():
+    text = (
+        'pdserve_engine_step_seconds_count{worker="decode-0",kind="decode",batch="2",replica="a"} 3\n'
+        'pdserve_engine_step_seconds_count{worker="decode-0",kind="decode",batch="2",replica="b"} 4 1700000000000\n'
+        'pdserve_engine_step_seconds_sum{worker="decode-0",kind="decode",batch="2",replica="a"} 0.5\n'
+    )
+    assert parse_steps(text) == {("decode-0", "decode", "2"): StepTotals(7.0, 0.5, 0.0)}
+
+
+def test_delta_is_what_ran_in_between_new_series_count_from_zero_and_resets_from_their_restart():
+    d = delta(parse_steps(BEFORE), parse_steps(AFTER))
+    assert d[("decode-0", "decode", "33-64")] == StepTotals(400.0, pytest.approx(2.0), 19200.0)
+    assert d[("decode-0", "decode", "17-32")] == StepTotals(50.0, 0.15, 1200.0)
+    assert ("decode-0", "mixed", "33-64") not in d  # no step during the run
+    restarted = {("decode-1", "decode", "2"): StepTotals(5.0, 0.01, 10.0)}
+    before = {("decode-1", "decode", "2"): StepTotals(900.0, 3.0, 1800.0)}
+    assert delta(before, restarted) == restarted
+
+
+def test_busiest_bucket_per_decode_worker_with_mean_step_and_batch():
+    summary = worker_summary(delta(parse_steps(BEFORE), parse_steps(AFTER)))
+    assert list(summary) == ["decode-0"]  # the prefill worker ran no decode step
+    busiest = summary["decode-0"]["busiest"]
+    assert busiest == {"batch_bucket": "65-128", "steps": 1000, "mean_step_ms": 7.0, "mean_batch": 90.0}
+    assert list(summary["decode-0"]["buckets"]) == ["17-32", "33-64", "65-128"]  # in batch order
+    assert summary["decode-0"]["buckets"]["33-64"] == {"steps": 400, "mean_step_ms": 5.0, "mean_batch": 48.0}
+    assert summary["decode-0"]["all"]["steps"] == 1450
+    assert summary["decode-0"]["all"]["mean_batch"] == pytest.approx((19200 + 90000 + 1200) / 1450, abs=0.01)
+    tie = {("d", "decode", "3-4"): StepTotals(10, 0.01, 35), ("d", "decode", "5-8"): StepTotals(10, 0.02, 60)}
+    assert worker_summary(tie)["d"]["busiest"]["batch_bucket"] == "5-8"  # a tie goes to the larger batch
+
+
+def test_run_steps_counts_every_kind_and_summarizes_decode():
+    rec = run_steps(BEFORE, AFTER)
+    assert rec["steps_by_kind"] == {"decode": 1450, "prefill": 50}
+    assert rec["decode"]["decode-0"]["busiest"]["mean_batch"] == 90.0
+    assert run_steps(AFTER, AFTER) == {"decode": {}, "steps_by_kind": {}}
+
+
+def test_decode_context_weights_each_request_by_its_decode_steps():
+    # 100-token prompt, 4 outputs: contexts 100..103; 10-token prompt, 1 output: 10. Mean of 5 steps.
+    assert decode_context([(100, 4), (10, 1)]) == round((100 + 101 + 102 + 103 + 10) / 5)
+    with pytest.raises(ValueError):
+        decode_context([(5, 0)])
+
+
+def _run(server: str, workload: str, rate: float, workers: dict[str, tuple[float, float]], **summary) -> dict:
+    decode = {
+        w: {"busiest": {"batch_bucket": "65-128", "steps": 100, "mean_step_ms": ms, "mean_batch": b}}
+        for w, (ms, b) in workers.items()
+    }
+    s = {"goodput_req_s": 10.0, "slo_attainment": 1.0, "ttft_ms": {"p99": 200.0}} | summary
+    return {"server": server, "workload": workload, "rate": rate, "summary": s,
+            "engine_steps": {"decode": decode} if workers else {"error": "no /metrics"}}  # fmt: skip
+
+
+def test_engine_jobs_and_the_serving_beside_engine_table():
+    runs = [
+        _run("pdserve-1p1d", "chat", 96, {"decode-0": (15.0, 63.6)}),
+        _run("pdserve-colocated", "chat", 96, {"decode-0": (6.0, 31.7), "decode-1": (6.2, 32.4)}),
+        _run("pdserve-1p1d", "long-prompt", 48, {"decode-0": (9.0, 40.2)}),
+        _run("vllm-serve-dp2", "chat", 96, {}),
+    ]
+    assert engine_jobs(runs) == {"chat": [32, 64], "long-prompt": [40]}
+    engine = [
+        {"workload": "chat", "batch": 64, "context": 1090, "step_ms": 3.0},
+        {"workload": "chat", "batch": 32, "context": 1088, "step_ms": 2.0},
+        {"workload": "long-prompt", "batch": 40, "step_ms": None, "error": "batch 40 at context 3075 needs 9 KV blocks"},
+    ]
+    rows = steps_rows(runs, engine)
+    by = {(r["server"], r["workload"], r["worker"]): r for r in rows}
+    assert by[("pdserve-1p1d", "chat", "decode-0")]["ratio"] == 5.0  # 15 ms in serving, 3 ms in the engine
+    assert by[("pdserve-colocated", "chat", "decode-1")]["ratio"] == pytest.approx(3.1)
+    assert by[("pdserve-1p1d", "long-prompt", "decode-0")]["ratio"] is None
+    assert len(rows) == 4  # vLLM has no step figures
+    table = steps_table(runs, engine)
+    assert "5.00x" in table and "3.00 (1090)" in table and "needs 9 KV blocks" in table
+    assert steps_table([_run("vllm-serve-dp2", "chat", 96, {})], engine) == ""
+
+
+def _cmp(server: str, workload: str, rate: float, goodput: float, attained: float, ttft: float, rejected: int = 0):
+    run = _run(server, workload, rate, {}, goodput_req_s=goodput, slo_attainment=attained, ttft_ms={"p99": ttft})
+    return run | {"failures": {"kinds": {"HTTP 429: decode pool: every worker is at capacity": rejected}}}
+
+
+def test_comparison_marks_where_vllm_kept_the_slo_and_gives_the_ratios():
+    runs = [
+        _cmp("vllm-serve-dp2", "chat", 96, 80.0, 0.9, 400.0),
+        _cmp("pdserve-colocated", "chat", 96, 84.0, 0.95, 380.0),
+        _cmp("pdserve-1p1d", "chat", 96, 42.0, 0.5, 900.0, rejected=23),
+        _cmp("pdserve-1p1d+eager", "chat", 96, 63.0, 0.7, 700.0),
+        _cmp("vllm-serve-dp2", "chat", 160, 60.0, 0.4, 3000.0),
+        _cmp("pdserve-colocated", "chat", 160, 50.0, 0.35, 2000.0),
+        _cmp("pdserve-1p1d", "chat", 240, 10.0, 0.05, 9000.0),
+    ]
+    rows = {(r["workload"], r["rate"]): r for r in compare_rows(runs, {"vllm-serve-dp2": {"chat": 160}})}
+    r96 = rows[("chat", 96)]
+    assert r96["vllm_kept"] and r96["best"] == "pdserve-colocated" and r96["best_vs_vllm"] == 1.05
+    assert r96["ttft_p99_not_above_vllm"] and r96["best_429"] == 0
+    assert r96["disagg"] == "pdserve-1p1d+eager" and r96["disagg_vs_colocated"] == 0.75  # the best disaggregated
+    assert r96["disagg_vs_vllm"] == pytest.approx(63 / 80, abs=1e-3)
+    assert not rows[("chat", 160)]["vllm_kept"] and rows[("chat", 160)]["best_vs_vllm"] == pytest.approx(0.833, abs=1e-3)
+    r240 = rows[("chat", 240)]
+    assert r240["vllm"] is None and r240["vllm_note"] == "saturated at a lower rate" and not r240["vllm_kept"]
+    text = compare_table(runs, {"vllm-serve-dp2": {"chat": 160}})
+    assert "at 1 of 3 (workload, rate) points" in text and "matched its goodput (>= 1.0x) with TTFT p99 no higher at 1" in text
+    assert "1.05x" in text and "0.75x (pdserve-1p1d+eager)" in text
+    assert compare_table([r for r in runs if not r["server"].startswith("vllm")]) == ""
