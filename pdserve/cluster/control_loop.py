@@ -1,15 +1,9 @@
 """The live P:D controller: every interval, read the router's signals, let the pure policy
-(`pdserve.control.controller.Controller`) decide, and start the flip it asks for through the role
-flipper (the `Actuator`). Every decision that is a flip, or a hold that nearly was one, is
-logged, added as an event to a `pdserve.controller` span, counted in the metrics and kept (the
-last `history`) for `Admin.GetController`.
-
-Mechanism only: the policy decides, the flipper flips, the scaler (`--max-workers`) starts and
-stops worker actors. Each finished flip (the controller's or an `Admin.SetRole`) feeds its
-measured time to `Controller.observe_flip`, which the interval follows, and marks the worker cold
-in the capacity fit; each finished add feeds its start time to `Controller.observe_start`. A flip
-decision moves one worker (the policy may ask for more; one flip is in flight at a time, and the
-next interval moves the next); an add starts every worker it asks for where Ray has room, at once.
+(`pdserve.control.controller.Controller`) decide, and start what it asks for through the role
+flipper (the `Actuator`: one worker per flip decision, one flip in flight) or the scaler
+(`--max-workers`). Each decision worth recording is logged, traced, counted and kept for
+`Admin.GetController`; each finished flip or add feeds its measured time back to the policy and
+marks the worker cold in the capacity fit (docs/controller.md, "The live loop").
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""`pdserve router`: one more router in front of worker pools that are already running (started by
+"""`pdserve router`: one more router in front of worker pools already running (started by
 `pdserve serve` or deploy/ray/launch.sh), so that no single router process is a point of failure.
-
-A joining router owns nothing but its own state, and that state is soft. It finds the worker
-actors by name in Ray (`pdserve-<role>-<i>`, namespace `pdserve`), learns each one's current role
-from its health check, and the model and the settings placement needs from one worker
-(`serve_info`). The prefix index is rebuilt from each worker's KV event snapshot
-(`router.membership`), health from health checks. Every `relist_s` it lists the actors again:
-workers that joined are added, workers that are gone (or changed role) are dropped, and the
-streams of a dropped decode worker resume on another.
-
-Each router has its own id (`new_router_id`), which tags every request it starts on a decode
-worker: a decode worker's `poll` hands a router only its own tokens, and aborts the requests of
-a router that stopped polling (`decode_worker.outbox`). Killing a router loses only its streams.
+It owns only soft state: it finds the worker actors by name in Ray, learns each one's role from
+its health check and the model and placement settings from one worker (`serve_info`), rebuilds
+the prefix index from their KV event snapshots, and lists the actors again every `relist_s`
+(workers that joined are added; those gone are dropped, their streams resuming on another). Its
+own router id tags every request it starts, so a decode worker hands it only its own tokens and
+aborts its requests once it stops polling: killing a router loses only its streams.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The P:D controller's actuator: flip a worker between the pools in place.
-
-A flip, one at a time (docs/controller.md, "The flip protocol"):
-1. drain: the router places nothing more on the worker; what it serves finishes within the
-   drain deadline. A decode worker's streams still running then move to another decode worker,
-   which resumes each from the tokens already sent (the failover path), so no token is lost or
-   repeated. A prefill worker that does not drain in time goes back to its pool: nothing changed.
-2. switch: the worker rebuilds its role's structures over the same engine, so weights, KV pool
-   and prefix cache stay (`WorkerHost.switch_role`); its role epoch goes up by one, and a call
-   still placed for the old role fails cleanly (`WrongRole`).
-3. link: its KV transport connects with every worker of its new peer pool.
-4. probe: one small request in the new role (a prefill and its release; a decode to the end).
-5. rejoin: the router places on it in the other pool.
-A flip that fails after the drain leaves the worker out of placement and listed as unhealthy.
+"""The P:D controller's actuator: flip a worker between the pools in place, one flip at a time
+(docs/controller.md, "The flip protocol"). Drain (a decode worker's streams still running at the
+deadline resume on another decode worker; a prefill worker that does not drain in time goes back
+unchanged), switch the role over the same engine, weights, KV pool and prefix cache
+(`WorkerHost.switch_role`; the role epoch goes up), link with the new peer pool, probe with one
+small request, rejoin the other pool. A flip that fails after the drain leaves the worker out of
+placement and listed as unhealthy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Worker actors added and removed for the P:D controller (`pdserve serve --controller
---max-workers N`). Mechanism only: the policy (`pdserve.control.controller.Controller`) decides
-when and where; this starts and stops actors.
+--max-workers N`). Mechanism only: the policy (`pdserve.control.scaling.Scaling`) decides when
+and where; this starts and stops actors (docs/controller.md, "Adding and removing workers").
 
-- An add starts an actor only where Ray reports the free resources for it
-  (`ray.available_resources()`): one GPU on CUDA; on CPU, the worker's torch threads as CPUs
-  (workers take no Ray CPU, so this counts the host's cores Ray sees). The new worker loads the
-  model, links with the other pool and joins placement (`Cluster.add_worker`).
-- A removal takes the worker out of placement as a flip's drain does (a decode worker's streams
-  still running after the drain deadline move to another decode worker, so no token is lost),
-  then stops the actor. On CUDA its GPU counts as free again only once its process has exited:
-  a killed actor's process may still hold its memory for a while, and a worker started on that
-  GPU meanwhile would find no room for its KV pool.
-
-Each add or removal is recorded (`ScaleChange`): the control loop feeds an add's start time to
-`Controller.observe_start` and marks the new worker cold in the capacity fit.
+An add starts an actor only where `ray.available_resources()` has room: a GPU on CUDA; on CPU
+its torch threads as CPUs (workers take no Ray CPU, so this counts the cores Ray sees). A
+removal drains the worker as a flip does, then stops the actor; on CUDA its GPU counts as free
+only once its process has exited (a killed actor's process may hold its memory a while). Each
+change is a `ScaleChange`: the control loop feeds an add's start time to the policy.
 """
 
 from __future__ import annotations

@@ -46,6 +46,10 @@ NAMESPACE = "pdserve"
 
 
 class Cluster:
+    """A cluster on Ray: the prefill and decode worker actors (or decode only, colocated), the
+    router in front of them and its listeners. `start` brings it up from a `ServeConfig`; workers
+    are added, removed and flipped while it serves; `stop` takes it down."""
+
     def __init__(
         self,
         cfg: ServeConfig,

@@ -1,34 +1,12 @@
-"""Per-worker performance models: what one prefill or decode worker costs, read from JSON files.
+"""Per-worker performance models: what one prefill or decode worker costs, read from JSON files
+(`models/*.json`, or one written by `bench/engine.py --perf-model`). A model is the simulator's
+truth and the controller's prior until the online fit has enough warm samples.
 
-A model is the simulator's truth and the controller's prior (until the online fit has enough
-warm samples). Shapes:
-- prefill of n uncached tokens: `prefill_s(n) = p0 + p1 * n + p2 * n**2` (the n**2 term is
-  causal attention);
-- one decode step of a batch of b sequences holding c context tokens in all:
-  `step_s(b, c) = d0 + d1 * b + d2 * c` (weights read once per step, per-sequence work, KV read);
-- a role flip (drain excluded: switch and probe) takes `flip_s`;
-- a worker added to the cluster (`--max-workers`) starts in `start_s`: model load, KV pool, links.
-
-What serving costs beyond the engine's steps (measured on a real cluster by
-`bench/serve_overheads.py`; zero where not measured):
-- `request_s + request_token_s * prompt_tokens` per request, between its arrival and its first
-  token on top of `prefill_s` (the HTTP front end, placement, the prefill call's round trip,
-  pinning and checksumming the prompt's blocks);
-- the KV hand-over, from the first token to the decode worker's first step (the start call,
-  the READ, checksums): `handover_s + handover_token_s * prompt_tokens`; with
-  `handover_waits_prefill_step` it starts only once the prefill worker's running step is over
-  (measured on CPU: the READ makes no progress while the prefill worker computes);
-- the decode loop's cost beyond `step_s` (the outbox, relay polls answered by the worker):
-  `step_extra_s` a step plus `step_extra_seq_s` a sequence in it;
-- `serve_cpu_s_per_token`: CPU seconds the serving path spends a streamed token outside the
-  engine's steps (the router's process: HTTP streaming, relay long polls, detokenizing; the
-  workers' relay and Ray's processes): load on the host's cores, not a delay;
-- `background_cores`: cores the cluster's processes use while idle (Ray's, the workers' loops).
-
-Host model: workers that share a host's cores slow each other once more are busy than there
-are cores. `share_slowdown` is measured (`bench/core_sharing.py`): pairs (busy single-thread
-engines per core, factor on their step times), interpolated linearly, extrapolated from the last
-two. Empty: every worker owns its device (a GPU), and the simulator's `cores` does not apply.
+Shapes: `prefill_s(n) = p0 + p1 n + p2 n**2` for n uncached tokens (n**2: causal attention) and
+`step_s(b, c) = d0 + d1 b + d2 c` for a decode step of b sequences holding c context tokens
+(weights read once a step, per-sequence work, KV read). A flip takes `flip_s`, an added worker
+starts in `start_s`. The serving costs beyond the engine's steps and the host model
+(`share_slowdown`) are `PerfModel`'s fields (docs/controller.md, "Performance models").
 """
 
 from __future__ import annotations

@@ -25,12 +25,6 @@ PENDING: set[str] = {
     "decode_worker/prefetch.py",  # owned elsewhere, being restructured
     "decode_worker/prefetch.py::Prefetch",  # owned elsewhere, being restructured
     "decode_worker/room_waiters.py::Waiter",  # owned elsewhere, being restructured
-    "pdserve/cluster/control_loop.py",  # owned elsewhere, being restructured
-    "pdserve/cluster/join.py",  # owned elsewhere, being restructured
-    "pdserve/cluster/role_flip.py",  # owned elsewhere, being restructured
-    "pdserve/cluster/scaler.py",  # owned elsewhere, being restructured
-    "pdserve/cluster/serve.py::Cluster",  # owned elsewhere, being restructured
-    "pdserve/control/perf_model.py",  # owned elsewhere, being restructured
     "pdserve/worker/early_ends.py",  # owned elsewhere, being restructured
     "pdserve/worker/engine_loop.py",  # owned elsewhere, being restructured
     "pdserve/worker/kv_event_cursors.py",  # owned elsewhere, being restructured
