@@ -129,9 +129,9 @@ class Simulation:
         self.push(w.begin(now, dt), "prefilled", (w.name, w.version))
 
     def prefilled(self, name: str, version: int, now: float) -> None:
-        w = self.prefill[name]
-        if w.version != version:
-            return  # stale: the host's stretch moved the step's end
+        w = self.prefill.get(name)
+        if w is None or w.version != version:
+            return  # stale: the host's stretch moved the step's end, or the worker left the pool since
         w.busy, w.done = False, w.done + 1
         m = self.model
         for i, first in w.held:  # hand-overs that waited for this step
