@@ -1,6 +1,6 @@
 """Replay a trace against the router's placement policy with simulated prefill workers.
 
-The policy is the router's own (`router.policy.PrefillPolicy`), fed as the router feeds it. A
+The policy is the router's own (`router.placement.pool_state.PrefillPolicy`), fed as the router feeds it. A
 simulated worker is the engine's real `BlockManager` in front of a FIFO queue, a prompt taking
 `overhead_s + per_token_s * uncached tokens`; TTFT is queueing plus that. `ideal_hit_rate`
 replays the trace into one worker holding the whole cluster's cache."""
@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager, KvEventBatch
 from pdserve.engine.hashing import block_hashes
-from router.policy import PlacementConfig, PrefillPolicy, ring_key
+from router.placement.placement_config import PlacementConfig
+from router.placement.pool_state import PrefillPolicy
+from router.placement.ring import ring_key
 
 
 @dataclass(frozen=True)

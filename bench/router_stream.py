@@ -168,7 +168,7 @@ async def _serve(workers: int, model: WorkerModel, poll_interval_s: float) -> No
     import router as router_pkg
     from pdserve.engine.detokenizer import load_tokenizer
     from pdserve.models.default_model import default_model_dir
-    from router.http_server import start_http_server
+    from router.edge.http_server import start_http_server
     from router.router import Router, RouterConfig
 
     model_dir = default_model_dir()

@@ -18,7 +18,7 @@ from pdserve.cluster.ports import PortInUseError
 from pdserve.engine.args import EngineArgs, engine_options
 
 
-# router.policy.POLICIES, spelled out so that --help imports nothing of the router. The
+# router.placement.placement_config.POLICIES, spelled out so that --help imports nothing of the router. The
 # baselines (round_robin, random, modulo) are the trace benchmark's: `pdserve bench router`.
 PLACEMENT_POLICIES = ("index", "ring")
 

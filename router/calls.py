@@ -12,10 +12,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import carrier_of
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import worker_pb2
-from router.config import RouterConfig
 from router.handles import RouterError
 from router.inflight import InFlight
-from router.measured import PrefillTimes
+from router.load.measured import PrefillTimes
+from router.router_config import RouterConfig
 
 log = logging.getLogger(__name__)
 

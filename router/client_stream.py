@@ -13,10 +13,10 @@ from opentelemetry import trace
 from prometheus_client import Histogram
 
 from pdserve_proto import inference_pb2
-from router.config import RouterConfig
 from router.failover import Failover
 from router.handles import RouterError
 from router.inflight import InFlight
+from router.router_config import RouterConfig
 from router.token_stream import WorkerLost
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import worker_pb2
 from router.background import Background
 from router.calls import WorkerCalls
-from router.config import RouterConfig
 from router.handles import RouterError
 from router.inflight import InFlight
-from router.pools import WorkerPools
+from router.router_config import RouterConfig
+from router.worker_pools import WorkerPools
 
 log = logging.getLogger(__name__)
 

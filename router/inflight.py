@@ -18,9 +18,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from router.admission import PoolQueue
 from router.background import Background
 from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.policy import Placement
-from router.pools import WorkerPools
+from router.placement.pool_state import Placement
 from router.token_stream import Stream
+from router.worker_pools import WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ _T = TypeVar("_T")
 
 
 class Phase(enum.Enum):
+    """Where a request is in its life; it only moves forward (`_NEXT`)."""
+
     QUEUED = "queued"  # placed; no worker call yet
     PREFILLING = "prefilling"  # on its prefill worker, up to its first token reaching the client
     HANDING_OVER = "handing over"  # being put on its decode worker (KV hand-over, or submit)

@@ -1,4 +1,4 @@
-"""Keeps one pool's placement state in step with its workers (the I/O half of `router.policy`).
+"""Keeps one pool's placement state in step with its workers (the I/O half of `router.placement.pool_state`).
 
 One task per worker long-polls its KV event batches and applies them to the pool's prefix
 index; a batch that does not follow the previous one (events lost, worker restarted) makes the
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 FetchEvents = Callable[[float, bool, float], Awaitable[KvEventBatch]]
 
 
-class _Policy(Protocol):  # what this module needs of router.policy's pools
+class _Policy(Protocol):  # what this module needs of a pool's placement state (router.placement.pool_state)
     def apply_events(self, worker: str, batch: KvEventBatch) -> bool: ...
     def add_worker(self, worker: str) -> None: ...
     def remove_worker(self, worker: str) -> None: ...

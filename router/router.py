@@ -1,10 +1,10 @@
-"""The router: validates and tokenizes a request (`router.parsing`), places it, prefills it on
+"""The router: validates and tokenizes a request (`router.edge.parsing`), places it, prefills it on
 one worker, decodes it on another and relays the tokens to the client. A prompt may also be
 prefilled on its decode worker: always in a colocated cluster (no prefill pool), and under
 conditional disaggregation when little of it is missing from that worker's prefix cache
-(`router.policy.prefill_locally`).
+(the decode strategy's `prefill_here`, `router.placement.decode_strategy`).
 
-Tokens come back from decode workers through one long-poll per worker (`router.relay`) and
+Tokens come back from decode workers through one long-poll per worker (`router.token_relay`) and
 reach the client as chunks (`router.client_stream`); a worker that fails a call or goes silent
 hands its requests to another (`router.failover`). Each request's state, and everything it
 holds until it ends, is an `InFlight` (`router.inflight`).
@@ -32,19 +32,19 @@ from pdserve_proto import inference_pb2, worker_pb2
 from router.admission import PoolQueue, Refusal, retry_after_ms
 from router.background import Background
 from router.calls import WorkerCalls
-from router.config import RouterConfig
+from router.client_stream import ClientStream, chunk
+from router.edge.parsing import parse_request
 from router.errors import to_router_error
 from router.failover import Failover
 from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.client_stream import ClientStream, chunk
 from router.inflight import Books, InFlight, Phase
-from router.load_signals import LoadSignals, watch_pool_sizes
-from router.parsing import parse_request
-from router.policy import DecodePolicy, Placement, PrefillPolicy, prefill_locally
-from router.pools import WorkerPools
-from router.relay import TokenRelay
-from router.token_stream import Stream
+from router.load.load_signals import LoadSignals, watch_pool_sizes
+from router.placement.pool_state import DecodePolicy, Placement, PrefillPolicy
+from router.router_config import RouterConfig
 from router.stats import StreamMetrics, cluster_stats, placement_stats
+from router.token_relay import TokenRelay
+from router.token_stream import Stream
+from router.worker_pools import WorkerPools
 
 __all__ = ["Router", "RouterConfig"]
 
@@ -166,7 +166,7 @@ class Router:
     def parse(
         self, request: inference_pb2.GenerateRequest, fill_context: bool = False
     ) -> tuple[list[int], SamplingParams]:
-        """See `router.parsing.parse_request`."""
+        """See `router.edge.parsing.parse_request`."""
         return parse_request(request, self.config, self.tokenizer, fill_context)
 
     async def generate(
@@ -221,7 +221,7 @@ class Router:
             r.close()  # every path ends here: what the request holds goes back, once
 
     def _place(self, rid: str, ids: list[int], params: SamplingParams, ctx: Any) -> InFlight:
-        """Choose the decode worker, then whether the prompt is prefilled there (`prefill_locally`,
+        """Choose the decode worker, then whether the prompt is prefilled there (`prefill_here`,
         or every prefill worker at its cap) or on a prefill worker, and which. RESOURCE_EXHAUSTED
         when the decode pool is full, or the prefill pool is and local prefill is off for that,
         or (before any placement) when a pool it would join holds `max_queued_requests` queued."""
@@ -237,10 +237,7 @@ class Router:
             raise _full("decode", pools.decode_policy.workers, self.queues["decode"])
         r = InFlight(self._books, rid, ids, params, ctx, IncrementalDetokenizer(self.tokenizer, params.stop), d_at)
         try:
-            local = prefill_locally(
-                len(ids), d_at.matched_blocks * cfg.block_size, bool(pools.prefill_policy.workers),
-                cfg.placement.max_local_prefill_tokens,
-            )
+            local = pools.decode_policy.prefill_here(d_at, bool(pools.prefill_policy.workers))
             overflow = False
             if not local:
                 refusal = self.queues["prefill"].refusal()

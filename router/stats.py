@@ -12,8 +12,8 @@ from opentelemetry import trace
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
 from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.measured import LatencyWindow
-from router.pools import WorkerPools
+from router.load.measured import LatencyWindow
+from router.worker_pools import WorkerPools
 
 
 def placement_stats(pools: WorkerPools, prefill_locations: Counter[str]) -> dict:

@@ -1,4 +1,4 @@
-"""The cluster's side of the Admin service's control (`router.control_plane.ControlPlane`):
+"""The cluster's side of the Admin service's control (`router.fleet_control.ControlPlane`):
 role flips by hand through the role flipper, and the P:D controller's state, with the pools
 as placement has them and the flips so far."""
 
@@ -17,7 +17,7 @@ from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.perf_model import load_perf_model
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
-from router.control_plane import NO_FLIPS
+from router.fleet_control import NO_FLIPS
 from router.handles import RouterError
 from router.router import Router
 

@@ -33,9 +33,9 @@ from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.telemetry.endpoint import unanswered_warning
 from pdserve_proto import worker_pb2
 from router.deadline import within
-from router.policy import PlacementConfig
+from router.edge.tls import CertificateFiles
+from router.placement.placement_config import PlacementConfig
 from router.router import Router, RouterConfig
-from router.tls import CertificateFiles
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
-from router.auth import ENV_VAR, ApiKeys, load_keys
-from router.limits import InputLimits
-from router.policy import PlacementConfig
-from router.tls import tls_config
+from router.edge.auth import ENV_VAR, ApiKeys, load_keys
+from router.edge.limits import InputLimits
+from router.edge.tls import tls_config
+from router.placement.placement_config import PlacementConfig
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -33,12 +33,12 @@ from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.models.resolve import resolve_device, resolve_model
 from pdserve.telemetry.endpoint import unanswered_warning
 from pdserve_proto import inference_pb2, worker_pb2
-from router.auth import ApiKeys
 from router.deadline import within
-from router.grpc_server import start_grpc_server
-from router.http_server import start_http_server
+from router.edge.auth import ApiKeys
+from router.edge.grpc_server import start_grpc_server
+from router.edge.http_server import start_http_server
+from router.edge.tls import CertificateFiles
 from router.router import Router, RouterConfig
-from router.tls import CertificateFiles
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.telemetry.tracing import TracingConfig
-from router.auth import ApiKeys
-from router.limits import InputLimits
-from router.policy import PlacementConfig
-from router.tls import TlsConfig
+from router.edge.auth import ApiKeys
+from router.edge.limits import InputLimits
+from router.edge.tls import TlsConfig
+from router.placement.placement_config import PlacementConfig
 
 
 @dataclass(frozen=True)

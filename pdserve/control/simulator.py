@@ -1,5 +1,5 @@
 """Discrete-event simulator of a disaggregated cluster: the router's own placement objects
-(`router.policy.PrefillPolicy`, `DecodePolicy`) place every request, simulated workers
+(`router.placement.pool_state.PrefillPolicy`, `DecodePolicy`) place every request, simulated workers
 (`sim_workers`) take their times from a `PerfModel`, and with a controller the very policy
 the live cluster will run (`pdserve.control.controller.Controller`) decides the split, through
 `sim_actuator.SimActuator`, which drains, flips and rejoins workers as the flip protocol does.
@@ -22,7 +22,8 @@ from pdserve.control.signals import Decision, Signals, Slo
 from pdserve.control.sim_actuator import SimActuator
 from pdserve.control.sim_workers import SimDecode, SimPrefill
 from pdserve.control.trace import SimRequest
-from router.policy import DecodePolicy, PlacementConfig, PrefillPolicy
+from router.placement.placement_config import PlacementConfig
+from router.placement.pool_state import DecodePolicy, PrefillPolicy
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ class InProcessCluster:
         from pdserve.cluster.workers import build_decode, build_prefill
         from pdserve.engine.config import ModelConfig
         from pdserve.engine.detokenizer import load_tokenizer
-        from router.grpc_server import start_grpc_server
+        from router.edge.grpc_server import start_grpc_server
         from router.router import Router, RouterConfig
 
         self.loop_thread = loop_thread

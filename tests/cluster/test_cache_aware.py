@@ -16,7 +16,7 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.policy import ring_key
+from router.placement.ring import ring_key
 
 pytestmark = pytest.mark.cluster
 

@@ -24,7 +24,7 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.policy import PlacementConfig
+from router.placement.placement_config import PlacementConfig
 
 pytestmark = pytest.mark.cluster
 

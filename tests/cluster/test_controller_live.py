@@ -21,7 +21,7 @@ from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.grpc_server import start_grpc_server
+from router.edge.grpc_server import start_grpc_server
 
 pytestmark = pytest.mark.cluster
 

@@ -214,7 +214,7 @@ def test_each_router_sees_every_kv_event_of_a_shared_worker(model_dir: Any):
     from pdserve.cluster.workers import build_agent, build_engine
     from pdserve.engine.args import EngineArgs
     from pdserve.engine.hashing import block_hashes
-    from router.prefix_index import PrefixIndex
+    from router.placement.prefix_index import PrefixIndex
 
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=64))
     engine = build_engine(cfg, "decode")

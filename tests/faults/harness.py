@@ -43,7 +43,7 @@ from pdserve.engine.detokenizer import load_tokenizer
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from pdserve_proto import worker_pb2
-from router.grpc_server import start_grpc_server
+from router.edge.grpc_server import start_grpc_server
 from router.handles import RouterError
 from router.membership import MembershipConfig
 from router.router import Router, RouterConfig

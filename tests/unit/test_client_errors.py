@@ -16,9 +16,9 @@ from pdserve.cluster.worker_client import WorkerClient
 from pdserve.cluster.worker_host import WrongRole
 from pdserve.engine.block_manager import NoFreeBlocksError
 from pdserve_proto import worker_pb2
+from router.edge.http_server import build_app
 from router.errors import short_reason, to_router_error
 from router.handles import RouterError
-from router.http_server import build_app
 
 _RAY_TRACEBACK = (
     "\x1b[36mray::WorkerActor.start()\x1b[39m (pid=123, ip=127.0.0.1, actor_id=abc)\n"

@@ -33,7 +33,6 @@ PENDING_SIZE: set[str] = {
 
 # Basenames still found in more than one package.
 PENDING_NAMES: set[str] = {
-    "config.py",  # owned elsewhere, being restructured (router/config.py, pdserve/engine/config.py)
     "worker.py",  # owned elsewhere, being restructured (prefill_worker/, decode_worker/)
 }
 

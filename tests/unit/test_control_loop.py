@@ -283,8 +283,8 @@ async def _call(coro: Any) -> tuple[grpc.StatusCode, str]:
 
 def test_admin_set_role_and_get_controller_over_grpc():
     from pdserve_proto import inference_pb2_grpc as pbg
-    from router.auth import ApiKeys
-    from router.grpc_server import start_grpc_server
+    from router.edge.auth import ApiKeys
+    from router.edge.grpc_server import start_grpc_server
 
     async def go() -> None:
         r = router()

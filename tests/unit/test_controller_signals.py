@@ -9,8 +9,8 @@ from opentelemetry import trace
 
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb
-from router.arrivals import ArrivalWindow
-from router.measured import LatencyWindow, PrefillTimes
+from router.load.arrivals import ArrivalWindow
+from router.load.measured import LatencyWindow, PrefillTimes
 from router.stats import StreamMetrics
 
 

@@ -33,33 +33,31 @@ PENDING: set[str] = {
     "prefill_worker/prefiller.py::PrefillConfig",  # owned elsewhere, being restructured
     "prefill_worker/progress_book.py::ProgressBook",  # owned elsewhere, being restructured
     "router/admission.py::Refusal",  # owned elsewhere, being restructured
-    "router/arrivals.py::Arrival",  # owned elsewhere, being restructured
-    "router/arrivals.py::ArrivalRates",  # owned elsewhere, being restructured
-    "router/auth.py::ApiKeys",  # owned elsewhere, being restructured
-    "router/auth.py::Plane",  # owned elsewhere, being restructured
-    "router/auth.py::Verdict",  # owned elsewhere, being restructured
+    "router/load/arrivals.py::Arrival",  # owned elsewhere, being restructured
+    "router/load/arrivals.py::ArrivalRates",  # owned elsewhere, being restructured
+    "router/edge/auth.py::ApiKeys",  # owned elsewhere, being restructured
+    "router/edge/auth.py::Plane",  # owned elsewhere, being restructured
+    "router/edge/auth.py::Verdict",  # owned elsewhere, being restructured
     "router/background.py::Background",  # owned elsewhere, being restructured
-    "router/config.py::RouterConfig",  # owned elsewhere, being restructured
-    "router/control_plane.py::ControlPlane",  # owned elsewhere, being restructured
-    "router/grpc_auth.py::ApiKeyInterceptor",  # owned elsewhere, being restructured
-    "router/grpc_server.py::AdminServicer",  # owned elsewhere, being restructured
-    "router/grpc_server.py::InferenceServicer",  # owned elsewhere, being restructured
-    "router/inflight.py::Phase",  # owned elsewhere, being restructured
-    "router/limits.py::InputLimits",  # owned elsewhere, being restructured
-    "router/load_signals.py::DecodeWorkerLoad",  # owned elsewhere, being restructured
-    "router/load_signals.py::RouterLoad",  # owned elsewhere, being restructured
-    "router/measured.py::PrefillTime",  # owned elsewhere, being restructured
+    "router/router_config.py::RouterConfig",  # owned elsewhere, being restructured
+    "router/fleet_control.py::ControlPlane",  # owned elsewhere, being restructured
+    "router/edge/grpc_auth.py::ApiKeyInterceptor",  # owned elsewhere, being restructured
+    "router/edge/grpc_server.py::AdminServicer",  # owned elsewhere, being restructured
+    "router/edge/grpc_server.py::InferenceServicer",  # owned elsewhere, being restructured
+    "router/edge/limits.py::InputLimits",  # owned elsewhere, being restructured
+    "router/load/load_signals.py::DecodeWorkerLoad",  # owned elsewhere, being restructured
+    "router/load/load_signals.py::RouterLoad",  # owned elsewhere, being restructured
+    "router/load/measured.py::PrefillTime",  # owned elsewhere, being restructured
     "router/membership.py",  # owned elsewhere, being restructured
     "router/membership.py::MembershipConfig",  # owned elsewhere, being restructured
     "router/membership.py::PoolMembership",  # owned elsewhere, being restructured
-    "router/policy.py::Placement",  # owned elsewhere, being restructured
-    "router/policy.py::PlacementConfig",  # owned elsewhere, being restructured
-    "router/pools.py::WorkerPools",  # owned elsewhere, being restructured
-    "router/prefix_index.py::PrefixIndex",  # owned elsewhere, being restructured
-    "router/recent_load.py::RecentLoad",  # owned elsewhere, being restructured
-    "router/relay.py::TokenRelay",  # owned elsewhere, being restructured
-    "router/ring.py::HashRing",  # owned elsewhere, being restructured
-    "router/scoring.py",  # owned elsewhere, being restructured
+    "router/placement/pool_state.py::Placement",  # owned elsewhere, being restructured
+    "router/worker_pools.py::WorkerPools",  # owned elsewhere, being restructured
+    "router/placement/prefix_index.py::PrefixIndex",  # owned elsewhere, being restructured
+    "router/load/recent_load.py::RecentLoad",  # owned elsewhere, being restructured
+    "router/token_relay.py::TokenRelay",  # owned elsewhere, being restructured
+    "router/placement/ring.py::HashRing",  # owned elsewhere, being restructured
+    "router/placement/scoring.py",  # owned elsewhere, being restructured
 }
 
 

@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.auth import ApiKeys
-from router.grpc_server import start_grpc_server
-from router.http_server import start_http_server
-from router.limits import InputLimits
-from router.tls import CertificateFiles, TlsConfig
+from router.edge.auth import ApiKeys
+from router.edge.grpc_server import start_grpc_server
+from router.edge.http_server import start_http_server
+from router.edge.limits import InputLimits
+from router.edge.tls import CertificateFiles, TlsConfig
 from tests.tls_certs import CertAuthority
 
 DATA, ADMIN = "test-data-key", "test-admin-key"

@@ -40,7 +40,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "pdserve.llm": ("pdserve.engine", "pdserve.models"),
     # The P:D controller and its simulator: the router's placement policies (driven as the
     # router drives them) and prompt hashing; nothing of the workers, Ray or gRPC.
-    "pdserve.control": ("router.placement", "router.policy", "pdserve.engine.hashing"),
+    "pdserve.control": ("router.placement", "pdserve.engine.hashing"),
     "pdserve": ("pdserve",),  # the CLI and package root may use everything under pdserve
 }
 
@@ -88,9 +88,9 @@ def test_imports_follow_the_request_direction():
     ("module", "imported"),
     [
         ("router.router", "prefill_worker.worker"),  # the router reaches workers through handles only
-        ("router.relay", "decode_worker.worker"),
+        ("router.token_relay", "decode_worker.worker"),
         ("router.membership", "pdserve.engine.block_manager"),  # KV events arrive as worker.proto messages
-        ("router.parsing", "pdserve.engine.engine"),
+        ("router.edge.parsing", "pdserve.engine.engine"),
         ("kv_transfer.compat", "pdserve.engine.config"),  # layouts are plain numbers
         ("kv_transfer.agent", "pdserve.engine.hashing"),
         ("prefill_worker.worker", "decode_worker.worker"),  # the two roles never import each other

@@ -16,7 +16,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.kv_event_cursors import KvEventCursors
 from pdserve_proto.worker_pb2 import KvEventBatch
-from router.prefix_index import PrefixIndex
+from router.placement.prefix_index import PrefixIndex
 
 
 def as_message(b: Any) -> KvEventBatch:

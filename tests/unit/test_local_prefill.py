@@ -12,7 +12,8 @@ import pytest
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto import inference_pb2 as pb
 from router.handles import RouterError
-from router.policy import PlacementConfig, prefill_locally
+from router.placement.decode_strategy import prefill_locally
+from router.placement.placement_config import PlacementConfig
 from router.router import Router
 from tests.unit.router_doubles import BS, FakeDecode, FakePrefill, make_router, request
 

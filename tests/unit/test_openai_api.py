@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from router.handles import RouterError
-from router.openai_api import (
+from router.edge.openai_api import (
     ApiError,
     StreamEvents,
     completion,

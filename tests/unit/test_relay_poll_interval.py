@@ -10,9 +10,9 @@ import itertools
 import pytest
 
 from pdserve_proto import worker_pb2
-from router.config import RouterConfig
+from router.router_config import RouterConfig
+from router.token_relay import TokenRelay
 from router.token_stream import Stream
-from router.relay import TokenRelay
 
 
 class EveryStep:

@@ -4,6 +4,7 @@ this one may have loaded torch for other tests already."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 ROUTER_MODULES = (
-    "router.router", "router.grpc_server", "router.http_server",
-    "router.policy", "router.placement", "router.scoring", "router.ring", "router.prefix_index",
-    "router.recent_load", "bench.placement", "pdserve.cluster.worker_client",
+    "router.router", "router.edge.grpc_server", "router.edge.http_server",
+    "router.placement.pool_state", "router.placement.strategies", "router.placement.decode_strategy",
+    "router.placement.placement_config",
+    "router.placement.scoring", "router.placement.ring", "router.placement.prefix_index",
+    "router.load.recent_load", "bench.placement", "pdserve.cluster.worker_client",
 )
 
 
@@ -39,3 +42,21 @@ def test_the_package_root_loads_the_engine_only_when_asked():
     code = "import pdserve; from pdserve import SamplingParams; print(SamplingParams(max_tokens=3).max_tokens)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr
+
+
+def _router_imports(path: Path) -> set[str]:
+    """Every `router.*` module a file imports, those for type checking only included."""
+    tree = ast.parse(path.read_text())
+    return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("router.")}
+
+
+def test_placement_strategies_sit_below_the_pool_state_and_its_config():
+    """The pool state imports the strategies and the config; the strategies import neither, not
+    even for types, so they form no cycle."""
+    placement = ROOT / "router" / "placement"
+    assert _router_imports(placement / "strategies.py") <= {"router.placement.ring", "router.placement.scoring"}
+    assert _router_imports(placement / "decode_strategy.py") <= {"router.placement.strategies", "router.placement.scoring"}
+    assert _router_imports(placement / "placement_config.py") == {"router.placement.strategies"}
+    assert {"router.placement.strategies", "router.placement.placement_config"} <= _router_imports(
+        placement / "pool_state.py"
+    )

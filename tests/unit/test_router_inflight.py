@@ -12,9 +12,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from router.admission import PoolQueue
 from router.background import Background
 from router.inflight import Books, IllegalPhase, InFlight, Phase
-from router.pools import WorkerPools
 from router.router import RouterConfig
 from router.token_stream import Stream
+from router.worker_pools import WorkerPools
 from tests.unit.router_doubles import FakeDecode, FakePrefill
 
 IDS = list(range(40))

@@ -6,9 +6,9 @@ import grpc
 import pytest
 
 from pdserve_proto import inference_pb2
-from router.config import RouterConfig
+from router.edge.parsing import parse_request
 from router.handles import RouterError
-from router.parsing import parse_request
+from router.router_config import RouterConfig
 
 CONFIG = RouterConfig(model_id="m", max_model_len=64, vocab_size=100)
 

@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.engine.block_manager import BlockManager, KvEventLog
 from pdserve.engine.hashing import block_hashes
 from pdserve_proto.worker_pb2 import KvEventBatch
-from router.prefix_index import PrefixIndex
+from router.placement.prefix_index import PrefixIndex
 
 
 def batch(seq: int, stored=(), removed=(), full=False, num_blocks=0) -> KvEventBatch:

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from router.ring import HashRing
+from router.placement.ring import HashRing
 
 
 def keys(n: int, seed: int) -> list[int]:

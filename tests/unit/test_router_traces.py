@@ -10,7 +10,9 @@ from bench.router_sim import SimConfig, ideal_hit_rate, prompts_of, simulate
 from bench.traces import generate, preset
 from pdserve_proto.worker_pb2 import KvEventBatch
 from bench.placement import BenchPlacementConfig
-from router.policy import PlacementConfig, PrefillPolicy, ring_key
+from router.placement.placement_config import PlacementConfig
+from router.placement.pool_state import PrefillPolicy
+from router.placement.ring import ring_key
 
 N = 8
 SIM = SimConfig(workers=N)

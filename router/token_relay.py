@@ -9,9 +9,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from router.config import RouterConfig
 from router.deadline import stop_tasks
 from router.handles import DecodeHandle
+from router.router_config import RouterConfig
 from router.token_stream import Stream, WorkerLost
 
 log = logging.getLogger(__name__)

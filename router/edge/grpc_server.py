@@ -11,13 +11,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve_proto import inference_pb2, inference_pb2_grpc
-from router.auth import ApiKeys
-from router.control_plane import NO_FLIPS, ROLES, ControlPlane, pools_state
-from router.grpc_auth import ApiKeyInterceptor
+from router.edge.auth import ApiKeys
+from router.edge.grpc_auth import ApiKeyInterceptor
+from router.edge.limits import InputLimits, check_request
+from router.edge.tls import CertificateFiles, grpc_credentials
+from router.fleet_control import NO_FLIPS, ROLES, ControlPlane, pools_state
 from router.handles import RouterError
-from router.limits import InputLimits, check_request
 from router.router import Router
-from router.tls import CertificateFiles, grpc_credentials
 
 log = logging.getLogger(__name__)
 

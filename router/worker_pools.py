@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.config import RouterConfig
 from router.handles import DecodeHandle, PrefillHandle, RouterError
 from router.membership import PoolMembership
-from router.policy import DecodePolicy, PrefillPolicy
+from router.placement.pool_state import DecodePolicy, PrefillPolicy
+from router.router_config import RouterConfig
 
 
 class WorkerPools:

@@ -1,7 +1,8 @@
 """Placement state: the ring, the prefix index and the in-flight loads of one worker pool, and
-the decisions made from them (prefill: by the policy `PlacementConfig.policy` names, see
-`router.placement`). No I/O: the router feeds it KV event batches and request outcomes, and the
-trace benchmark (`bench/router.py`) drives the very same objects with simulated workers.
+the placements made from them by its strategy (`router.placement.strategies`; prefill: the one
+`PlacementConfig.policy` names). No I/O: the router feeds it KV event batches and request
+outcomes, and the trace benchmark (`bench/router.py`) drives the very same objects with
+simulated workers.
 """
 
 from __future__ import annotations
@@ -9,59 +10,18 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
-from router.placement import PLACEMENTS, PlacementRegistry, PlacementRequest
-from router.prefix_index import PrefixIndex
-from router.recent_load import RecentLoad
-from router.ring import HashRing
-from router.scoring import pick_decode, prefill_cost
+from router.load.recent_load import RecentLoad
+from router.placement.placement_config import PlacementConfig
+from router.placement.prefix_index import PrefixIndex
+from router.placement.ring import HashRing, ring_key
+from router.placement.scoring import prefill_cost
+from router.placement.decode_strategy import DecodePlacement
+from router.placement.strategies import PlacementRequest
 
 if TYPE_CHECKING:
-    from router.prefix_index import KvEventBatch
-
-POLICIES = tuple(PLACEMENTS)  # the names a router serves with
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
-    # The registry `policy` is looked up in; the benchmark's config type adds its baselines.
-    policies: ClassVar[PlacementRegistry] = PLACEMENTS
-    # index: ring + prefix index (the default); ring: consistent hashing with bounded loads alone.
-    policy: str = "index"
-    # The ring key is the chained hash of this many leading blocks (fewer if the prompt is
-    # shorter); docs/router.md has the sweep behind the default.
-    prefix_blocks: int = 16
-    vnodes: int = 256  # points per worker: the busiest's share of the key space within ~10 %
-    load_factor: float = 1.25  # c: a worker takes work only while below c x the mean load
-    load_window_s: float = 2.0  # time constant of the prefill load the bound compares
-    miss_weight: float = 1.0  # score per prompt block the worker would have to compute
-    load_weight: float = 0.1  # score per block of prefill work already queued there
-    max_index_entries_per_worker: int = 1 << 18
-    recent_keys: int = 4096  # ring keys remembered to measure how many a membership change moves
-    # Conditional disaggregation: a prompt whose tokens not yet cached on its decode worker are
-    # at most this many is prefilled there instead of on a prefill worker (0: never, while a
-    # prefill pool exists). See `prefill_locally`.
-    max_local_prefill_tokens: int = 0
-    # A prompt for which every prefill worker is at its in-flight cap is prefilled on its decode
-    # worker instead of being refused with RESOURCE_EXHAUSTED (False: refuse).
-    prefill_locally_when_pool_full: bool = True
-
-    def __post_init__(self) -> None:
-        if self.policy not in self.policies:
-            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(self.policies)}")
-        if self.prefix_blocks < 1:
-            raise ValueError("prefix_blocks: must be >= 1")
-        if self.vnodes < 1:
-            raise ValueError("vnodes: must be >= 1")
-        if self.load_factor < 1.0:
-            raise ValueError("load_factor: must be >= 1 (below 1 no placement could satisfy it)")
-        if self.load_window_s <= 0:
-            raise ValueError("load_window_s: must be > 0")
-        if self.miss_weight < 0 or self.load_weight < 0:
-            raise ValueError("miss_weight/load_weight: must be >= 0")
-        if self.max_local_prefill_tokens < 0:
-            raise ValueError("max_local_prefill_tokens: must be >= 0 (0: always disaggregate)")
+    from router.placement.prefix_index import KvEventBatch
 
 
 @dataclass(frozen=True)
@@ -104,35 +64,6 @@ class PoolStats:
         d["hit_rate"] = self.hit_rate
         d["max_load_ratio"] = self.max_load_ratio
         return d
-
-
-def ring_key(block_hashes: Sequence[int], prefix_blocks: int) -> int | None:
-    """The chained hash of the prompt's first `prefix_blocks` full blocks; it names that whole
-    prefix. None for a prompt without a full block (nothing cacheable to be near)."""
-    if not block_hashes:
-        return None
-    return block_hashes[min(prefix_blocks, len(block_hashes)) - 1]
-
-
-def prefill_locally(
-    num_prompt_tokens: int, decode_matched_tokens: int, has_prefill_workers: bool, max_local_prefill_tokens: int
-) -> bool:
-    """Whether to prefill a prompt on the decode worker chosen for it rather than on a prefill worker.
-
-    Always when no prefill worker is in placement (a colocated cluster, or a prefill pool that
-    was drained or is down). Otherwise when the tokens the decode worker would have to compute
-    (the prompt less the `decode_matched_tokens` its prefix cache holds; at least one, because
-    the last prompt token is always computed) are at most `max_local_prefill_tokens`; 0 turns
-    local prefill off. A short prompt, or a long one whose prefix the decode worker already
-    holds (a multi-turn chat), costs a decode step little more than a transfer would, and saves
-    the prefill round trip and the KV hand-over.
-    """
-    if not has_prefill_workers:
-        return True
-    if max_local_prefill_tokens <= 0:
-        return False
-    uncached = max(1, num_prompt_tokens - decode_matched_tokens)
-    return uncached <= max_local_prefill_tokens
 
 
 @dataclass
@@ -316,9 +247,13 @@ class PrefillPolicy(_Pool):
 
 
 class DecodePolicy(_Pool):
-    """Where a prefilled request decodes: the worker with KV room that already holds most of
-    its prefix (fewest blocks to pull), under the same bound on requests in flight (decode
-    requests last seconds, so counts are a smooth measure here)."""
+    """Where a prefilled request decodes (`DecodePlacement`), under the same bound on requests
+    in flight (decode requests last seconds, so counts are a smooth measure here), and whether
+    its prompt is prefilled there too (`prefill_here`)."""
+
+    def __init__(self, cfg: PlacementConfig, workers: Iterable[str] = (), block_size: int = 16) -> None:
+        super().__init__(cfg, workers, block_size)
+        self.placement = DecodePlacement(cfg, self)
 
     def place(self, block_hashes: Sequence[int], num_tokens: int, capacity: int = 1 << 30) -> Placement | None:
         open_ = self._open(capacity)
@@ -327,8 +262,13 @@ class DecodePolicy(_Pool):
         matched = self.index.match(block_hashes)
         headroom = {w: self.index.headroom(w) for w in open_}
         needed = -(-num_tokens // self.block_size)
-        w = pick_decode(open_, {w: self.inflight[w] for w in open_}, matched, headroom, needed, c=self.cfg.load_factor)
+        request = PlacementRequest(num_tokens, None, tuple(open_), {}, matched, None, 0.0, headroom, needed)
+        w = self.placement.place(request)[0]
         return self._placed(Placement(w, matched.get(w, 0), None, 1.0, num_tokens))
+
+    def prefill_here(self, p: Placement, has_prefill_workers: bool) -> bool:
+        """Whether the decode worker of placement `p` prefills its prompt itself (the strategy's hook)."""
+        return self.placement.prefill_here(p.num_tokens, p.matched_blocks * self.block_size, has_prefill_workers)
 
     def prefilled_here(self, p: Placement, cached_tokens: int) -> None:
         """The placed request's prompt was prefilled on its decode worker, `cached_tokens` of it

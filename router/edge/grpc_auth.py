@@ -1,4 +1,4 @@
-"""The gRPC server interceptor that applies `router.auth`: every call's `authorization: Bearer
+"""The gRPC server interceptor that applies `router.edge.auth`: every call's `authorization: Bearer
 KEY` metadata is checked against the plane of its method before the servicer sees it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from router.auth import ApiKeys, Verdict, bearer_token, grpc_plane
+from router.edge.auth import ApiKeys, Verdict, bearer_token, grpc_plane
 
 log = logging.getLogger(__name__)
 

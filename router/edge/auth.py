@@ -1,5 +1,5 @@
 """API keys: who may call which plane. Pure policy; the gRPC interceptor and the HTTP middleware
-(`router/grpc_auth.py`, `router/http_server.py`) are the mechanism that applies it.
+(`router/edge/grpc_auth.py`, `router/edge/http_server.py`) are the mechanism that applies it.
 
 Planes: `open` (health checks, so that probes need no secret), `data` (generation, the model
 list), `admin` (the Admin service) and `any` (reflection: the key of either plane, so that grpcurl

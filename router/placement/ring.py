@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 _SPACE_BITS = 63  # same range as pdserve.engine.hashing, so keys and points share the circle
 
@@ -84,3 +84,11 @@ class HashRing:
                 yield w
                 if len(seen) == len(self._workers):
                     return
+
+
+def ring_key(block_hashes: Sequence[int], prefix_blocks: int) -> int | None:
+    """The chained hash of the prompt's first `prefix_blocks` full blocks; it names that whole
+    prefix. None for a prompt without a full block (nothing cacheable to be near)."""
+    if not block_hashes:
+        return None
+    return block_hashes[min(prefix_blocks, len(block_hashes)) - 1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from pdserve_proto import inference_pb2
-from router.policy import DecodePolicy, PrefillPolicy
+from router.placement.pool_state import DecodePolicy, PrefillPolicy
 
 ROLES = ("prefill", "decode")
 NO_FLIPS = "no role flips in this server"

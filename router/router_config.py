@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.membership import MembershipConfig
-from router.policy import PlacementConfig
+from router.placement.placement_config import PlacementConfig
 
 
 UNCAPPED = 1 << 30  # a count no worker reaches

@@ -1,7 +1,7 @@
 """The OpenAI HTTP API as data: JSON request bodies in, `GenerateRequest`s out; the router's
 responses back out as OpenAI completion objects, stream chunks and error bodies.
 
-No I/O here: `router/http_server.py` is the mechanism that serves these over HTTP. Validation the
+No I/O here: `router/edge/http_server.py` is the mechanism that serves these over HTTP. Validation the
 router already does (prompt length, sampling ranges, roles) stays there; this module checks only
 what the OpenAI shape adds (JSON types, `n`, fields we do not implement).
 """

@@ -3,7 +3,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when `stream` is
 true, ending with `data: [DONE]`), GET /v1/models, GET /health. The translation to and from the
-OpenAI shapes is `router/openai_api.py`; this module only moves bytes.
+OpenAI shapes is `router/edge/openai_api.py`; this module only moves bytes.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 from aiohttp import web
 
 from pdserve_proto import inference_pb2
-from router.auth import ApiKeys, Verdict, bearer_token, http_plane
+from router.edge.auth import ApiKeys, Verdict, bearer_token, http_plane
+from router.edge.limits import InputLimits, check_request
 from router.handles import RouterError
-from router.limits import InputLimits, check_request
-from router.openai_api import (
+from router.edge.openai_api import (
     ApiError,
     ParsedRequest,
     StreamEvents,
@@ -31,8 +31,8 @@ from router.openai_api import (
     parse_request,
     usage_chunk,
 )
+from router.edge.tls import CertificateFiles, ReloadingSSLContext
 from router.router import Router
-from router.tls import CertificateFiles, ReloadingSSLContext
 
 log = logging.getLogger(__name__)
 

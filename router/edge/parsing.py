@@ -9,8 +9,8 @@ import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_proto import inference_pb2
-from router.config import RouterConfig
 from router.handles import RouterError
+from router.router_config import RouterConfig
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _ROLES = ("system", "user", "assistant", "tool")

@@ -12,10 +12,10 @@ import asyncio
 from dataclasses import dataclass
 
 from pdserve.telemetry.metrics import RouterMetrics
-from router.arrivals import ArrivalRates, ArrivalWindow
 from router.inflight import InFlight
-from router.measured import Latencies, LatencyWindow, PrefillTime, PrefillTimes
-from router.pools import WorkerPools
+from router.load.arrivals import ArrivalRates, ArrivalWindow
+from router.load.measured import Latencies, LatencyWindow, PrefillTime, PrefillTimes
+from router.worker_pools import WorkerPools
 
 
 @dataclass(frozen=True)

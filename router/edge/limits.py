@@ -1,7 +1,7 @@
 """Limits on what one request may ask for, checked at the edge before any tokenizing or
 placement: the size of its prompt and the number and length of its stop strings. The body size
 is enforced by the servers themselves (gRPC's maximum message, aiohttp's client_max_size) from
-`max_request_bytes`. `max_tokens` against the context is the router's own check (router/parsing.py).
+`max_request_bytes`. `max_tokens` against the context is the router's own check (router/edge/parsing.py).
 
 Each refusal is INVALID_ARGUMENT with a message that starts with the field, as the router's own
 validation errors do (the HTTP server turns that into the OpenAI `param`)."""

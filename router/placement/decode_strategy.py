@@ -1,0 +1,49 @@
+"""The decode placement strategy, behind the same interface as prefill's
+(`router.placement.strategies`), and its hook: whether the decode worker chosen for a prompt
+prefills it itself (conditional disaggregation)."""
+
+from __future__ import annotations
+
+from router.placement.scoring import pick_decode
+from router.placement.strategies import PlacementRequest, PlacementStrategy, ranked_first
+
+
+class DecodePlacement(PlacementStrategy):
+    """Where a prefilled request decodes: among the workers under the bound on requests in
+    flight with KV room, the one that already holds most of its prefix (fewest blocks to pull).
+    Its hook `prefill_here` says whether that worker also prefills the prompt."""
+
+    def home(self, key: int | None) -> str | None:
+        return None  # the prefix index, not the ring, keeps a prompt near its blocks here
+
+    def place(self, request: PlacementRequest) -> list[str]:
+        inflight = {w: self.pool.inflight[w] for w in request.open}
+        first = pick_decode(
+            request.open, inflight, request.matched, request.headroom, request.needed_blocks, c=self.cfg.load_factor
+        )
+        return ranked_first(first, request.open)
+
+    def prefill_here(self, num_prompt_tokens: int, matched_tokens: int, has_prefill_workers: bool) -> bool:
+        """Whether the decode worker chosen for a prompt prefills it (`prefill_locally`)."""
+        return prefill_locally(num_prompt_tokens, matched_tokens, has_prefill_workers, self.cfg.max_local_prefill_tokens)
+
+
+def prefill_locally(
+    num_prompt_tokens: int, decode_matched_tokens: int, has_prefill_workers: bool, max_local_prefill_tokens: int
+) -> bool:
+    """Whether to prefill a prompt on the decode worker chosen for it rather than on a prefill worker.
+
+    Always when no prefill worker is in placement (a colocated cluster, or a prefill pool that
+    was drained or is down). Otherwise when the tokens the decode worker would have to compute
+    (the prompt less the `decode_matched_tokens` its prefix cache holds; at least one, because
+    the last prompt token is always computed) are at most `max_local_prefill_tokens`; 0 turns
+    local prefill off. A short prompt, or a long one whose prefix the decode worker already
+    holds (a multi-turn chat), costs a decode step little more than a transfer would, and saves
+    the prefill round trip and the KV hand-over.
+    """
+    if not has_prefill_workers:
+        return True
+    if max_local_prefill_tokens <= 0:
+        return False
+    uncached = max(1, num_prompt_tokens - decode_matched_tokens)
+    return uncached <= max_local_prefill_tokens
