@@ -1,11 +1,11 @@
 """Requests aborted before the call that puts them on this decode worker (`start`, `submit`,
 `prefetch`) arrived: without a record, the late call would import or prefill the request and
 decode it to its last token for nobody, a load the router no longer counts
-(`pdserve.engine.early_ends`)."""
+(`pdserve.worker.early_ends`)."""
 
 from __future__ import annotations
 
-from pdserve.engine.early_ends import EarlyEnds
+from pdserve.worker.early_ends import EarlyEnds
 
 
 class RequestAborted(RuntimeError):

@@ -2,7 +2,7 @@
 
 The decode worker allocates the prompt's blocks first (`begin_import`), then READs each batch of
 blocks the prefill worker announces as final (`KvProgress` notices) on a thread of its own. When
-the handle arrives (`DecodeWorker.start`), the worker claims the prefetch: no READ starts after
+the handle arrives (`KvConsumer.start`), the worker claims the prefetch: no READ starts after
 that, the one in flight ends, and `start` reads only what is still missing (the last chunk's
 blocks, any block announced by a notice that was lost, any whose READ failed) with the `pulled`
 notice. A cancelled or expired prefetch that nobody claimed has its import aborted by the worker.
@@ -32,8 +32,6 @@ class Prefetch:
         self.claimed = False  # `start` has taken over
         self.cancelled = False  # aborted (by its router, or its router's lease ran out)
         self.failed = False  # a READ failed: no more are tried, `start` reads the rest
-        self.pulled_bytes = 0
-        self.reads = 0
         self._cond = threading.Condition()
         self.thread: threading.Thread | None = None
 
@@ -75,13 +73,11 @@ class Prefetch:
         with self._cond:
             return [self._announced[i] for i in indices]
 
-    def done(self, indices: list[int], remote: list[int], num_bytes: int) -> None:
+    def done(self, indices: list[int], remote: list[int]) -> None:
         with self._cond:
             for i, block in zip(indices, remote):
                 self.pulled[i] = block
                 self._announced.pop(i, None)
-            self.pulled_bytes += num_bytes
-            self.reads += 1
 
     def fail(self) -> None:
         with self._cond:

@@ -99,7 +99,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_in_use", "running_requests", "waiting_requests", "pinned_requests", "blocks_pulled", "blocks_reused", "bytes_pulled", "transfers", "lease_expiries", "preemptions", "checksum_failures")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_in_use", "running_requests", "waiting_requests", "pinned_requests", "blocks_pulled", "blocks_reused", "bytes_pulled", "transfers", "lease_expiries", "preemptions", "checksum_failures", "handover_waits", "transfer_failures", "local_prefills", "blocks_prefetched", "prefetch_reads", "prefetch_expiries", "router_lease_expiries", "step_times", "step_seconds_bounds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,15 @@ class WorkerStats(_message.Message):
     LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_WAITS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_READS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -132,7 +141,32 @@ class WorkerStats(_message.Message):
     lease_expiries: int
     preemptions: int
     checksum_failures: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned_requests: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfers: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., preemptions: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+    handover_waits: int
+    transfer_failures: int
+    local_prefills: int
+    blocks_prefetched: int
+    prefetch_reads: int
+    prefetch_expiries: int
+    router_lease_expiries: int
+    step_times: _containers.RepeatedCompositeFieldContainer[StepTimes]
+    step_seconds_bounds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned_requests: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfers: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., preemptions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., handover_waits: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., local_prefills: _Optional[int] = ..., blocks_prefetched: _Optional[int] = ..., prefetch_reads: _Optional[int] = ..., prefetch_expiries: _Optional[int] = ..., router_lease_expiries: _Optional[int] = ..., step_times: _Optional[_Iterable[_Union[StepTimes, _Mapping]]] = ..., step_seconds_bounds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepTimes(_message.Message):
+    __slots__ = ("kind", "batch", "count", "sum_seconds", "sequences", "bucket_counts")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    batch: str
+    count: int
+    sum_seconds: float
+    sequences: int
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., batch: _Optional[str] = ..., count: _Optional[int] = ..., sum_seconds: _Optional[float] = ..., sequences: _Optional[int] = ..., bucket_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlacementStats(_message.Message):
     __slots__ = ("pool", "placed", "inflight", "load", "prompt_tokens", "cached_tokens", "predicted_cached_tokens", "off_home", "membership_changes", "last_remap_fraction", "index_entries", "index_gaps", "hit_rate", "max_load_ratio")

@@ -21,7 +21,7 @@ from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
-from prefill_worker.worker import PrefillCancelled
+from prefill_worker.prefiller import PrefillCancelled
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
 if TYPE_CHECKING:
-    from decode_worker.worker import DecodeConfig, DecodeWorker
+    from decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.engine.engine import LLMEngine
-    from prefill_worker.worker import PrefillConfig, PrefillWorker
+    from prefill_worker.prefiller import PrefillConfig, PrefillWorker
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ class WorkerHost:
         return self.health()
 
     def _switch(self, old: PrefillWorker | DecodeWorker, role: Role, idle_timeout_s: float) -> None:
-        from decode_worker.worker import DecodeWorker
-        from prefill_worker.worker import PrefillWorker
+        from decode_worker.decoder import DecodeWorker
+        from prefill_worker.prefiller import PrefillWorker
 
         deadline = time.monotonic() + idle_timeout_s
         while True:
@@ -181,7 +181,7 @@ class WorkerHost:
         self.worker.close()
 
     def _prefill(self) -> PrefillWorker:
-        from prefill_worker.worker import PrefillWorker
+        from prefill_worker.prefiller import PrefillWorker
 
         worker = self.worker
         if self._switching or not isinstance(worker, PrefillWorker):
@@ -189,7 +189,7 @@ class WorkerHost:
         return worker
 
     def _decode(self) -> DecodeWorker:
-        from decode_worker.worker import DecodeWorker
+        from decode_worker.decoder import DecodeWorker
 
         worker = self.worker
         if self._switching or not isinstance(worker, DecodeWorker):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
-from decode_worker.worker import DecodeConfig, DecodeWorker
+from decode_worker.decoder import DecodeConfig, DecodeWorker
 from kv_transfer.agent import KvTransferAgent
 from kv_transfer.compat import KvLayout, model_fingerprint
 from kv_transfer.transport import KvTransport
@@ -20,7 +20,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.hashing import HASH_VERSION
 from pdserve.models.resolve import resolve_device, resolve_dtype, resolve_model
-from prefill_worker.worker import PrefillConfig, PrefillWorker
+from prefill_worker.prefiller import PrefillConfig, PrefillWorker
 
 log = logging.getLogger(__name__)
 

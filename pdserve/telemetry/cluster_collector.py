@@ -10,11 +10,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # ClusterStats (pdserve.v1) or anything shaped like it; None when the stats could not be read.
 StatsSource = Callable[[], Any]
+
+# A decode worker's counters beyond the KV blocks and bytes: WorkerStats field -> metric and help.
+_DECODE_COUNTERS = (
+    ("transfer_failures", "pdserve_kv_transfer_failures",
+     "KV READs that failed on a decode worker (hand-overs' and prefetches'; a hand-over's is retried, then recomputed)."),
+    ("handover_waits", "pdserve_kv_handover_queued", "KV hand-overs that waited in the decode worker's line for free blocks."),
+    ("local_prefills", "pdserve_local_prefills", "Requests a decode worker prefilled itself (submitted whole)."),
+    ("blocks_prefetched", "pdserve_kv_blocks_prefetched", "Of the blocks pulled, those READ while the prompt was being prefilled."),
+    ("prefetch_reads", "pdserve_kv_prefetch_reads", "KV READs a decode worker made while the prompt was being prefilled."),
+    ("prefetch_expiries", "pdserve_kv_prefetch_expiries", "KV prefetches no hand-over claimed in time (their blocks freed)."),
+    ("router_lease_expiries", "pdserve_router_lease_expiries",
+     "Routers a decode worker took for dead (they stopped polling); their requests were aborted."),
+)
 
 
 class ClusterCollector(Collector):
@@ -47,6 +60,16 @@ class ClusterCollector(Collector):
             "KV transfers whose blocks failed their checksum on the decode worker (the prompt was recomputed).",
             labels=wl,
         )
+        decode_counters = [(field, CounterMetricFamily(name, doc, labels=wl)) for field, name, doc in _DECODE_COUNTERS]
+        step_seconds = HistogramMetricFamily(
+            "pdserve_engine_step_seconds",
+            "Wall time of one engine step on a worker's loop, its host sync included, by step kind and batch size.",
+            labels=["worker", "kind", "batch"],
+        )
+        step_seqs = CounterMetricFamily(
+            "pdserve_engine_step_sequences", "Sequences in the engine steps (their batch sizes summed).",
+            labels=["worker", "kind", "batch"],
+        )
         count: dict[str, int] = {}
         for w in stats.workers:
             answered = w.role in ("prefill", "decode")
@@ -62,6 +85,7 @@ class ClusterCollector(Collector):
             for state, n in (("running", w.running_requests), ("waiting", w.waiting_requests), ("pinned", w.pinned_requests)):
                 reqs.add_metric([*key, state], n)
             preempt.add_metric(key, w.preemptions)
+            _add_step_times(step_seconds, step_seqs, w)
             if role == "prefill":
                 leases.add_metric(key, w.lease_expiries)
             else:
@@ -70,6 +94,8 @@ class ClusterCollector(Collector):
                 pulled_bytes.add_metric(key, w.bytes_pulled)
                 transfers.add_metric(key, w.transfers)
                 checksums.add_metric(key, w.checksum_failures)
+                for field, family in decode_counters:
+                    family.add_metric(key, getattr(w, field))
         for role, n in sorted(count.items()):
             pools.add_metric([role], n)
         hit = GaugeMetricFamily(
@@ -82,6 +108,21 @@ class ClusterCollector(Collector):
                 placed.add_metric([p.pool, worker], n)
         yield from (up, pools, blocks, capacity, reqs, leases, preempt, pulled, reused, pulled_bytes, transfers)
         yield from (checksums, hit, placed)
+        yield from (family for _, family in decode_counters)
+        yield from (step_seconds, step_seqs)
+
+
+def _add_step_times(seconds: HistogramMetricFamily, sequences: CounterMetricFamily, w: Any) -> None:
+    """A worker's step-time series (`WorkerStats.step_times`), its buckets made cumulative."""
+    bounds = [*(repr(float(b)) for b in w.step_seconds_bounds), "+Inf"]
+    for t in w.step_times:
+        labels = [w.worker_id, t.kind, t.batch]
+        total, buckets = 0, []
+        for bound, n in zip(bounds, t.bucket_counts):
+            total += n
+            buckets.append((bound, total))
+        seconds.add_metric(labels, buckets, t.sum_seconds)
+        sequences.add_metric(labels, t.sequences)
 
 
 def _role_from_id(worker_id: str) -> str:

@@ -139,10 +139,10 @@ def test_short_prompts_stay_local_and_long_ones_disaggregate_with_the_same_token
 
     got_short = run(short)
     assert c.router.placement_stats()["prefills"] == {"local": 1, "remote": 0}
-    assert (c.decode.local_prefills, c.decode.transfers) == (1, 0)
+    assert (c.decode.local_prefills, c.decode.stats().transfers) == (1, 0)
     got_long = run(long)
     assert c.router.placement_stats()["prefills"] == {"local": 1, "remote": 1}
-    assert (c.decode.local_prefills, c.decode.transfers) == (1, 1)
+    assert (c.decode.local_prefills, c.decode.stats().transfers) == (1, 1)
     # The decode worker now holds the long prompt's blocks; once its KV events reach the router,
     # the next turn lacks only 20 of 120 tokens there and is prefilled locally.
     hashes = block_hashes(long, 16)
@@ -151,7 +151,7 @@ def test_short_prompts_stay_local_and_long_ones_disaggregate_with_the_same_token
         time.sleep(0.05)
     got_follow_up = run(follow_up)
     assert c.router.placement_stats()["prefills"] == {"local": 2, "remote": 1}
-    assert (c.decode.local_prefills, c.decode.transfers) == (2, 1)
+    assert (c.decode.local_prefills, c.decode.stats().transfers) == (2, 1)
     assert got_follow_up[-1].usage.cached_prompt_tokens == 96  # six blocks from the decode worker's cache
 
     for chunks, exp in zip((got_short, got_long, got_follow_up), expected):

@@ -67,7 +67,7 @@ def test_a_decode_worker_dead_before_the_pull_hands_over_to_another(two_by_two: 
     for ids in _prompts(4):
         assert c.generate(ids, pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) == _expected(offline, ids, 8, temperature=0.0)
     assert failovers(c, "handover") >= 1
-    assert c.decode_workers[1].transfers == 4  # the same KV handles, pulled by the survivor
+    assert c.decode_workers[1].stats().transfers == 4  # the same KV handles, pulled by the survivor
     for p in c.prefill_workers:
         wait_until(lambda p=p: p.stats().pinned_requests == 0, 10, "the prefill workers' KV freed once pulled")
     wait_until(lambda: c.decode_workers[1].stats().kv_blocks_in_use == 0, 10, "the survivor's blocks freed")

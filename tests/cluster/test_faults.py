@@ -17,7 +17,7 @@ from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from prefill_worker.worker import PrefillConfig, PrefillWorker
+from prefill_worker.prefiller import PrefillConfig, PrefillWorker
 
 pytestmark = pytest.mark.cluster
 
@@ -58,7 +58,7 @@ def test_failed_transfers_are_retried_then_recomputed_with_the_same_tokens(
     c = start_in_process(cfg, wrap_transport=lambda t: faulty_transport(t, **faults))
     try:
         assert generate(c.channel, PROMPT, 12) == expected
-        assert (c.decode.transfers, c.decode.transfer_failures) == (transfers, failures)
+        assert (c.decode.stats().transfers, c.decode.stats().transfer_failures) == (transfers, failures)
         assert c.decode.agent.reads == failures + transfers
         wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed after the faulty transfers")
     finally:

@@ -56,7 +56,7 @@ def test_hand_overs_wait_for_a_full_decode_pool_and_every_request_is_exact(start
     assert got == expected
     waits = cluster.router.metrics.registry.get_sample_value("pdserve_kv_handover_waits_total")
     assert waits and waits >= 1, "no hand-over found the decode pool full: the test did not test the case"
-    in_line = sum(d.handover_waits for d in cluster.decode_workers)
+    in_line = sum(d.stats().handover_waits for d in cluster.decode_workers)
     assert in_line >= 1, "no hand-over waited in line on the decode worker"
     wait_until(lambda: cluster.blocks_in_use() == 0, 15, "every KV block to be freed")
 
@@ -80,7 +80,7 @@ def test_requests_cancelled_while_waiting_in_line_free_everything(start_in_proce
         return tokens
 
     def in_line() -> set[int]:
-        return {int(w.request_id.split("-")[1]) for d in cluster.decode_workers for w in d._room._queue}
+        return {int(w.request_id.split("-")[1]) for d in cluster.decode_workers for w in d.kv._room._queue}
 
     async def some_cancelled() -> tuple[set[int], list[Any]]:
         tasks = [asyncio.create_task(one(i, ids)) for i, ids in enumerate(_prompts())]

@@ -57,7 +57,7 @@ def test_a_corrupted_transfer_is_recomputed_with_the_same_tokens_and_every_block
     assert c.generate(PROMPT, greedy()) == expected["prompt"]
     d = c.decode
     assert len(d.agent.corrupted) == 1  # the fault did happen
-    assert (d.checksum_failures, d.transfers, d.transfer_failures) == (1, 0, 0)
+    assert (d.stats().checksum_failures, d.stats().transfers, d.stats().transfer_failures) == (1, 0, 0)
     assert d.agent.reads == 1  # not READ again: the producer freed its copy on the READ's notice
     assert d.stats().checksum_failures == 1
     wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed on both workers")
@@ -65,7 +65,7 @@ def test_a_corrupted_transfer_is_recomputed_with_the_same_tokens_and_every_block
     # The corrupted blocks never entered the decode worker's prefix cache: the same prompt again,
     # now over a healthy link, reuses what the recompute cached and still decodes the same tokens.
     assert c.generate(PROMPT, greedy()) == expected["prompt"]
-    assert (d.checksum_failures, d.transfers) == (1, 1)
+    assert (d.stats().checksum_failures, d.stats().transfers) == (1, 1)
     wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed after the second request")
 
 
@@ -75,12 +75,12 @@ def test_only_pulled_blocks_are_checked_and_a_clean_transfer_passes(
     c = start_in_process(config(model_dir), wrap_transport=lambda t: faulty_transport(t))
     d = c.decode
     assert c.generate(PROMPT, greedy()) == expected["prompt"]
-    assert (d.checksum_failures, d.transfers, d.blocks_pulled) == (0, 1, 3)
+    assert (d.stats().checksum_failures, d.stats().transfers, d.stats().blocks_pulled) == (0, 1, 3)
     # SHARED starts with PROMPT's two full blocks, which the decode worker has cached: it pulls
     # (and checks) only blocks 2 and 3, and the corrupted one is among them.
     d.agent.arm_corruption(1, "flip")
     assert c.generate(SHARED, greedy()) == expected["shared"]
-    assert d.checksum_failures == 1 and d.blocks_reused == 0  # counted for committed imports only
+    assert d.stats().checksum_failures == 1 and d.stats().blocks_reused == 0  # counted for committed imports only
     assert d.agent.reads == 2
     wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed on both workers")
 
@@ -105,8 +105,8 @@ def test_with_the_check_off_a_corrupted_transfer_goes_unnoticed(
     """The other side of the first test: without the check the corrupted KV is decoded from."""
     c = start_in_process(config(model_dir), wrap_transport=lambda t: faulty_transport(t, corrupt_reads=1))
     d = c.decode
-    d.config = dataclasses.replace(d.config, kv_checksum=False)
+    d.kv.config = dataclasses.replace(d.kv.config, kv_checksum=False)  # the import's settings
     c.generate(PROMPT, greedy())
     assert len(d.agent.corrupted) == 1
-    assert (d.checksum_failures, d.transfers) == (0, 1)
+    assert (d.stats().checksum_failures, d.stats().transfers) == (0, 1)
     wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed on both workers")

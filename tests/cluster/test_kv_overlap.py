@@ -63,16 +63,16 @@ def test_a_long_prompt_pulled_chunk_by_chunk_gives_the_single_process_tokens(
     overlapped: Any, single: LLM, wait_until: Any, k: int, sampling: dict
 ):
     c = overlapped
-    reads, prefetched, pulled = c.decode.prefetch_reads, c.decode.blocks_prefetched, c.decode.blocks_pulled
+    reads, prefetched, pulled = c.decode.stats().prefetch_reads, c.decode.stats().blocks_prefetched, c.decode.stats().blocks_pulled
     assert c.generate(long_prompt(k), params(12, **sampling)) == expected(single, long_prompt(k), 12, **sampling)
     # Every block moved once, and nothing was recomputed. Several READs (one per notice) moved
     # every block announced while the prompt was being prefilled before the hand-over; the
     # blocks of its last step (2) are announced with its end, and their READ races the
     # hand-over, which reads whatever the prefetch has not (on a loaded host it may win).
-    assert c.decode.blocks_pulled - pulled == 26
-    assert c.decode.prefetch_reads - reads >= 2
-    assert c.decode.blocks_prefetched - prefetched >= 24
-    assert c.decode.transfer_failures == 0 and c.decode.checksum_failures == 0
+    assert c.decode.stats().blocks_pulled - pulled == 26
+    assert c.decode.stats().prefetch_reads - reads >= 2
+    assert c.decode.stats().blocks_prefetched - prefetched >= 24
+    assert c.decode.stats().transfer_failures == 0 and c.decode.stats().checksum_failures == 0
     wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed on both workers")
 
 
@@ -82,17 +82,17 @@ def test_a_request_ending_at_its_first_token_frees_the_prefetched_blocks(
     c = overlapped
     assert c.generate(long_prompt(3), params(1)) == expected(single, long_prompt(3), 1)
     wait_until(lambda: c.blocks_in_use() == 0, 15, "the prefetch aborted and every block freed")
-    assert not c.decode._prefetches
+    assert not c.decode.kv.prefetches._prefetches
 
 
 def test_a_client_cancelling_mid_prefill_frees_every_block(overlapped: Any, wait_until: Any):
     c = overlapped
-    reads = c.decode.prefetch_reads
+    reads = c.decode.stats().prefetch_reads
 
     async def run() -> None:
         request = pb.GenerateRequest(prompt_token_ids=long_prompt(4), sampling_params=params(8))
         task = asyncio.ensure_future(anext(aiter(c.router.generate(request))))
-        while c.decode.prefetch_reads == reads and not task.done():
+        while c.decode.stats().prefetch_reads == reads and not task.done():
             await asyncio.sleep(0.005)
         assert not task.done(), "the prefill ended before the decode worker READ a chunk"
         task.cancel()
@@ -116,9 +116,9 @@ def test_a_failed_prefetch_read_falls_back_to_the_hand_over(
         wrap_transport=lambda t: faulty_transport(t, fail_reads=fail_reads),
     )
     assert c.generate(long_prompt(5), params(12)) == expected(single, long_prompt(5), 12)
-    assert c.decode.transfer_failures == fail_reads
-    assert c.decode.prefetch_reads == 0  # the first READ, a prefetch's, failed: no more were tried
-    assert (c.decode.transfers == 0) is recomputed
+    assert c.decode.stats().transfer_failures == fail_reads
+    assert c.decode.stats().prefetch_reads == 0  # the first READ, a prefetch's, failed: no more were tried
+    assert (c.decode.stats().transfers == 0) is recomputed
     wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed after the failed READs")
 
 
@@ -141,7 +141,7 @@ class DiesMidPrompt:
             return await self.client.prefill(request, timeout_s)
         call = asyncio.ensure_future(self.client.prefill(request, timeout_s))
         deadline = time.monotonic() + 60
-        while c.decode.prefetch_reads == 0 and time.monotonic() < deadline and not call.done():
+        while c.decode.stats().prefetch_reads == 0 and time.monotonic() < deadline and not call.done():
             await asyncio.sleep(0.005)
         assert not call.done(), "the prefill ended before the decode worker READ a chunk"
         worker = next(w for w in c.prefill_workers if w.worker_id == self.worker_id)
@@ -174,6 +174,6 @@ def test_a_prefill_worker_dying_mid_prompt_is_retried_and_the_import_starts_afre
     assert [w.killed for w in wrapped if w.killed] != []
     # The hand-over read everything from the retried prefill worker (no recompute); a prefetch
     # READ from the dead one, if it tried one after the kill, failed and counts as a failure.
-    assert c.decode.transfers == 1
+    assert c.decode.stats().transfers == 1
     live = [w for w in (*c.prefill_workers, c.decode) if w.worker_id not in c.dead]
     wait_until(lambda: sum(w.stats().kv_blocks_in_use for w in live) == 0, 15, "every block freed on the live workers")

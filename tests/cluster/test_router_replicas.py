@@ -164,7 +164,7 @@ def test_killing_a_router_loses_only_its_streams_and_its_requests_are_aborted_wi
 def test_a_decode_worker_aborts_the_requests_of_a_router_that_stops_polling(model_dir: Any):
     """In process, on a fake clock: the real engine's blocks come back when the lease runs out,
     another router's request goes on, and the late router finds its request aborted."""
-    from decode_worker.worker import DecodeConfig, DecodeWorker
+    from decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.cluster.workers import build_agent, build_engine
     from pdserve.engine.args import EngineArgs
@@ -209,7 +209,7 @@ def test_each_router_sees_every_kv_event_of_a_shared_worker(model_dir: Any):
     prompt one of them placed there shows up in both routers' indexes, whichever polled first
     (with one shared event log, the second got an empty batch numbered as if nothing had
     happened, and never learnt of the prompt)."""
-    from decode_worker.worker import DecodeConfig, DecodeWorker
+    from decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.cluster.workers import build_agent, build_engine
     from pdserve.engine.args import EngineArgs

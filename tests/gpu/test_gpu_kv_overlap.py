@@ -36,11 +36,11 @@ def _engine(model_dir, device, role):
 
 
 def test_overlapped_transfer_tokens_equal_single_gpu(tmp_path):
-    from decode_worker.worker import DecodeWorker
+    from decode_worker.decoder import DecodeWorker
     from kv_transfer.agent import KvTransferAgent
     from pdserve.cluster.workers import kv_layout
     from pdserve.engine.sampling_params import SamplingParams
-    from prefill_worker.worker import PrefillWorker
+    from prefill_worker.prefiller import PrefillWorker
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     rng = random.Random(4321)
@@ -82,7 +82,7 @@ def test_overlapped_transfer_tokens_equal_single_gpu(tmp_path):
         while (prefill.stats().kv_blocks_in_use or decode.stats().kv_blocks_in_use) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert prefill.stats().kv_blocks_in_use == 0 and decode.stats().kv_blocks_in_use == 0
-        assert decode.agent.memory_type == "VRAM" and decode.prefetch_reads >= len(prompts)
+        assert decode.agent.memory_type == "VRAM" and decode.stats().prefetch_reads >= len(prompts)
     finally:
         prefill.close()
         decode.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pdserve.engine.loop import EngineLoop, StepLock
+from pdserve.worker.engine_loop import EngineLoop, StepLock
 
 
 class _BusyEngine:
@@ -29,6 +29,7 @@ class _BusyEngine:
 def test_callers_get_the_lock_within_about_one_step():
     engine = _BusyEngine(step_s=0.02)
     loop = EngineLoop(engine, on_step=lambda outputs: None)  # type: ignore[arg-type]
+    loop.start()
     try:
         time.sleep(0.05)
         waits = []
@@ -47,6 +48,7 @@ def test_callers_get_the_lock_within_about_one_step():
 def test_several_waiting_callers_all_get_their_turn():
     engine = _BusyEngine(step_s=0.01)
     loop = EngineLoop(engine, on_step=lambda outputs: None)  # type: ignore[arg-type]
+    loop.start()
     done: list[float] = []
 
     def caller() -> None:

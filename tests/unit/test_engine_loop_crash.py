@@ -15,7 +15,8 @@ import pytest
 
 from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve.cluster.worker_client import WorkerClient
-from pdserve.engine.loop import EngineLoop, EngineStopped
+from pdserve.engine.loop import EngineStopped
+from pdserve.worker.engine_loop import EngineLoop
 from pdserve_proto import worker_pb2
 from router.handles import RouterError
 
@@ -65,6 +66,7 @@ def test_a_crashed_loop_raises_engine_stopped_naming_its_cause_and_calls_on_cras
 
     engine = _CrashingEngine(crash_at=5)
     loop = EngineLoop(engine, on_step=lambda outputs: None, name="decode-7-loop", on_crash=on_crash)  # type: ignore[arg-type]
+    loop.start()
     try:
         _wait(lambda: bool(crashes))
         assert not loop.alive
@@ -85,8 +87,9 @@ def test_a_failing_crash_callback_is_logged_and_the_engines_error_stays_the_one_
     def on_crash(exc: BaseException) -> None:
         raise RuntimeError("callback broke")
 
-    caplog.set_level(logging.ERROR, logger="pdserve.engine.loop")
+    caplog.set_level(logging.ERROR, logger="pdserve.worker.engine_loop")
     loop = EngineLoop(_CrashingEngine(crash_at=2), on_step=lambda outputs: None, on_crash=on_crash)  # type: ignore[arg-type]
+    loop.start()
     try:
         _wait(lambda: "crash callback failed" in caplog.text)
         assert isinstance(loop.error, KeyError)
@@ -100,6 +103,7 @@ def test_a_failing_crash_callback_is_logged_and_the_engines_error_stays_the_one_
 def test_a_loop_stopped_on_purpose_did_not_crash():
     crashes: list[BaseException] = []
     loop = EngineLoop(_CrashingEngine(crash_at=10**9), on_step=lambda outputs: None, on_crash=crashes.append)  # type: ignore[arg-type]
+    loop.start()
     loop.check()  # running: nothing to report
     assert loop.alive
     loop.stop()

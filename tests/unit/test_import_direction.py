@@ -25,8 +25,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "pdserve_proto": (),
     # The data path speaks plain layout numbers and the handle: nothing of the engine.
     "kv_transfer": ("pdserve_proto",),
-    "prefill_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
-    "decode_worker": ("pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
+    # What both worker roles share (engine loop, KV events, health, stats): nothing of a role.
+    "pdserve.worker": ("pdserve.engine", "pdserve_proto", "pdserve.telemetry"),
+    "prefill_worker": ("pdserve.worker", "pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
+    "decode_worker": ("pdserve.worker", "pdserve.engine", "kv_transfer", "pdserve_proto", "pdserve.telemetry"),
     # No worker package, and of the engine only what the edge needs: prompts are hashed as the
     # workers hash them, text is made from tokens, and requests carry sampling params.
     "router": (
@@ -87,14 +89,16 @@ def test_imports_follow_the_request_direction():
 @pytest.mark.parametrize(
     ("module", "imported"),
     [
-        ("router.router", "prefill_worker.worker"),  # the router reaches workers through handles only
-        ("router.token_relay", "decode_worker.worker"),
+        ("router.router", "prefill_worker.prefiller"),  # the router reaches workers through handles only
+        ("router.token_relay", "decode_worker.decoder"),
         ("router.membership", "pdserve.engine.block_manager"),  # KV events arrive as worker.proto messages
         ("router.edge.parsing", "pdserve.engine.engine"),
         ("kv_transfer.compat", "pdserve.engine.config"),  # layouts are plain numbers
         ("kv_transfer.agent", "pdserve.engine.hashing"),
-        ("prefill_worker.worker", "decode_worker.worker"),  # the two roles never import each other
-        ("decode_worker.worker", "prefill_worker.worker"),
+        ("prefill_worker.prefiller", "decode_worker.decoder"),  # the two roles never import each other
+        ("decode_worker.decoder", "prefill_worker.prefiller"),
+        ("pdserve.worker.base", "decode_worker.kv_consumer"),  # the shared base knows no role
+        ("pdserve.engine.engine", "pdserve.worker.engine_loop"),  # the engine knows nothing of workers
         ("pdserve.engine.engine", "pdserve.models.resolve"),  # the engine takes a resolved model
         ("pdserve.engine.scheduler", "router.router"),
     ],

@@ -1,4 +1,4 @@
-"""KV events read by several routers, a cursor each (`pdserve.engine.kv_event_cursors`): every
+"""KV events read by several routers, a cursor each (`pdserve.worker.kv_event_cursors`): every
 router's prefix index agrees with the engine's cache whatever the others have taken; a router
 that is new, overflowed, or missed a number of the engine's log resyncs from a snapshot; idle
 routers are dropped."""
@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
-from pdserve.engine.kv_event_cursors import KvEventCursors
+from pdserve.worker.kv_event_cursors import KvEventCursors
 from pdserve_proto.worker_pb2 import KvEventBatch
 from router.placement.prefix_index import PrefixIndex
 

@@ -1,5 +1,5 @@
 """`--kv-transfer-overlap`'s bookkeeping, without engines or transports: the progress notice's
-format, what a prefill worker announces and lends (`prefill_worker.progress`), and a decode
+format, what a prefill worker announces and lends (`prefill_worker.progress_book`), and a decode
 worker's prefetch state (`decode_worker.prefetch`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from decode_worker.prefetch import Prefetch
 from kv_transfer.notice import progress_notice, progress_of, pulled_notice, pulled_request
 from pdserve.engine.handover import ImportPlan
 from pdserve_proto import kv_pb2
-from prefill_worker.progress import ProgressBook
+from prefill_worker.progress_book import ProgressBook
 
 
 def test_a_progress_notice_round_trips_and_is_told_apart_from_pulled():
@@ -70,7 +70,7 @@ def test_a_prefetch_reads_only_announced_blocks_its_own_cache_lacks():
     assert p.announce(_progress(0, [50, 51, 52]))
     batch = p.next_batch(time.monotonic())
     assert batch == [2] and p.remote_ids(batch) == [52]
-    p.done(batch, [52], 1000)
+    p.done(batch, [52])
     assert p.announce(_progress(3, [53, 54]))
     assert p.next_batch(time.monotonic()) == [3, 4]
     assert not p.announce(_progress(5, [55], agent="p1"))  # another producer (a retried prefill): ignored
@@ -80,7 +80,7 @@ def test_a_prefetch_reads_only_announced_blocks_its_own_cache_lacks():
 def test_blocks_read_from_blocks_the_handle_no_longer_names_are_read_again():
     p = _prefetch(pull=[0, 1, 2])
     p.announce(_progress(0, [50, 51]))
-    p.done([0, 1], [50, 51], 0)
+    p.done([0, 1], [50, 51])
     assert p.still_pulled([50, 61, 62]) == {0: 50}  # block 1 was recomputed elsewhere (preempted)
 
 

@@ -1,7 +1,7 @@
 """One worker's KV events read by several routers, each from a cursor of its own (pure: the
 caller holds the engine's lock and passes the clock).
 
-Every router in front of a worker keeps its own prefix index of it (`router.prefix_index`), so
+Every router in front of a worker keeps its own prefix index of it (`router.placement.prefix_index`), so
 every router must see every change to the worker's prefix cache, whichever router's request
 made it. The engine's `KvEventLog` has one reader: this class drains it and puts each change
 in every router's box; a router's `take` empties its own box into a batch numbered in its own

@@ -14,7 +14,7 @@ checks the blocks it READ against them.
 A prefill given `progress_to` (a decode worker's agent, `--kv-transfer-overlap`) tells that agent
 after each engine step which of the prompt's blocks have become final (`kv_transfer.notice`'s
 ``progress`` notice), so it can READ them while later chunks compute. Blocks announced are lent
-(`prefill_worker.progress`): they stay intact until the request's KV is pulled, released or its
+(`prefill_worker.progress_book`): they stay intact until the request's KV is pulled, released or its
 lease expires, even if the request is preempted or aborted meanwhile.
 
 If the engine loop crashes, `prefill` and `kv_events` raise `EngineStopped` from then on, and
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -39,14 +39,14 @@ from kv_transfer.notice import progress_notice, pulled_request, send_notice
 from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
-from pdserve.engine.kv_event_cursors import KvEventCursors
-from pdserve.engine.loop import EngineLoop, EngineStopped
+from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.telemetry.context import TraceCarrier, context_of
+from pdserve.worker.base import WorkerBase
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 from prefill_worker.early_releases import EarlyReleases
 from prefill_worker.leases import LeaseTable
-from prefill_worker.progress import ProgressBook
+from prefill_worker.progress_book import ProgressBook
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ class PrefillConfig:
     notice_timeout_s: float = 2.0  # sending one progress notice to a decode worker
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
+    """Prefills prompts in batches, pins each one's KV under a lease and lends its blocks."""
+
     def __init__(
         self,
         worker_id: str,
@@ -72,11 +74,9 @@ class PrefillWorker:
         clock: Callable[[], float] = time.time,
         tracer: trace.Tracer | None = None,
     ) -> None:
-        self.worker_id = worker_id
-        self.engine = engine
+        super().__init__(worker_id, engine, "prefill", clock)
         self.agent = agent
         self.config = config
-        self._clock = clock
         self._leases = LeaseTable()
         self._progress = ProgressBook()  # requests whose progress goes to a decode worker; lent blocks
         self._pending: dict[str, Future[PinnedKv]] = {}
@@ -88,9 +88,7 @@ class PrefillWorker:
         self._started_at: dict[str, int] = {}
         self._last_turn_ns = time.time_ns()
         self.lease_expiries = 0
-        self._kv_events = engine.blocks.enable_events()  # the routers' prefix indexes follow them
-        self._kv_cursors = KvEventCursors(self._kv_events.seq)  # one per router: each sees every change
-        self.loop = EngineLoop(engine, self._on_step, self._tick, name=f"{worker_id}-loop", on_crash=self._crashed)
+        self._start_loop()
 
     def prefill(
         self,
@@ -186,37 +184,6 @@ class PrefillWorker:
                 self._early_releases.add(request_id)
             return freed
 
-    def health(self) -> worker_pb2.WorkerHealth:
-        """Answered without the engine's lock: a busy worker is as healthy as an idle one."""
-        return worker_pb2.WorkerHealth(worker_id=self.worker_id, role="prefill", engine_alive=self.loop.alive)
-
-    def stats(self) -> inference_pb2.WorkerStats:
-        with self.loop.lock:
-            return inference_pb2.WorkerStats(
-                worker_id=self.worker_id,
-                role="prefill",
-                lease_expiries=self.lease_expiries,
-                **self.engine.load_stats(),
-            )
-
-    def kv_events(self, wait_s: float, full: bool = False, router_id: str = "") -> worker_pb2.KvEventBatch:
-        """The prefix-cache changes since `router_id`'s last call (waiting up to wait_s for one),
-        or with `full` a snapshot of every cached block hash."""
-        self.loop.check()  # a dead engine's cache changes no more: the router must not wait on it
-        if not full and not self._kv_cursors.ready(router_id):
-            self._kv_events.wait(wait_s)
-        with self.loop.lock:
-            self.loop.check()
-            batch = self._kv_cursors.take(router_id, full, self._clock(), self.engine.blocks)
-        return worker_pb2.KvEventBatch(**asdict(batch))
-
-    def load(self) -> int:
-        s = self.engine.scheduler
-        return len(s.running) + len(s.waiting)
-
-    def close(self) -> None:
-        self.loop.stop()
-
     def _crashed(self, exc: BaseException) -> None:
         """The loop's crash callback (its thread, outside the lock): no waiting prefill will
         finish, so each fails now, not at its deadline."""
@@ -227,6 +194,9 @@ class PrefillWorker:
                     fut.set_exception(EngineStopped.of(self.loop.name, exc))
 
     # ----- loop callbacks (under the loop's lock) --------------------------------------------
+
+    def _role_stats(self, stats: inference_pb2.WorkerStats) -> None:
+        stats.lease_expiries = self.lease_expiries
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

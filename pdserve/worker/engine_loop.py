@@ -1,0 +1,164 @@
+"""Runs an engine's step loop on a background thread, for workers that serve concurrent callers.
+
+Callers mutate the engine only under `lock`; the loop holds it for one step at a time, so a
+request added between steps joins the next one. `on_step` sees every step's outputs and `tick`
+runs once per iteration (notifications, lease expiry), both under the lock. With `step_stats`
+every step is timed as the loop pays for it: the wall time of one `engine.step()` call, its
+host sync included.
+
+A loop that raises stops for good and keeps the error: `check` then raises `EngineStopped`, so
+a worker refuses work at once instead of queueing it for a loop that will never step, and
+`on_crash` lets the worker fail what was already waiting on the loop.
+
+The lock is handed to waiting callers between steps before the loop takes it again. A plain
+lock is not fair: the loop thread releases it and re-acquires it at once, and a caller
+waiting to add or import a request could wait many steps (seconds, with 20 ms steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from pdserve.engine.loop import EngineStopped
+from pdserve.worker.step_stats import StepStats
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class StepLock:
+    """A re-entrant lock that callers take between the loop's steps: `yield_to_waiters`, called
+    by the loop after each step, waits until every caller already waiting has had its turn."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._waiting = 0
+        self._turns = threading.Condition(threading.Lock())
+
+    def __enter__(self) -> StepLock:
+        with self._turns:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._turns:
+                self._waiting -= 1
+                self._turns.notify_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """The loop's own acquisition: not counted as waiting."""
+        self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def yield_to_waiters(self, timeout_s: float) -> None:
+        with self._turns:
+            self._turns.wait_for(lambda: self._waiting == 0, timeout_s)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[list[RequestOutput]], None],
+        tick: Callable[[], None] | None = None,
+        idle_wait_s: float = 0.002,
+        name: str = "engine-loop",
+        handover_wait_s: float = 0.05,
+        on_crash: Callable[[BaseException], None] | None = None,
+        step_stats: StepStats | None = None,
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.lock = StepLock()
+        self._on_step = on_step
+        self._tick = tick
+        self._on_crash = on_crash  # once, on the loop's thread, after the error is recorded
+        self._step_stats = step_stats
+        self._idle_wait_s = idle_wait_s
+        self._handover_wait_s = handover_wait_s  # longest the loop waits for callers between steps
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start stepping (once its owner is ready for `on_step`, `tick` and `on_crash`)."""
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def request_stop(self) -> None:
+        """No step starts after this; callable under the loop's lock (`stop` joins the thread)."""
+        self._stop.set()
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """False from the moment the loop crashed (before its thread has quite ended) or stopped."""
+        return self.error is None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise `EngineStopped` if the loop died with an error. Called under `lock`, a check
+        that passes means any request added in the same hold is seen by `on_crash`."""
+        error = self.error
+        if error is not None:
+            raise EngineStopped.of(self.name, error)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self.lock.hold():
+                    busy = self.engine.has_unfinished()
+                    outputs = self._step() if busy else []
+                    if outputs:
+                        self._on_step(outputs)
+                    if self._tick is not None:
+                        self._tick()
+                self.lock.yield_to_waiters(self._handover_wait_s)
+                if not busy:
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+        except BaseException as exc:  # a dead loop must be visible to callers, not silent
+            log.exception("engine loop %s crashed", self.name)
+            self.error = exc
+            self._crashed(exc)
+
+    def _step(self) -> list[RequestOutput]:
+        if self._step_stats is None:
+            return self.engine.step()
+        began = time.perf_counter()
+        outputs = self.engine.step()
+        engine = self.engine
+        self._step_stats.record(engine.last_step_decodes, engine.last_step_prefills, time.perf_counter() - began)
+        return outputs
+
+    def _crashed(self, exc: BaseException) -> None:
+        """Tell the owner, outside the step lock (its callback takes the locks it needs); a
+        callback that fails is logged: the loop is already dead, and `check` reports that."""
+        if self._on_crash is None:
+            return
+        try:
+            self._on_crash(exc)
+        except Exception:
+            log.exception("engine loop %s: its crash callback failed", self.name)
