@@ -40,6 +40,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=None, help="multiply the workloads' lengths (cpu default: 0.05)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (default: 1000; cpu 3000)")
     p.add_argument("--slo-itl-ms", type=float, default=None, help="mean ITL SLO per request (default: 50; cpu 250)")
+    p.add_argument(
+        "--also-slo-itl-ms", type=lambda v: [float(x) for x in _csv(v)], default=None, metavar="MS[,MS]",
+        help="also judge each run by these mean ITL SLOs (same TTFT SLO); --report-only --slo-itl-ms MS shows them",
+    )
     p.add_argument("--stop-below", type=float, default=0.25, help="skip higher rates once SLO attainment is below")
     p.add_argument(
         "--diagnose-below", type=float, default=0.5, metavar="SHARE",
@@ -86,6 +90,7 @@ class Choice:
     max_len: int
     slo_ttft_ms: float
     slo_itl_ms: float
+    also_itl_ms: tuple[float, ...] = ()
 
 
 def resolve(args: argparse.Namespace) -> Choice:
@@ -112,4 +117,5 @@ def resolve(args: argparse.Namespace) -> Choice:
     # A CPU decodes the default model at ~100 ms a token: the GPU SLOs would leave no goodput to compare.
     ttft = args.slo_ttft_ms or (3000.0 if cpu else profile.slo_ttft_ms if profile else 1000.0)
     itl = args.slo_itl_ms or (250.0 if cpu else profile.slo_itl_ms if profile else 50.0)
-    return Choice(shape, workloads, rates, scale, max_len, ttft, itl)
+    also = args.also_slo_itl_ms if args.also_slo_itl_ms is not None else (profile.also_itl_ms if profile else ())
+    return Choice(shape, workloads, rates, scale, max_len, ttft, itl, tuple(a for a in also if a != itl))

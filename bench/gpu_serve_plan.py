@@ -261,7 +261,7 @@ STOP_S = 15.0
 WARMUP_S = 3.0  # a workload's warm-up requests
 DRAIN_S = 2.5  # a run's last requests, where the rate is served
 ENGINE_LOAD_S = 90.0  # the engine-step child: start, load, CUDA graphs
-ENGINE_BATCH_S = 10.0  # one batch size: its prompts' prefill and the timed steps
+ENGINE_BATCH_S = 4.0  # one batch size: its top-up prompts' prefill and the timed steps
 
 
 @dataclass(frozen=True)

@@ -57,11 +57,14 @@ def commands_file(server: str) -> str:
     return f"commands__{server}.sh"
 
 
+def _per_gpu(summary: dict, gpus: int) -> dict:
+    return {k: round(summary[k] / gpus, 4) for k in ("goodput_req_s", "output_tok_s", "req_s")}
+
+
 def run_record(server: dict, workload: str, rate: float, summary: dict, extra: dict) -> dict:
     """One run's JSON: the server (name, GPUs, start-up), the workload and offered rate, the
     summary of `serve_metrics.summarize` and its figures per GPU."""
     gpus = server["gpus"]
-    per_gpu = {k: round(summary[k] / gpus, 4) for k in ("goodput_req_s", "output_tok_s", "req_s")}
     return {
         "server": server["server"],
         "gpus": gpus,
@@ -70,8 +73,27 @@ def run_record(server: dict, workload: str, rate: float, summary: dict, extra: d
         "rate": rate,
         **extra,
         "summary": summary,
-        "per_gpu": per_gpu,
+        "per_gpu": _per_gpu(summary, gpus),
     }
+
+
+def slo_key(ttft_ms: float, itl_ms: float) -> str:
+    """The key of a run's summary under another SLO (the run's `summaries`)."""
+    return f"ttft<={ttft_ms:g}ms,itl<={itl_ms:g}ms"
+
+
+def under_slo(runs: Sequence[dict], ttft_ms: float, itl_ms: float) -> list[dict]:
+    """The runs as this SLO judges them: a run's own summary where it was measured under it, the
+    one kept for it in `summaries` otherwise; a run with neither is left out."""
+    out = []
+    for r in runs:
+        own = r["summary"]["slo"]
+        other = (r.get("summaries") or {}).get(slo_key(ttft_ms, itl_ms))
+        if (own["ttft_ms"], own["itl_ms"]) == (ttft_ms, itl_ms):
+            out.append(r)
+        elif other is not None:
+            out.append(r | {"summary": other, "per_gpu": _per_gpu(other, r["gpus"])})
+    return out
 
 
 def load(out: Path) -> tuple[list[dict], list[dict]]:
@@ -179,9 +201,17 @@ def header(info: dict) -> str:
     return f"{where(info)}; `{info.get('command', '?')}`"
 
 
-def write_report(out: Path, workloads: Sequence[str] = (), order: Sequence[str] = (), with_plot: bool = True) -> str:
-    """OUT/table.md (and, with_plot, OUT/serve-gpu.png) from what OUT holds; returns the text."""
+def write_report(
+    out: Path, workloads: Sequence[str] = (), order: Sequence[str] = (), with_plot: bool = True,
+    slo: tuple[float, float] | None = None, rates: dict[str, tuple[float, ...]] | None = None,
+) -> str:  # fmt: skip
+    """OUT/table.md (and, with_plot, OUT/serve-gpu.png) from what OUT holds; returns the text.
+    slo (TTFT ms, ITL ms): judge the runs by it (`under_slo`); rates: only these rates."""
     runs, servers = load(out)
+    if slo is not None:
+        runs = under_slo(runs, *slo)
+    if rates is not None:
+        runs = [r for r in runs if r["rate"] in rates.get(r["workload"], ())]
     info = json.loads((out / MACHINE).read_text()) if (out / MACHINE).is_file() else {}
     text = report_text(runs, servers, header(info) if info else "", workloads, order, load_engine(out))
     (out / "table.md").write_text(text)

@@ -17,7 +17,7 @@ from bench.gpu_serve import Settings, main, run_server
 from bench.gpu_serve_engine import engine_phase
 from bench.gpu_serve_plan import Launch, LaunchContext, Plan, Process, Server, launch, select_servers
 from bench.gpu_serve_procs import free_port
-from bench.gpu_serve_report import commands_file, load, load_engine, server_file, write_report
+from bench.gpu_serve_report import commands_file, load, load_engine, server_file, under_slo, write_report
 from bench.gpu_serve_workloads import DEFAULT_RATES, PROFILES
 from bench.serve_metrics import Slo
 
@@ -92,6 +92,9 @@ def test_profiles_are_one_flag_each_with_their_rates_and_slos(tmp_path, capsys):
     assert "rates 96, 192, 320 req/s" in err and "llama-1b-random" in err  # 4 GPUs: twice the 2-GPU rates
     assert main([*args, "--profile", "knee-8b", "--rates", "chat=1", "--workloads", "chat"]) == 0
     assert "rates 1 req/s" in capsys.readouterr().err  # flags beside the profile win
+    assert main([*args, "--profile", "8b-both"]) == 0
+    err = capsys.readouterr().err
+    assert "rates 16, 24, 32, 40, 48 req/s" in err and "rates 8, 12, 16, 24 req/s" in err
     assert main([*args, "--shape", "8b"]) == 0
     assert f"rates {', '.join(f'{r:g}' for r in DEFAULT_RATES['8b']['chat'])} req/s" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json")) and not list(tmp_path.glob("commands__*"))  # a dry run writes nothing
@@ -143,7 +146,8 @@ def test_a_whole_invocation_against_fake_servers_then_the_engine_at_their_batche
     vllm = launch(Server("vllm-serve-dp2", "vllm", 2), ctx, free_port())
     rates = {"chat": (4.0, 8.0)}
     plan = Plan((fake_pdserve, vllm), ("chat",), rates, 1.0, None, 0.1, 10.0, engine_steps=True)
-    st = Settings(Slo(3.0, 0.25), 1.0, None, 0.1, 0, 10.0, 60.0, 0.25, 1, float("inf"), py_spy=None)
+    st = Settings(Slo(3.0, 0.25), 1.0, None, 0.1, 0, 10.0, 60.0, 0.25, 1, float("inf"), py_spy=None,
+                  also=(Slo(3.0, 0.0001),))  # fmt: skip
     written = []
     for lc in plan.launches:
         rec = run_server(lc, plan, st, ctx, out, lambda: written.append(write_report(out, ("chat",), (), False)))
@@ -170,6 +174,18 @@ def test_a_whole_invocation_against_fake_servers_then_the_engine_at_their_batche
     text = write_report(out, ("chat",), ("pdserve-1p1d", "vllm-serve-dp2"))
     assert "Decode step in serving" in text and "4.00" in text and "40.0 (33-64," in text
     assert "vLLM kept >= 80% SLO attainment" in text
+    # The same runs judged by the other SLO kept for them (a 0.1 ms ITL: nothing meets it), one rate only.
+    strict = write_report(out, ("chat",), (), with_plot=False, slo=(3000.0, 0.1), rates={"chat": (8.0,)})
+    assert "mean ITL <= 0.1 ms" in strict
+    judged = under_slo(load(out)[0], 3000.0, 0.1)
+    assert len(judged) == 4 and all(r["summary"]["goodput_req_s"] == 0 and r["per_gpu"]["goodput_req_s"] == 0 for r in judged)
+    cells = [[c.strip() for c in line.split("|")] for line in strict.splitlines()]
+    rows = [c for c in cells if len(c) > 6 and c[2] in ("pdserve-1p1d", "vllm-serve-dp2")]
+    assert sorted((r[2].strip(), r[4].strip(), r[6].strip()) for r in rows) == [
+        ("pdserve-1p1d", "8", "0.00"), ("vllm-serve-dp2", "8", "0.00")
+    ]
+    assert under_slo(load(out)[0], 1000.0, 50.0) == []  # neither measured nor kept under that SLO
+    assert "No runs." in write_report(out, ("chat",), (), with_plot=False, slo=(1000.0, 50.0))
     assert engine_phase(out, ctx, 0.1, 0, left_s=10.0).startswith("engine steps: not run, 10 s left")
 
 
