@@ -82,6 +82,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "missing from that worker's prefix cache (default: 0, always use the prefill pool)",
     )
     flags.add_edge_args(srv)
+    srv.add_argument(
+        "--routers", type=int, default=1, metavar="N",
+        help="router processes on this host, sharing the gRPC and HTTP ports (SO_REUSEPORT spreads connections over "
+        "them), as vLLM runs an API server per data-parallel rank: a router's one event loop relays every token of "
+        "its streams, so one process caps the tokens/s a fleet can stream (default: 1; /metrics on the first)",
+    )
     srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
     srv.add_argument(

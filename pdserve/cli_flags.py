@@ -135,6 +135,11 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
         "--http-port", type=int, default=None, metavar="PORT",
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port",
     )
+    p.add_argument(
+        "--reuse-port", action="store_true",
+        help="bind the gRPC and HTTP ports with SO_REUSEPORT, beside other routers of this user on this host (the "
+        "kernel spreads new connections over them)",
+    )
 
 
 def add_client_security_args(p: argparse.ArgumentParser) -> None:

@@ -124,7 +124,11 @@ class JoinedRouter:
         connected to), find the workers and serve `cfg`'s listeners in front of them."""
         if (warning := unanswered_warning(cfg.tracing)) is not None:
             progress(warning)
-        check_ports(cfg.host, {"--port": cfg.port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port})
+        shared = cfg.reuse_port  # the listeners' ports are other routers' too, on purpose
+        check_ports(cfg.host, {
+            "--port": None if shared else cfg.port, "--http-port": None if shared else cfg.http_port,
+            "--metrics-port": cfg.metrics_port,
+        })
         certs = None if cfg.tls is None else CertificateFiles(cfg.tls)
         owns_ray = not ray.is_initialized()
         if owns_ray:

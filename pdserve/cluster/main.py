@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from pdserve.cluster.listeners import listener_lines
+from pdserve.cluster.router_replicas import RouterReplicas
 from pdserve.cluster.serve import Cluster
 from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
 from pdserve.control.perf_model import load_perf_model
@@ -44,6 +45,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ),
         kv_net_devices=args.kv_net_devices,
         token_transport=args.token_transport,
+        routers=args.routers,
         controller=controller_from_args(args),
         **edge_from_args(args),
     )
@@ -60,6 +62,7 @@ def edge_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "host": args.host,
         "port": args.port,
         "http_port": args.http_port,
+        "reuse_port": args.reuse_port,
         "max_queued_requests": args.max_queued_requests,
         "poll_interval_s": args.poll_interval_ms / 1000,
         "metrics_port": args.metrics_port,
@@ -123,11 +126,26 @@ async def _serve(cfg: ServeConfig, verbose: bool) -> None:
     for line in listener_lines(cluster.cfg, cluster.port, cluster.http_port, cluster.telemetry.metrics_port,
                                cluster.cfg.kv_net_devices):
         print(f"pdserve: {line}", flush=True)
+    replicas = None
     try:
+        if cfg.routers > 1:
+            replicas = await _start_replicas(cfg, cluster)
         await stop.wait()
         print("pdserve: shutting down", flush=True)
     finally:
+        if replicas is not None:
+            await asyncio.to_thread(replicas.stop)
         await cluster.stop()
+
+
+async def _start_replicas(cfg: ServeConfig, cluster: Cluster) -> RouterReplicas:
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    replicas = await asyncio.to_thread(RouterReplicas.start, cfg, cfg.routers - 1, gcs, cluster.port, cluster.http_port)
+    print(f"pdserve: {cfg.routers} routers share the ports (routers {', '.join(replicas.router_ids)} beside this one)",
+          flush=True)
+    return replicas
 
 
 def serve_forever(args: argparse.Namespace) -> int:

@@ -324,7 +324,7 @@ async def start_edge(
     """The router's listeners: gRPC, and HTTP and /metrics where `cfg` asks for them. Returns the
     gRPC server, its port and the HTTP runner with its port. `pdserve serve` and `pdserve router`."""
     try:
-        edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits}
+        edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits, "reuse_port": cfg.reuse_port or cfg.routers > 1}
         server, port = await start_grpc_server(router, cfg.host, cfg.port, control=control, **edge)
         http = None
         if cfg.http_port is not None:

@@ -73,6 +73,11 @@ class ServeConfig:
     token_transport: str = "socket"
     tracing: TracingConfig = TracingConfig()  # off by default; every process of the cluster uses it
     metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)
+    # Router processes on this host sharing the gRPC and HTTP ports (pdserve.cluster.router_replicas):
+    # one event loop relays every token of its streams, so one process caps a fleet's token rate.
+    routers: int = 1
+    # Bind the gRPC and HTTP ports with SO_REUSEPORT, beside other routers of this user on this host.
+    reuse_port: bool = False
     # docs/security.md: keys and TLS of the gRPC and HTTP listeners, limits on each request.
     api_keys: ApiKeys = ApiKeys()  # none: the data plane is open (fine on loopback only)
     tls: TlsConfig | None = None  # None: plain TCP
@@ -98,6 +103,8 @@ class ServeConfig:
             raise ValueError(f"poll_interval_s: {self.poll_interval_s}; must be in [0, 1) seconds (0: no floor)")
         if self.token_transport not in ("socket", "ray"):
             raise ValueError(f"token_transport: {self.token_transport!r}; must be 'socket' or 'ray'")
+        if self.routers < 1:
+            raise ValueError(f"routers: {self.routers}; at least one router serves the cluster")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

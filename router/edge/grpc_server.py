@@ -100,14 +100,16 @@ async def start_grpc_server(
     tls: CertificateFiles | None = None,
     limits: InputLimits = InputLimits(),
     control: ControlPlane | None = None,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one). With
     `keys`, calls need an API key (health checks excepted); with `tls`, the port speaks only TLS;
     `control` serves Admin.SetRole and Admin.GetController (None: no flips, no controller)."""
     options = [
         # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind too and
-        # take half of the new connections. Off, a taken port is an error.
-        ("grpc.so_reuseport", 0),
+        # take half of the new connections. Off, a taken port is an error; on only where asked
+        # (router processes sharing the port on purpose, `pdserve serve --routers N`).
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
         ("grpc.max_receive_message_length", limits.max_request_bytes),
     ]
     interceptors = [ApiKeyInterceptor(keys)] if keys.enabled else []

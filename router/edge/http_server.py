@@ -215,6 +215,7 @@ async def start_http_server(
     keys: ApiKeys = ApiKeys(),
     tls: CertificateFiles | None = None,
     limits: InputLimits = InputLimits(),
+    reuse_port: bool = False,
 ) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner (to `cleanup()`) and the bound port (0 picks a free one).
     With `keys`, requests need an API key (/health excepted); with `tls`, the port speaks HTTPS."""
@@ -223,6 +224,6 @@ async def start_http_server(
     runner = web.AppRunner(build_app(router, keys, limits), handler_cancellation=True, access_log=None)
     await runner.setup()
     ssl_context = None if tls is None else ReloadingSSLContext(tls).context
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
     await site.start()
     return runner, runner.addresses[0][1]
