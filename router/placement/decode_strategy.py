@@ -25,7 +25,8 @@ class DecodePlacement(PlacementStrategy):
 
     def prefill_here(self, num_prompt_tokens: int, matched_tokens: int, has_prefill_workers: bool) -> bool:
         """Whether the decode worker chosen for a prompt prefills it (`prefill_locally`)."""
-        return prefill_locally(num_prompt_tokens, matched_tokens, has_prefill_workers, self.cfg.max_local_prefill_tokens)
+        limit = self.cfg.max_local_prefill_tokens
+        return prefill_locally(num_prompt_tokens, matched_tokens, has_prefill_workers, limit)
 
 
 def prefill_locally(
