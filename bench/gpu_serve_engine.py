@@ -134,12 +134,14 @@ def time_batches(
 ) -> None:  # fmt: skip
     """A row per batch size, smallest first; once one does not fit (sequences, KV blocks) or
     fails, it and every larger one are error rows."""
-    # Tokens the first sequences decode while the larger batches are filled and timed.
-    slack = len(set(batches)) * (warmup + 2 * reps + 32) + 64
     engine = batch.engine
     stop: str | None = None
+    sizes = sorted(set(batches))
     try:
-        for b in sorted(set(batches)):
+        for k, b in enumerate(sizes):
+            # Tokens every sequence may still decode: this batch's steps and the larger ones' (with
+            # their top-ups' prefill steps), which its KV blocks must hold.
+            slack = (len(sizes) - k) * (warmup + 2 * reps + 16) + 32
             row: dict = {"workload": workload, "batch": b, "target_context": context}
             if stop is None and b > engine.cfg.max_num_seqs:
                 stop = f"batch {b} over the engine's max_num_seqs {engine.cfg.max_num_seqs}"

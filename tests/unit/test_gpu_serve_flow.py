@@ -209,3 +209,22 @@ def test_a_budget_too_short_for_a_run_leaves_it_listed_and_the_server_record_say
     rec = run_server(lc, plan, st, ctx, out)
     assert rec["error"] is None and rec["not_run"] == ["chat at 4/s: past --budget-s"]
     assert not load(out)[0]
+
+
+def test_engine_batches_grow_in_place_on_target_and_stop_where_the_kv_pool_ends(fakes):
+    import random
+
+    from bench.gpu_serve_engine import Batch, time_batches
+    from pdserve import LLM
+
+    llm = LLM(str(fakes / "model"), device="cpu", dtype="float32", load_format="dummy", max_model_len=1024,
+              enable_prefix_caching=False, detokenize=False, num_kv_blocks=120)  # fmt: skip
+    rows: list[dict] = []
+    time_batches(Batch(llm, "cpu", random.Random(0)), "chat", 200, [3, 1, 30, 3], rows.append, warmup=2, reps=4)
+    assert [r["batch"] for r in rows] == [1, 3, 30]  # once each, smallest first
+    assert all(r["step_ms"] > 0 and abs(r["context"] - 200) <= 2 for r in rows[:2])
+    assert rows[2]["step_ms"] is None and "KV blocks of 120" in rows[2]["error"]
+    assert not llm.engine.has_unfinished()  # every sequence released at the end
+    over: list[dict] = []
+    time_batches(Batch(llm, "cpu", random.Random(0)), "chat", 50, [65, 70], over.append, warmup=1, reps=2)
+    assert [r["error"] for r in over] == ["batch 65 over the engine's max_num_seqs 64"] * 2
