@@ -149,3 +149,21 @@ def test_a_failed_kv_transfer_shows_in_metrics(tiny_model_factory):
     assert r.get_sample_value("pdserve_engine_step_seconds_count", {**step, "kind": "prefill"}) >= 1
     assert r.get_sample_value("pdserve_engine_step_seconds_count", {**step, "kind": "decode"}) >= 1
     assert r.get_sample_value("pdserve_engine_step_sequences_total", {**step, "kind": "decode"}) >= 1
+
+
+def test_the_engine_counts_each_steps_decode_and_prompt_rows(tiny_model_factory):
+    """What the loop's timing is labelled by: a step's rows as the engine ran them."""
+    model_dir, _ = tiny_model_factory("llama")
+    engine = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4).engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request(list(range(1, 11)), params, "a")
+    engine.step()
+    assert (engine.last_step_decodes, engine.last_step_prefills) == (0, 1)  # a's prompt
+    engine.step()
+    assert (engine.last_step_decodes, engine.last_step_prefills) == (1, 0)  # a decodes alone
+    engine.add_request(list(range(20, 33)), params, "b")
+    engine.step()
+    assert (engine.last_step_decodes, engine.last_step_prefills) == (1, 1)  # a decodes beside b's prompt
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.step() == [] and (engine.last_step_decodes, engine.last_step_prefills) == (0, 0)  # ran nothing
