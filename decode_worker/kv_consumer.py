@@ -7,7 +7,7 @@ batch. A READ that keeps failing, or blocks that fail their checksum (the produc
 copy on the READ's notice), make it recompute the prompt here: tokens never come from KV that
 did not arrive whole. `prefetch` (`--kv-transfer-overlap`) allocates the blocks while the prompt
 is still being prefilled and READs the announced ones on a thread of its own
-(`decode_worker.prefetch`); `start` then claims it and reads only what is still missing.
+(`decode_worker.prefetcher`); `start` then claims it and reads only what is still missing.
 """
 
 from __future__ import annotations
