@@ -7,10 +7,6 @@ over `handover`.
 
 from __future__ import annotations
 
-import itertools
-import json
-import logging
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -19,18 +15,16 @@ import torch
 from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
-from pdserve.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
-from pdserve.engine.kv_sizing import cpu_kv_blocks, cuda_kv_blocks, step_activation_bytes
-from pdserve.engine.model.cpu_linear import onednn_available
-from pdserve.engine.model.model import CausalLM
-from pdserve.engine.model.weights import init_dummy_weights, load_weights
-from pdserve.engine.runner import DecodeLaunch, ModelRunner, kv_block_bytes
+from pdserve.engine.kv_memory import kv_pool_blocks
+from pdserve.engine.model_loading import build_model, eos_token_ids
+from pdserve.engine.overlap_plan import overlappable, plan_following
+from pdserve.engine.request_table import RequestTable
+from pdserve.engine.runner import DecodeLaunch, ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
-from pdserve.engine.sequence import Sequence, SeqStatus
-
-log = logging.getLogger(__name__)
+from pdserve.engine.sequence import SeqStatus
 
 
 @dataclass
@@ -57,8 +51,8 @@ class _InFlight:
 
 class LLMEngine:
     """One model on one device, stepped: `add_request`, `step`, `abort`, and the P/D hand-over
-    (`pinned_kv`, `begin_import`, `commit_import`, `release`). Every worker and the offline `LLM`
-    run one; it takes no lock of its own (workers share it through `EngineLoop`'s lock)."""
+    (`pinned_kv`, `begin_import`, `commit_import`, `release`) over the requests in its table. Every
+    worker and the offline `LLM` run one; it takes no lock (workers share `EngineLoop`'s)."""
 
     def __init__(self, cfg: EngineConfig) -> None:
         model_dir = Path(cfg.model)
@@ -67,49 +61,18 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_dir)
-        device = torch.device(cfg.device)
-        model = CausalLM.empty(mc, self.max_model_len, device, cfg.dtype)
-        if cfg.load_format == "dummy":
-            init_dummy_weights(model, cfg.seed)
-        else:
-            load_weights(model, model_dir)
-        model.eval()
-        if cfg.cpu_packed_weights is not False and onednn_available(device, cfg.dtype):
-            log.info("packed %d weight matrices for oneDNN", model.pack_for_cpu())
-        elif cfg.cpu_packed_weights:
-            raise ValueError(f"cpu_packed_weights: oneDNN's packed linear is not available for {device.type}/{cfg.dtype}")
-        if cfg.compile_elementwise or (cfg.compile_elementwise is None and device.type == "cuda"):
-            model.ops.compile()
-        num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(mc, device)
-        per_block = kv_block_bytes(mc, cfg.block_size, cfg.dtype)
-        log.info(
-            "KV pool: %d blocks of %d tokens, %.1f MiB (%s; %.1f sequences of %d tokens)",
-            num_blocks,
-            cfg.block_size,
-            num_blocks * per_block / 2**20,
-            "num_kv_blocks" if cfg.num_kv_blocks else f"sized from {device.type} memory",
-            num_blocks * cfg.block_size / self.max_model_len,
-            self.max_model_len,
-        )
+        model = build_model(cfg, mc, self.max_model_len)
+        # Sized after the weights are on the device: on CUDA the pool takes what they leave.
+        num_blocks = kv_pool_blocks(cfg, mc, self.max_model_len, torch.device(cfg.device))
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(model, cfg, num_blocks, self.max_model_len)
         self.runner.capture_cuda_graphs()
-        eos = set(mc.eos_token_ids)
-        gen_cfg_eos = _generation_config_eos(model_dir)
-        eos.update(gen_cfg_eos)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = tuple(sorted(eos))
+        self.eos_token_ids = eos_token_ids(mc, model_dir, self.tokenizer)
         limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.role)
         self.scheduler = Scheduler(limits, self.blocks, self.eos_token_ids)
-        self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._arrivals = itertools.count()
-        self._ids = itertools.count()
+        self.requests = RequestTable(self.tokenizer, mc.vocab_size, self.max_model_len, self.blocks)
         # Overlapped decode: step n+1 is launched before step n's tokens are read back (see step).
-        self._overlap = cfg.role != "prefill" and (
-            cfg.overlap_decode if cfg.overlap_decode is not None else self.runner.has_decode_graphs
-        )
+        self._overlap = self._overlaps(cfg.role)
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous one's tokens were read
         # Rows of the step whose tokens the last `step()` call read back (both 0: it read none).
@@ -119,44 +82,26 @@ class LLMEngine:
     # ----- requests ------------------------------------------------------------------------
 
     def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; pass prompt token ids instead")
-        if not prompt:
-            raise ValueError("prompt: must not be empty")
-        return list(self.tokenizer.encode(prompt))
+        return self.requests.tokenize(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field if the request can never be served."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids: token {t!r} at index {i} is outside the vocabulary [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {n} tokens leave no room to generate in the model's context of {self.max_model_len} tokens"
-            )
-        if self.blocks.blocks_needed(n + 1) > self.blocks.num_blocks:
-            raise ValueError(
-                f"prompt: {n} tokens need more KV blocks than the whole pool holds ({self.blocks.num_blocks})"
-            )
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params: expected a SamplingParams")
+        self.requests.validate(prompt_token_ids, params)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        self.validate(prompt_token_ids, params)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._seqs:
-            raise ValueError(f"request_id: {rid!r} is already in use")
-        seq = Sequence(rid, list(prompt_token_ids), params, next(self._arrivals))
-        self._seqs[rid] = seq
-        self._detok[rid] = IncrementalDetokenizer(self.tokenizer if self.cfg.detokenize else None, params.stop)
+        seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
+        self.requests.hold(seq, self.cfg.detokenize)
         self.scheduler.add(seq)
-        return rid
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.forget(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
 
     # ----- KV hand-over between workers ------------------------------------------------------
 
@@ -182,43 +127,29 @@ class LLMEngine:
     ) -> ImportPlan:
         """Decode role: allocate blocks for a request whose prompt KV was computed elsewhere.
         Blocks already in this engine's prefix cache are reused; the plan lists the rest."""
-        self.validate(prompt_token_ids, params)
-        if request_id in self._seqs:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
+        seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
         check_block_hashes(seq, block_hashes, self.cfg.block_size)
         if self._inflight is not None:
             # The READ that fills these blocks is not ordered with the device's stream: a block
             # just freed by a finished request may still be written by the step in flight.
             self.runner.wait_device()
         plan = handover.begin_import(self.scheduler, seq)  # raises NoFreeBlocksError when full
-        self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer if self.cfg.detokenize else None, params.stop)
+        self.requests.hold(seq, self.cfg.detokenize)
         return plan
 
     def commit_import(self, request_id: str, first_token: int) -> None:
-        seq = self._seqs[request_id]
-        self._detok[request_id].add([first_token])
+        seq = self.requests.seqs[request_id]
+        self.requests.detok[request_id].add([first_token])
         self.scheduler.commit_import(seq, first_token)
         if seq.status is SeqStatus.FINISHED:
-            del self._seqs[request_id]
-            del self._detok[request_id]
-
-    def abort(self, request_id: str) -> bool:
-        seq = self._seqs.pop(request_id, None)
-        self._detok.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.finish(seq, "abort")
-        return True
+            self.requests.forget(request_id)
 
     def release(self, request_id: str) -> bool:
         """Prefill role: free a finished request's pinned KV blocks (after its transfer) and
         forget the request."""
         if not self.scheduler.release_pinned(request_id):
             return False
-        self._seqs.pop(request_id, None)
-        self._detok.pop(request_id, None)
+        self.requests.forget(request_id)
         return True
 
     def cached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
@@ -245,9 +176,12 @@ class LLMEngine:
             raise RuntimeError(f"switch_role: the engine still holds {held} requests; drain it first")
         self.cfg = replace(self.cfg, role=role, detokenize=role != "decode")
         self.scheduler.limits = replace(self.scheduler.limits, role=role)
-        self._overlap = role != "prefill" and (
-            self.cfg.overlap_decode if self.cfg.overlap_decode is not None else self.runner.has_decode_graphs
-        )
+        self._overlap = self._overlaps(role)
+
+    def _overlaps(self, role: Role) -> bool:
+        if role == "prefill":
+            return False
+        return self.cfg.overlap_decode if self.cfg.overlap_decode is not None else self.runner.has_decode_graphs
 
     # ----- the loop ------------------------------------------------------------------------
 
@@ -266,7 +200,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        if self._overlap and self._overlappable(scheduled):
+        if self._overlap and overlappable(scheduled):
             self._inflight = _InFlight(scheduled, self.runner.launch_greedy_decode(scheduled))
             return []
         sampled = self.runner.execute(scheduled)
@@ -277,14 +211,8 @@ class LLMEngine:
         self.last_step_decodes, self.last_step_prefills = decodes, len(scheduled) - decodes
         return self._finish_step(scheduled, sampled)
 
-    def _overlappable(self, scheduled: list[ScheduledSeq]) -> bool:
-        return all(
-            item.num_new_tokens == 1 and item.sample and item.seq.params.greedy and not item.seq.params.logprobs
-            for item in scheduled
-        )
-
     def _step_overlapped(self, current: _InFlight) -> list[RequestOutput]:
-        following = self._plan_following(current.scheduled)
+        following = plan_following(self.scheduler, current.scheduled, self.max_model_len)
         launch = None
         if following:
             launch = self.runner.launch_greedy_decode(following, current.launch)
@@ -297,25 +225,6 @@ class LLMEngine:
         self._inflight = _InFlight(following, launch) if following and launch is not None else None
         return outputs
 
-    def _plan_following(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
-        """The step after `scheduled` (same sequences, one token further), or None when it
-        cannot be launched blind: requests are waiting, the running set changed, a sequence
-        is sure to stop at `scheduled` (length), or a KV block is missing."""
-        sched = self.scheduler
-        if sched.waiting or sched.ready or len(sched.running) != len(scheduled):
-            return None
-        if any(a is not item.seq for a, item in zip(sched.running, scheduled)):
-            return None
-        for item in scheduled:
-            seq = item.seq
-            # After `scheduled`: num_tokens + 1 tokens, of which num_output_tokens + 1 generated.
-            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
-                return None
-        for item in scheduled:
-            if not sched.reserve(item.seq, item.seq.num_computed_tokens + 2):
-                return None  # blocks taken so far stay with their sequences: the next step uses them
-        return [ScheduledSeq(item.seq, 1, True) for item in scheduled]
-
     def _finish_step(
         self, scheduled: list[ScheduledSeq], sampled: dict[str, tuple[int, float | None]]
     ) -> list[RequestOutput]:
@@ -327,7 +236,7 @@ class LLMEngine:
             token, logprob = sampled[rid]
             if seq.params.logprobs and logprob is not None:
                 seq.logprobs.append(logprob)
-            detok = self._detok[rid]
+            detok = self.requests.detok[rid]
             matched = detok.add([token])
             if matched is not None and seq.status is SeqStatus.PINNED:
                 # Prefill role: the KV stays pinned for its hand-over; the stop is the answer's end.
@@ -350,8 +259,7 @@ class LLMEngine:
                 )
             )
             if seq.status is SeqStatus.FINISHED:
-                del self._seqs[rid]
-                del self._detok[rid]
+                self.requests.forget(rid)
         return outputs
 
     # ----- introspection -------------------------------------------------------------------
@@ -377,55 +285,3 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-    # ----- sizing --------------------------------------------------------------------------
-
-    def _blocks_from_memory(self, mc: ModelConfig, device: torch.device) -> int:
-        cfg = self.cfg
-        per_block = kv_block_bytes(mc, cfg.block_size, cfg.dtype)
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            dtype_bytes = torch.finfo(cfg.dtype).bits // 8
-            activations = step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs, dtype_bytes)
-            return cuda_kv_blocks(
-                per_block, self.max_model_len, cfg.block_size, cfg.max_num_seqs,
-                free, total, cfg.memory_utilization, activations,
-            )
-        return cpu_kv_blocks(
-            per_block, self.max_model_len, cfg.block_size, cfg.max_num_seqs,
-            host_available_bytes(), cfg.workers_on_host, cfg.cpu_kv_cache_bytes,
-        )
-
-
-def host_available_bytes() -> int:
-    """Memory the host can give without swapping: MemAvailable (free plus reclaimable cache),
-    bounded by this process's cgroup limit where one is set."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                break
-    except OSError:
-        pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            available = min(available, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def _generation_config_eos(model_dir: Path) -> list[int]:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return []
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except json.JSONDecodeError:
-        return []
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]

@@ -141,7 +141,7 @@ def test_abandoned_requests_leave_nothing_behind_and_the_next_ones_complete(
     c.loop_thread.run(c.router.drain_cleanups())
     for w in (c.prefill, c.decode):
         assert w.engine.holds_requests() == 0, w.worker_id
-        assert not w.engine._seqs, f"{w.worker_id} still knows {sorted(w.engine._seqs)}"
+        assert not w.engine.requests.seqs, f"{w.worker_id} still knows {sorted(w.engine.requests.seqs)}"
     assert c.prefill.stats().pinned_requests == 0 and c.prefill.lease_expiries == 0
     r = c.router
     assert not r.relay.streams
@@ -156,7 +156,7 @@ def test_abandoned_requests_leave_nothing_behind_and_the_next_ones_complete(
         request = pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(MAX_TOKENS, ignore_eos=True))
         assert [t for chunk in stub.Generate(request, timeout=60) for t in chunk.token_ids] == tokens
     wait_until(lambda: c.blocks_in_use() == 0, IDLE_WITHIN_S, "every KV block free after the normal requests")
-    assert not c.prefill.engine._seqs
+    assert not c.prefill.engine.requests.seqs
 
 
 def test_a_prefill_released_before_it_arrives_is_refused_and_a_served_one_is_forgotten(model_dir):
@@ -175,7 +175,7 @@ def test_a_prefill_released_before_it_arrives_is_refused_and_a_served_one_is_for
         served = worker.prefill(prompt(2), params, "served", timeout_s=60)
         assert len(served.handle.block_ids) > 0
         assert worker.release("served") is True
-        assert worker.engine.holds_requests() == 0 and not worker.engine._seqs
+        assert worker.engine.holds_requests() == 0 and not worker.engine.requests.seqs
         assert worker.stats().kv_blocks_in_use == 0
     finally:
         worker.close()

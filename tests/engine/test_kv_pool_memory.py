@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import engine as engine_module
+from pdserve.engine import kv_memory
 from pdserve.engine.kv_sizing import cpu_kv_blocks
 from pdserve.engine.runner import kv_block_bytes
 
@@ -24,8 +24,8 @@ def _rss_bytes() -> int:
 
 def test_default_cpu_pool_follows_host_memory_and_is_logged(tiny_model_factory, monkeypatch, caplog):
     model_dir, _ = tiny_model_factory("llama")
-    monkeypatch.setattr(engine_module, "host_available_bytes", lambda: 64 * MiB)
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.engine"):
+    monkeypatch.setattr(kv_memory, "host_available_bytes", lambda: 64 * MiB)
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.kv_memory"):
         llm = LLM(str(model_dir), device="cpu", max_model_len=1024)
     engine = llm.engine
     per_block = kv_block_bytes(engine.model_config, engine.cfg.block_size, engine.cfg.dtype)
@@ -39,7 +39,7 @@ def test_default_cpu_pool_follows_host_memory_and_is_logged(tiny_model_factory, 
 
 def test_workers_on_one_host_split_the_default_pool(tiny_model_factory, monkeypatch):
     model_dir, _ = tiny_model_factory("llama")
-    monkeypatch.setattr(engine_module, "host_available_bytes", lambda: 256 * MiB)
+    monkeypatch.setattr(kv_memory, "host_available_bytes", lambda: 256 * MiB)
     alone = LLM(str(model_dir), device="cpu", max_model_len=1024).engine.blocks.num_blocks
     shared = LLM(str(model_dir), device="cpu", max_model_len=1024, workers_on_host=4).engine.blocks.num_blocks
     assert shared == alone // 4
