@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DecodeConfig:
+    """A decode worker's settings: the KV READ's deadline and retries, the checksum check, the
+    routers' lease, and how long a prefetch or a hand-over waiting for blocks may last."""
+
     transfer_timeout_s: float = 10.0
     transfer_attempts: int = 2  # then recompute the prompt locally
     kv_checksum: bool = True  # check pulled blocks against the handle's checksums (when it has them)

@@ -1,14 +1,11 @@
 """The decode worker: decodes requests whose KV it imported (`decode_worker.kv_consumer`) or
-whose prompt it prefilled itself (`submit`: a colocated cluster, or a prompt short enough not
-to be worth a transfer), and hands each router its tokens.
-
-Generated tokens are collected per engine step into an outbox that the router drains with
-`poll`: one call carries every request's tokens of one or more steps. Each router sharing the
-worker has its own outbox (`decode_worker.outbox`), and the requests of a router that stops
-polling for `router_lease_s` are aborted, their blocks freed. An `abort` that finds nothing may
-have overtaken its request's call: it is remembered and that call refused
-(`decode_worker.early_aborts`). If the engine loop crashes, every call but `health` raises
-`EngineStopped`, and a waiting `poll` is woken to raise it.
+whose prompt it prefilled itself (`submit`: a colocated cluster, or a prompt not worth a
+transfer), and hands each router its tokens through that router's outbox
+(`decode_worker.outbox`), drained by `poll`: one call carries every request's tokens of one or
+more steps. A router that stops polling for `router_lease_s` has its requests aborted. An
+`abort` that overtook its request's call is remembered and that call refused
+(`decode_worker.early_aborts`). After an engine crash every call but `health` raises
+`EngineStopped`, and a waiting `poll` wakes to raise it.
 """
 
 from __future__ import annotations

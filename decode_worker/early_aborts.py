@@ -13,6 +13,8 @@ class RequestAborted(RuntimeError):
 
 
 class EarlyAborts(EarlyEnds):
+    """The decode worker's aborts that found nothing; `refuse` turns the late call away."""
+
     def refuse(self, request_id: str) -> None:
         """Raise RequestAborted if `request_id` was aborted before it arrived (the record goes)."""
         if self.take(request_id):

@@ -1,18 +1,12 @@
 """A decode worker's token outboxes, one per router, and each router's lease (pure: the clock is
 passed in, the caller locks).
 
-Several routers may share a decode worker. Each request belongs to the router that started it
-(`register`); its token updates wait in that router's outbox, and a router's `poll` takes only
-its own, so one router never takes another's tokens. A router that has neither polled nor
-started a request for `lease_s` is taken for dead: `expire` ends its lease and hands back its
-requests for the worker to abort, so a router that died leaves no request decoding, and no KV
-block held, behind it. Should it poll again after all, it finds an `abort` update for each of
-those requests and its streams end.
-
-Updates are numbered per router (`TokenUpdate.seq`). A poll that passes the last number it
-received (`acked`) gets every update after it and leaves them in the outbox until a later poll
-acknowledges them: an answer lost on its way (a poll past its deadline) is sent again, and no
-token is lost. A poll without `acked` takes what is there, as before.
+A request belongs to the router that started it (`register`); its updates wait in that
+router's outbox, and a router's `poll` takes only its own. A router silent for `lease_s` is
+taken for dead: `expire` hands back its requests for the worker to abort, and a late poll finds
+an `abort` update for each. Updates are numbered per router: a poll that passes the last number
+it received (`acked`) leaves the later ones until acknowledged, so an answer lost on its way is
+sent again (docs/architecture.md has the protocol).
 """
 
 from __future__ import annotations
@@ -26,6 +20,8 @@ MAX_EXPIRED_ROUTERS = 16
 
 
 class RouterOutboxes:
+    """Per router: its requests, its numbered updates not yet acknowledged, and its lease."""
+
     def __init__(self, lease_s: float) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s: {lease_s}; a router's lease must be positive")

@@ -1,14 +1,9 @@
-"""One prompt's KV pulled while the prompt is still being prefilled (`--kv-transfer-overlap`).
-
-The decode worker allocates the prompt's blocks first (`begin_import`), then READs each batch of
-blocks the prefill worker announces as final (`KvProgress` notices) on a thread of its own. When
-the handle arrives (`KvConsumer.start`), the worker claims the prefetch: no READ starts after
+"""One prompt's KV pulled while the prompt is still being prefilled (`--kv-transfer-overlap`):
+the state and its condition only (which blocks were announced, which READ from which producer
+blocks, and why it stopped). `decode_worker.prefetcher` does the READs, the worker the engine
+calls. When the handle arrives, `KvConsumer.start` claims the prefetch: no READ starts after
 that, the one in flight ends, and `start` reads only what is still missing (the last chunk's
-blocks, any block announced by a notice that was lost, any whose READ failed) with the `pulled`
-notice. A cancelled or expired prefetch that nobody claimed has its import aborted by the worker.
-
-This class is the state and its condition only: which blocks were announced, which were READ
-and from which producer blocks, and why it stopped. The worker does the READs and the engine calls.
+blocks, any whose notice was lost or whose READ failed) with the `pulled` notice.
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ from pdserve_proto import kv_pb2
 
 
 class Prefetch:
+    """One prefetch's blocks (announced, READ) and why it stopped; its thread waits on it."""
+
     def __init__(self, request_id: str, plan: ImportPlan, deadline: float) -> None:
         self.request_id = request_id
         self.plan = plan

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Waiter:
+    """One hand-over in line, and the event that wakes it for its turn."""
+
     request_id: str
     available_at_failure: int  # blocks available when its allocation last failed
     woken: threading.Event = field(default_factory=threading.Event)

@@ -1,25 +1,12 @@
 """The prefill worker: runs prompts to their first token and lends out their KV blocks.
 
-A finished prefill stays pinned in the engine under a lease. The decode worker that pulls the
-blocks sends a ``pulled`` notice (`kv_transfer.notice`); the lease ends and the blocks are freed
-(they stay in the prefix cache). If nobody pulls before the deadline, the lease expires and the
-blocks are freed anyway, counted in ``lease_expiries``. A release that comes before its prefill
-call (the router stopped waiting while the call was on its way) is remembered, and that prefill
-is refused when it arrives (`prefill_worker.early_releases`): nothing is computed for nobody.
-
-With `PrefillConfig.kv_checksum` the handle also carries a checksum of every block
-(`kv_transfer.checksum`), computed on the pool's device once the KV is pinned; the decode worker
-checks the blocks it READ against them.
-
-A prefill given `progress_to` (a decode worker's agent, `--kv-transfer-overlap`) tells that agent
-after each engine step which of the prompt's blocks have become final (`kv_transfer.notice`'s
-``progress`` notice), so it can READ them while later chunks compute. Blocks announced are lent
-(`prefill_worker.progress_book`): they stay intact until the request's KV is pulled, released or its
-lease expires, even if the request is preempted or aborted meanwhile.
-
-If the engine loop crashes, `prefill` and `kv_events` raise `EngineStopped` from then on, and
-every prefill already waiting fails with it at once rather than at its deadline; `health` still
-answers, with `engine_alive` false.
+A finished prefill stays pinned under a lease until the decode worker's `pulled` notice
+(`kv_transfer.notice`) or the lease's end (`lease_expiries`); with `kv_checksum` the handle
+carries a checksum per block. A release that comes before its prefill call is remembered and
+that call refused (`prefill_worker.early_releases`). Given `progress_to`, it tells that decode
+worker after each step which blocks are final and lends them (`prefill_worker.progress_book`).
+After an engine crash `prefill` and `kv_events` raise `EngineStopped`, and waiting prefills
+fail at once (docs/kv-transfer.md).
 """
 
 from __future__ import annotations
@@ -52,11 +39,13 @@ log = logging.getLogger(__name__)
 
 
 class PrefillCancelled(RuntimeError):
-    pass
+    """A prefill whose request was released (or cancelled) before it finished."""
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
+    """A prefill worker's settings: the KV lease, per-block checksums, the progress notices' deadline."""
+
     lease_s: float = 30.0
     kv_checksum: bool = True  # a checksum per pinned block in the handle (costs a pass over the blocks)
     notice_timeout_s: float = 2.0  # sending one progress notice to a decode worker

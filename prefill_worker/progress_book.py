@@ -25,6 +25,8 @@ class _Follower:
 
 
 class ProgressBook:
+    """Per followed request: its consumer, the blocks announced and lent, whether muted."""
+
     def __init__(self) -> None:
         self._followers: dict[str, _Follower] = {}
 

@@ -1,14 +1,10 @@
 """Requests ended before the call that brings them to a worker arrived (pure: no engine, no clock).
 
-A router that stops waiting for a worker call (its client went away, or the call's deadline
-passed) ends the request at once: a release on the prefill worker, an abort on the decode worker.
-Nothing recalls the call already sent: a Ray actor runs a queued call whether or not its caller
-still waits, and under overload the ending call can reach the worker first and find nothing.
-The worker notes such an end here and refuses the late call when it comes, so nothing is
-computed for nobody (`prefill_worker.early_releases`, `decode_worker.early_aborts`).
-
-Bounded: the oldest records go first; a call arriving later than `capacity` ends after its own
-runs, as before.
+A router that stops waiting for a call ends the request at once (a release on the prefill
+worker, an abort on the decode worker), but nothing recalls the call already sent, and under
+overload the ending call can arrive first and find nothing. The worker notes such an end here
+and refuses the late call, so nothing is computed for nobody (`prefill_worker.early_releases`,
+`decode_worker.early_aborts`). Bounded: the oldest records go first.
 """
 
 from __future__ import annotations

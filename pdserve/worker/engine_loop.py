@@ -1,18 +1,11 @@
 """Runs an engine's step loop on a background thread, for workers that serve concurrent callers.
 
-Callers mutate the engine only under `lock`; the loop holds it for one step at a time, so a
-request added between steps joins the next one. `on_step` sees every step's outputs and `tick`
-runs once per iteration (notifications, lease expiry), both under the lock. With `step_stats`
-every step is timed as the loop pays for it: the wall time of one `engine.step()` call, its
-host sync included.
-
-A loop that raises stops for good and keeps the error: `check` then raises `EngineStopped`, so
-a worker refuses work at once instead of queueing it for a loop that will never step, and
-`on_crash` lets the worker fail what was already waiting on the loop.
-
-The lock is handed to waiting callers between steps before the loop takes it again. A plain
-lock is not fair: the loop thread releases it and re-acquires it at once, and a caller
-waiting to add or import a request could wait many steps (seconds, with 20 ms steps).
+Callers change the engine only under `lock`, which the loop hands to waiting callers between
+steps (a plain lock is not fair); `on_step` sees every step's outputs and `tick` runs once per
+turn, both under it. With `step_stats` every step is timed as the loop pays for it: the wall time
+of one `engine.step()` call, its host sync included. A loop that raises stops for good: `check`
+then raises `EngineStopped`, and `on_crash` lets the worker fail what waited on the loop
+(docs/engine.md, "The engine loop").
 """
 
 from __future__ import annotations

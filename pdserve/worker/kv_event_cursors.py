@@ -1,18 +1,11 @@
 """One worker's KV events read by several routers, each from a cursor of its own (pure: the
 caller holds the engine's lock and passes the clock).
 
-Every router in front of a worker keeps its own prefix index of it (`router.placement.prefix_index`), so
-every router must see every change to the worker's prefix cache, whichever router's request
-made it. The engine's `KvEventLog` has one reader: this class drains it and puts each change
-in every router's box; a router's `take` empties its own box into a batch numbered in its own
-sequence (1, 2, 3, ...; `KvEventBatch` says how a reader applies them). With one shared log,
-a router would miss whatever the other had drained, and take the next number for a batch
-with nothing missing.
-
-A router seen for the first time (or again after it was dropped), one asking for it, and one
-whose box overflowed or that the engine's log skipped a number for, gets a snapshot. Routers
-that stop asking are dropped after `idle_s`, and at most `max_routers` are kept (the one seen
-longest ago goes first), so a dead router's box does not grow for ever.
+Every router keeps its own prefix index of the worker, so each must see every change whichever
+router's request made it: this drains the engine's one `KvEventLog` into every router's box, and
+a router's `take` empties its box into a batch numbered in its own sequence. A new router, one
+asking for it, or one whose box overflowed or missed a number gets a snapshot. Routers silent for
+`idle_s` are dropped, and at most `max_routers` kept (docs/router.md).
 """
 
 from __future__ import annotations
