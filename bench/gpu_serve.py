@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args.device, args.gpus) | {"model": model_info, "shape": None if cpu else shape}
     info |= {"profile": args.profile, "slo": {"ttft_ms": c.slo_ttft_ms, "itl_ms": c.slo_itl_ms}, "also_itl_ms": c.also_itl_ms}
     info["plan"] = describe(plan, out)
+    # Calls that share OUT (servers split across calls under a time limit) each add their command.
+    earlier = json.loads((out / MACHINE).read_text()).get("commands", []) if (out / MACHINE).is_file() else []
+    info["commands"] = [*earlier, info["command"]]
     (out / MACHINE).write_text(json.dumps(info, indent=1) + "\n")
     failed = []
     try:

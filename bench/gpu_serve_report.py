@@ -198,7 +198,8 @@ def where(info: dict) -> str:
 
 
 def header(info: dict) -> str:
-    return f"{where(info)}; `{info.get('command', '?')}`"
+    commands = info.get("commands") or [info.get("command", "?")]
+    return f"{where(info)}; " + "; then ".join(f"`{c}`" for c in commands)
 
 
 def write_report(
