@@ -137,6 +137,7 @@ class Settings:
     failures_listed: int = 50  # failed requests listed one by one in a run's JSON
     end: float = float("inf")  # time.monotonic() by which the invocation must be over (--budget-s)
     also: tuple[Slo, ...] = ()  # other SLOs each run is judged by too (its `summaries`)
+    diagnose_s: float = BUDGET_S  # the most one look at the server may take; 0: no look
 
     def left(self) -> float:
         return self.end - time.monotonic()
@@ -218,10 +219,11 @@ async def _drive(
             path = out / run_file(record["server"], w, rate)
             path.write_text(json.dumps(run, indent=1) + "\n")
             # Looked at before the next run or the server's stop, while a stall may still be there.
-            if why := diagnosis_reason(summary, st.diagnose_below, st.stop_below):
+            why = diagnosis_reason(summary, st.diagnose_below, st.stop_below) if st.diagnose_s > 0 else None
+            if why:
                 print(f"gpu_serve: {record['server']} {w} {rate:g}/s: {why}; looking at the server",
                       file=sys.stderr, flush=True)  # fmt: skip
-                budget = min(BUDGET_S, st.left() - STOP_S - st.request_timeout_s)
+                budget = min(st.diagnose_s, st.left() - STOP_S - st.request_timeout_s)
                 run["diagnostics"] = diagnose(run_folder(record["server"], w, rate), why, max(1.0, budget))
                 path.write_text(json.dumps(run, indent=1) + "\n")
             progress()
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline=start + args.deadline_s if args.deadline_s else float("inf"),
         diagnose_below=args.diagnose_below, py_spy=args.py_spy,
         end=start + args.budget_s if args.budget_s else float("inf"),
-        also=tuple(Slo(slo.ttft_s, itl / 1e3) for itl in c.also_itl_ms),
+        also=tuple(Slo(slo.ttft_s, itl / 1e3) for itl in c.also_itl_ms), diagnose_s=args.diagnose_s,
     )  # fmt: skip
     if engine_only:
         why = engine_phase(out, ctx, scale, args.seed, st.left())

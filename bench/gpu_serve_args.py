@@ -50,6 +50,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="after a run that completed less than this share of its requests (or fell under --stop-below), save "
         "the server's Admin.GetStats, /metrics and py-spy dumps into the run's folder (default: 0.5)",
     )
+    p.add_argument(
+        "--diagnose-s", type=float, default=120.0, metavar="S",
+        help="the most one such look may take, py-spy dumps included (default: 120; 0: no look)",
+    )
     p.add_argument("--py-spy", default=shutil.which("py-spy"), metavar="PATH", help="py-spy (default: on PATH)")
     p.add_argument("--max-model-len", type=int, default=None, help="context cap of every server (default: 8192)")
     p.add_argument("--seed", type=int, default=0)

@@ -228,3 +228,27 @@ def test_engine_batches_grow_in_place_on_target_and_stop_where_the_kv_pool_ends(
     over: list[dict] = []
     time_batches(Batch(llm, "cpu", random.Random(0)), "chat", 50, [65, 70], over.append, warmup=1, reps=2)
     assert [r["error"] for r in over] == ["batch 65 over the engine's max_num_seqs 64"] * 2
+
+
+@pytest.mark.parametrize("diagnose_s", [0.0, 30.0])
+def test_a_bad_run_is_looked_at_only_with_time_given_for_it(fakes, diagnose_s):
+    out = fakes / "out"
+    (out / "logs").mkdir(parents=True)
+    port = free_port()
+    lc = Launch(
+        Server("pdserve-colocated", "pdserve", 2, 0, 2),
+        (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
+                 health_url=f"http://127.0.0.1:{port}/health"),),
+        f"http://127.0.0.1:{port}", None, f"http://127.0.0.1:{port}/metrics",
+    )
+    ctx = LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+    plan = Plan((lc,), ("chat",), {"chat": (4.0, 8.0)}, 1.0, None, 0.05, 10.0)
+    # A 0.01 ms ITL SLO: no request meets it, so the sweep stops after its first rate.
+    st = Settings(Slo(3.0, 0.00001), 1.0, None, 0.05, 0, 10.0, 60.0, 0.25, 1, float("inf"), diagnose_s=diagnose_s)
+    rec = run_server(lc, plan, st, ctx, out)
+    (run,), _ = load(out)
+    assert rec["saturated_at"] == {"chat": 4.0} and run["summary"]["slo_attainment"] == 0
+    if diagnose_s:
+        assert "metrics.txt" in run["diagnostics"]["files"] and "py-spy: not on PATH" in run["diagnostics"]["errors"][0]
+    else:
+        assert "diagnostics" not in run
