@@ -313,7 +313,7 @@ def _model(args: argparse.Namespace, shape: str, weights: bool) -> tuple[str, di
 
         path = str(resolve_model(None))
         return path, {"dir": path, "default": True}
-    from bench.random_model import shape_config, write_model, write_tokenizer
+    from bench.random_model import shape_config, write_tokenizer
 
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
     target = args.model_dir or cache / "bench-models" / f"llama-{shape}-random"
@@ -327,9 +327,10 @@ def _model(args: argparse.Namespace, shape: str, weights: bool) -> tuple[str, di
         (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         write_tokenizer(target, cfg["vocab_size"], cfg.get("bos_token_id"), cfg.get("eos_token_id"))
         return str(target), {"dir": str(target), "weights": False}
-    import torch
-
-    info = write_model(target, cfg, 0, "cuda" if torch.cuda.is_available() else "cpu")
+    # In a child: this process never holds a CUDA context (memory the servers would not have).
+    argv = [sys.executable, str(REPO / "bench" / "random_model.py"), "--shape", shape, "--out", str(target)]
+    done = subprocess.run(argv, check=True, capture_output=True, text=True)
+    info = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"gpu_serve: model {target}: {info['bytes'] / 1e9:.1f} GB, {info['seconds']} s", file=sys.stderr)
     return str(target), info
 
