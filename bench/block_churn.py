@@ -28,10 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import cpu_name, markdown_table, write_json
-from kv_transfer.agent import MAX_BLOCKS_PER_DESCRIPTOR
-from kv_transfer.descriptors import coalesce, split_large
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.free_blocks import FifoFreeBlocks, FreeBlocks, RunFreeBlocks
+from pdserve.kv_transfer.agent import MAX_BLOCKS_PER_DESCRIPTOR
+from pdserve.kv_transfer.descriptors import coalesce, split_large
 
 FREE_LISTS: dict[str, Callable[[Iterable[int]], FreeBlocks]] = {"fifo": FifoFreeBlocks, "runs": RunFreeBlocks}
 

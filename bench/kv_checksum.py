@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import cpu_name
-from kv_transfer.checksum import block_checksums
+from pdserve.kv_transfer.checksum import block_checksums
 
 BLOCK_SIZE = 16
 

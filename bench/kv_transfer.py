@@ -39,9 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import cpu_name, markdown_table, write_json
-from kv_transfer.compat import KvLayout
-from kv_transfer.descriptors import coalesce, split_large
 from pdserve.engine.hashing import HASH_VERSION
+from pdserve.kv_transfer.compat import KvLayout
+from pdserve.kv_transfer.descriptors import coalesce, split_large
 
 # Llama-3-8B KV shape, bf16, block_size 16 -> 2 MiB per block.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -155,7 +155,7 @@ def block_lists(pattern: str, n: int, pool_blocks: int, seed: int) -> tuple[list
 
 
 def num_descriptors(remote_ids: list[int], local_ids: list[int]) -> int:
-    from kv_transfer.agent import MAX_BLOCKS_PER_DESCRIPTOR
+    from pdserve.kv_transfer.agent import MAX_BLOCKS_PER_DESCRIPTOR
 
     return len(split_large(coalesce(remote_ids, local_ids), MAX_BLOCKS_PER_DESCRIPTOR))
 
@@ -195,7 +195,7 @@ def patch_agent_variant(variant: str) -> None:
     opts = variant_options(variant)
     if not opts:
         return
-    import kv_transfer.agent as agent_mod
+    import pdserve.kv_transfer.agent as agent_mod
 
     for opt in opts:
         if opt.startswith("desc"):
@@ -256,7 +256,7 @@ def cpu_use(seconds: float, poll=None) -> float:
 
 
 def nixl_module_name() -> str:
-    import kv_transfer.agent as agent_mod
+    import pdserve.kv_transfer.agent as agent_mod
 
     name = agent_mod._nixl_api().__name__.split(".")[0]
     try:
@@ -313,7 +313,7 @@ def producer_main(peer, cfg: dict[str, Any]) -> None:
             cmd = peer.recv()
             if cmd[0] == "agent":
                 patch_agent_variant(cfg["variant"])
-                from kv_transfer.agent import KvTransferAgent
+                from pdserve.kv_transfer.agent import KvTransferAgent
 
                 agent = KvTransferAgent("bench-producer", pool, bench_layout())
                 idle_cpu = cpu_use(IDLE_CPU_WINDOW_S, agent.notifications)
@@ -358,7 +358,7 @@ def _time_socket(sock: socket.socket, dst: memoryview, nbytes: int) -> float:
 
 def _raw_read(agent: Any, remote_name: str, remote_ids: list[int], local_ids: list[int], notify: bytes) -> None:
     """What KvTransferAgent.read posts, busy-polled (diagnostic)."""
-    from kv_transfer.agent import MAX_BLOCKS_PER_DESCRIPTOR
+    from pdserve.kv_transfer.agent import MAX_BLOCKS_PER_DESCRIPTOR
 
     remote = agent._remotes[remote_name]
     nx = agent._agent
@@ -473,7 +473,7 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
 
     # -- NIXL, through kv_transfer ---------------------------------------------------------------
     patch_agent_variant(cfg["variant"])
-    from kv_transfer.agent import KvTransferAgent
+    from pdserve.kv_transfer.agent import KvTransferAgent
     from pdserve_proto import kv_pb2
 
     peer.send(("agent",))

@@ -12,8 +12,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
-from router.placement.placement_config import PlacementConfig
-from router.placement.strategies import PLACEMENTS, PlacementRegistry, PlacementRequest, PoolView, PrefillPlacement, ranked_first
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.placement.strategies import (
+    PLACEMENTS,
+    PlacementRegistry,
+    PlacementRequest,
+    PoolView,
+    PrefillPlacement,
+    ranked_first,
+)
 
 
 class RoundRobin(PrefillPlacement):

@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import cpu_name, markdown_table
-from kv_transfer.compat import KvLayout
 from pdserve.engine.hashing import HASH_VERSION
+from pdserve.kv_transfer.compat import KvLayout
 
 # Llama-3.2-1B KV shape, bf16, block size 16: 0.5 MiB per block; a 3,000-token prompt is 188
 # blocks, ~98 MB (the READs of the 4-GPU 3P1D runs).
@@ -101,7 +101,7 @@ class _PollingTime(types.SimpleNamespace):
 def polling_mode(mode: str) -> Iterator[_PollingTime]:
     """``sleep0``: the agent's polling as shipped; ``spin``: its polls keep the GIL while they
     spin. Either way the agent's polls are counted (``.calls``)."""
-    import kv_transfer.agent as agent_mod
+    import pdserve.kv_transfer.agent as agent_mod
 
     if mode not in MODES:
         raise ValueError(f"mode: one of {MODES}, got {mode!r}")
@@ -119,7 +119,7 @@ def polling_mode(mode: str) -> Iterator[_PollingTime]:
 
 def producer_main(peer: Any, blocks: int) -> None:
     try:
-        from kv_transfer.agent import KvTransferAgent
+        from pdserve.kv_transfer.agent import KvTransferAgent
 
         pool = alloc_pool(blocks)
         pool.fill_(1.0)
@@ -277,7 +277,7 @@ Results = dict[tuple[int, str, str, int], list[dict[str, float]]]  # (blocks, re
 
 
 def run(cfg: BenchConfig) -> tuple[Results, dict[str, Any]]:
-    from kv_transfer.agent import KvTransferAgent
+    from pdserve.kv_transfer.agent import KvTransferAgent
     from pdserve_proto import kv_pb2
 
     ctx = mp.get_context("spawn")

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager, KvEventBatch
 from pdserve.engine.hashing import block_hashes
-from router.placement.placement_config import PlacementConfig
-from router.placement.pool_state import PrefillPolicy
-from router.placement.ring import ring_key
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.placement.pool_state import PrefillPolicy
+from pdserve.router.placement.ring import ring_key
 
 
 @dataclass(frozen=True)

@@ -165,11 +165,11 @@ class SyntheticDecode:
 
 
 async def _serve(workers: int, model: WorkerModel, poll_interval_s: float) -> None:
-    import router as router_pkg
+    import pdserve.router as router_pkg
     from pdserve.engine.detokenizer import load_tokenizer
     from pdserve.models.default_model import default_model_dir
-    from router.edge.http_server import start_http_server
-    from router.router import Router, RouterConfig
+    from pdserve.router.edge.http_server import start_http_server
+    from pdserve.router.router import Router, RouterConfig
 
     model_dir = default_model_dir()
     decodes = [SyntheticDecode(f"decode-{i}", model) for i in range(workers)]

@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 from opentelemetry import trace
 
-from decode_worker.decode_config import DecodeConfig
-from decode_worker.early_aborts import EarlyAborts
-from decode_worker.kv_consumer import KvConsumer
-from decode_worker.outbox import RouterOutboxes
-from kv_transfer.transport import KvTransport
+from pdserve.decode_worker.decode_config import DecodeConfig
+from pdserve.decode_worker.early_aborts import EarlyAborts
+from pdserve.decode_worker.kv_consumer import KvConsumer
+from pdserve.decode_worker.outbox import RouterOutboxes
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.transport import KvTransport
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve.worker.base import WorkerBase
 from pdserve_proto import inference_pb2, worker_pb2

@@ -18,21 +18,21 @@ from collections.abc import Callable
 
 from opentelemetry import trace
 
-from decode_worker.decode_config import DecodeConfig
-from decode_worker.early_aborts import EarlyAborts
-from decode_worker.prefetch import Prefetch
-from decode_worker.prefetcher import Prefetcher
-from decode_worker.room_waiters import RoomWaiters, Waiter
-from kv_transfer.checksum import block_checksums, mismatched
-from kv_transfer.compat import check_handle
-from kv_transfer.notice import pulled_notice
-from kv_transfer.transport import KvTransferError, KvTransport
+from pdserve.decode_worker.decode_config import DecodeConfig
+from pdserve.decode_worker.early_aborts import EarlyAborts
+from pdserve.decode_worker.prefetch import Prefetch
+from pdserve.decode_worker.prefetcher import Prefetcher
+from pdserve.decode_worker.room_waiters import RoomWaiters, Waiter
 from pdserve.engine.block_manager import NoFreeBlocksError
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.handover import ImportPlan
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.checksum import block_checksums, mismatched
+from pdserve.kv_transfer.compat import check_handle
+from pdserve.kv_transfer.notice import pulled_notice
+from pdserve.kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 

@@ -15,14 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from decode_worker.decode_config import DecodeConfig
-from decode_worker.prefetch import Prefetch
-from kv_transfer.notice import progress_of
-from kv_transfer.transport import KvTransferError, KvTransport
+from pdserve.decode_worker.decode_config import DecodeConfig
+from pdserve.decode_worker.prefetch import Prefetch
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.handover import ImportPlan
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.notice import progress_of
+from pdserve.kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve_proto import kv_pb2
 

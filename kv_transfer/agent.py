@@ -22,9 +22,9 @@ from collections.abc import Iterator
 
 import torch
 
-from kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
-from kv_transfer.descriptors import coalesce, plan_reads, split_large
-from kv_transfer.transport import KvTransferError, TransferStats
+from pdserve.kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
+from pdserve.kv_transfer.descriptors import coalesce, plan_reads, split_large
+from pdserve.kv_transfer.transport import KvTransferError, TransferStats
 from pdserve_proto import kv_pb2
 
 log = logging.getLogger(__name__)

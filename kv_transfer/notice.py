@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
-from kv_transfer.transport import KvTransport
+from pdserve.kv_transfer.transport import KvTransport
 from pdserve_proto import kv_pb2
 
 _PULLED = b"pulled:"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.engine.args import ATTENTION_BACKENDS, CPU_LIMITS, LARGE_GPU_LIMITS, SMALL_GPU_LIMITS, EngineArgs
-from router.edge.limits import InputLimits
+from pdserve.router.edge.limits import InputLimits
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -20,20 +20,20 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from kv_transfer.checksum import block_checksums
-from kv_transfer.compat import PROTOCOL_VERSION
-from kv_transfer.notice import progress_notice, pulled_request, send_notice
-from kv_transfer.transport import KvTransferError, KvTransport
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
 from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.checksum import block_checksums
+from pdserve.kv_transfer.compat import PROTOCOL_VERSION
+from pdserve.kv_transfer.notice import progress_notice, pulled_request, send_notice
+from pdserve.kv_transfer.transport import KvTransferError, KvTransport
+from pdserve.prefill_worker.early_releases import EarlyReleases
+from pdserve.prefill_worker.leases import LeaseTable
+from pdserve.prefill_worker.progress_book import ProgressBook
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve.worker.base import WorkerBase
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
-from prefill_worker.early_releases import EarlyReleases
-from prefill_worker.leases import LeaseTable
-from prefill_worker.progress_book import ProgressBook
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ import time
 from opentelemetry import trace
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.handles import RouterError
+from pdserve.router.inflight import InFlight
+from pdserve.router.load.measured import PrefillTimes
+from pdserve.router.router_config import RouterConfig
 from pdserve.telemetry.context import carrier_of
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import worker_pb2
-from router.handles import RouterError
-from router.inflight import InFlight
-from router.load.measured import PrefillTimes
-from router.router_config import RouterConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from opentelemetry import trace
 from prometheus_client import Histogram
 
+from pdserve.router.failover import Failover
+from pdserve.router.handles import RouterError
+from pdserve.router.inflight import InFlight
+from pdserve.router.router_config import RouterConfig
+from pdserve.router.token_stream import WorkerLost
 from pdserve_proto import inference_pb2
-from router.failover import Failover
-from router.handles import RouterError
-from router.inflight import InFlight
-from router.router_config import RouterConfig
-from router.token_stream import WorkerLost
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import re
 
 import grpc
 
+from pdserve.router.handles import RouterError
 from pdserve_proto import worker_pb2
-from router.handles import RouterError
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ from typing import TypeVar
 import grpc
 
 from pdserve.engine.hashing import block_hashes
+from pdserve.router.background import Background
+from pdserve.router.calls import WorkerCalls
+from pdserve.router.handles import RouterError
+from pdserve.router.inflight import InFlight
+from pdserve.router.router_config import RouterConfig
+from pdserve.router.worker_pools import WorkerPools
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import worker_pb2
-from router.background import Background
-from router.calls import WorkerCalls
-from router.handles import RouterError
-from router.inflight import InFlight
-from router.router_config import RouterConfig
-from router.worker_pools import WorkerPools
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from pdserve.router.placement.pool_state import DecodePolicy, PrefillPolicy
 from pdserve_proto import inference_pb2
-from router.placement.pool_state import DecodePolicy, PrefillPolicy
 
 ROLES = ("prefill", "decode")
 NO_FLIPS = "no role flips in this server"

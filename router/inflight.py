@@ -15,12 +15,12 @@ from opentelemetry import trace
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling_params import SamplingParams
-from router.admission import PoolQueue
-from router.background import Background
-from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.placement.pool_state import Placement
-from router.token_stream import Stream
-from router.worker_pools import WorkerPools
+from pdserve.router.admission import PoolQueue
+from pdserve.router.background import Background
+from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
+from pdserve.router.placement.pool_state import Placement
+from pdserve.router.token_stream import Stream
+from pdserve.router.worker_pools import WorkerPools
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.router.deadline import stop_tasks
 from pdserve_proto.worker_pb2 import KvEventBatch
-from router.deadline import stop_tasks
 
 log = logging.getLogger(__name__)
 

@@ -26,25 +26,25 @@ from opentelemetry import trace
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.admission import PoolQueue, Refusal, retry_after_ms
+from pdserve.router.background import Background
+from pdserve.router.calls import WorkerCalls
+from pdserve.router.client_stream import ClientStream, chunk
+from pdserve.router.edge.parsing import parse_request
+from pdserve.router.errors import to_router_error
+from pdserve.router.failover import Failover
+from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
+from pdserve.router.inflight import Books, InFlight, Phase
+from pdserve.router.load.load_signals import LoadSignals, watch_pool_sizes
+from pdserve.router.placement.pool_state import DecodePolicy, Placement, PrefillPolicy
+from pdserve.router.router_config import RouterConfig
+from pdserve.router.stats import StreamMetrics, cluster_stats, placement_stats
+from pdserve.router.token_relay import TokenRelay
+from pdserve.router.token_stream import Stream
+from pdserve.router.worker_pools import WorkerPools
 from pdserve.telemetry.context import context_of
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2, worker_pb2
-from router.admission import PoolQueue, Refusal, retry_after_ms
-from router.background import Background
-from router.calls import WorkerCalls
-from router.client_stream import ClientStream, chunk
-from router.edge.parsing import parse_request
-from router.errors import to_router_error
-from router.failover import Failover
-from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.inflight import Books, InFlight, Phase
-from router.load.load_signals import LoadSignals, watch_pool_sizes
-from router.placement.pool_state import DecodePolicy, Placement, PrefillPolicy
-from router.router_config import RouterConfig
-from router.stats import StreamMetrics, cluster_stats, placement_stats
-from router.token_relay import TokenRelay
-from router.token_stream import Stream
-from router.worker_pools import WorkerPools
 
 __all__ = ["Router", "RouterConfig"]
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.membership import MembershipConfig
-from router.placement.placement_config import PlacementConfig
-
+from pdserve.router.membership import MembershipConfig
+from pdserve.router.placement.placement_config import PlacementConfig
 
 UNCAPPED = 1 << 30  # a count no worker reaches
 

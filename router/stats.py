@@ -9,11 +9,11 @@ from collections import Counter
 
 from opentelemetry import trace
 
+from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
+from pdserve.router.load.measured import LatencyWindow
+from pdserve.router.worker_pools import WorkerPools
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
-from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.load.measured import LatencyWindow
-from router.worker_pools import WorkerPools
 
 
 def placement_stats(pools: WorkerPools, prefill_locations: Counter[str]) -> dict:

@@ -9,10 +9,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from router.deadline import stop_tasks
-from router.handles import DecodeHandle
-from router.router_config import RouterConfig
-from router.token_stream import Stream, WorkerLost
+from pdserve.router.deadline import stop_tasks
+from pdserve.router.handles import DecodeHandle
+from pdserve.router.router_config import RouterConfig
+from pdserve.router.token_stream import Stream, WorkerLost
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from router.handles import RouterError
+from pdserve.router.handles import RouterError
 
 
 class Stream:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.handles import DecodeHandle, PrefillHandle, RouterError
-from router.membership import PoolMembership
-from router.placement.pool_state import DecodePolicy, PrefillPolicy
-from router.router_config import RouterConfig
+from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
+from pdserve.router.membership import PoolMembership
+from pdserve.router.placement.pool_state import DecodePolicy, PrefillPolicy
+from pdserve.router.router_config import RouterConfig
 
 
 class WorkerPools:

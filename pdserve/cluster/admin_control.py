@@ -15,11 +15,11 @@ from pdserve.control.capacity import CapacityModel
 from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.perf_model import load_perf_model
+from pdserve.router.fleet_control import NO_FLIPS
+from pdserve.router.handles import RouterError
+from pdserve.router.router import Router
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
-from router.fleet_control import NO_FLIPS
-from router.handles import RouterError
-from router.router import Router
 
 
 class Flipper(FlipActuator, Protocol):

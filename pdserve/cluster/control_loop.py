@@ -21,12 +21,12 @@ from opentelemetry import trace
 
 from pdserve.control.actuator import Actuator
 from pdserve.control.capacity import CapacityModel
-from pdserve.control.perf_model import DEFAULT_MODEL
 from pdserve.control.controller import Controller
+from pdserve.control.perf_model import DEFAULT_MODEL
 from pdserve.control.signals import Decision, Role, Signals
+from pdserve.router.router import Router
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2
-from router.router import Router
 
 log = logging.getLogger(__name__)
 

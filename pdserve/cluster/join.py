@@ -30,12 +30,12 @@ from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.startup_lines import Progress, quiet
 from pdserve.cluster.worker_client import WorkerClient, new_router_id
 from pdserve.engine.detokenizer import load_tokenizer
+from pdserve.router.deadline import within
+from pdserve.router.edge.tls import CertificateFiles
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.router import Router, RouterConfig
 from pdserve.telemetry.endpoint import unanswered_warning
 from pdserve_proto import worker_pb2
-from router.deadline import within
-from router.edge.tls import CertificateFiles
-from router.placement.placement_config import PlacementConfig
-from router.router import Router, RouterConfig
 
 log = logging.getLogger(__name__)
 

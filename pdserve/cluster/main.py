@@ -17,11 +17,11 @@ from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
+from pdserve.router.edge.auth import ENV_VAR, ApiKeys, load_keys
+from pdserve.router.edge.limits import InputLimits
+from pdserve.router.edge.tls import tls_config
+from pdserve.router.placement.placement_config import PlacementConfig
 from pdserve.telemetry.tracing import TracingConfig
-from router.edge.auth import ENV_VAR, ApiKeys, load_keys
-from router.edge.limits import InputLimits
-from router.edge.tls import tls_config
-from router.placement.placement_config import PlacementConfig
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

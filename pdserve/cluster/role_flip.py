@@ -20,9 +20,9 @@ from opentelemetry import trace
 
 from pdserve.cluster.worker_client import WorkerClient
 from pdserve.control.signals import Role
+from pdserve.router.deadline import within
+from pdserve.router.router import Router
 from pdserve_proto import inference_pb2, worker_pb2
-from router.deadline import within
-from router.router import Router
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.control.signals import Role
-from router.router import Router
+from pdserve.router.router import Router
 
 log = logging.getLogger(__name__)
 

@@ -31,14 +31,14 @@ from pdserve.cluster.workers import cpu_threads_per_worker
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.models.resolve import resolve_device, resolve_model
+from pdserve.router.deadline import within
+from pdserve.router.edge.auth import ApiKeys
+from pdserve.router.edge.grpc_server import start_grpc_server
+from pdserve.router.edge.http_server import start_http_server
+from pdserve.router.edge.tls import CertificateFiles
+from pdserve.router.router import Router, RouterConfig
 from pdserve.telemetry.endpoint import unanswered_warning
 from pdserve_proto import inference_pb2, worker_pb2
-from router.deadline import within
-from router.edge.auth import ApiKeys
-from router.edge.grpc_server import start_grpc_server
-from router.edge.http_server import start_http_server
-from router.edge.tls import CertificateFiles
-from router.router import Router, RouterConfig
 
 log = logging.getLogger(__name__)
 

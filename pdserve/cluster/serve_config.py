@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
+from pdserve.router.edge.auth import ApiKeys
+from pdserve.router.edge.limits import InputLimits
+from pdserve.router.edge.tls import TlsConfig
+from pdserve.router.placement.placement_config import PlacementConfig
 from pdserve.telemetry.tracing import TracingConfig
-from router.edge.auth import ApiKeys
-from router.edge.limits import InputLimits
-from router.edge.tls import TlsConfig
-from router.placement.placement_config import PlacementConfig
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,16 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from decode_worker.early_aborts import RequestAborted
-from kv_transfer.compat import KvCompatError
 from pdserve.cluster.worker_client import LocalWorker
 from pdserve.cluster.worker_host import WrongRole
+from pdserve.decode_worker.early_aborts import RequestAborted
 from pdserve.engine.block_manager import NoFreeBlocksError
 from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.compat import KvCompatError
+from pdserve.prefill_worker.prefiller import PrefillCancelled
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
-from prefill_worker.prefiller import PrefillCancelled
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
+from pdserve.router.errors import from_worker_error, to_router_error
+from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2, worker_pb2
-from router.errors import from_worker_error, to_router_error
-from router.handles import RouterError
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from opentelemetry import trace
 
-from kv_transfer.transport import KvTransport
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.transport import KvTransport
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
 if TYPE_CHECKING:
-    from decode_worker.decoder import DecodeConfig, DecodeWorker
+    from pdserve.decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.engine.engine import LLMEngine
-    from prefill_worker.prefiller import PrefillConfig, PrefillWorker
+    from pdserve.prefill_worker.prefiller import PrefillConfig, PrefillWorker
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ class WorkerHost:
         return self.health()
 
     def _switch(self, old: PrefillWorker | DecodeWorker, role: Role, idle_timeout_s: float) -> None:
-        from decode_worker.decoder import DecodeWorker
-        from prefill_worker.prefiller import PrefillWorker
+        from pdserve.decode_worker.decoder import DecodeWorker
+        from pdserve.prefill_worker.prefiller import PrefillWorker
 
         deadline = time.monotonic() + idle_timeout_s
         while True:
@@ -181,7 +181,7 @@ class WorkerHost:
         self.worker.close()
 
     def _prefill(self) -> PrefillWorker:
-        from prefill_worker.prefiller import PrefillWorker
+        from pdserve.prefill_worker.prefiller import PrefillWorker
 
         worker = self.worker
         if self._switching or not isinstance(worker, PrefillWorker):
@@ -189,7 +189,7 @@ class WorkerHost:
         return worker
 
     def _decode(self) -> DecodeWorker:
-        from decode_worker.decoder import DecodeWorker
+        from pdserve.decode_worker.decoder import DecodeWorker
 
         worker = self.worker
         if self._switching or not isinstance(worker, DecodeWorker):

@@ -10,17 +10,17 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
-from decode_worker.decoder import DecodeConfig, DecodeWorker
-from kv_transfer.agent import KvTransferAgent
-from kv_transfer.compat import KvLayout, model_fingerprint
-from kv_transfer.transport import KvTransport
 from pdserve.cluster.serve_config import ServeConfig
+from pdserve.decode_worker.decoder import DecodeConfig, DecodeWorker
 from pdserve.engine.args import engine_options
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.hashing import HASH_VERSION
+from pdserve.kv_transfer.agent import KvTransferAgent
+from pdserve.kv_transfer.compat import KvLayout, model_fingerprint
+from pdserve.kv_transfer.transport import KvTransport
 from pdserve.models.resolve import resolve_device, resolve_dtype, resolve_model
-from prefill_worker.prefiller import PrefillConfig, PrefillWorker
+from pdserve.prefill_worker.prefiller import PrefillConfig, PrefillWorker
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from pdserve.control.signals import Decision, Signals, Slo
 from pdserve.control.sim_actuator import SimActuator
 from pdserve.control.sim_workers import SimDecode, SimPrefill
 from pdserve.control.trace import SimRequest
-from router.placement.placement_config import PlacementConfig
-from router.placement.pool_state import DecodePolicy, PrefillPolicy
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.placement.pool_state import DecodePolicy, PrefillPolicy
 
 
 @dataclass(frozen=True)

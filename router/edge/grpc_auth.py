@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from router.edge.auth import ApiKeys, Verdict, bearer_token, grpc_plane
+from pdserve.router.edge.auth import ApiKeys, Verdict, bearer_token, grpc_plane
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.router.edge.auth import ApiKeys
+from pdserve.router.edge.grpc_auth import ApiKeyInterceptor
+from pdserve.router.edge.limits import InputLimits, check_request
+from pdserve.router.edge.tls import CertificateFiles, grpc_credentials
+from pdserve.router.fleet_control import NO_FLIPS, ROLES, ControlPlane, pools_state
+from pdserve.router.handles import RouterError
+from pdserve.router.router import Router
 from pdserve_proto import inference_pb2, inference_pb2_grpc
-from router.edge.auth import ApiKeys
-from router.edge.grpc_auth import ApiKeyInterceptor
-from router.edge.limits import InputLimits, check_request
-from router.edge.tls import CertificateFiles, grpc_credentials
-from router.fleet_control import NO_FLIPS, ROLES, ControlPlane, pools_state
-from router.handles import RouterError
-from router.router import Router
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,9 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve_proto import inference_pb2
-from router.edge.auth import ApiKeys, Verdict, bearer_token, http_plane
-from router.edge.limits import InputLimits, check_request
-from router.handles import RouterError
-from router.edge.openai_api import (
+from pdserve.router.edge.auth import ApiKeys, Verdict, bearer_token, http_plane
+from pdserve.router.edge.limits import InputLimits, check_request
+from pdserve.router.edge.openai_api import (
     ApiError,
     ParsedRequest,
     StreamEvents,
@@ -31,8 +29,10 @@ from router.edge.openai_api import (
     parse_request,
     usage_chunk,
 )
-from router.edge.tls import CertificateFiles, ReloadingSSLContext
-from router.router import Router
+from pdserve.router.edge.tls import CertificateFiles, ReloadingSSLContext
+from pdserve.router.handles import RouterError
+from pdserve.router.router import Router
+from pdserve_proto import inference_pb2
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
-from router.handles import RouterError
 
 
 @dataclass(frozen=True)

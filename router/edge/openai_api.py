@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
+from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
-from router.handles import RouterError
 
 # The gRPC status the router raises -> the HTTP status and error type an OpenAI client expects.
 _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {

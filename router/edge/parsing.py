@@ -8,9 +8,9 @@ from typing import Any
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.handles import RouterError
+from pdserve.router.router_config import RouterConfig
 from pdserve_proto import inference_pb2
-from router.handles import RouterError
-from router.router_config import RouterConfig
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _ROLES = ("system", "user", "assistant", "tool")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from pdserve.router.inflight import InFlight
+from pdserve.router.load.arrivals import ArrivalRates, ArrivalWindow
+from pdserve.router.load.measured import Latencies, LatencyWindow, PrefillTime, PrefillTimes
+from pdserve.router.worker_pools import WorkerPools
 from pdserve.telemetry.metrics import RouterMetrics
-from router.inflight import InFlight
-from router.load.arrivals import ArrivalRates, ArrivalWindow
-from router.load.measured import Latencies, LatencyWindow, PrefillTime, PrefillTimes
-from router.worker_pools import WorkerPools
 
 
 @dataclass(frozen=True)

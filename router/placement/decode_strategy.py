@@ -4,8 +4,8 @@ prefills it itself (conditional disaggregation)."""
 
 from __future__ import annotations
 
-from router.placement.scoring import pick_decode
-from router.placement.strategies import PlacementRequest, PlacementStrategy, ranked_first
+from pdserve.router.placement.scoring import pick_decode
+from pdserve.router.placement.strategies import PlacementRequest, PlacementStrategy, ranked_first
 
 
 class DecodePlacement(PlacementStrategy):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from router.placement.strategies import PLACEMENTS, PlacementRegistry
+from pdserve.router.placement.strategies import PLACEMENTS, PlacementRegistry
 
 POLICIES = tuple(PLACEMENTS)  # the prefill strategies a router serves with, by name
 

@@ -12,16 +12,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.load.recent_load import RecentLoad
-from router.placement.placement_config import PlacementConfig
-from router.placement.prefix_index import PrefixIndex
-from router.placement.ring import HashRing, ring_key
-from router.placement.scoring import prefill_cost
-from router.placement.decode_strategy import DecodePlacement
-from router.placement.strategies import PlacementRequest
+from pdserve.router.load.recent_load import RecentLoad
+from pdserve.router.placement.decode_strategy import DecodePlacement
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.placement.prefix_index import PrefixIndex
+from pdserve.router.placement.ring import HashRing, ring_key
+from pdserve.router.placement.scoring import prefill_cost
+from pdserve.router.placement.strategies import PlacementRequest
 
 if TYPE_CHECKING:
-    from router.placement.prefix_index import KvEventBatch
+    from pdserve.router.placement.prefix_index import KvEventBatch
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar, Protocol
 
-from router.placement.ring import HashRing
-from router.placement.scoring import pick_prefill
+from pdserve.router.placement.ring import HashRing
+from pdserve.router.placement.scoring import pick_prefill
+
 
 class StrategyConfig(Protocol):
     """What a strategy reads of its configuration (`PlacementConfig` has all of it)."""

@@ -130,8 +130,8 @@ class InProcessCluster:
         from pdserve.cluster.workers import build_decode, build_prefill
         from pdserve.engine.config import ModelConfig
         from pdserve.engine.detokenizer import load_tokenizer
-        from router.edge.grpc_server import start_grpc_server
-        from router.router import Router, RouterConfig
+        from pdserve.router.edge.grpc_server import start_grpc_server
+        from pdserve.router.router import Router, RouterConfig
 
         self.loop_thread = loop_thread
         self.prefill_workers = [build_prefill(f"prefill-{i}", cfg, tracer) for i in range(num_prefill)]

@@ -14,9 +14,9 @@ from pdserve.cluster.serve import Cluster
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
+from pdserve.router.placement.ring import ring_key
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.placement.ring import ring_key
 
 pytestmark = pytest.mark.cluster
 

@@ -22,9 +22,9 @@ from pdserve import SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
+from pdserve.router.placement.placement_config import PlacementConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.placement.placement_config import PlacementConfig
 
 pytestmark = pytest.mark.cluster
 

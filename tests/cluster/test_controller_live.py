@@ -19,9 +19,9 @@ from pdserve.cluster.admin_control import ClusterControl, build_control_loop
 from pdserve.cluster.serve_config import ControllerSettings
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
+from pdserve.router.edge.grpc_server import start_grpc_server
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.edge.grpc_server import start_grpc_server
 
 pytestmark = pytest.mark.cluster
 

@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 import pytest
 
+from pdserve.router.handles import RouterError
+from pdserve.router.membership import MembershipConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.handles import RouterError
-from router.membership import MembershipConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.router.handles import RouterError
+from pdserve.router.membership import MembershipConfig
 from pdserve_proto import inference_pb2 as pb
-from router.handles import RouterError
-from router.membership import MembershipConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -10,14 +10,14 @@ from typing import Any
 import grpc
 import pytest
 
-from kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs
+from pdserve.kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout
+from pdserve.prefill_worker.prefiller import PrefillConfig, PrefillWorker
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from prefill_worker.prefiller import PrefillConfig, PrefillWorker
 
 pytestmark = pytest.mark.cluster
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kv_transfer.checksum import block_checksums
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
+from pdserve.kv_transfer.checksum import block_checksums
 from pdserve_proto import inference_pb2 as pb
 
 pytestmark = pytest.mark.cluster

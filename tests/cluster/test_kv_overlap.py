@@ -17,8 +17,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
+from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2 as pb
-from router.handles import RouterError
 
 pytestmark = pytest.mark.cluster
 

@@ -82,7 +82,7 @@ def test_a_flood_is_refused_at_once_with_a_retry_hint_and_the_admitted_complete(
 
 
 def test_http_refuses_a_flood_with_429_and_retry_after(cluster, loop_thread):
-    from router.edge.http_server import start_http_server
+    from pdserve.router.edge.http_server import start_http_server
 
     runner, port = loop_thread.run(start_http_server(cluster.router, "127.0.0.1", 0))
     try:

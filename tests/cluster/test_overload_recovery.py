@@ -161,7 +161,7 @@ def test_abandoned_requests_leave_nothing_behind_and_the_next_ones_complete(
 
 def test_a_prefill_released_before_it_arrives_is_refused_and_a_served_one_is_forgotten(model_dir):
     from pdserve.cluster.workers import build_prefill
-    from prefill_worker.prefiller import PrefillCancelled
+    from pdserve.prefill_worker.prefiller import PrefillCancelled
 
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=64))
     worker = build_prefill("prefill-early", cfg)

@@ -164,9 +164,9 @@ def test_killing_a_router_loses_only_its_streams_and_its_requests_are_aborted_wi
 def test_a_decode_worker_aborts_the_requests_of_a_router_that_stops_polling(model_dir: Any):
     """In process, on a fake clock: the real engine's blocks come back when the lease runs out,
     another router's request goes on, and the late router finds its request aborted."""
-    from decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.cluster.workers import build_agent, build_engine
+    from pdserve.decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.engine.args import EngineArgs
 
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=64))
@@ -209,12 +209,12 @@ def test_each_router_sees_every_kv_event_of_a_shared_worker(model_dir: Any):
     prompt one of them placed there shows up in both routers' indexes, whichever polled first
     (with one shared event log, the second got an empty batch numbered as if nothing had
     happened, and never learnt of the prompt)."""
-    from decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.cluster.workers import build_agent, build_engine
+    from pdserve.decode_worker.decoder import DecodeConfig, DecodeWorker
     from pdserve.engine.args import EngineArgs
     from pdserve.engine.hashing import block_hashes
-    from router.placement.prefix_index import PrefixIndex
+    from pdserve.router.placement.prefix_index import PrefixIndex
 
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=EngineArgs(num_kv_blocks=64))
     engine = build_engine(cfg, "decode")

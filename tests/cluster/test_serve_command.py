@@ -63,7 +63,7 @@ def test_a_silent_trace_endpoint_gets_one_warning_at_start_up(held_port):
 
 
 def test_the_grpc_server_does_not_share_its_port():
-    from router.edge.grpc_server import start_grpc_server
+    from pdserve.router.edge.grpc_server import start_grpc_server
 
     async def twice() -> None:
         first, port = await start_grpc_server(None, "127.0.0.1", 0)  # no request reaches the router here

@@ -11,10 +11,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdserve.router.handles import RouterError
+from pdserve.router.router import Router
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb
-from router.handles import RouterError
-from router.router import Router
 
 pytestmark = pytest.mark.cluster
 

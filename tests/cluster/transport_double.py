@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from kv_transfer.transport import KvTransferError, KvTransport, TransferStats
+from pdserve.kv_transfer.transport import KvTransferError, KvTransport, TransferStats
 from pdserve_proto import kv_pb2
 
 Corruption = Literal["flip", "zero"]

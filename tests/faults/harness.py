@@ -40,13 +40,13 @@ from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.detokenizer import load_tokenizer
+from pdserve.router.edge.grpc_server import start_grpc_server
+from pdserve.router.handles import RouterError
+from pdserve.router.membership import MembershipConfig
+from pdserve.router.router import Router, RouterConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from pdserve_proto import worker_pb2
-from router.edge.grpc_server import start_grpc_server
-from router.handles import RouterError
-from router.membership import MembershipConfig
-from router.router import Router, RouterConfig
 from tests.cluster.transport_double import FaultyTransport
 from tests.faults.invariants import Outcome, Reference, check_scenario
 from tests.faults.scenarios import KILLS, ROUTER_DIES, ROUTERS, RequestSpec, Scenario, router_of

@@ -36,11 +36,11 @@ def _engine(model_dir, device, role):
 
 
 def test_overlapped_transfer_tokens_equal_single_gpu(tmp_path):
-    from decode_worker.decoder import DecodeWorker
-    from kv_transfer.agent import KvTransferAgent
     from pdserve.cluster.workers import kv_layout
+    from pdserve.decode_worker.decoder import DecodeWorker
     from pdserve.engine.sampling_params import SamplingParams
-    from prefill_worker.prefiller import PrefillWorker
+    from pdserve.kv_transfer.agent import KvTransferAgent
+    from pdserve.prefill_worker.prefiller import PrefillWorker
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     rng = random.Random(4321)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer.checksum import block_checksums
+from pdserve.kv_transfer.checksum import block_checksums
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,11 +9,11 @@ from dataclasses import asdict
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
+from pdserve.router.membership import MembershipConfig
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.router import Router, RouterConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import kv_pb2, worker_pb2
-from router.membership import MembershipConfig
-from router.placement.placement_config import PlacementConfig
-from router.router import Router, RouterConfig
 
 FAST = MembershipConfig(wait_s=0.02, min_interval_s=0.0, timeout_s=1.0, max_failures=2, retry_s=0.01)
 BS = 16

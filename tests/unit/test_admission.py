@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import FIRST_RETRY_MS, MAX_RETRY_MS, MIN_RETRY_MS, PoolQueue, admits, retry_after_ms
+from pdserve.router.admission import FIRST_RETRY_MS, MAX_RETRY_MS, MIN_RETRY_MS, PoolQueue, admits, retry_after_ms
 
 
 def test_a_pool_admits_below_its_limit_and_zero_means_unbounded():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.edge.auth import ApiKeys, Plane, Verdict, bearer_token, grpc_plane, http_plane, load_keys
+from pdserve.router.edge.auth import ApiKeys, Plane, Verdict, bearer_token, grpc_plane, http_plane, load_keys
 
 DATA, ADMIN = "data-key-1", "admin-key-1"
 

@@ -13,13 +13,13 @@ import pytest
 
 from pdserve.cluster.worker_boundary import local_worker
 from pdserve.cluster.worker_client import WorkerClient
+from pdserve.router.handles import RouterError
+from pdserve.router.membership import MembershipConfig, PoolMembership
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.placement.pool_state import PrefillPolicy
+from pdserve.router.router import Router, RouterConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import worker_pb2
-from router.handles import RouterError
-from router.membership import MembershipConfig, PoolMembership
-from router.placement.placement_config import PlacementConfig
-from router.placement.pool_state import PrefillPolicy
-from router.router import Router, RouterConfig
 
 FAST = MembershipConfig(wait_s=0.02, min_interval_s=0.0, timeout_s=0.05, max_failures=2, retry_s=0.01)
 

@@ -10,15 +10,15 @@ import pytest
 import ray.exceptions
 from aiohttp.test_utils import TestClient, TestServer
 
-from kv_transfer.compat import KvCompatError
 from pdserve.cluster.worker_boundary import WorkerBoundary, local_worker
 from pdserve.cluster.worker_client import WorkerClient
 from pdserve.cluster.worker_host import WrongRole
 from pdserve.engine.block_manager import NoFreeBlocksError
+from pdserve.kv_transfer.compat import KvCompatError
+from pdserve.router.edge.http_server import build_app
+from pdserve.router.errors import short_reason, to_router_error
+from pdserve.router.handles import RouterError
 from pdserve_proto import worker_pb2
-from router.edge.http_server import build_app
-from router.errors import short_reason, to_router_error
-from router.handles import RouterError
 
 _RAY_TRACEBACK = (
     "\x1b[36mray::WorkerActor.start()\x1b[39m (pid=123, ip=127.0.0.1, actor_id=abc)\n"

@@ -60,7 +60,7 @@ def test_the_serve_command_maps_cpu_threads():
 def test_the_serve_command_maps_placement_flags():
     from pdserve.cli import PLACEMENT_POLICIES, _build_parser
     from pdserve.cluster.main import config_from_args
-    from router.placement.placement_config import POLICIES
+    from pdserve.router.placement.placement_config import POLICIES
 
     assert PLACEMENT_POLICIES == POLICIES
     args = _build_parser().parse_args(["serve", "--placement-policy", "ring", "--load-factor", "1.5"])

@@ -21,10 +21,10 @@ from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.perf_model import DEFAULT_MODEL, load_perf_model
 from pdserve.control.signals import Role, Signals, Slo
+from pdserve.router.handles import RouterError
+from pdserve.router.router import Router, RouterConfig
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb
-from router.handles import RouterError
-from router.router import Router, RouterConfig
 
 MODEL = load_perf_model("smollm2-135m-cpu")  # flip_s 1.0
 
@@ -282,9 +282,9 @@ async def _call(coro: Any) -> tuple[grpc.StatusCode, str]:
 
 
 def test_admin_set_role_and_get_controller_over_grpc():
+    from pdserve.router.edge.auth import ApiKeys
+    from pdserve.router.edge.grpc_server import start_grpc_server
     from pdserve_proto import inference_pb2_grpc as pbg
-    from router.edge.auth import ApiKeys
-    from router.edge.grpc_server import start_grpc_server
 
     async def go() -> None:
         r = router()

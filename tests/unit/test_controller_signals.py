@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from opentelemetry import trace
 
+from pdserve.router.load.arrivals import ArrivalWindow
+from pdserve.router.load.measured import LatencyWindow, PrefillTimes
+from pdserve.router.stats import StreamMetrics
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve_proto import inference_pb2 as pb
-from router.load.arrivals import ArrivalWindow
-from router.load.measured import LatencyWindow, PrefillTimes
-from router.stats import StreamMetrics
 
 
 def test_arrival_rates_count_the_window_and_subtract_predicted_cache_hits():
@@ -65,7 +65,7 @@ def test_prefill_times_are_taken_once_and_empty_prefills_ignored():
 
 def test_stream_metrics_record_ttft_and_mean_itl_when_the_stream_finishes(monkeypatch):
     clock = iter([10.0, 10.5, 10.7, 10.9, 11.3])  # created, then four chunks
-    monkeypatch.setattr("router.stats.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("pdserve.router.stats.time.monotonic", lambda: next(clock))
     window = LatencyWindow()
     m = StreamMetrics(RouterMetrics(), trace.NoOpTracer().start_span("x"), window)
     m.chunk(pb.GenerateResponse(token_ids=[1]))  # the first token at 10.5

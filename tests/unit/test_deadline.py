@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.deadline import stop_tasks, within
+from pdserve.router.deadline import stop_tasks, within
 
 
 async def _cancel_as_the_call_completes(wait) -> str:

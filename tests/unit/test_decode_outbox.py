@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.outbox import MAX_EXPIRED_ROUTERS, RouterOutboxes
+from pdserve.decode_worker.outbox import MAX_EXPIRED_ROUTERS, RouterOutboxes
 from pdserve_proto.worker_pb2 import TokenUpdate
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.early_aborts import EarlyAborts, RequestAborted
-from prefill_worker.early_releases import EarlyReleases
+from pdserve.decode_worker.early_aborts import EarlyAborts, RequestAborted
+from pdserve.prefill_worker.early_releases import EarlyReleases
 
 
 def test_a_recorded_release_is_taken_once():

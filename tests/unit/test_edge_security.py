@@ -18,13 +18,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.router.edge.auth import ApiKeys
+from pdserve.router.edge.grpc_server import start_grpc_server
+from pdserve.router.edge.http_server import start_http_server
+from pdserve.router.edge.limits import InputLimits
+from pdserve.router.edge.tls import CertificateFiles, TlsConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
-from router.edge.auth import ApiKeys
-from router.edge.grpc_server import start_grpc_server
-from router.edge.http_server import start_http_server
-from router.edge.limits import InputLimits
-from router.edge.tls import CertificateFiles, TlsConfig
 from tests.tls_certs import CertAuthority
 
 DATA, ADMIN = "test-data-key", "test-admin-key"

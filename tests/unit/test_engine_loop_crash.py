@@ -16,9 +16,9 @@ import pytest
 from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve.cluster.worker_client import WorkerClient
 from pdserve.engine.loop import EngineStopped
+from pdserve.router.handles import RouterError
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve_proto import worker_pb2
-from router.handles import RouterError
 
 
 class _CrashingEngine:

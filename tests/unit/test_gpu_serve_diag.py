@@ -120,8 +120,8 @@ def test_admin_stats_over_grpc_with_the_admin_key_and_zeros_shown():
     import threading
 
     from bench.gpu_serve_diag import admin_stats
-    from router.edge.auth import ApiKeys
-    from router.edge.grpc_server import start_grpc_server
+    from pdserve.router.edge.auth import ApiKeys
+    from pdserve.router.edge.grpc_server import start_grpc_server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

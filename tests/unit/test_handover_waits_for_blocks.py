@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
+from pdserve.router.handles import RouterError
+from pdserve.router.router import HANDOVER_RETRY_MAX_S
 from pdserve_proto import kv_pb2, worker_pb2
-from router.handles import RouterError
-from router.router import HANDOVER_RETRY_MAX_S
 from tests.unit.router_doubles import FakeDecode, FakePrefill, make_router, request
 
 FULL = "decode start: no free KV blocks; retry later"

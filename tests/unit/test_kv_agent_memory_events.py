@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_transfer.agent import UCX_DEFAULTS, KvTransferAgent
-from kv_transfer.compat import KvLayout
-from kv_transfer.transport import KvTransferError
+from pdserve.kv_transfer.agent import UCX_DEFAULTS, KvTransferAgent
+from pdserve.kv_transfer.compat import KvLayout
+from pdserve.kv_transfer.transport import KvTransferError
 
 LAYOUT = KvLayout(model="test", dtype="float32", num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, hash_version=1)
 REPO = Path(__file__).resolve().parents[2]
@@ -36,8 +36,8 @@ TRIM_PROBE = textwrap.dedent(
     """
     import ctypes, time
     import torch
-    from kv_transfer.agent import KvTransferAgent
-    from kv_transfer.compat import KvLayout
+    from pdserve.kv_transfer.agent import KvTransferAgent
+    from pdserve.kv_transfer.compat import KvLayout
     layout = KvLayout(model="m", dtype="float32", num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, hash_version=1)
     agents = [KvTransferAgent(f"a{i}", torch.zeros(8, layout.block_bytes // 4), layout) for i in range(4)]
     libc = ctypes.CDLL("libc.so.6")

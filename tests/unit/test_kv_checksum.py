@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kv_transfer.checksum import _row_words, block_checksums, block_words, mismatched
+from pdserve.kv_transfer.checksum import _row_words, block_checksums, block_words, mismatched
 
 MASK = (1 << 64) - 1
 

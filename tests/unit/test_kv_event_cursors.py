@@ -14,9 +14,9 @@ import pytest
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
+from pdserve.router.placement.prefix_index import PrefixIndex
 from pdserve.worker.kv_event_cursors import KvEventCursors
 from pdserve_proto.worker_pb2 import KvEventBatch
-from router.placement.prefix_index import PrefixIndex
 
 
 def as_message(b: Any) -> KvEventBatch:

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from decode_worker.prefetch import Prefetch
-from kv_transfer.notice import progress_notice, progress_of, pulled_notice, pulled_request
+from pdserve.decode_worker.prefetch import Prefetch
 from pdserve.engine.handover import ImportPlan
+from pdserve.kv_transfer.notice import progress_notice, progress_of, pulled_notice, pulled_request
+from pdserve.prefill_worker.progress_book import ProgressBook
 from pdserve_proto import kv_pb2
-from prefill_worker.progress_book import ProgressBook
 
 
 def test_a_progress_notice_round_trips_and_is_told_apart_from_pulled():

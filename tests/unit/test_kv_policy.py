@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout, check_compatible, check_handle
-from kv_transfer.notice import pulled_notice, pulled_request
-from kv_transfer.descriptors import coalesce, split_large
+from pdserve.kv_transfer.compat import PROTOCOL_VERSION, KvCompatError, KvLayout, check_compatible, check_handle
+from pdserve.kv_transfer.descriptors import coalesce, split_large
+from pdserve.kv_transfer.notice import pulled_notice, pulled_request
+from pdserve.prefill_worker.leases import LeaseTable
 from pdserve_proto import kv_pb2
-from prefill_worker.leases import LeaseTable
 
 
 def test_coalesce_merges_runs_contiguous_on_both_sides():

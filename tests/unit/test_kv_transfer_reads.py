@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-import kv_transfer.agent as agent_mod
-from kv_transfer.agent import KvTransferAgent
-from kv_transfer.compat import KvLayout
-from kv_transfer.descriptors import coalesce, plan_reads
-from kv_transfer.transport import KvTransferError
+import pdserve.kv_transfer.agent as agent_mod
+from pdserve.kv_transfer.agent import KvTransferAgent
+from pdserve.kv_transfer.compat import KvLayout
+from pdserve.kv_transfer.descriptors import coalesce, plan_reads
+from pdserve.kv_transfer.transport import KvTransferError
 
 POOL_BLOCKS = 64
 LAYOUT = KvLayout(model="test", dtype="float32", num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, hash_version=1)

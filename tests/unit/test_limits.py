@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from pdserve.router.edge.limits import InputLimits, check_request
+from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2 as pb
-from router.edge.limits import InputLimits, check_request
-from router.handles import RouterError
 
 LIMITS = InputLimits(max_prompt_chars=100, max_prompt_token_ids=50, max_messages=3, max_stop_strings=2,
                      max_stop_chars=5, max_stop_token_ids=4)

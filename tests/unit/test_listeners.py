@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.cluster.listeners import is_loopback, kv_net_devices, listener_lines
 from pdserve.cluster.serve_config import ServeConfig
-from router.edge.auth import ApiKeys
+from pdserve.router.edge.auth import ApiKeys
 
 
 def test_kv_transfers_stay_on_loopback_for_a_local_cluster():

@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from pdserve.engine.hashing import block_hashes
+from pdserve.router.handles import RouterError
+from pdserve.router.placement.decode_strategy import prefill_locally
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.router import Router
 from pdserve_proto import inference_pb2 as pb
-from router.handles import RouterError
-from router.placement.decode_strategy import prefill_locally
-from router.placement.placement_config import PlacementConfig
-from router.router import Router
 from tests.unit.router_doubles import BS, FakeDecode, FakePrefill, make_router, request
 
 # ----- the decision ----------------------------------------------------------------------------

@@ -8,8 +8,7 @@ import json
 import grpc
 import pytest
 
-from router.handles import RouterError
-from router.edge.openai_api import (
+from pdserve.router.edge.openai_api import (
     ApiError,
     StreamEvents,
     completion,
@@ -18,6 +17,7 @@ from router.edge.openai_api import (
     stream_chunk,
     usage_chunk,
 )
+from pdserve.router.handles import RouterError
 
 MODEL = "m"
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-import kv_transfer.agent as agent_mod
+import pdserve.kv_transfer.agent as agent_mod
 from bench.read_gil import polling_mode
-from kv_transfer.agent import KvTransferAgent
+from pdserve.kv_transfer.agent import KvTransferAgent
 
 POLLS = 5
 

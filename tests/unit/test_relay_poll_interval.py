@@ -9,10 +9,10 @@ import itertools
 
 import pytest
 
+from pdserve.router.router_config import RouterConfig
+from pdserve.router.token_relay import TokenRelay
+from pdserve.router.token_stream import Stream
 from pdserve_proto import worker_pb2
-from router.router_config import RouterConfig
-from router.token_relay import TokenRelay
-from router.token_stream import Stream
 
 
 class EveryStep:

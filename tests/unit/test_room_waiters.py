@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decode_worker.room_waiters import RoomWaiters
+from pdserve.decode_worker.room_waiters import RoomWaiters
 
 
 def test_only_the_oldest_waiter_is_woken_and_only_when_room_grew() -> None:

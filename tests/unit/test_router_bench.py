@@ -10,8 +10,8 @@ from bench.placement import BENCH_PLACEMENTS, BenchPlacementConfig
 from bench.traces import TraceRequest, generate, load, preset, write
 from pdserve.cli import main
 from pdserve.engine.hashing import block_hashes
-from router.placement.placement_config import POLICIES, PlacementConfig
-from router.placement.pool_state import PrefillPolicy
+from pdserve.router.placement.placement_config import POLICIES, PlacementConfig
+from pdserve.router.placement.pool_state import PrefillPolicy
 
 
 @pytest.fixture(scope="module")

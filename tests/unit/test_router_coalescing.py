@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.router.client_stream import ClientStream
+from pdserve.router.membership import MembershipConfig
+from pdserve.router.router import Router, RouterConfig
+from pdserve.router.token_stream import Stream, WorkerLost
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import worker_pb2
-from router.client_stream import ClientStream
-from router.membership import MembershipConfig
-from router.router import Router, RouterConfig
-from router.token_stream import Stream, WorkerLost
 
 
 class Letters:

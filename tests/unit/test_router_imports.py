@@ -12,11 +12,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 ROUTER_MODULES = (
-    "router.router", "router.edge.grpc_server", "router.edge.http_server",
-    "router.placement.pool_state", "router.placement.strategies", "router.placement.decode_strategy",
-    "router.placement.placement_config",
-    "router.placement.scoring", "router.placement.ring", "router.placement.prefix_index",
-    "router.load.recent_load", "bench.placement", "pdserve.cluster.worker_client",
+    "pdserve.router.router", "pdserve.router.edge.grpc_server", "pdserve.router.edge.http_server",
+    "pdserve.router.placement.pool_state", "pdserve.router.placement.strategies",
+    "pdserve.router.placement.decode_strategy", "pdserve.router.placement.placement_config",
+    "pdserve.router.placement.scoring", "pdserve.router.placement.ring", "pdserve.router.placement.prefix_index",
+    "pdserve.router.load.recent_load", "bench.placement", "pdserve.cluster.worker_client",
 )
 
 
@@ -45,18 +45,23 @@ def test_the_package_root_loads_the_engine_only_when_asked():
 
 
 def _router_imports(path: Path) -> set[str]:
-    """Every `router.*` module a file imports, those for type checking only included."""
+    """Every `pdserve.router.*` module a file imports, those for type checking only included."""
     tree = ast.parse(path.read_text())
-    return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("router.")}
+    return {
+        n.module for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("pdserve.router.")
+    }
 
 
 def test_placement_strategies_sit_below_the_pool_state_and_its_config():
     """The pool state imports the strategies and the config; the strategies import neither, not
     even for types, so they form no cycle."""
     placement = ROOT / "router" / "placement"
-    assert _router_imports(placement / "strategies.py") <= {"router.placement.ring", "router.placement.scoring"}
-    assert _router_imports(placement / "decode_strategy.py") <= {"router.placement.strategies", "router.placement.scoring"}
-    assert _router_imports(placement / "placement_config.py") == {"router.placement.strategies"}
-    assert {"router.placement.strategies", "router.placement.placement_config"} <= _router_imports(
+    ring, scoring = "pdserve.router.placement.ring", "pdserve.router.placement.scoring"
+    strategies, config = "pdserve.router.placement.strategies", "pdserve.router.placement.placement_config"
+    assert _router_imports(placement / "strategies.py") <= {ring, scoring}
+    assert _router_imports(placement / "decode_strategy.py") <= {strategies, scoring}
+    assert _router_imports(placement / "placement_config.py") == {strategies}
+    assert {strategies, config} <= _router_imports(
         placement / "pool_state.py"
     )

@@ -9,12 +9,12 @@ import pytest
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling_params import SamplingParams
-from router.admission import PoolQueue
-from router.background import Background
-from router.inflight import Books, IllegalPhase, InFlight, Phase
-from router.router import RouterConfig
-from router.token_stream import Stream
-from router.worker_pools import WorkerPools
+from pdserve.router.admission import PoolQueue
+from pdserve.router.background import Background
+from pdserve.router.inflight import Books, IllegalPhase, InFlight, Phase
+from pdserve.router.router import RouterConfig
+from pdserve.router.token_stream import Stream
+from pdserve.router.worker_pools import WorkerPools
 from tests.unit.router_doubles import FakeDecode, FakePrefill
 
 IDS = list(range(40))

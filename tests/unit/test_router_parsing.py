@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from pdserve.router.edge.parsing import parse_request
+from pdserve.router.handles import RouterError
+from pdserve.router.router_config import RouterConfig
 from pdserve_proto import inference_pb2
-from router.edge.parsing import parse_request
-from router.handles import RouterError
-from router.router_config import RouterConfig
 
 CONFIG = RouterConfig(model_id="m", max_model_len=64, vocab_size=100)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from pdserve.engine.block_manager import BlockManager, KvEventLog
 from pdserve.engine.hashing import block_hashes
+from pdserve.router.placement.prefix_index import PrefixIndex
 from pdserve_proto.worker_pb2 import KvEventBatch
-from router.placement.prefix_index import PrefixIndex
 
 
 def batch(seq: int, stored=(), removed=(), full=False, num_blocks=0) -> KvEventBatch:

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from router.placement.ring import HashRing
+from pdserve.router.placement.ring import HashRing
 
 
 def keys(n: int, seed: int) -> list[int]:

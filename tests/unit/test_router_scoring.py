@@ -9,14 +9,14 @@ from typing import ClassVar
 
 import pytest
 
-from pdserve_proto.worker_pb2 import KvEventBatch
 from pdserve.engine.hashing import block_hashes
-from router.load.recent_load import RecentLoad
-from router.placement.placement_config import PlacementConfig
-from router.placement.pool_state import DecodePolicy, PrefillPolicy
-from router.placement.ring import ring_key
-from router.placement.scoring import pick_decode, pick_prefill, prefill_cost, under_bound
-from router.placement.strategies import IndexPlacement, PlacementRequest, PrefillPlacement, RingPlacement
+from pdserve.router.load.recent_load import RecentLoad
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.placement.pool_state import DecodePolicy, PrefillPolicy
+from pdserve.router.placement.ring import ring_key
+from pdserve.router.placement.scoring import pick_decode, pick_prefill, prefill_cost, under_bound
+from pdserve.router.placement.strategies import IndexPlacement, PlacementRequest, PrefillPlacement, RingPlacement
+from pdserve_proto.worker_pb2 import KvEventBatch
 
 
 def test_bound_with_unit_loads_is_the_ceiling_rule():

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from bench.placement import BenchPlacementConfig
 from bench.router_sim import SimConfig, ideal_hit_rate, prompts_of, simulate
 from bench.traces import generate, preset
+from pdserve.router.placement.placement_config import PlacementConfig
+from pdserve.router.placement.pool_state import PrefillPolicy
+from pdserve.router.placement.ring import ring_key
 from pdserve_proto.worker_pb2 import KvEventBatch
-from bench.placement import BenchPlacementConfig
-from router.placement.placement_config import PlacementConfig
-from router.placement.pool_state import PrefillPolicy
-from router.placement.ring import ring_key
 
 N = 8
 SIM = SimConfig(workers=N)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.token_stream import Stream
+from pdserve.router.token_stream import Stream
 
 
 def test_a_wait_with_nothing_coming_ends_in_none_after_silence_s():

@@ -13,8 +13,8 @@ import pytest
 from pdserve.cluster.actors import RayWorker
 from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve.cluster.worker_client import LocalWorker, WorkerTransport
+from pdserve.router.errors import from_worker_error
 from pdserve_proto import worker_pb2
-from router.errors import from_worker_error
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
 

@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from decode_worker.decoder import DecodeConfig, DecodeWorker
-from kv_transfer.compat import PROTOCOL_VERSION
-from kv_transfer.transport import KvTransferError, TransferStats
 from pdserve import LLM, SamplingParams
+from pdserve.decode_worker.decoder import DecodeConfig, DecodeWorker
 from pdserve.engine.hashing import block_hashes
+from pdserve.kv_transfer.compat import PROTOCOL_VERSION
+from pdserve.kv_transfer.transport import KvTransferError, TransferStats
 from pdserve.telemetry.cluster_collector import ClusterCollector
 from pdserve.worker.step_stats import BATCH_LABELS, STEP_SECONDS_BOUNDS, StepStats, batch_bucket, step_kind
 from pdserve_proto import inference_pb2 as pb
