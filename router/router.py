@@ -30,7 +30,7 @@ from pdserve.router.admission import PoolQueue, Refusal, retry_after_ms
 from pdserve.router.background import Background
 from pdserve.router.calls import WorkerCalls
 from pdserve.router.client_stream import ClientStream, chunk
-from pdserve.router.edge.parsing import parse_request
+from pdserve.router.edge.parsing import RequestParser
 from pdserve.router.errors import to_router_error
 from pdserve.router.failover import Failover
 from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
@@ -70,6 +70,7 @@ class Router:
             raise ValueError("decodes: the router needs at least one decode worker (prefill workers are optional)")
         self.config = config
         self.tokenizer = tokenizer
+        self.parser = RequestParser(config, tokenizer)  # validation and tokenization, large ones off the loop
         self.tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.pools = WorkerPools(config, prefills, decodes)
@@ -113,6 +114,7 @@ class Router:
     async def stop(self) -> None:
         await self.pools.stop()
         await self.relay.stop()
+        self.parser.close()
 
     # ----- membership ----------------------------------------------------------------------
 
@@ -163,12 +165,6 @@ class Router:
 
     # ----- requests ------------------------------------------------------------------------
 
-    def parse(
-        self, request: inference_pb2.GenerateRequest, fill_context: bool = False
-    ) -> tuple[list[int], SamplingParams]:
-        """See `router.edge.parsing.parse_request`."""
-        return parse_request(request, self.config, self.tokenizer, fill_context)
-
     async def generate(
         self,
         request: inference_pb2.GenerateRequest,
@@ -196,7 +192,7 @@ class Router:
     async def _generate(
         self, request: inference_pb2.GenerateRequest, root: trace.Span, fill_context: bool
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        ids, params = self.parse(request, fill_context)
+        ids, params = await self.parser.parse(request, fill_context)
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self.relay.streams:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight")

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+# Above this every token is about equally likely; a larger value is far more likely a mistake
+# (a typo, a value in the wrong unit) than a wish, so it is refused rather than silently flattened.
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
+MAX_TOKEN_ID = 2**32 - 1  # token ids travel as uint32
 
 
 @dataclass(frozen=True)
@@ -27,19 +34,27 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: must be integers, got {list(self.stop_token_ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        _finite("temperature", self.temperature)
+        _finite("top_p", self.top_p)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop: stop strings must not be empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: token ids must be >= 0")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed: must be an integer in [0, 2^64), got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                raise ValueError(f"stop: stop strings must be non-empty strings, got {s!r}")
+            _unicode("stop", s)
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, 2^32), got {list(self.stop_token_ids)}")
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise ValueError(f"output_offset: must be an integer >= 0, got {self.output_offset!r}")
 
@@ -56,3 +71,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(name: str, value: object) -> None:
+    """ValueError naming `name` unless `value` is a finite real number (NaN compares false with
+    every bound, so a range check alone would let it through)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    try:
+        ok = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+
+
+def _unicode(name: str, text: str) -> None:
+    """ValueError naming `name` for text that is not valid Unicode (a lone surrogate), which no
+    tokenizer or UTF-8 encoder can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name}: not valid Unicode (a lone surrogate at index {exc.start})") from None

@@ -7,11 +7,12 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.router.edge.auth import ApiKeys
-from pdserve.router.edge.grpc_auth import ApiKeyInterceptor
+from pdserve.router.edge.grpc_auth import EdgeInterceptor
+from pdserve.router.edge.health import ADMIN, INFERENCE, RouterHealth
 from pdserve.router.edge.limits import InputLimits, check_request
 from pdserve.router.edge.tls import CertificateFiles, grpc_credentials
 from pdserve.router.fleet_control import NO_FLIPS, ROLES, ControlPlane, pools_state
@@ -23,10 +24,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_MS = "retry-after-ms"  # trailing metadata of a refusal under overload: when to retry
 
-SERVICE_NAMES = (
-    inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
-    inference_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
-)
+SERVICE_NAMES = (INFERENCE, ADMIN)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -48,6 +46,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if exc.retry_after_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_MS, str(exc.retry_after_ms)),))
             await context.abort(exc.code, exc.message)
+        except (ValueError, UnicodeError) as exc:
+            # Validation that raised before it could name a status: still the request's fault.
+            log.info("request %s refused: %s", request.request_id or "-", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -112,11 +114,10 @@ async def start_grpc_server(
         ("grpc.so_reuseport", 1 if reuse_port else 0),
         ("grpc.max_receive_message_length", limits.max_request_bytes),
     ]
-    interceptors = [ApiKeyInterceptor(keys)] if keys.enabled else []
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(options=options, interceptors=[EdgeInterceptor(keys)])
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router, limits), server)
     inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, control), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = RouterHealth(router)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
@@ -129,7 +130,5 @@ async def start_grpc_server(
         raise OSError(errno.EADDRINUSE, f"gRPC: cannot listen on {host}:{port} (in use?)") from exc
     if bound == 0:
         raise OSError(errno.EADDRINUSE, f"gRPC: cannot listen on {host}:{port} (in use?)")
-    await server.start()
-    for name in (*SERVICE_NAMES, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await server.start()  # health statuses are worked out at each check (`RouterHealth`)
     return server, bound

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.router.edge.auth import ApiKeys, Verdict, bearer_token, http_plane
+from pdserve.router.edge.health import unserviceable
 from pdserve.router.edge.limits import InputLimits, check_request
 from pdserve.router.edge.openai_api import (
     ApiError,
@@ -60,7 +61,11 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 
 
 async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """200 while the router can serve a request; 503 with the reason while it cannot."""
+    reason = unserviceable(request.app[_ROUTER])
+    if reason is None:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unavailable", "reason": reason}, status=503)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -80,8 +85,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     router = request.app[_ROUTER]
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _error(ApiError(400, "body: not valid JSON"))
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        # RecursionError: nesting deeper than the parser's stack, which is not a request either.
+        return _error(ApiError(400, "body: not valid JSON", "body"))
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[_LIMITS].max_request_bytes
         return _error(ApiError(413, f"body: larger than {limit} bytes", "body"))

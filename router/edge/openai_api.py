@@ -9,6 +9,7 @@ what the OpenAI shape adds (JSON types, `n`, fields we do not implement).
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.engine.sampling_params import MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
 from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
 
@@ -50,7 +52,16 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code or _code_of(self.status)}}
+
+
+def _code_of(status: int) -> str:
+    """The `code` of an error that has no more specific one: its HTTP status in words, so that
+    a client can always branch on `code` (OpenAI leaves it null at times)."""
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return "error"
 
 
 def from_router_error(exc: RouterError, chat: bool) -> ApiError:
@@ -99,6 +110,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> inference_pb2.SamplingParams:
             raise _bad(name, f"must be >= 0, got {value}")
         if isinstance(value, int) and value >= 2**31 and name != "seed":
             raise _bad(name, f"too large: {value}")
+        if isinstance(value, int) and name == "seed" and value > MAX_SEED:
+            raise _bad(name, f"must be below 2^64, got {value}")
     max_tokens = _typed(body, "max_tokens", (int,), "an integer")
     if chat and max_tokens is None:
         max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
@@ -107,7 +120,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> inference_pb2.SamplingParams:
     for name in ("temperature", "top_p"):
         value = _typed(body, name, (int, float), "a number")
         if value is not None:
-            setattr(sp, name, float(value))
+            setattr(sp, name, _finite(name, value))
     for name in ("seed", "top_k"):  # top_k: vLLM's extension, as are ignore_eos and stop_token_ids
         value = _typed(body, name, (int,), "an integer")
         if value is not None:
@@ -117,26 +130,58 @@ def _sampling(body: dict[str, Any], chat: bool) -> inference_pb2.SamplingParams:
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise _bad("stop", "must be a string or a list of strings")
+    for s in stop or []:
+        _unicode("stop", s)
     sp.stop.extend(s for s in stop or [] if s)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not (isinstance(stop_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
             raise _bad("stop_token_ids", "must be a list of integers")
+        _token_ids("stop_token_ids", stop_ids)
         sp.stop_token_ids.extend(stop_ids)
     sp.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
     return sp
 
 
+def _finite(name: str, value: int | float) -> float:
+    """`value` as the float the proto holds: finite, and for temperature in range (the proto's
+    float32 would turn a large value into infinity before the router could refuse it)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _bad(name, f"must be a finite number, got {value!r}")
+    if name == "temperature" and not 0 <= number <= MAX_TEMPERATURE:
+        raise _bad(name, f"must be in [0, {MAX_TEMPERATURE:g}], got {value!r}")
+    return number
+
+
+def _unicode(param: str, text: str) -> str:
+    """`text` if it is valid Unicode; a lone surrogate (JSON's "\\ud800" escape) is a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, f"not valid Unicode (a lone surrogate at index {exc.start})") from None
+    return text
+
+
+def _token_ids(param: str, ids: list[int]) -> None:
+    bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise _bad(param, f"token ids must be in [0, 2^32), got {bad}")
+
+
 def _message_text(i: int, content: Any) -> str:
     if isinstance(content, str):
-        return content
+        return _unicode(f"messages[{i}].content", content)
     # The list form: only text parts carry anything this server can read.
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(f"messages[{i}].content[{j}]", "only text parts are supported")
-            parts.append(part["text"])
+            parts.append(_unicode(f"messages[{i}].content[{j}].text", part["text"]))
         return "".join(parts)
     if content is None:
         return ""
@@ -148,10 +193,11 @@ def _prompt(body: dict[str, Any], req: inference_pb2.GenerateRequest) -> None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        req.prompt = prompt
+        req.prompt = _unicode("prompt", prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(t < 0 for t in prompt):
             raise _bad("prompt", "token ids must be non-negative")
+        _token_ids("prompt", prompt)
         req.prompt_token_ids.extend(prompt)
     elif prompt is None:
         raise _bad("prompt", "required")
@@ -191,7 +237,8 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise _bad(f"messages[{i}]", "must be an object with a string role")
-            req.messages.add(role=m["role"], content=_message_text(i, m.get("content")))
+            role = _unicode(f"messages[{i}].role", m["role"])
+            req.messages.add(role=role, content=_message_text(i, m.get("content")))
     else:
         _prompt(body, req)
     req.sampling_params.CopyFrom(_sampling(body, chat))

@@ -1,8 +1,11 @@
 """A GenerateRequest validated and turned into token ids and `SamplingParams`: INVALID_ARGUMENT
-naming the offending field otherwise. Pure apart from the tokenizer it is given."""
+naming the offending field otherwise. `parse_request` is pure apart from the tokenizer it is
+given; `RequestParser` runs it off the event loop for large requests."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -15,6 +18,39 @@ from pdserve_proto import inference_pb2
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _ROLES = ("system", "user", "assistant", "tool")
 
+# Requests up to this size (characters of text, or token ids) are parsed on the event loop:
+# a thread hop would cost more than their parse.
+INLINE_PARSE_SIZE = 16_384
+
+
+class RequestParser:
+    """`parse_request` for the router. A large request is tokenized (and its chat template
+    rendered) in a small pool of threads, never on the event loop, where a prompt of a million
+    characters would freeze every stream and health probe for seconds. The tokenizer's encode
+    releases the GIL, and a template render in a thread yields it at the interpreter's switch
+    interval, so the loop keeps its turns."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any, threads: int = 2) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdserve-parse")
+
+    async def parse(
+        self, request: inference_pb2.GenerateRequest, fill_context: bool = False
+    ) -> tuple[list[int], SamplingParams]:
+        if request_size(request) <= INLINE_PARSE_SIZE:
+            return parse_request(request, self.config, self.tokenizer, fill_context)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, parse_request, request, self.config, self.tokenizer, fill_context)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def request_size(request: inference_pb2.GenerateRequest) -> int:
+    """What parsing `request` costs, roughly: its characters of text and its token ids."""
+    return len(request.prompt) + len(request.prompt_token_ids) + sum(len(m.content) for m in request.messages)
+
 
 def parse_request(
     request: inference_pb2.GenerateRequest, config: RouterConfig, tokenizer: Any, fill_context: bool = False
@@ -23,7 +59,9 @@ def parse_request(
     without `max_tokens` may generate up to the end of the context (OpenAI's chat convention)
     instead of the gRPC default of 16 tokens."""
     if request.model and request.model != config.model_id:
-        raise RouterError(_INVALID, f"model: unknown model {request.model!r}; this server serves {config.model_id!r}")
+        raise RouterError(
+            grpc.StatusCode.NOT_FOUND, f"model: unknown model {request.model!r}; this server serves {config.model_id!r}"
+        )
     given = [name for name, present in (
         ("prompt", bool(request.prompt)),
         ("prompt_token_ids", len(request.prompt_token_ids) > 0),
@@ -88,7 +126,10 @@ def sampling_params_of(sp: inference_pb2.SamplingParams) -> SamplingParams:
 def _encode(tokenizer: Any, text: str) -> list[int]:
     if tokenizer is None:
         raise RouterError(_INVALID, "prompt: this model has no tokenizer; send prompt_token_ids")
-    return list(tokenizer.encode(text))
+    try:
+        return list(tokenizer.encode(text))
+    except (ValueError, UnicodeError) as exc:  # text the tokenizer cannot take is the request's fault
+        raise RouterError(_INVALID, f"prompt: the tokenizer refused it ({exc})") from None
 
 
 def _render_chat(tokenizer: Any, messages: Any) -> list[int]:
@@ -97,7 +138,10 @@ def _render_chat(tokenizer: Any, messages: Any) -> list[int]:
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise RouterError(_INVALID, f"messages[{i}].role: unknown role {m.role!r}")
-    text = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # a template refuses what it cannot render (roles out of order, ...) by raising
+        raise RouterError(_INVALID, f"messages: the chat template refused them ({exc})") from None
     return _encode(tokenizer, text)

@@ -135,14 +135,14 @@ def test_a_very_long_reason_is_cut():
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "status", "message"),
+    ("method", "path", "status", "message", "code"),
     [
-        ("GET", "/v1/no-such-route", 404, "Invalid URL (GET /v1/no-such-route)"),
-        ("POST", "/v2/completions", 404, "Invalid URL (POST /v2/completions)"),
-        ("GET", "/v1/completions", 405, "Method GET not allowed for /v1/completions"),
+        ("GET", "/v1/no-such-route", 404, "Invalid URL (GET /v1/no-such-route)", "not_found"),
+        ("POST", "/v2/completions", 404, "Invalid URL (POST /v2/completions)", "not_found"),
+        ("GET", "/v1/completions", 405, "Method GET not allowed for /v1/completions", "method_not_allowed"),
     ],
 )
-def test_unknown_routes_answer_in_the_openai_error_shape(method, path, status, message):
+def test_unknown_routes_answer_in_the_openai_error_shape(method, path, status, message, code):
     async def go() -> tuple[int, dict]:
         # Unknown routes never reach the router, so none is needed behind the app.
         async with TestClient(TestServer(build_app(None))) as client:  # type: ignore[arg-type]
@@ -151,4 +151,5 @@ def test_unknown_routes_answer_in_the_openai_error_shape(method, path, status, m
 
     got_status, body = asyncio.run(go())
     assert got_status == status
-    assert body == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    # `code` is always set, so that a client can branch on it: the status in words where nothing is more specific.
+    assert body == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}

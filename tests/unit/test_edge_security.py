@@ -11,6 +11,7 @@ import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -42,6 +43,7 @@ class EchoRouter:
     """What the servers call of a Router: one chunk back, the prompt's text."""
 
     config = _Config()
+    decode_policy = SimpleNamespace(workers=["decode-0"])  # a decode worker in placement: healthy
 
     async def generate(self, request: pb.GenerateRequest, *_: Any, **__: Any) -> AsyncIterator[pb.GenerateResponse]:
         yield pb.GenerateResponse(text=request.prompt, finish_reason="stop", usage=pb.Usage(prompt_tokens=1))
