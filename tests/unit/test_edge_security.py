@@ -104,6 +104,38 @@ async def _drain(call: Any) -> None:
         pass
 
 
+def test_grpc_key_is_checked_before_the_method_is_looked_up_and_refusals_say_what_is_wrong():
+    async def scenario() -> None:
+        server, port = await start_grpc_server(ECHO, "127.0.0.1", 0, keys=KEYS, limits=LIMITS)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                # Without a key, an unknown method is refused like a known one: nothing about
+                # which methods exist is learnt before the key.
+                for name in ("/pdserve.v1.Inference/NoSuchMethod", "/no.such.Service/Call"):
+                    unary = ch.unary_unary(name)
+                    assert await _grpc_code(unary(b"")) == grpc.StatusCode.UNAUTHENTICATED
+                    assert await _grpc_code(unary(b"", metadata=_md(DATA))) == grpc.StatusCode.UNIMPLEMENTED
+                    streaming = ch.unary_stream(name)
+                    assert await _grpc_code(_drain(streaming(b""))) == grpc.StatusCode.UNAUTHENTICATED
+                inf, admin = pbg.InferenceStub(ch), pbg.AdminStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await inf.ListModels(pb.ListModelsRequest(), metadata=_md(ADMIN))
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "admin API key" in err.value.details() and "data-plane API key" in err.value.details()
+                assert "Admin service" not in err.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await admin.GetStats(pb.GetStatsRequest(), metadata=_md(DATA))
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "may not call the Admin service" in err.value.details()
+                # The health service stays open.
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_grpc_limits_name_the_field_and_cap_the_message():
     async def scenario() -> None:
         server, port = await start_grpc_server(ECHO, "127.0.0.1", 0, limits=LIMITS)
