@@ -62,7 +62,7 @@ class WorkerSamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "params", "request_id", "timeout_s", "trace_context", "progress_to")
+    __slots__ = ("prompt_token_ids", "params", "request_id", "timeout_s", "trace_context", "progress_to", "router_id")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,19 +76,23 @@ class PrefillRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_TO_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WorkerSamplingParams
     request_id: str
     timeout_s: float
     trace_context: _containers.ScalarMap[str, str]
     progress_to: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., progress_to: _Optional[str] = ...) -> None: ...
+    router_id: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., progress_to: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "router_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "params", "request_id", "prefilled", "trace_context", "router_id")
@@ -147,10 +151,12 @@ class SubmitRequest(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "router_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class Freed(_message.Message):
     __slots__ = ("held",)

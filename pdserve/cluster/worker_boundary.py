@@ -9,6 +9,7 @@ types); messages are converted here, on the way in.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -90,6 +91,37 @@ def _request(ids: Any, request_id: str) -> list[int]:
     return list(ids)
 
 
+# A long poll waits at most this long: a router polls every few ms to a second.
+MAX_WAIT_S = 60.0
+
+
+def _wait_s(wait_s: float) -> float:
+    """A poll's wait, checked: NaN or infinity would make the wait spin or never end."""
+    if not math.isfinite(wait_s) or not 0.0 <= wait_s <= MAX_WAIT_S:
+        raise InvalidRequest(f"wait_s: {wait_s}; must be finite, within [0, {MAX_WAIT_S:g}]")
+    return wait_s
+
+
+# Router ids never hold it, so a key splits back into exactly one (router id, request id).
+KEY_SEP = "/"
+
+
+def request_key(router_id: str, request_id: str) -> str:
+    """The worker's own id for `request_id` of `router_id`: requests of different routers never
+    share one, so a client's id can neither reach nor abort another router's request."""
+    if KEY_SEP in router_id:
+        raise InvalidRequest(f"router_id: {router_id!r} may not contain {KEY_SEP!r}")
+    return f"{router_id}{KEY_SEP}{request_id}"
+
+
+def _client_ids(updates: worker_pb2.TokenUpdates, router_id: str) -> worker_pb2.TokenUpdates:
+    """`updates` of `router_id` with the request ids its router gave (the worker's keys stripped)."""
+    prefix = router_id + KEY_SEP
+    for u in updates.updates:
+        u.request_id = u.request_id.removeprefix(prefix)
+    return updates
+
+
 class WorkerBoundary:
     """`service Worker` over `target`: a `WorkerHost` (either role, flips included) or one role
     worker itself (in-process tests). Every call answers its result or a `WorkerError`."""
@@ -113,14 +145,17 @@ class WorkerBoundary:
         def call() -> worker_pb2.PrefillResult:
             ids = _request(request.prompt_token_ids, request.request_id)
             return self.target.prefill(
-                ids, sampling_params_of(request.params), request.request_id, request.timeout_s,
+                ids, sampling_params_of(request.params), request_key(request.router_id, request.request_id),
+                request.timeout_s,
                 _carrier(request.trace_context), request.progress_to,
             )
 
         return self._answer(call)
 
     def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.Freed | worker_pb2.WorkerError:
-        return self._answer(lambda: worker_pb2.Freed(held=bool(self.target.release(request.request_id))))
+        return self._answer(
+            lambda: worker_pb2.Freed(held=bool(self.target.release(request_key(request.router_id, request.request_id))))
+        )
 
     # ----- decode --------------------------------------------------------------------------
 
@@ -128,7 +163,8 @@ class WorkerBoundary:
         def call() -> worker_pb2.DecodeStart:
             ids = _request(request.prompt_token_ids, request.request_id)
             return self.target.start(
-                ids, sampling_params_of(request.params), request.request_id, request.prefilled,
+                ids, sampling_params_of(request.params), request_key(request.router_id, request.request_id),
+                request.prefilled,
                 _carrier(request.trace_context), request.router_id,
             )
 
@@ -137,7 +173,8 @@ class WorkerBoundary:
     def prefetch(self, request: worker_pb2.PrefetchRequest) -> worker_pb2.DecodePrefetch | worker_pb2.WorkerError:
         def call() -> worker_pb2.DecodePrefetch:
             ids = _request(request.prompt_token_ids, request.request_id)
-            return self.target.prefetch(ids, sampling_params_of(request.params), request.request_id, request.router_id)
+            key = request_key(request.router_id, request.request_id)
+            return self.target.prefetch(ids, sampling_params_of(request.params), key, request.router_id)
 
         return self._answer(call)
 
@@ -145,18 +182,22 @@ class WorkerBoundary:
         def call() -> worker_pb2.DecodeSubmit:
             ids = _request(request.prompt_token_ids, request.request_id)
             return self.target.submit(
-                ids, sampling_params_of(request.params), request.request_id,
+                ids, sampling_params_of(request.params), request_key(request.router_id, request.request_id),
                 _carrier(request.trace_context), request.router_id,
             )
 
         return self._answer(call)
 
     def abort(self, request: worker_pb2.AbortRequest) -> worker_pb2.Freed | worker_pb2.WorkerError:
-        return self._answer(lambda: worker_pb2.Freed(held=bool(self.target.abort(request.request_id))))
+        return self._answer(
+            lambda: worker_pb2.Freed(held=bool(self.target.abort(request_key(request.router_id, request.request_id))))
+        )
 
     def poll(self, request: worker_pb2.PollRequest) -> worker_pb2.TokenUpdates | worker_pb2.WorkerError:
         acked = request.acked if request.HasField("acked") else None
-        return self._answer(lambda: self.target.poll(request.wait_s, request.router_id, acked))
+        return self._answer(
+            lambda: _client_ids(self.target.poll(_wait_s(request.wait_s), request.router_id, acked), request.router_id)
+        )
 
     # ----- both ----------------------------------------------------------------------------
 
@@ -167,7 +208,7 @@ class WorkerBoundary:
         return self._answer(self.target.stats)
 
     def kv_events(self, request: worker_pb2.KvEventsRequest) -> worker_pb2.KvEventBatch | worker_pb2.WorkerError:
-        return self._answer(lambda: self.target.kv_events(request.wait_s, request.full, request.router_id))
+        return self._answer(lambda: self.target.kv_events(_wait_s(request.wait_s), request.full, request.router_id))
 
 
 def local_worker(target: Any) -> LocalWorker:

@@ -120,9 +120,9 @@ class WorkerClient:
     apart from work; only a worker that fails that too is `worker_failed`. A busy one gives
     DEADLINE_EXCEEDED for that call and stays in service.
 
-    A client speaks for one router, `router_id`: it fills in the `router_id` of the decode calls
-    that start a request, and `poll` returns only that router's tokens (routers sharing workers
-    never take each other's). "" is a router id like any other, for a client used alone."""
+    A client speaks for one router, `router_id`: it fills in the `router_id` of every call that
+    names a request (a worker keys its requests by router and id), and `poll` returns only that
+    router's tokens (routers sharing workers never take each other's). "" is a router id like any other, for a client used alone."""
 
     def __init__(
         self, worker_id: str, worker: WorkerTransport, health_timeout_s: float = 5.0, router_id: str = ""
@@ -174,10 +174,12 @@ class WorkerClient:
 
     async def prefill(self, request: worker_pb2.PrefillRequest, timeout_s: float) -> worker_pb2.PrefillResult:
         request.timeout_s = timeout_s
+        request.router_id = self.router_id
         return await self._call("prefill", timeout_s + PREFILL_MARGIN_S, self.worker.prefill(request))
 
     async def release(self, request_id: str, timeout_s: float) -> None:
-        await self._call("release", timeout_s, self.worker.release(worker_pb2.ReleaseRequest(request_id=request_id)))
+        request = worker_pb2.ReleaseRequest(request_id=request_id, router_id=self.router_id)
+        await self._call("release", timeout_s, self.worker.release(request))
 
     # ----- decode --------------------------------------------------------------------------
 
@@ -194,7 +196,8 @@ class WorkerClient:
         return await self._call("decode submit", timeout_s, self.worker.submit(request))
 
     async def abort(self, request_id: str, timeout_s: float) -> None:
-        await self._call("abort", timeout_s, self.worker.abort(worker_pb2.AbortRequest(request_id=request_id)))
+        request = worker_pb2.AbortRequest(request_id=request_id, router_id=self.router_id)
+        await self._call("abort", timeout_s, self.worker.abort(request))
 
     async def poll(self, wait_s: float, timeout_s: float, acked: int | None = None) -> worker_pb2.TokenUpdates:
         request = worker_pb2.PollRequest(wait_s=wait_s, router_id=self.router_id, acked=acked)
