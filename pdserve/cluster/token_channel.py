@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import socket
 import struct
@@ -39,7 +40,14 @@ _UPDATES, _ERROR = 0, 1
 # A request is a few dozen bytes: a larger length means a peer that does not speak this protocol.
 _MAX_REQUEST = 4096
 MAX_CONNECTIONS = 64  # routers x polls in flight: a few per router; the rest are refused
+# A handshake gets this long in all (not per byte), and only so many run at once, a few per peer
+# address: connections that never prove the key cannot hold a slot for long nor fill the table.
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKES = 16
+MAX_HANDSHAKES_PER_PEER = 4
+# A poll's longest wait: routers long-poll for a fraction of a second.
+MAX_WAIT_S = 60.0
+_MAX_ROUTER_ID = 256
 
 # The worker's `Poll` (`pdserve.cluster.worker_boundary.WorkerBoundary.poll`): it answers its
 # errors as `WorkerError`s rather than raising them.
@@ -77,6 +85,8 @@ class TokenChannelServer:
         self._host = host
         self._port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
+        self._handshakes: dict[str, int] = {}  # peer address -> handshakes under way
+        self._served = 0  # connections past their handshake
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, name="token-channel", daemon=True).start()
@@ -107,25 +117,30 @@ class TokenChannelServer:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, addr = self._sock.accept()
             except OSError:
                 return  # closed
+            peer = str(addr[0])
             with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
+                shaking = self._handshakes.get(peer, 0)
+                full = sum(self._handshakes.values()) >= MAX_HANDSHAKES or shaking >= MAX_HANDSHAKES_PER_PEER
                 if not full:
+                    self._handshakes[peer] = shaking + 1
                     self._conns.add(conn)
             if full:
-                log.warning("token channel: %d connections open already; refusing one", MAX_CONNECTIONS)
+                log.warning("token channel: too many handshakes under way (from %s); refusing one", peer)
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="token-channel-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name="token-channel-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        shaking, admitted = True, False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._handshake(conn):
-                return
-            while not self._closed:
+            shook = self._handshake(conn)
+            shaking = False  # `_admit` ends its count
+            admitted = self._admit(peer, shook)
+            while admitted and not self._closed:
                 head = _recv_exact(conn, _LENGTH.size)
                 if head is None:
                     return  # the router closed it
@@ -140,16 +155,42 @@ class TokenChannelServer:
                 conn.sendall(_ANSWER.pack(len(payload), kind) + payload)
         except OSError:
             pass  # the router went away mid-answer: it polls again, and `acked` resends what it missed
+        except Exception:  # a fault of ours: this connection ends, the worker and its other ones go on
+            log.exception("token channel: serving a connection failed; closing it")
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if admitted:
+                    self._served -= 1
+                elif shaking:
+                    self._release_handshake(peer)
             conn.close()
+
+    def _admit(self, peer: str, shook: bool) -> bool:
+        """The handshake of `peer` is over: its connection takes a slot if it passed and one is free."""
+        with self._lock:
+            self._release_handshake(peer)
+            if not shook:
+                return False
+            if self._served >= MAX_CONNECTIONS:
+                log.warning("token channel: %d connections open already; refusing one", MAX_CONNECTIONS)
+                return False
+            self._served += 1
+            return True
+
+    def _release_handshake(self, peer: str) -> None:
+        left = self._handshakes.pop(peer, 0) - 1
+        if left > 0:
+            self._handshakes[peer] = left
 
     def _handshake(self, conn: socket.socket) -> bool:
         nonce = secrets.token_bytes(_NONCE)
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        conn.sendall(MAGIC + nonce)
-        answer = _recv_exact(conn, _DIGEST)
+        try:
+            conn.sendall(MAGIC + nonce)
+            answer = _recv_exact(conn, _DIGEST, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+        except TimeoutError:
+            answer = None
         if answer is None or not hmac.compare_digest(answer, _digest(self._key, nonce)):
             log.warning("token channel: a connection without the worker's key; closed")
             return False
@@ -158,18 +199,46 @@ class TokenChannelServer:
 
     def _answer(self, body: bytes) -> tuple[int, bytes]:
         try:
-            answer = self._poll(worker_pb2.PollRequest.FromString(body))
-        except Exception as exc:  # a request that does not parse; the poll itself answers its errors
+            request = worker_pb2.PollRequest.FromString(body)
+            problem = poll_problem(request)
+        except Exception as exc:  # not a PollRequest (bad UTF-8 included): the sender's fault
+            problem = f"not a PollRequest: {type(exc).__name__}: {exc}"
+        if problem is not None:
             answer = worker_pb2.WorkerError(
-                code=worker_pb2.WorkerError.INTERNAL, message=f"token channel: {type(exc).__name__}: {exc}"
+                code=worker_pb2.WorkerError.INVALID_REQUEST, message=f"token channel: {problem}"
             )
+        else:
+            try:
+                answer = self._poll(request)
+            except Exception as exc:  # the poll answers its own errors: this is a fault of ours
+                log.exception("token channel: the poll failed")
+                answer = worker_pb2.WorkerError(
+                    code=worker_pb2.WorkerError.INTERNAL, message=f"token channel: {type(exc).__name__}"
+                )
         kind = _ERROR if isinstance(answer, worker_pb2.WorkerError) else _UPDATES
         return kind, answer.SerializeToString()
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+def poll_problem(request: worker_pb2.PollRequest) -> str | None:
+    """What is wrong with a poll from the wire, or None. A NaN or infinite wait would make the
+    worker's wait spin or never end."""
+    if not math.isfinite(request.wait_s) or not 0.0 <= request.wait_s <= MAX_WAIT_S:
+        return f"wait_s: {request.wait_s}; must be finite, within [0, {MAX_WAIT_S:g}]"
+    if len(request.router_id) > _MAX_ROUTER_ID:
+        return f"router_id: {len(request.router_id)} characters; at most {_MAX_ROUTER_ID}"
+    return None
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """`n` bytes, or None if the peer closed first. With `deadline` (monotonic), TimeoutError
+    once it passes, however the bytes trickle in."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("token channel: handshake past its time")
+            conn.settimeout(left)
         chunk = conn.recv(n - len(buf))
         if not chunk:
             return None
