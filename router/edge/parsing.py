@@ -5,6 +5,8 @@ given; `RequestParser` runs it off the event loop for large requests."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,6 +23,7 @@ _ROLES = ("system", "user", "assistant", "tool")
 # Requests up to this size (characters of text, or token ids) are parsed on the event loop:
 # a thread hop would cost more than their parse.
 INLINE_PARSE_SIZE = 16_384
+PARSE_NICE = 10  # the parse threads' nice value: below the event loop's
 
 
 class RequestParser:
@@ -28,12 +31,15 @@ class RequestParser:
     rendered) in a small pool of threads, never on the event loop, where a prompt of a million
     characters would freeze every stream and health probe for seconds. The tokenizer's encode
     releases the GIL, and a template render in a thread yields it at the interpreter's switch
-    interval, so the loop keeps its turns."""
+    interval, so the loop keeps its turns; the threads run at a lower CPU priority, so that on
+    a machine with few cores the loop's thread also wins the CPU over them."""
 
     def __init__(self, config: RouterConfig, tokenizer: Any, threads: int = 2) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdserve-parse")
+        self._pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="pdserve-parse", initializer=_lower_priority
+        )
 
     async def parse(
         self, request: inference_pb2.GenerateRequest, fill_context: bool = False
@@ -45,6 +51,16 @@ class RequestParser:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority() -> None:
+    """Raise this thread's nice value (Linux schedules threads one by one; raising it needs no
+    privilege). Elsewhere, or if refused, the thread runs at the process's priority."""
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PARSE_NICE)
+        except OSError:
+            pass
 
 
 def request_size(request: inference_pb2.GenerateRequest) -> int:

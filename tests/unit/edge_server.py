@@ -43,8 +43,8 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served(tokenizer: Any = None, **overrides: Any) -> AsyncIterator[Served]:
-    decode = FakeDecode()
+async def served(tokenizer: Any = None, decode: FakeDecode | None = None, **overrides: Any) -> AsyncIterator[Served]:
+    decode = decode if decode is not None else FakeDecode()
     router = make_router([], [decode], **overrides)
     if tokenizer is not None:
         router = Router(router.config, tokenizer, [], [decode])
