@@ -8,7 +8,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from opentelemetry import trace
@@ -61,6 +61,9 @@ class Books:
     streams: dict[str, Stream]  # by request id: what the token relay delivers to
     background: Background  # where close's calls to the workers run
     control_timeout_s: float
+    # Ids of closed requests whose workers are still freeing them: not yet free for a new request,
+    # which would otherwise be placed and then aborted (or refused) by that cleanup.
+    ending: set[str] = field(default_factory=set)
 
 
 class InFlight:
@@ -269,15 +272,20 @@ class InFlight:
             return
         hand_over, t = self._hand_over, self._books.control_timeout_s
         decode, prefill = self.decode, self.prefill
+        ending = self._books.ending
+        ending.add(self.rid)
 
         async def cleanup() -> None:
-            if hand_over is not None:  # let a start/submit still on its way land first
-                await asyncio.gather(hand_over, return_exceptions=True)
-            results = await asyncio.gather(
-                decode.abort(self.rid, t) if abort else asyncio.sleep(0),
-                prefill.release(self.rid, t) if release and prefill is not None else asyncio.sleep(0),
-                return_exceptions=True,
-            )
+            try:
+                if hand_over is not None:  # let a start/submit still on its way land first
+                    await asyncio.gather(hand_over, return_exceptions=True)
+                results = await asyncio.gather(
+                    decode.abort(self.rid, t) if abort else asyncio.sleep(0),
+                    prefill.release(self.rid, t) if release and prefill is not None else asyncio.sleep(0),
+                    return_exceptions=True,
+                )
+            finally:
+                ending.discard(self.rid)
             for res in results:
                 if isinstance(res, BaseException):
                     log.warning("cleanup of %s: %s", self.rid, res)

@@ -194,7 +194,7 @@ class Router:
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         ids, params = await self.parser.parse(request, fill_context)
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
-        if rid in self.relay.streams:
+        if rid in self.relay.streams or rid in self._books.ending:  # its workers may still hold it
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight")
         root.set_attributes({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(ids)})
         r = self._place(rid, ids, params, trace.set_span_in_context(root))
