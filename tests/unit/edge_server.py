@@ -5,6 +5,7 @@ tests that need real tokenization."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,9 +20,24 @@ from pdserve.router.edge.http_server import start_http_server
 from pdserve.router.router import Router
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
+from pdserve_proto import worker_pb2
 from tests.unit.router_doubles import FakeDecode, make_router
 
 DOUBLE_TOKEN = 7  # what FakeDecode emits, every step
+
+
+class OnePollDecode(FakeDecode):
+    """A decode double that emits every token a request has left in one poll (one update per
+    token, as a worker's batched steps arrive), so that a request for thousands is quick."""
+
+    async def poll(self, wait_s, timeout_s, acked=None) -> worker_pb2.TokenUpdates:
+        await asyncio.sleep(0.002)
+        out = worker_pb2.TokenUpdates()
+        for rid, left in list(self.live.items()):
+            for i in range(left):
+                out.updates.add(request_id=rid, token_ids=[DOUBLE_TOKEN], finish_reason="length" if i == left - 1 else "")
+            del self.live[rid]
+        return out
 
 
 @dataclass
@@ -66,4 +82,6 @@ def small_tokenizer() -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    return tokenizer
