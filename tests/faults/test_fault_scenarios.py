@@ -19,7 +19,9 @@ import time
 import grpc
 import pytest
 
+from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve_proto import inference_pb2 as pb
+from pdserve_proto import worker_pb2
 from tests.faults.harness import ROUTER_LEASE_S, FaultCluster, describe
 from tests.faults.scenarios import LATE_POLL, Fault, RequestSpec, Scenario, draw, rerun_command, scenario_seeds
 
@@ -102,7 +104,8 @@ def test_a_dead_routers_stream_is_aborted_by_the_decode_workers_lease(fault_clus
     aborted = {
         u.request_id
         for w in c._live("decode")
-        for u in w.poll(0.0, dead.router_id).updates  # the dead router's outbox, as a late poll finds it
+        # the dead router's outbox, as a late poll of that router finds it (through the worker's boundary)
+        for u in WorkerBoundary(w).poll(worker_pb2.PollRequest(wait_s=0.0, router_id=dead.router_id)).updates
         if u.finish_reason == "abort"
     }
     assert rid in aborted, "the decode worker did not abort the dead router's request (did it finish instead?)"
