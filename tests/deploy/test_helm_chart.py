@@ -310,10 +310,16 @@ def test_router_service_ports(chart: helm.Chart) -> None:
         assert cmd[cmd.index(flag) + 1] == value
 
 
+# Readiness asks Inference (NOT_SERVING without a decode worker: no traffic); start-up and liveness
+# ask Admin (SERVING while the process runs: a decode outage does not restart the router).
+PROBE_SERVICES = {"startupProbe": "pdserve.v1.Admin", "readinessProbe": "pdserve.v1.Inference",
+                  "livenessProbe": "pdserve.v1.Admin"}
+
+
 def test_router_probes_use_grpc_health(chart: helm.Chart) -> None:
     container = one(render(chart), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": 50051, "service": "pdserve.v1.Inference"}
+    for probe, service in PROBE_SERVICES.items():
+        assert container[probe]["grpc"] == {"port": 50051, "service": service}
 
 
 def test_router_joins_ray_without_resources(chart: helm.Chart) -> None:
@@ -373,9 +379,9 @@ def test_tls_api_keys_otel(chart: helm.Chart) -> None:
     c = spec["containers"][0]
     assert env_of(c)["PDSERVE_ADMIN_API_KEY"] == {"secretKeyRef": {"name": "pdserve-admin", "key": "admin-api-key"}}
     # The kubelet's gRPC probe has no TLS: the health check runs in the pod against the same service.
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe, service in PROBE_SERVICES.items():
         command = c[probe]["exec"]["command"]
-        assert command[:2] == ["python", "-c"] and "pdserve.v1.Inference" in command[2]
+        assert command[:2] == ["python", "-c"] and f"service='{service}'" in command[2]
         compile(command[2], "probe", "exec")
     assert "--ssl-certfile" not in serve_command(render(chart))
 
@@ -453,8 +459,8 @@ def test_router_replicas_deployment(chart: helm.Chart) -> None:
     assert not any(k.startswith("nvidia.com/") for k in c["resources"]["limits"])  # starts no worker
     assert first_c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert c["ports"] == first_c["ports"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe] == first_c[probe] and "pdserve.v1.Inference" in c[probe]["exec"]["command"][2]
+    for probe, service in PROBE_SERVICES.items():
+        assert c[probe] == first_c[probe] and f"service='{service}'" in c[probe]["exec"]["command"][2]
     assert c["volumeMounts"] == first_c["volumeMounts"] and spec["volumes"] == first_spec["volumes"]
     env = env_of(c)
     assert env["PDSERVE_ADMIN_API_KEY"] == {"secretKeyRef": {"name": "pdserve-admin", "key": "admin-api-key"}}
@@ -463,8 +469,8 @@ def test_router_replicas_deployment(chart: helm.Chart) -> None:
 def test_router_replica_probes_without_tls(chart: helm.Chart) -> None:
     objects = render(chart, {"router": {"replicas": 2}})
     c = one(objects, "Deployment", "-router-replica")["spec"]["template"]["spec"]["containers"][0]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"] == {"port": 50051, "service": "pdserve.v1.Inference"}
+    for probe, service in PROBE_SERVICES.items():
+        assert c[probe]["grpc"] == {"port": 50051, "service": service}
     assert c["livenessProbe"]["failureThreshold"] == 6 and c["startupProbe"]["failureThreshold"] == 90
 
 
@@ -600,8 +606,14 @@ def test_dockerfile_matches_chart_and_package() -> None:
     # Every package pyproject installs is copied into the build.
     import tomllib
 
-    includes = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    for pattern in includes:
-        pkg = pattern.rstrip("*")
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setuptools["package-dir"]  # pdserve.router -> router/, ...
+    # The folder each package's sources live in, at the top of the repository.
+    folders = {
+        next((d for name, d in mapped.items() if pkg == name or pkg.startswith(name + ".")), pkg).split(".")[0]
+        for pkg in setuptools["packages"]
+    }
+    assert folders >= {"pdserve", "pdserve_proto", "router", "kv_transfer", "prefill_worker", "decode_worker"}
+    for pkg in sorted(folders):
         assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
         assert f"!{pkg}/" in (REPO / "deploy" / "docker" / "Dockerfile.dockerignore").read_text(), pkg

@@ -103,23 +103,30 @@ spec:
           containerPort: {{ $r.ports.http }}
         - name: metrics
           containerPort: {{ $r.ports.metrics }}
-      {{- $probe := dict "grpc" (dict "port" $r.ports.grpc "service" "pdserve.v1.Inference") }}
+      {{- /* Readiness asks Inference, which is NOT_SERVING while no decode worker is in placement, so
+      traffic goes elsewhere; liveness and start-up ask Admin, SERVING while the process runs, so a
+      decode outage does not restart the router. */}}
+      {{- $probes := dict }}
+      {{- range $kind, $service := dict "ready" "pdserve.v1.Inference" "alive" "pdserve.v1.Admin" }}
+      {{- $probe := dict "grpc" (dict "port" $r.ports.grpc "service" $service) }}
       {{- if $root.Values.tls.enabled }}
       {{- /* The kubelet's gRPC probe speaks plaintext only: with TLS the health check runs in the pod. */}}
       {{- $server := $root.Values.tls.serverName | default (printf "%s.%s.svc" (include "pdserve.routerName" $root) $root.Release.Namespace) }}
-      {{- $script := printf "import os, grpc\nfrom grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g\nr = lambda p: open(p, 'rb').read()\nc = grpc.ssl_channel_credentials(r('%s/ca.crt'), r('%s/tls.key'), r('%s/tls.crt'))\nch = grpc.secure_channel(os.environ['POD_IP'] + ':%d', c, options=[('grpc.ssl_target_name_override', '%s')])\ns = g.HealthStub(ch).Check(h.HealthCheckRequest(service='pdserve.v1.Inference'), timeout=5).status\nraise SystemExit(0 if s == h.HealthCheckResponse.SERVING else 1)\n" $tlsDir $tlsDir $tlsDir (int $r.ports.grpc) $server }}
+      {{- $script := printf "import os, grpc\nfrom grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g\nr = lambda p: open(p, 'rb').read()\nc = grpc.ssl_channel_credentials(r('%s/ca.crt'), r('%s/tls.key'), r('%s/tls.crt'))\nch = grpc.secure_channel(os.environ['POD_IP'] + ':%d', c, options=[('grpc.ssl_target_name_override', '%s')])\ns = g.HealthStub(ch).Check(h.HealthCheckRequest(service='%s'), timeout=5).status\nraise SystemExit(0 if s == h.HealthCheckResponse.SERVING else 1)\n" $tlsDir $tlsDir $tlsDir (int $r.ports.grpc) $server $service }}
       {{- $probe = dict "exec" (dict "command" (list "python" "-c" $script)) "timeoutSeconds" 10 }}
       {{- end }}
+      {{- $_ := set $probes $kind $probe }}
+      {{- end }}
       startupProbe:
-        {{- toYaml $probe | nindent 8 }}
+        {{- toYaml $probes.alive | nindent 8 }}
         periodSeconds: 10
         failureThreshold: {{ $r.probes.startupFailureThreshold }}
       readinessProbe:
-        {{- toYaml $probe | nindent 8 }}
+        {{- toYaml $probes.ready | nindent 8 }}
         periodSeconds: {{ $r.probes.periodSeconds }}
         failureThreshold: 3
       livenessProbe:
-        {{- toYaml $probe | nindent 8 }}
+        {{- toYaml $probes.alive | nindent 8 }}
         periodSeconds: {{ $r.probes.periodSeconds }}
         failureThreshold: 6
       resources:
