@@ -200,7 +200,7 @@ def test_a_hand_over_aborted_before_it_arrives_decodes_nothing(start_in_process,
         list(pbg.InferenceStub(c.channel).Generate(request, timeout=60))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
     wait_until(lambda: all(t.done() for t in decodes[0].sent), 30, "the start call to reach the decode worker")
-    assert c.decode.transfers == 0 and c.decode.stats().running_requests == 0  # nothing imported, nothing decoded
+    assert c.decode.kv.transfers == 0 and c.decode.stats().running_requests == 0  # nothing imported, nothing decoded
     assert any("aborted before it reached this worker" in a for a in decodes[0].answers()), decodes[0].answers()
     wait_until(lambda: c.blocks_in_use() == 0, IDLE_WITHIN_S, "every KV block free on both workers")
     assert c.decode.engine.holds_requests() == 0 and c.prefill.engine.holds_requests() == 0
