@@ -38,6 +38,8 @@ def retry_after_ms(recent_queue_s: float | None) -> int:
 
 @dataclass(frozen=True)
 class Refusal:
+    """Why a pool refused a new request: its name, the requests it holds queued and its limit, and
+    how long the client should wait before it retries."""
     pool: str
     queued: int
     limit: int

@@ -11,6 +11,8 @@ log = logging.getLogger(__name__)
 
 
 class Background:
+    """The router's calls that nothing waits for: each task is held until it ends, and `drain`
+    waits for all of them."""
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task] = set()  # referenced until done, so none is collected mid-run
 

@@ -19,6 +19,7 @@ NO_FLIPS = "no role flips in this server"
 
 
 class ControlPlane(Protocol):
+    """What the Admin service needs of the cluster: a role flip by hand and the P:D controller's state."""
     async def set_role(self, worker_id: str, role: str, drain_timeout_s: float | None) -> inference_pb2.RoleChange: ...
 
     def controller_state(self) -> inference_pb2.ControllerState: ...

@@ -1,14 +1,11 @@
 """Keeps one pool's placement state in step with its workers (the I/O half of `router.placement.pool_state`).
 
 One task per worker long-polls its KV event batches and applies them to the pool's prefix
-index; a batch that does not follow the previous one (events lost, worker restarted) makes the
-next poll ask for a full snapshot. The same poll doubles as the health check: after
-`max_failures` polls in a row fail because the worker is down (`RouterError.worker_failed`: it
-died, is unreachable, or fails its health check too) the worker leaves the ring and the index
-(its prefixes move to their next owners), and it rejoins, from a fresh snapshot, as soon as it
-answers again. A poll that is only late (a busy worker) is retried from a snapshot and counts
-for nothing: how long a loaded worker takes to answer says nothing about whether it is alive. Draining a worker
-(`unwatch`) stops the task; the router stops placing on it first.
+index; a batch that does not follow the previous one makes the next poll ask for a full
+snapshot. The poll doubles as the health check: after `max_failures` polls in a row fail
+because the worker is down, it leaves placement, and it rejoins from a fresh snapshot once it
+answers again; a poll that is only late (a busy worker) is retried and counts for nothing.
+Draining (`unwatch`) stops the task. docs/router.md, "Membership", has the rules.
 """
 
 from __future__ import annotations
@@ -36,6 +33,8 @@ class _Policy(Protocol):  # what this module needs of a pool's placement state (
 
 @dataclass(frozen=True)
 class MembershipConfig:
+    """How a pool polls its workers' KV events and when it gives up on a worker: poll wait, spacing
+    and deadline, failures before the worker leaves placement, and the pause after a failure."""
     wait_s: float = 0.5  # long-poll: a worker answers at once when it has events, else after this
     min_interval_s: float = 0.05  # between polls, so a busy worker's events come in batches, not per step
     timeout_s: float = 5.0  # on top of wait_s
@@ -44,6 +43,8 @@ class MembershipConfig:
 
 
 class PoolMembership:
+    """One pool's membership: a task per watched worker applies its KV events to the pool's placement
+    state and takes it out of placement while it is down (`down`), back in when it answers again."""
     def __init__(self, name: str, policy: _Policy, cfg: MembershipConfig = MembershipConfig()) -> None:
         self.name = name
         self.policy = policy

@@ -12,6 +12,8 @@ UNCAPPED = 1 << 30  # a count no worker reaches
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """The router's configuration: the model's limits, deadlines, caps, admission, failover limits,
+    placement and membership."""
     model_id: str
     max_model_len: int
     vocab_size: int

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class TokenRelay:
+    """The open streams by request id, and one long-poll task per followed decode worker that feeds
+    them; a worker whose polls keep failing because it is down loses its streams."""
     def __init__(self, config: RouterConfig, report_failure: Callable[[str, str], None]) -> None:
         self.config = config
         self._report_failure = report_failure  # (worker, why): takes it out of placement

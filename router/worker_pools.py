@@ -13,6 +13,8 @@ from pdserve.router.router_config import RouterConfig
 
 
 class WorkerPools:
+    """The workers the router places on: their handles, each pool's placement policy and membership,
+    and how many requests each worker still serves (what `drain` waits for)."""
     def __init__(self, config: RouterConfig, prefills: list[PrefillHandle], decodes: list[DecodeHandle]) -> None:
         self.prefills = {p.worker_id: p for p in prefills}
         self.decodes = {d.worker_id: d for d in decodes}

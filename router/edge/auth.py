@@ -18,6 +18,7 @@ from pathlib import Path
 
 
 class Plane(Enum):
+    """Which key a call needs: none (`OPEN`), a data key, an admin key, or a key of either (`ANY`)."""
     OPEN = "open"
     DATA = "data"
     ADMIN = "admin"
@@ -25,6 +26,7 @@ class Plane(Enum):
 
 
 class Verdict(Enum):
+    """What `ApiKeys.check` decided for one call."""
     ALLOWED = "allowed"
     MISSING = "missing"  # no credentials, or not a key of this server: UNAUTHENTICATED / 401
     WRONG_PLANE = "wrong_plane"  # a valid key of the other plane: PERMISSION_DENIED / 403
@@ -35,6 +37,8 @@ ENV_VAR = "PDSERVE_API_KEY"
 
 @dataclass(frozen=True)
 class ApiKeys:
+    """The API keys of the data and admin planes (none: no authentication); `check` decides
+    whether a presented token may call a plane."""
     # repr=False: a config printed or logged never shows a key.
     data: tuple[str, ...] = field(default=(), repr=False)
     admin: tuple[str, ...] = field(default=(), repr=False)

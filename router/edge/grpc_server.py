@@ -28,6 +28,8 @@ SERVICE_NAMES = (INFERENCE, ADMIN)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """The Inference service: checks each request against the input limits, streams its generation
+    from the router with a `RouterError` turned into its gRPC status, and lists the model."""
     def __init__(self, router: Router, limits: InputLimits = InputLimits()) -> None:
         self.router = router
         self.limits = limits
@@ -58,6 +60,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 
 class AdminServicer(inference_pb2_grpc.AdminServicer):
+    """The Admin service: the cluster's stats, role flips by hand and the P:D controller's state,
+    the last two through a `ControlPlane` when this server has one."""
     def __init__(self, router: Router, control: ControlPlane | None = None) -> None:
         self.router = router
         self.control = control  # role flips and the P:D controller (None: this server has neither)

@@ -18,6 +18,7 @@ from pdserve_proto import inference_pb2
 
 @dataclass(frozen=True)
 class InputLimits:
+    """The most one request may carry: body bytes, prompt size, messages and stop strings (each >= 1)."""
     max_request_bytes: int = 4 * 2**20  # a request body or gRPC message
     max_prompt_chars: int = 1_000_000  # prompt text, or all messages' content together
     max_prompt_token_ids: int = 1_000_000  # prompt_token_ids (the context check comes later)

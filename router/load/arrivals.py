@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Arrival:
+    """One request as it arrived: when, its prompt tokens, the part predicted cached, its max_tokens."""
     t: float
     prompt_tokens: int
     cached_tokens: int  # predicted at placement (the prefix index's match)
@@ -20,6 +21,7 @@ class Arrival:
 
 @dataclass(frozen=True)
 class ArrivalRates:
+    """Demand per second over a window: requests, uncached prompt tokens and output tokens."""
     requests_s: float
     prompt_tokens_s: float  # prompt tokens not predicted cached: what the prefill pool computes
     output_tokens_s: float  # the arriving requests' max_tokens: what the decode pool will decode

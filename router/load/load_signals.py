@@ -20,6 +20,8 @@ from pdserve.telemetry.metrics import RouterMetrics
 
 @dataclass(frozen=True)
 class DecodeWorkerLoad:
+    """One decode worker's load from its stats: its sequences, its KV in use, and whether it is in
+    placement."""
     worker: str
     running: int  # sequences in its batch
     waiting: int  # sequences waiting for a slot in it
@@ -30,6 +32,8 @@ class DecodeWorkerLoad:
 
 @dataclass(frozen=True)
 class RouterLoad:
+    """One reading of the cluster's load at `now`: workers in placement, arrival rates, the prefill
+    queue, each decode worker's load, and the latencies and prefill times measured since the last."""
     now: float
     prefill_workers: int  # in placement now
     decode_workers: int

@@ -50,6 +50,7 @@ class LatencyWindow:
 
 @dataclass(frozen=True)
 class PrefillTime:
+    """One finished prefill: the worker, the prompt tokens it computed, and its compute time there."""
     worker: str
     tokens: int  # prompt tokens the worker computed (not served from its prefix cache)
     seconds: float  # on the worker, its queue excluded

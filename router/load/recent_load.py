@@ -14,6 +14,8 @@ import math
 
 
 class RecentLoad:
+    """Each worker's recently placed work, decaying with time constant `window_s`: what the prefill
+    load bound compares."""
     def __init__(self, window_s: float) -> None:
         if window_s <= 0:
             raise ValueError("window_s: must be > 0")

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Placement:
+    """Where one request was placed: the worker, the prompt blocks it holds, the prompt's home worker,
+    and the load it adds there, with the prompt's size and the time, so that its end corrects that load."""
     worker: str
     matched_blocks: int  # leading prompt blocks the index says the worker holds
     home: str | None  # where the policy sends the prompt's key on an idle pool (None: no key, or a keyless policy)

@@ -30,6 +30,8 @@ class _Entries:
 
 
 class PrefixIndex:
+    """Which workers hold which block hashes, kept from their KV event batches: `match` gives each
+    worker's leading blocks of a prompt; at most `max_entries_per_worker` hashes a worker."""
     def __init__(self, max_entries_per_worker: int = 1 << 18) -> None:
         self.max_entries_per_worker = max_entries_per_worker
         self._holders: dict[int, int] = {}  # block hash -> mask of worker bits

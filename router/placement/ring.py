@@ -21,6 +21,8 @@ def _point(worker: str, replica: int) -> int:
 
 
 class HashRing:
+    """A consistent-hash ring of workers with `vnodes` points each: `owner` of a key, and `walk`,
+    every worker clockwise from it."""
     def __init__(self, workers: Iterable[str] = (), vnodes: int = 128) -> None:
         if vnodes < 1:
             raise ValueError("vnodes: must be >= 1")

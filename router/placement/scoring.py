@@ -2,16 +2,10 @@
 
 Bounded loads (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam,
 2018): a worker may take a request only while its load is below `c` times the mean load, the
-mean counting the request being placed. For unit loads this is the paper's
-`load + 1 <= ceil(c * (total + 1) / n)`. The least loaded worker always qualifies (its load is
-at most the old mean, which is below c times the new one for c >= 1), so the bound only ever
-redirects work, never refuses it; refusing is the hard per-worker capacity's job.
-
-A worker with nothing in flight always qualifies: an idle worker delays nobody. For unit loads
-the rule above already says so (0 < c * (total + 1) / n); for loads that outlive the requests,
-like the prefill pool's decaying work, it has to be said, or at low traffic the worker that
-served the last request would look overloaded and its cached prefix would be recomputed
-elsewhere.
+mean counting the request being placed. The least loaded worker always qualifies, so the bound
+only redirects work; refusing is the hard per-worker capacity's job. A worker with nothing in
+flight always qualifies too: with loads that outlive the requests, the worker that served the
+last one would otherwise look overloaded at low traffic. docs/router.md, "Prefill placement".
 """
 
 from __future__ import annotations
