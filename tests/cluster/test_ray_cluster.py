@@ -119,7 +119,6 @@ def test_repeated_prefix_pulls_only_missing_blocks(channel, wait_until, blocks_f
         (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
         (dict(prompt_token_ids=[1, 99999999]), "prompt_token_ids"),
         (dict(prompt_token_ids=list(range(9000))), "prompt"),
-        (dict(prompt="hi", model="no-such-model"), "model"),
         (dict(prompt="hi", sampling_params=pb.SamplingParams(temperature=-1)), "sampling_params.temperature"),
         (dict(prompt="hi", sampling_params=pb.SamplingParams(top_p=1.5)), "sampling_params.top_p"),
         (dict(prompt="hi", sampling_params=pb.SamplingParams(top_k=-3)), "sampling_params.top_k"),
@@ -133,6 +132,14 @@ def test_bad_requests_get_invalid_argument_naming_the_field(channel, request_kwa
         list(stub.Generate(pb.GenerateRequest(**request_kwargs), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field + ":" if "." in field or "[" in field else field), err.value.details()
+
+
+def test_an_unknown_model_is_not_found_naming_the_field(channel):
+    """As the HTTP API's 404: the request is well formed, the model it names does not exist here."""
+    with pytest.raises(grpc.RpcError) as err:
+        list(pbg.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="hi", model="no-such-model"), timeout=30))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert err.value.details().startswith("model"), err.value.details()
 
 
 def test_list_models(channel):

@@ -119,7 +119,7 @@ def test_not_a_model_path():
     [
         (["--model", "/nonexistent/model", "hi"], "model: "),
         (["--max-tokens", "0", "hi"], "max_tokens: must be an integer >= 1"),
-        (["--temperature", "-1", "hi"], "temperature: must be >= 0"),
+        (["--temperature", "-1", "hi"], "temperature: must be in [0, 100], got -1.0"),
     ],
 )
 def test_cli_exits_non_zero_with_the_reason(args, message):
