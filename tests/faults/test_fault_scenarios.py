@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -77,6 +79,28 @@ def test_a_dead_routers_stream_is_aborted_by_the_decode_workers_lease(fault_clus
     c = fault_cluster
     dead, alive = c.routers
     rid = f"orphan-{time.monotonic_ns()}"
+    # The stream must outlast the lease whatever the host's speed (the tiny model can decode 900
+    # tokens in under the 2 s lease): every decode step takes at least 10 ms during this test.
+    engines = [w.engine for w in c._live("decode")]
+    for engine in engines:
+        engine.step = _at_least(0.01, engine.step)
+    try:
+        _orphaned_stream_is_aborted(c, dead, alive, rid)
+    finally:
+        for engine in engines:
+            del engine.step  # the class's step again
+    _heal_and_serve(c, dead)
+
+
+def _at_least(seconds: float, step: Callable[[], Any]) -> Callable[[], Any]:
+    def slow_step() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    return slow_step
+
+
+def _orphaned_stream_is_aborted(c: FaultCluster, dead: Any, alive: Any, rid: str) -> None:
     long = pb.GenerateRequest(
         prompt_token_ids=list(range(40, 70)),
         request_id=rid,
@@ -110,6 +134,8 @@ def test_a_dead_routers_stream_is_aborted_by_the_decode_workers_lease(fault_clus
     }
     assert rid in aborted, "the decode worker did not abort the dead router's request (did it finish instead?)"
 
+
+def _heal_and_serve(c: FaultCluster, dead: Any) -> None:
     c.heal()  # a new router in the dead one's place
     assert not c.routers[0].dead and c.routers[0].router_id != dead.router_id
     spec = RequestSpec(tuple(range(80, 100)), 8, True, 0.0, None, 0.0, 30.0)
