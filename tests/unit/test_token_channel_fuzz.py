@@ -6,7 +6,6 @@ Seeded (PDSERVE_FUZZ_SEED) and sized for CI; PDSERVE_FUZZ_SCALE=100 runs the nig
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import math
@@ -21,9 +20,10 @@ from typing import Any
 import pytest
 
 from pdserve.cluster import token_channel
-from pdserve.cluster.token_channel import ChannelInfo, TokenChannelClient, TokenChannelServer
+from pdserve.cluster.token_channel import ChannelInfo, TokenChannelServer
 from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve_proto import worker_pb2
+from tests.unit.token_channel_peer import open_channel, real_poll, receive
 
 SCALE = int(os.environ.get("PDSERVE_FUZZ_SCALE", "1"))
 SEED = int(os.environ.get("PDSERVE_FUZZ_SEED", "20261127"))
@@ -83,21 +83,12 @@ def _frame(rng: random.Random) -> bytes:
 
 
 def _recv(s: socket.socket, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
+    got = receive(s, n)
+    return got if len(got) == n else None
 
 
 def _open(info: ChannelInfo) -> socket.socket:
-    s = socket.create_connection((info.host, info.port), timeout=ANSWER_WITHIN_S)
-    greeting = _recv(s, len(token_channel.MAGIC) + 16)
-    assert greeting is not None
-    s.sendall(hmac.new(info.key, greeting[len(token_channel.MAGIC):], hashlib.sha256).digest())
-    return s
+    return open_channel(info, timeout_s=ANSWER_WITHIN_S)
 
 
 def _send_one(s: socket.socket, frame: bytes) -> bool:
@@ -125,24 +116,10 @@ def _send_one(s: socket.socket, frame: bytes) -> bool:
     return True
 
 
-def _real_poll(info: ChannelInfo) -> Any:
-    async def fetch() -> ChannelInfo:
-        return info
-
-    async def go() -> Any:
-        client = TokenChannelClient(fetch)
-        try:
-            return await client.poll(worker_pb2.PollRequest(wait_s=0.01, router_id="router-a"))
-        finally:
-            client.close()
-
-    return asyncio.run(go())
-
-
 def _healthy(server: TokenChannelServer, threads: int) -> None:
     """A real poll answers, every fuzz connection is gone, and nothing spins."""
     info = server.info()
-    assert isinstance(_real_poll(info), worker_pb2.TokenUpdates)
+    assert isinstance(real_poll(info), worker_pb2.TokenUpdates)
     deadline = time.monotonic() + 5
     while (server.connections or threading.active_count() > threads) and time.monotonic() < deadline:
         time.sleep(0.02)

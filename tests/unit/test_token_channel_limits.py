@@ -7,9 +7,6 @@ condition with the request's own wait."""
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import hmac
 import math
 import socket
 import struct
@@ -20,9 +17,10 @@ from typing import Any
 import pytest
 
 from pdserve.cluster import token_channel
-from pdserve.cluster.token_channel import ChannelInfo, TokenChannelClient, TokenChannelServer
+from pdserve.cluster.token_channel import TokenChannelServer
 from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve_proto import worker_pb2
+from tests.unit.token_channel_peer import open_channel, real_poll, receive
 
 E = worker_pb2.WorkerError
 
@@ -49,42 +47,10 @@ def served() -> Any:
     server.close()
 
 
-def _open(info: ChannelInfo, source: str = "127.0.0.1") -> socket.socket:
-    """A connection past the handshake."""
-    s = socket.create_connection((info.host, info.port), timeout=5, source_address=(source, 0))
-    greeting = _recv(s, len(token_channel.MAGIC) + 16)
-    s.sendall(hmac.new(info.key, greeting[len(token_channel.MAGIC):], hashlib.sha256).digest())
-    return s
-
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            return buf
-        buf += chunk
-    return buf
-
-
 def _ask(s: socket.socket, body: bytes) -> tuple[int, bytes]:
     s.sendall(struct.pack("!I", len(body)) + body)
-    length, kind = struct.unpack("!IB", _recv(s, 5))
-    return kind, _recv(s, length)
-
-
-def _real_poll(info: ChannelInfo) -> worker_pb2.TokenUpdates | worker_pb2.WorkerError:
-    async def fetch() -> ChannelInfo:
-        return info
-
-    async def go() -> Any:
-        client = TokenChannelClient(fetch)
-        try:
-            return await client.poll(worker_pb2.PollRequest(wait_s=0.01, router_id="router-a"))
-        finally:
-            client.close()
-
-    return asyncio.run(go())
+    length, kind = struct.unpack("!IB", receive(s, 5))
+    return kind, receive(s, length)
 
 
 def _cpu_over(seconds: float) -> float:
@@ -100,7 +66,7 @@ def test_a_poll_with_a_wait_that_is_not_finite_and_bounded_gets_an_error_and_not
     worker, server = served
     info = server.info()
     threads = threading.active_count()
-    with _open(info) as s:
+    with open_channel(info) as s:
         kind, payload = _ask(s, worker_pb2.PollRequest(wait_s=wait_s, router_id="router-a").SerializeToString())
         assert kind == 1
         error = E.FromString(payload)
@@ -108,7 +74,7 @@ def test_a_poll_with_a_wait_that_is_not_finite_and_bounded_gets_an_error_and_not
         assert worker.calls == 0  # refused before the worker's poll
         assert threading.active_count() <= threads + 1  # this connection's thread, nothing more
         assert _cpu_over(1.0) < 0.3  # a spinning thread would take about the whole second
-    assert isinstance(_real_poll(info), worker_pb2.TokenUpdates)
+    assert isinstance(real_poll(info), worker_pb2.TokenUpdates)
 
 
 def test_the_workers_boundary_refuses_such_a_wait_too() -> None:
@@ -135,7 +101,7 @@ def test_bad_utf8_gets_an_invalid_request_answer_and_the_connection_serves_on(se
     _, server = served
     good = worker_pb2.PollRequest(wait_s=0.0, router_id="ab").SerializeToString()
     bad = good.replace(b"ab", b"\xff\xfe")
-    with _open(server.info()) as s:
+    with open_channel(server.info()) as s:
         kind, payload = _ask(s, bad)
         assert kind == 1 and E.FromString(payload).code == E.INVALID_REQUEST
         kind, payload = _ask(s, good)  # the same connection answers a good poll
@@ -144,7 +110,7 @@ def test_bad_utf8_gets_an_invalid_request_answer_and_the_connection_serves_on(se
 
 def test_an_overlong_router_id_is_refused(served: Any) -> None:
     _, server = served
-    with _open(server.info()) as s:
+    with open_channel(server.info()) as s:
         kind, payload = _ask(s, worker_pb2.PollRequest(wait_s=0.0, router_id="x" * 1000).SerializeToString())
         assert kind == 1 and E.FromString(payload).code == E.INVALID_REQUEST
 
@@ -155,7 +121,7 @@ def test_a_handshake_that_trickles_in_is_cut_off_at_its_total_bound(served: Any,
     _, server = served
     info = server.info()
     with socket.create_connection((info.host, info.port), timeout=5) as s:
-        _recv(s, len(token_channel.MAGIC) + 16)
+        receive(s, len(token_channel.MAGIC) + 16)
         began = time.monotonic()
         closed_after = None
         for _ in range(31):  # one byte short of the digest's 32, then one more
@@ -185,10 +151,10 @@ def test_peers_without_the_key_cannot_fill_the_table(served: Any) -> None:
         strangers.append(s)
     greeted = 0
     for s in strangers:
-        if _recv(s, len(token_channel.MAGIC) + 16).startswith(token_channel.MAGIC):
+        if receive(s, len(token_channel.MAGIC) + 16).startswith(token_channel.MAGIC):
             greeted += 1
     assert greeted == token_channel.MAX_HANDSHAKES_PER_PEER
-    answer = _real_poll(info)  # from 127.0.0.1, with the key, while the strangers hang on
+    answer = real_poll(info)  # from 127.0.0.1, with the key, while the strangers hang on
     assert isinstance(answer, worker_pb2.TokenUpdates), answer
     for s in strangers:
         s.close()
