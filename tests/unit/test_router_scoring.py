@@ -152,6 +152,19 @@ def test_decode_policy_uses_reported_headroom_and_prefix():
     assert policy.place(hs, len(prompt)).worker == "d0"
 
 
+def test_decode_placement_refuses_no_request_by_count_under_the_default_config():
+    """A decode worker takes what its KV memory holds (its own batch limit and wait for blocks):
+    the router's default bounds no count of requests in flight on it (256 once refused work while
+    the workers' KV memory was largely free)."""
+    from pdserve.router.router_config import RouterConfig
+
+    cap = RouterConfig(model_id="m", max_model_len=1024, vocab_size=100).max_inflight_per_decode
+    policy = DecodePolicy(PlacementConfig(), ["d0"])
+    hs = block_hashes(list(range(32)), 16)
+    placed = [policy.place(hs, 32, cap) for _ in range(2048)]
+    assert all(p is not None and p.worker == "d0" for p in placed)
+
+
 class _Last(PrefillPlacement):
     """Ranks the open workers in reverse join order: a policy the router does not ship."""
 
