@@ -89,6 +89,17 @@ def unplaceable(nodes: Sequence[NodeOffer], workers: Mapping[str, int], gpus_per
     return None
 
 
+def cluster_device(device: str, nodes: Sequence[NodeOffer]) -> str:
+    """The workers' device on a Ray cluster the router joined, read from the cluster's nodes and
+    not from this process: the router runs no model, so its pod needs no GPU. auto is cuda once any
+    node offers a GPU; cuda on a cluster without one is left to `unplaceable` to refuse."""
+    if device == "auto":
+        return "cuda" if any(n.gpus > 0 for n in nodes) else "cpu"
+    if device == "cpu" or device.startswith("cuda"):
+        return device
+    raise ValueError(f"device: must be auto, cpu or cuda[:N], not {device!r}")
+
+
 def cluster_nodes() -> list[NodeOffer]:
     """The connected Ray cluster's alive nodes."""
     import ray

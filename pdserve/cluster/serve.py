@@ -19,7 +19,7 @@ from aiohttp import web
 from pdserve.cluster.actors import RayWorker, remote_class
 from pdserve.cluster.admin_control import ClusterControl, build_control_loop
 from pdserve.cluster.listeners import kv_net_devices
-from pdserve.cluster.node_pools import PlacementError, actor_resources, cluster_nodes, unplaceable
+from pdserve.cluster.node_pools import PlacementError, actor_resources, cluster_device, cluster_nodes, unplaceable
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.ports import PortInUseError, check_ports
 from pdserve.cluster.role_flip import FlipConfig, RoleFlipper
@@ -96,7 +96,8 @@ class Cluster:
         check_ports(cfg.host, {"--port": cfg.port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port})
         progress("preparing the model" if cfg.model is None else f"preparing the model {cfg.model}")
         model_dir = resolve_model(cfg.model)  # convert once here, not in every actor
-        device = resolve_device(cfg.device)
+        # Joining a cluster, the workers' device is the cluster's (below), never looked up here.
+        device = cfg.device if cfg.ray_address else resolve_device(cfg.device)
         cfg = replace(cfg, model=str(model_dir), device=device, kv_net_devices=kv_net_devices(cfg, os.environ))
         # Read (and checked) before the slow part, and reloaded when the files change.
         certs = None if cfg.tls is None else CertificateFiles(cfg.tls)
@@ -104,10 +105,13 @@ class Cluster:
         if owns_ray:
             progress(f"joining Ray at {cfg.ray_address}" if cfg.ray_address else "starting Ray")
             _init_ray(cfg.ray_address, worker_logs)
+        nodes = cluster_nodes()
+        if cfg.ray_address:
+            device = cluster_device(cfg.device, nodes)
+            cfg = replace(cfg, device=device)
         progress(workers_line(cfg.num_prefill, cfg.num_decode, device) + f", model {model_dir.name}")
         num_gpus = 1 if device.startswith("cuda") else 0
         # Refused in one line now rather than actors pending for a node that never comes.
-        nodes = cluster_nodes()
         problem = unplaceable(nodes, {"prefill": cfg.num_prefill, "decode": cfg.num_decode}, num_gpus)
         if problem is not None:
             if owns_ray:
