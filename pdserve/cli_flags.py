@@ -62,6 +62,11 @@ def add_telemetry_args(p: argparse.ArgumentParser) -> None:
         help="serve Prometheus /metrics on this port: the router's figures and every worker's (default: off)",
     )
     p.add_argument(
+        "--export-worker-metrics", action=argparse.BooleanOptionalAction, default=True,
+        help="put every worker's series on this router's /metrics; with several routers, leave it on in one "
+        "only, so that each worker is counted once (default: on)",
+    )
+    p.add_argument(
         "--trace-exporter", default=None, choices=["none", "console", "otlp-grpc", "otlp-http"],
         help="where request traces go (default: from OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_PROTOCOL, else none)",
     )

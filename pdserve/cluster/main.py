@@ -66,6 +66,7 @@ def edge_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_queued_requests": args.max_queued_requests,
         "poll_interval_s": args.poll_interval_ms / 1000,
         "metrics_port": args.metrics_port,
+        "export_worker_metrics": args.export_worker_metrics,
         "api_keys": api_keys_from_args(args, os.environ),
         "tls": tls_config(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs),
         "limits": InputLimits(

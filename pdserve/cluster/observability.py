@@ -39,9 +39,15 @@ class RouterTelemetry:
         return None if self.server is None else self.server.port
 
     def serve_metrics(
-        self, host: str, port: int, cluster_stats: Callable[[], Coroutine[Any, Any, Any]], loop: asyncio.AbstractEventLoop
+        self,
+        host: str,
+        port: int,
+        cluster_stats: Callable[[], Coroutine[Any, Any, Any]],
+        loop: asyncio.AbstractEventLoop,
+        worker_series: bool = True,
     ) -> int:
-        """Start /metrics; `cluster_stats` is awaited on `loop` for each scrape. Returns the port."""
+        """Start /metrics; `cluster_stats` is awaited on `loop` for each scrape. Returns the port.
+        worker_series: the workers' own series too, not only this router's placement figures."""
 
         def read_stats() -> Any:
             # Runs on the HTTP server's thread: the stats call itself belongs to the router's loop.
@@ -51,7 +57,7 @@ class RouterTelemetry:
                 log.warning("metrics scrape could not read the cluster's stats: %s", exc)
                 return None
 
-        self.metrics.registry.register(ClusterCollector(read_stats))
+        self.metrics.registry.register(ClusterCollector(read_stats, worker_series))
         self.server = MetricsServer.start(self.metrics.registry, host, port)
         return self.server.port
 

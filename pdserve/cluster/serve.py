@@ -339,7 +339,9 @@ async def start_edge(
             raise
         raise PortInUseError(f"a port was taken while the router started: {exc.strerror or exc}") from exc
     if cfg.metrics_port is not None:
-        telemetry.serve_metrics(cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop())
+        telemetry.serve_metrics(
+            cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop(), cfg.export_worker_metrics
+        )
     return server, port, http
 
 

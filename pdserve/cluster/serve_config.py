@@ -73,6 +73,9 @@ class ServeConfig:
     token_transport: str = "socket"
     tracing: TracingConfig = TracingConfig()  # off by default; every process of the cluster uses it
     metrics_port: int | None = None  # Prometheus /metrics on host (None: off; 0: a free port)
+    # Every router reads every worker's stats: with several routers only one should put the
+    # workers' series on its /metrics, or a scrape of all of them counts each worker once per router.
+    export_worker_metrics: bool = True
     # Router processes on this host sharing the gRPC and HTTP ports (pdserve.cluster.router_replicas):
     # one event loop relays every token of its streams, so one process caps a fleet's token rate.
     routers: int = 1

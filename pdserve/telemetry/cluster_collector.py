@@ -31,8 +31,12 @@ _DECODE_COUNTERS = (
 
 
 class ClusterCollector(Collector):
-    def __init__(self, source: StatsSource) -> None:
+    """The fleet's series from one router's view: the workers' own (each worker's figures, the
+    same from every router, so `worker_series` is on in one router only) and this router's placement."""
+
+    def __init__(self, source: StatsSource, worker_series: bool = True) -> None:
         self._source = source
+        self._worker_series = worker_series
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the fleet; registering must not call the workers
@@ -106,8 +110,11 @@ class ClusterCollector(Collector):
             hit.add_metric([p.pool], p.hit_rate)
             for worker, n in sorted(p.placed.items()):
                 placed.add_metric([p.pool, worker], n)
+        yield from (hit, placed)  # this router's own placement: one series set per router
+        if not self._worker_series:
+            return
         yield from (up, pools, blocks, capacity, reqs, leases, preempt, pulled, reused, pulled_bytes, transfers)
-        yield from (checksums, hit, placed)
+        yield checksums
         yield from (family for _, family in decode_counters)
         yield from (step_seconds, step_seqs)
 
