@@ -222,14 +222,30 @@ class PlacementStats(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., placed: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Mapping[str, int]] = ..., load: _Optional[_Mapping[str, float]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., off_home: _Optional[int] = ..., membership_changes: _Optional[int] = ..., last_remap_fraction: _Optional[float] = ..., index_entries: _Optional[int] = ..., index_gaps: _Optional[int] = ..., hit_rate: _Optional[float] = ..., max_load_ratio: _Optional[float] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("workers", "placement", "down_workers")
+    __slots__ = ("workers", "placement", "down_workers", "pools")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     DOWN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     placement: _containers.RepeatedCompositeFieldContainer[PlacementStats]
     down_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[PlacementStats, _Mapping]]] = ..., down_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolWorkers]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[PlacementStats, _Mapping]]] = ..., down_workers: _Optional[_Iterable[str]] = ..., pools: _Optional[_Iterable[_Union[PoolWorkers, _Mapping]]] = ...) -> None: ...
+
+class PoolWorkers(_message.Message):
+    __slots__ = ("pool", "desired", "ready", "starting", "failed")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    desired: int
+    ready: int
+    starting: int
+    failed: int
+    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
     __slots__ = ("worker_id", "role", "drain_timeout_s")
