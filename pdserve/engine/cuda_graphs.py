@@ -3,7 +3,8 @@
 Decode steps are short and launch-bound, so replaying a recorded graph removes most of their
 CPU cost. A step pads up to the next captured batch size; padded rows write their (garbage)
 K/V to the pool's scratch block. Where the Triton decode kernels are on, batch 1 records the
-fused batch-1 path and small batches the split-KV attention kernel.
+fused batch-1 path and every larger batch the split-KV attention kernel (at batch 64-256 it
+reads the KV at 1.1-2x the speed of flash-attn-4's paged decode: bench/decode_kernels.py).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class DecodeGraphs:
                 batch1 = kernels.Batch1Kernels.create(kv_heads, dev, counters)
                 backend = batch1.attention
                 self.kernel_graphs[b] = "batch-1 fused"
-            elif kernels is not None and b <= kernels.ATTENTION_MAX_BATCH:
+            elif kernels is not None:
                 backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev)
                 self.kernel_graphs[b] = "split-kv attention"
             ctx = ForwardContext(meta, self.kv_pool, backend, batch1)
@@ -238,12 +239,10 @@ def capture_decode_graphs(
         return None
     kernels = decode_kernels_for(model.cfg.head_dim, cfg.triton_decode_kernels)
     max_b = min(cfg.cuda_graph_max_batch, cfg.max_num_seqs)
-    if backend.name != "flash":
+    if backend.name != "flash" and kernels is None:
         # The torch backend sizes its decode gather on the host, so it cannot be recorded;
         # only steps that attend through the split-KV kernel can.
-        if kernels is None:
-            return None
-        max_b = min(max_b, kernels.ATTENTION_MAX_BATCH)
+        return None
     if kv_pool.device.index is not None:
         torch.cuda.set_device(kv_pool.device)
     return DecodeGraphs(model, kv_pool, backend, cfg, max_model_len, scratch_block, max_b, kernels)

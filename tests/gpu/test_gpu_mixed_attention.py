@@ -93,8 +93,7 @@ def test_split_mixed_step_matches_flash_torch_and_the_reference(layout, hq, hk, 
 
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_split_mixed_step_at_the_benchmark_shape(block_size):
-    """64 decodes (past ATTENTION_MAX_BATCH, the decode graphs' limit: the kernel has none) of
-    2,900-3,100 tokens beside a 2,048-token chunk, which comes last as the scheduler puts it."""
+    """64 decodes of 2,900-3,100 tokens beside a 2,048-token chunk, which comes last as the scheduler puts it."""
     seqs = [(2900 + 3 * i, 1) for i in range(64)] + [(0, 2048)]
     _check_step(seqs, 32, 8, 64, block_size, "benchmark shape")
 

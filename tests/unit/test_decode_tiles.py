@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.kernels.decode_tiles import MAX_ATTENTION_SPLITS, MAX_SPLIT_K, attention_splits, gemv_tile
+from pdserve.engine.kernels.decode_tiles import (
+    MAX_ATTENTION_SPLITS,
+    MAX_SPLIT_K,
+    attention_splits,
+    attention_tile,
+    gemv_tile,
+)
 
 H100_OR_H200_SMS = 132
 
@@ -48,3 +54,11 @@ def test_gemv_split_rules_hold_for_any_shape(n, k, sms):
 def test_attention_splits_fill_the_sms_once(batch, kv_heads, splits):
     assert attention_splits(batch, kv_heads, H100_OR_H200_SMS) == splits
     assert splits == 1 or batch * kv_heads * splits <= H100_OR_H200_SMS
+
+
+@pytest.mark.parametrize(
+    "splits, head_dim, tile",
+    [(1, 64, (32, 2)), (1, 128, (32, 4)), (2, 64, (64, 4)), (16, 128, (64, 4))],
+)
+def test_attention_tile_is_narrow_only_where_the_context_is_unsplit(splits, head_dim, tile):
+    assert attention_tile(splits, head_dim) == tile

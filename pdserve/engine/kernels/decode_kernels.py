@@ -18,11 +18,8 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels.attention import AttentionMetadata
-from pdserve.engine.kernels.decode_tiles import attention_splits, gemv_tile
+from pdserve.engine.kernels.decode_tiles import attention_splits, attention_tile, gemv_tile
 
-# Decode graphs up to this batch attend with the split-KV kernel: measured faster than
-# flash-attn-4 at 1, 4 and 32 sequences (bench/decode_kernels.py); larger ones keep flash-attn.
-ATTENTION_MAX_BATCH = 32
 
 _PLAIN, _ADD_RMS_NORM, _SILU_MUL = 0, 1, 2
 
@@ -413,6 +410,7 @@ def decode_attention(
         out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     assert out.shape == (b, hq, d) and out.stride(2) == 1
     part_o = part_lse = out
+    block_n, warps = attention_tile(splits, d)
     if splits > 1:
         part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
@@ -429,8 +427,8 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        BLOCK_N=64, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, launch_pdl=pdl,
+        BLOCK_N=block_n, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, launch_pdl=pdl,
     )
     if splits > 1:
         _attention_merge_kernel[(b, hq)](

@@ -41,3 +41,14 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     while splits * 2 <= min(per, MAX_ATTENTION_SPLITS):
         splits *= 2
     return splits
+
+
+def attention_tile(splits: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a decode attention program. Unsplit (large batches: a program
+    per sequence and KV head already fills the GPU) it takes 32 keys a step, with 2 warps at
+    head_dim 64: 4-10 % more of the copy bandwidth than 64 keys and 4 warps at batch 64-256
+    (bench/decode_kernels.py). Split (small batches) keeps the tile the batch-1 path was tuned
+    with."""
+    if splits == 1:
+        return 32, 2 if head_dim <= 64 else 4
+    return 64, 4
