@@ -16,12 +16,13 @@ from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.detokenizer import load_tokenizer
+from pdserve.engine.grammar import GrammarMasks
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
 from pdserve.engine.kv_memory import kv_pool_blocks
 from pdserve.engine.model_loading import build_model, eos_token_ids
 from pdserve.engine.overlap_plan import overlappable, plan_following
 from pdserve.engine.request_table import RequestTable
-from pdserve.engine.runner import DecodeLaunch, ModelRunner
+from pdserve.engine.runner import DecodeLaunch, ModelRunner, SampledToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import SeqStatus
@@ -36,7 +37,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort"; None while running or when only prefilled
     num_cached_tokens: int = 0
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # of each generated token, where asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, logprob), best first
     new_token_ids: list[int] = field(default_factory=list)  # generated in this step
     new_text: str = ""  # text that became final in this step
 
@@ -68,6 +70,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, num_blocks, self.max_model_len)
         self.runner.capture_cuda_graphs()
         self.eos_token_ids = eos_token_ids(mc, model_dir, self.tokenizer)
+        # Structured output: the runner masks grammar rows' logits; requests are checked here first.
+        self.grammar = self.runner.grammar = GrammarMasks(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.role)
         self.scheduler = Scheduler(limits, self.blocks, self.eos_token_ids)
         self.requests = RequestTable(self.tokenizer, mc.vocab_size, self.max_model_len, self.blocks)
@@ -92,6 +96,7 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
+        self.grammar.check(params.structured_output)  # compiled before admission: a bad one is refused here
         self.requests.hold(seq, self.cfg.detokenize)
         self.scheduler.add(seq)
         return seq.request_id
@@ -129,6 +134,7 @@ class LLMEngine:
         Blocks already in this engine's prefix cache are reused; the plan lists the rest."""
         seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
         check_block_hashes(seq, block_hashes, self.cfg.block_size)
+        self.grammar.check(params.structured_output)  # structured output: compiled before blocks are taken
         if self._inflight is not None:
             # The READ that fills these blocks is not ordered with the device's stream: a block
             # just freed by a finished request may still be written by the step in flight.
@@ -203,7 +209,7 @@ class LLMEngine:
         if self._overlap and overlappable(scheduled):
             self._inflight = _InFlight(scheduled, self.runner.launch_greedy_decode(scheduled))
             return []
-        sampled = self.runner.execute(scheduled)
+        sampled = self.runner.execute(scheduled, self.eos_token_ids)
         # A decode row computes one token past its prompt; a row still in its prompt is prefill.
         decodes = sum(
             1 for item in scheduled if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
@@ -221,21 +227,24 @@ class LLMEngine:
         self.last_step_decodes, self.last_step_prefills = len(current.scheduled), 0
         # Aborted while in flight: its token is dropped (its blocks were freed in stream order).
         live = [(item, t) for item, t in zip(current.scheduled, tokens) if item.seq.status is SeqStatus.RUNNING]
-        outputs = self._finish_step([item for item, _ in live], {item.seq.request_id: (t, None) for item, t in live})
+        outputs = self._finish_step([item for item, _ in live], {item.seq.request_id: SampledToken(t) for item, t in live})
         self._inflight = _InFlight(following, launch) if following and launch is not None else None
         return outputs
 
     def _finish_step(
-        self, scheduled: list[ScheduledSeq], sampled: dict[str, tuple[int, float | None]]
+        self, scheduled: list[ScheduledSeq], sampled: dict[str, SampledToken]
     ) -> list[RequestOutput]:
-        tokens = {rid: tok for rid, (tok, _) in sampled.items()}
+        tokens = {rid: s.token for rid, s in sampled.items()}
         produced = self.scheduler.update(scheduled, tokens)
         outputs: list[RequestOutput] = []
         for seq in produced:
             rid = seq.request_id
-            token, logprob = sampled[rid]
-            if seq.params.logprobs and logprob is not None:
-                seq.logprobs.append(logprob)
+            draw = sampled[rid]
+            token = draw.token
+            if seq.params.logprobs and draw.logprob is not None:
+                seq.logprobs.append(draw.logprob)
+                if seq.params.top_logprobs:
+                    seq.top_logprobs.append(draw.top_logprobs or [])
             detok = self.requests.detok[rid]
             matched = detok.add([token])
             if matched is not None and seq.status is SeqStatus.PINNED:
@@ -254,6 +263,7 @@ class LLMEngine:
                     finish_reason=seq.finish_reason,
                     num_cached_tokens=seq.num_cached_tokens,
                     logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+                    top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
                     new_token_ids=[token],
                     new_text=detok.stream_delta(finished),
                 )

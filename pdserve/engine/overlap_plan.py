@@ -1,5 +1,6 @@
 """Overlapped decode's plan: which steps may be launched before the previous one's tokens are
-read back. A step qualifies when every row decodes one greedy token without logprobs; the step
+read back. A step qualifies when every row decodes one greedy token without logprobs and without
+logits processing (penalties, logit bias, min_tokens: a plain argmax is what the launch takes); the step
 after it is launched blind only while nothing waits, the running set is unchanged, no sequence
 is sure to stop, and every sequence has the KV block its next token needs."""
 
@@ -9,8 +10,14 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 
 
 def overlappable(scheduled: list[ScheduledSeq]) -> bool:
+    """Whether `scheduled` may be launched without waiting (see the module's docstring)."""
     return all(
-        item.num_new_tokens == 1 and item.sample and item.seq.params.greedy and not item.seq.params.logprobs
+        item.num_new_tokens == 1
+        and item.sample
+        and item.seq.params.greedy
+        and not item.seq.params.logprobs
+        and not item.seq.params.processes_logits
+        and item.seq.params.structured_output is None  # its grammar masks the logits before the argmax
         for item in scheduled
     )
 

@@ -54,6 +54,9 @@ class RequestTable:
         if not isinstance(params, SamplingParams):
             # ValueError like every other refusal here: callers answer it as the request's fault.
             raise ValueError("sampling_params: expected a SamplingParams")  # noqa: TRY004
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias: token {bad_bias} is outside the vocabulary [0, {vocab})")
 
     def new_sequence(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
         """A validated request as a sequence, named `req-N` when no id is given; not held yet.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,9 +19,11 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_kernels_for
+from pdserve.engine.grammar import GrammarMasks
 from pdserve.engine.kernels.attention import AttentionMetadata
 from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
+from pdserve.engine.logits_processing import RowTokens
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
@@ -37,6 +40,15 @@ class StepInputs:
     logits_indices: torch.Tensor
     sampled: list[ScheduledSeq]
     token_rows: torch.Tensor  # [4, T]: input_ids, positions, slot_block, slot_offset (one buffer)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One row's draw: the token, and its logprob and top logprobs where the request asked."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,7 @@ class ModelRunner:
         self.step_backend = mixed_step_backend(self.backend, self.device, kernels, wanted)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on
+        self.grammar: GrammarMasks | None = None  # structured output's masks; the engine sets it
         self.step_graphs: StepGraphs | None = None  # prefill and mixed steps, likewise
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -164,18 +177,31 @@ class ModelRunner:
     # ----- execution -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> dict[str, tuple[int, float | None]]:
-        """Run one step; returns request id -> (sampled token, its logprob or None)."""
+    def execute(
+        self, scheduled: list[ScheduledSeq], eos_token_ids: Collection[int] = ()
+    ) -> dict[str, SampledToken]:
+        """Run one step; returns request id -> its sampled token (with logprobs where asked).
+        `eos_token_ids`: what min_tokens holds back."""
         sampled, logits, argmax = self._forward(scheduled)
         if not sampled:
             return {}
+        # Structured output: tokens a row's grammar forbids go to -inf before any draw or argmax.
+        if self.grammar is not None and self.grammar.mask(logits, sampled):
+            argmax = None  # a decode graph's argmax saw the logits unmasked
         params = [s.seq.params for s in sampled]
-        if argmax is not None and all(p.greedy and not p.logprobs for p in params):
-            return {s.seq.request_id: (t, None) for s, t in zip(sampled, argmax.tolist())}
+        if argmax is not None and all(p.greedy and not p.logprobs and not p.processes_logits for p in params):
+            return {s.seq.request_id: SampledToken(t) for s, t in zip(sampled, argmax.tolist())}
         gens = [self._generator_for(s) for s in sampled]
-        tokens, logprobs = sample(logits, params, gens, self.default_generator)
+        rows = None
+        if any(p.processes_logits for p in params):
+            rows = [RowTokens(s.seq.token_ids, s.seq.params.output_offset + s.seq.num_output_tokens) for s in sampled]
+        out = sample(logits, params, gens, self.default_generator, rows, tuple(eos_token_ids))
         return {
-            s.seq.request_id: (tokens[i], None if logprobs is None else logprobs[i])
+            s.seq.request_id: SampledToken(
+                out.tokens[i],
+                None if out.logprobs is None else out.logprobs[i],
+                None if out.top_logprobs is None else out.top_logprobs[i],
+            )
             for i, s in enumerate(sampled)
         }
 

@@ -1,50 +1,105 @@
 """Turn one row of logits per sequence into the next token, honouring each request's params.
 
-Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then draw with
-the Gumbel-max trick: argmax(log p + g) with g from the request's own generator. A request with
-a seed owns a generator seeded with it, so its tokens do not depend on what else is batched.
+Batched over the step: logits processing (`logits_processing`), then greedy rows take the
+argmax and random rows get temperature, top-k and top-p from per-row parameter tensors and a
+draw by the Gumbel-max trick: argmax(logits + g), g = -log(-log(u)). Unseeded rows take u in
+one draw from the engine's generator. A seeded row takes its u from its own generator (one
+small op per seeded row): the generator's own stream keeps its tokens exactly independent of
+the batch, of the device's kernel choices and of the worker, at a cost only seeded rows pay.
+Logprobs are of the model's raw distribution (before processing, temperature, top-k/top-p),
+as vLLM reports them by default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
+from pdserve.engine.logits_processing import RowTokens, process_logits
 from pdserve.engine.sampling_params import SamplingParams
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-        drop = probs.cumsum(-1) - probs > top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return logits
+@dataclass(frozen=True)
+class Sampled:
+    """A step's draws: one token per row and, where any row asked, the logprobs."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None  # of each chosen token
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, its top_logprobs most likely
 
 
 def sample(
     logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator,
+    rows: Sequence[RowTokens] | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> Sampled:
+    """logits: [B, vocab] float32, one row per params. `rows` (the tokens so far) is needed
+    only when some row has penalties or min_tokens."""
+    processed = process_logits(logits, params, rows, eos_token_ids)
+    tokens = processed.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        tokens[random_rows] = _draw(processed, [params[i] for i in random_rows], [generators[i] for i in random_rows],
+                                    default_generator, random_rows)  # fmt: skip
+    if not any(p.logprobs for p in params):
+        return Sampled(tokens.tolist())
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(p.top_logprobs for p in params)
+    top = None
+    if k:
+        values, ids = lp.topk(k, dim=-1)
+        vals, idl = values.tolist(), ids.tolist()
+        top = [list(zip(idl[i][: p.top_logprobs], vals[i][: p.top_logprobs])) for i, p in enumerate(params)]
+    return Sampled(tokens.tolist(), chosen, top)
+
+
+def _draw(
+    logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
-) -> tuple[list[int], list[float] | None]:
-    """logits: [B, vocab] float32. Returns the tokens and, if any row asked, their logprobs."""
-    tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    for i in random_rows:
-        p = params[i]
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        gen = generators[i] or default_generator
-        u = torch.rand(row.shape, generator=gen, device=gen.device).to(row.device)
-        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0)))
-        tokens[i] = torch.argmax(row + gumbel)
-    logprobs = None
-    if any(p.logprobs for p in params):
-        # Logprobs of the model's distribution (before temperature/top-k/top-p), as users expect.
-        lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-        logprobs = lp.tolist()
-    return tokens.tolist(), logprobs
+    rows: list[int],
+) -> torch.Tensor:
+    """Tokens of the random `rows` of `logits`, one per row."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
+    sub = _filter_top_k_top_p(logits[rows] / temps, [p.top_k for p in params], [p.top_p for p in params])
+    noise = torch.empty_like(sub)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        u = torch.rand((len(unseeded), sub.shape[-1]), generator=default_generator, device=default_generator.device)
+        noise[unseeded] = u.to(dev)
+    for j, g in enumerate(generators):
+        if g is not None:
+            noise[j] = torch.rand(sub.shape[-1], generator=g, device=g.device).to(dev)
+    gumbel = -torch.log(-torch.log(noise.clamp_(1e-20, 1.0)))
+    return torch.argmax(sub + gumbel, dim=-1)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Per row: logits below the k-th largest to -inf (ties kept), then outside the smallest
+    prefix whose mass reaches top_p (the token crossing it kept). One sort for the batch."""
+    vocab = logits.shape[-1]
+    use_k = any(0 < k < vocab for k in top_k)
+    use_p = any(p < 1.0 for p in top_p)
+    if not (use_k or use_p):
+        return logits
+    dev = logits.device
+    sorted_logits, order = torch.sort(logits, descending=True)
+    if use_k:
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        kth = sorted_logits.gather(1, (ks - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if use_p:
+        # A row without top-p gets a bound no cumulative sum reaches (rounding can pass 1.0).
+        ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], dtype=logits.dtype, device=dev)[:, None]
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > ps
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -10,10 +10,17 @@ from dataclasses import dataclass, field, replace
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
 MAX_TOKEN_ID = 2**32 - 1  # token ids travel as uint32
+MAX_PENALTY = 2.0  # presence/frequency penalty bound, as OpenAI's API has it
+MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is as good as banned: a mistake, not a wish
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 bans or forces a token
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to pick each next token of one request, and when to stop. Names and meanings follow
+    vLLM's SamplingParams; every value is range-checked here, naming the field."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -23,6 +30,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: this many most likely tokens per position, with theirs
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (or, if negative, multiplies) logits of prompt and output tokens
+    # token id -> added to its logit; a dict is accepted and frozen into sorted (id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are out
     # Tokens of this request already generated elsewhere, now part of the prompt (a decode
     # worker recomputing after a failed transfer, a stream resumed on another worker): a seeded
     # request's i-th token here draws as token output_offset + i, as it would have there.
@@ -55,8 +69,38 @@ class SamplingParams:
             _unicode("stop", s)
         if any(not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be in [0, 2^32), got {list(self.stop_token_ids)}")
+        self._check_processing()
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise ValueError(f"output_offset: must be an integer >= 0, got {self.output_offset!r}")
+
+    def _check_processing(self) -> None:
+        """Freeze and range-check the penalties, the logit bias, min_tokens and top_logprobs."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            _finite(name, getattr(self, name))
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = [(t, b) for t, b in items]
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: must map token ids to numbers, got {bias!r}") from None
+        for t, b in pairs:
+            if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias: keys must be token ids in [0, 2^32), got {t!r}")
+            _finite(f"logit_bias[{t}]", b)
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{t}]: must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias: a token id appears twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
 
     def after(self, generated: int) -> SamplingParams:
         """The params that go on with this request after `generated` of its tokens were made
@@ -66,11 +110,26 @@ class SamplingParams:
             raise ValueError(f"generated: must be an integer >= 0, got {generated!r}")
         if generated >= self.max_tokens:
             raise ValueError(f"generated: {generated} tokens leave nothing of max_tokens={self.max_tokens}")
-        return replace(self, max_tokens=self.max_tokens - generated, output_offset=self.output_offset + generated)
+        return replace(
+            self,
+            max_tokens=self.max_tokens - generated,
+            min_tokens=max(0, self.min_tokens - generated),
+            output_offset=self.output_offset + generated,
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties need the sequence's token counts."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the logits before the draw (a greedy row is then no plain argmax)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def _is_int(value: object) -> bool:

@@ -32,6 +32,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     _hashes: list[int] = field(default_factory=list)

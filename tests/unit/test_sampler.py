@@ -13,7 +13,7 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
 def draw(params: SamplingParams, n: int, seed: int = 0) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
-    return [sample(LOGITS, [params], [gen], gen)[0][0] for _ in range(n)]
+    return [sample(LOGITS, [params], [gen], gen).tokens[0] for _ in range(n)]
 
 
 def test_greedy_is_argmax():
@@ -45,7 +45,8 @@ def test_same_seed_same_tokens_different_seed_different_tokens():
 
 def test_logprobs_are_of_the_model_distribution():
     gen = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample(LOGITS, [SamplingParams(temperature=0.0, logprobs=True)], [None], gen)
+    out = sample(LOGITS, [SamplingParams(temperature=0.0, logprobs=True)], [None], gen)
+    tokens, logprobs = out.tokens, out.logprobs
     assert tokens == [0]
     assert logprobs is not None and abs(logprobs[0] - LOGITS[0].log_softmax(-1)[0].item()) < 1e-6
 
