@@ -99,6 +99,11 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--api-key-file", default=None, metavar="FILE", help="more API keys, one a line")
     p.add_argument(
+        "--require-api-key", action="store_true",
+        help="refuse to start when --host is not a loopback address and no data-plane key (--api-key, "
+        "--api-key-file or PDSERVE_API_KEY) is set; without it such a start only warns",
+    )
+    p.add_argument(
         "--admin-api-key", default=None, metavar="KEY",
         help="the key of the Admin service (also PDSERVE_ADMIN_API_KEY); data keys are refused there, and with "
         "--api-key set but no admin key the Admin service is closed",

@@ -7,6 +7,7 @@ import ipaddress
 from collections.abc import Mapping
 
 from pdserve.cluster.serve_config import ServeConfig
+from pdserve.router.edge.auth import ENV_VAR
 
 LOOPBACK_DEVICE = "lo"
 
@@ -36,11 +37,35 @@ def _protection(cfg: ServeConfig, admin: bool) -> str:
     keys = cfg.api_keys
     if not keys.enabled:
         auth = "no API key"
+    elif not keys.data:
+        # An admin key alone protects only the Admin service: say that the data plane is open.
+        auth = "Inference open, no --api-key (Admin: admin key; health open)" if admin else "open, no --api-key"
     elif admin:
         auth = f"API key (Admin: {'admin key' if keys.admin else 'refused, no --admin-api-key'}; health open)"
     else:
-        auth = "API key (/health open)" if keys.data else "no API key (only --admin-api-key set)"
+        auth = "API key (/health open)"
     return f"{tls}, {auth}"
+
+
+def exposure_warning(cfg: ServeConfig) -> str | None:
+    """The warning for a data plane that anyone who reaches a non-loopback address may call
+    (no data-plane key: an admin key alone does not count); None where there is none."""
+    if is_loopback(cfg.host) or cfg.api_keys.data:
+        return None
+    return (
+        f"warning: {cfg.host or 'every address'} is not a loopback address and no --api-key (or {ENV_VAR}) is set: "
+        "anyone who reaches it may generate; set --api-key, or --require-api-key to refuse to start like this"
+    )
+
+
+def check_required_key(cfg: ServeConfig, required: bool) -> None:
+    """With --require-api-key, a listener beyond loopback without a data-plane key is a
+    configuration error (ValueError naming the flag), before anything starts."""
+    if required and exposure_warning(cfg) is not None:
+        raise ValueError(
+            f"--require-api-key: --host {cfg.host or '(every address)'} is not a loopback address and no data-plane "
+            f"key is set (--api-key, --api-key-file or {ENV_VAR}; --admin-api-key alone does not count)"
+        )
 
 
 def listener_lines(
@@ -60,10 +85,8 @@ def listener_lines(
         lines.append(f"listening: token channels on {where} (a key per worker, handed over Ray)")
     devices = kv_devices or "UCX's choice of devices"
     lines.append(f"listening: KV transfers on {devices} (not authenticated: keep this network isolated)")
-    if not is_loopback(host) and not cfg.api_keys.enabled:
-        lines.append(
-            f"warning: {host} is not a loopback address and no --api-key is set: anyone who reaches it may call it"
-        )
+    if (warning := exposure_warning(cfg)) is not None:
+        lines.append(warning)
     elif not is_loopback(host) and cfg.tls is None:
         lines.append(f"warning: {host} is not a loopback address and TLS is off: API keys cross the network in clear")
     return lines

@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from pdserve.cluster.listeners import listener_lines
+from pdserve.cluster.listeners import check_required_key, exposure_warning, listener_lines
 from pdserve.cluster.router_replicas import RouterReplicas
 from pdserve.cluster.serve import Cluster
 from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
@@ -126,7 +126,7 @@ async def _serve(cfg: ServeConfig, verbose: bool) -> None:
         print(f"pdserve: Prometheus metrics on http://{cluster.metrics_address}/metrics", flush=True)
     for line in listener_lines(cluster.cfg, cluster.port, cluster.http_port, cluster.telemetry.metrics_port,
                                cluster.cfg.kv_net_devices):
-        print(f"pdserve: {line}", flush=True)
+        _listing(line)
     replicas = None
     try:
         if cfg.routers > 1:
@@ -149,8 +149,24 @@ async def _start_replicas(cfg: ServeConfig, cluster: Cluster) -> RouterReplicas:
     return replicas
 
 
+def _listing(line: str) -> None:
+    """A listener line on stdout; a warning on stderr as well, where logs that keep only errors see it."""
+    print(f"pdserve: {line}", flush=True)
+    if line.startswith("warning: "):
+        print(f"pdserve: {line}", file=sys.stderr, flush=True)
+
+
+def _checked(cfg: ServeConfig, args: argparse.Namespace) -> ServeConfig:
+    """`cfg` once its exposure is allowed: --require-api-key refuses an open listener beyond
+    loopback (ValueError, before anything starts); without it the warning is said at once."""
+    check_required_key(cfg, args.require_api_key)
+    if (warning := exposure_warning(cfg)) is not None:
+        print(f"pdserve: {warning}", file=sys.stderr, flush=True)
+    return cfg
+
+
 def serve_forever(args: argparse.Namespace) -> int:
-    asyncio.run(_serve(config_from_args(args), args.verbose))
+    asyncio.run(_serve(_checked(config_from_args(args), args), args.verbose))
     return 0
 
 
@@ -172,7 +188,7 @@ async def _route(cfg: ServeConfig) -> None:
         print(f"pdserve: Prometheus metrics on http://{cfg.host}:{metrics_port}/metrics", flush=True)
     for line in listener_lines(cfg, joined.port, joined.http_port, metrics_port, None):
         if not line.startswith("listening: KV transfers"):  # a router moves no KV
-            print(f"pdserve: {line}", flush=True)
+            _listing(line)
     try:
         await stop.wait()
         print("pdserve: shutting down", flush=True)
@@ -184,7 +200,7 @@ def route_forever(args: argparse.Namespace) -> int:
     from pdserve.cluster.join import JoinError
 
     try:
-        asyncio.run(_route(router_config_from_args(args)))
+        asyncio.run(_route(_checked(router_config_from_args(args), args)))
     except JoinError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2

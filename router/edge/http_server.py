@@ -8,6 +8,7 @@ OpenAI shapes is `router/edge/openai_api.py`; this module only moves bytes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -19,6 +20,8 @@ from aiohttp import web
 
 from pdserve.router.edge.auth import ApiKeys, Verdict, bearer_token, http_plane
 from pdserve.router.edge.health import unserviceable
+from pdserve.router.edge.http_conn import TimedTCPSite, timed_requests
+from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits, check_request
 from pdserve.router.edge.openai_api import (
     ApiError,
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 _ROUTER = web.AppKey("router", Router)
 _CREATED = web.AppKey("created", int)
 _LIMITS = web.AppKey("limits", InputLimits)
+_OPTIONS = web.AppKey("options", HttpOptions)
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -83,8 +87,15 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     router = request.app[_ROUTER]
+    options = request.app[_OPTIONS]
     try:
-        body = await request.json()
+        async with asyncio.timeout(options.body_s):
+            body = await request.json()
+    except TimeoutError:
+        # A body sent too slowly (or never): the connection closes after this answer.
+        resp = _error(ApiError(408, f"body: not received within {options.body_s:g} s", "body"))
+        resp.force_close()
+        return resp
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         # RecursionError: nesting deeper than the parser's stack, which is not a request either.
         return _error(ApiError(400, "body: not valid JSON", "body"))
@@ -92,7 +103,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         limit = request.app[_LIMITS].max_request_bytes
         return _error(ApiError(413, f"body: larger than {limit} bytes", "body"))
     try:
-        parsed = parse_request(body, chat, router.config.model_id)
+        parsed = parse_request(body, chat, router.config.model_id, options.allow_unknown_fields)
         check_request(parsed.request, request.app[_LIMITS])
     except ApiError as exc:
         return _error(exc)
@@ -200,12 +211,17 @@ def api_key_middleware(keys: ApiKeys) -> Any:
     return check
 
 
-def build_app(router: Router, keys: ApiKeys = ApiKeys(), limits: InputLimits = InputLimits()) -> web.Application:
-    # The key check runs first: an unauthenticated caller learns nothing, not even which routes exist.
-    middlewares = [api_key_middleware(keys), _openai_errors] if keys.enabled else [_openai_errors]
+def build_app(
+    router: Router, keys: ApiKeys = ApiKeys(), limits: InputLimits = InputLimits(), options: HttpOptions = HttpOptions()
+) -> web.Application:
+    # The key check runs first (after the clock stops): an unauthenticated caller learns nothing,
+    # not even which routes exist.
+    middlewares = [timed_requests, api_key_middleware(keys), _openai_errors] if keys.enabled else [
+        timed_requests, _openai_errors]
     app = web.Application(middlewares=middlewares, client_max_size=limits.max_request_bytes)
     app[_ROUTER] = router
     app[_LIMITS] = limits
+    app[_OPTIONS] = options
     app[_CREATED] = int(time.time())
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -222,14 +238,20 @@ async def start_http_server(
     tls: CertificateFiles | None = None,
     limits: InputLimits = InputLimits(),
     reuse_port: bool = False,
+    options: HttpOptions = HttpOptions(),
 ) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner (to `cleanup()`) and the bound port (0 picks a free one).
-    With `keys`, requests need an API key (/health excepted); with `tls`, the port speaks HTTPS."""
+    With `keys`, requests need an API key (/health excepted); with `tls`, the port speaks HTTPS;
+    `options` has the connections' timeouts."""
     # handler_cancellation: a client that disconnects cancels its handler at once, even while
     # it waits for the next token, so its request is aborted without waiting for a write to fail.
-    runner = web.AppRunner(build_app(router, keys, limits), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(router, keys, limits, options), handler_cancellation=True)
     await runner.setup()
     ssl_context = None if tls is None else ReloadingSSLContext(tls).context
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
+    # lingering_time 0: a body the handler did not read (a refusal, a body timeout) closes the
+    # connection instead of being drained for seconds.
+    handler_args = {"access_log": None, "lingering_time": 0}
+    site = TimedTCPSite(runner, host, port, options=options, handler_args=handler_args, ssl_context=ssl_context,
+                        reuse_port=reuse_port or None)
     await site.start()
     return runner, runner.addresses[0][1]

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine.sampling_params import MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
+from pdserve.router.edge.openai_fields import Api, FieldError, check_fields
 from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
 
@@ -34,9 +35,6 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 
 # Router error messages start with the proto field they are about; OpenAI names the JSON field.
 _PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "sampling_params.stop_token_ids": "stop_token_ids"}
-
-# Accepted and honoured by name; anything else an OpenAI client sends (user, metadata, ...) is ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix", "response_format")
 
 
 class ApiError(Exception):
@@ -205,10 +203,15 @@ def _prompt(body: dict[str, Any], req: inference_pb2.GenerateRequest) -> None:
         raise _bad("prompt", "must be a string, a list of token ids, or a list of one of those (batches are not supported)")
 
 
-def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
-    """Validate an OpenAI completions (chat=False) or chat completions body (ApiError otherwise)."""
+def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields: bool = False) -> ParsedRequest:
+    """Validate an OpenAI completions (chat=False) or chat completions body (ApiError otherwise).
+    Every field is served, refused or ignored as `router/edge/openai_fields.py` says."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object")
+    try:
+        check_fields(body, Api.CHAT if chat else Api.COMPLETIONS, allow_unknown_fields)
+    except FieldError as exc:
+        raise ApiError(exc.status, str(exc), exc.param) from None
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "must be a string")
@@ -218,9 +221,6 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
     n = _typed(body, "n", (int,), "an integer")
     if n is not None and n != 1:
         raise _bad("n", f"only n=1 is supported, got {n}")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, []):
-            raise _bad(name, "not supported by this server")
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
