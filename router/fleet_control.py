@@ -19,10 +19,14 @@ NO_FLIPS = "no role flips in this server"
 
 
 class ControlPlane(Protocol):
-    """What the Admin service needs of the cluster: a role flip by hand and the P:D controller's state."""
+    """What the Admin service needs of the cluster: a role flip by hand, the P:D controller's state and the pools."""
     async def set_role(self, worker_id: str, role: str, drain_timeout_s: float | None) -> inference_pb2.RoleChange: ...
 
     def controller_state(self) -> inference_pb2.ControllerState: ...
+
+    def pools(self) -> list[inference_pb2.PoolWorkers]:
+        """Each pool's workers as the cluster's reconciler keeps it (`Admin.GetStats`)."""
+        ...
 
 
 def pools_state(prefill: PrefillPolicy, decode: DecodePolicy) -> inference_pb2.ControllerState:

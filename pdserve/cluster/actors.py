@@ -6,6 +6,8 @@ until its prompt is done, while other calls (release, stats, more prefills) go o
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 import ray
@@ -21,6 +23,7 @@ from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 256
+NAMESPACE = "pdserve"  # the Ray namespace of the cluster's worker actors
 
 
 class WorkerActor(WorkerBoundary):
@@ -33,6 +36,7 @@ class WorkerActor(WorkerBoundary):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: {role!r} is neither prefill nor decode")
         _configure_logging()
+        self._started_at = time.time()
         self.tracing = build_tracing(cfg.tracing, role, worker_id)
         self._serve_cfg = cfg  # for `serve_info`
         build = build_prefill if role == "prefill" else build_decode
@@ -51,6 +55,11 @@ class WorkerActor(WorkerBoundary):
     def token_channel_connections(self) -> int:
         """Connections open on the token channel now (routers polling this worker through it)."""
         return 0 if self._channel is None else self._channel.connections
+
+    def identity(self) -> dict[str, Any]:
+        """Which process serves this worker and since when: a router that adopted it sees the
+        same as the one that started it."""
+        return {"worker_id": self.host.worker_id, "pid": os.getpid(), "started_at": self._started_at}
 
     def close(self) -> None:
         if self._channel is not None:
@@ -108,6 +117,18 @@ def remote_class(num_gpus: float) -> Any:
     return ray.remote(
         max_concurrency=ACTOR_CONCURRENCY, concurrency_groups={"health": 2}, num_gpus=num_gpus, num_cpus=0
     )(WorkerActor)
+
+
+def actor_name(worker_id: str) -> str:
+    """The Ray name of a worker's actor (`pdserve router` and a restarted `pdserve serve` find it by it)."""
+    return f"pdserve-{worker_id}"
+
+
+def actor_options(worker_id: str, resources: dict[str, float]) -> dict[str, Any]:
+    """A worker actor's Ray options: named in the cluster's namespace and detached, so it belongs
+    to the cluster and outlives the router process that started it (a stop of the cluster kills
+    it; a crash of the router does not). Ray does not restart it: the pool reconciler replaces it."""
+    return {"name": actor_name(worker_id), "namespace": NAMESPACE, "lifetime": "detached", "resources": resources}
 
 
 class RayWorker:

@@ -1,6 +1,6 @@
 """The cluster's side of the Admin service's control (`router.fleet_control.ControlPlane`):
-role flips by hand through the role flipper, and the P:D controller's state, with the pools
-as placement has them and the flips so far."""
+role flips by hand through the role flipper, the P:D controller's state, with the pools
+as placement has them and the flips so far, and each pool's workers as the reconciler keeps it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import grpc
 from opentelemetry import trace
 
 from pdserve.cluster.control_loop import ControlLoop, FlipActuator, RouterSignals, Scaler, default_perf_model
+from pdserve.cluster.pool_reconciler import PoolReconciler
 from pdserve.cluster.serve_config import ControllerSettings
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.controller import Controller
@@ -68,6 +69,11 @@ class ClusterControl:
         self.router = router
         self.flipper = flipper
         self.loop = loop
+        self.reconciler: PoolReconciler | None = None  # the cluster's, once it runs (`Cluster.attach_control`)
+
+    def pools(self) -> list[inference_pb2.PoolWorkers]:
+        """Each pool's workers as the reconciler keeps it (none where no reconciler runs)."""
+        return [] if self.reconciler is None else self.reconciler.pools_pb()
 
     async def set_role(self, worker_id: str, role: str, drain_timeout_s: float | None) -> inference_pb2.RoleChange:
         flipper = self.flipper
@@ -98,9 +104,13 @@ class ClusterControl:
         return st
 
     def start(self) -> None:
+        if self.reconciler is not None:
+            self.reconciler.start()
         if self.loop is not None:
             self.loop.start()
 
     async def stop(self) -> None:
         if self.loop is not None:
             await self.loop.stop()
+        if self.reconciler is not None:
+            await self.reconciler.stop()

@@ -16,11 +16,13 @@ import grpc
 import ray
 from aiohttp import web
 
-from pdserve.cluster.actors import RayWorker, remote_class
+from pdserve.cluster.actors import NAMESPACE, RayWorker, actor_options, remote_class
 from pdserve.cluster.admin_control import ClusterControl, build_control_loop
+from pdserve.cluster.adoption import bring_up
 from pdserve.cluster.listeners import kv_net_devices
 from pdserve.cluster.node_pools import PlacementError, actor_resources, cluster_device, cluster_nodes, unplaceable
 from pdserve.cluster.observability import RouterTelemetry
+from pdserve.cluster.pool_reconciler import PoolReconciler
 from pdserve.cluster.ports import PortInUseError, check_ports
 from pdserve.cluster.role_flip import FlipConfig, RoleFlipper
 from pdserve.cluster.scaler import WorkerScaler
@@ -41,8 +43,6 @@ from pdserve.telemetry.endpoint import unanswered_warning
 from pdserve_proto import inference_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
-
-NAMESPACE = "pdserve"
 
 
 class Cluster:
@@ -121,18 +121,26 @@ class Cluster:
         # Ray assigns each actor its own GPU; inside the actor it is cuda:0.
         worker_cfg = _worker_config(cfg, device="cuda" if device.startswith("cuda") else device)
 
-        def start_actor(role: str, i: int) -> Any:
-            options = {"name": f"pdserve-{role}-{i}", "namespace": NAMESPACE, "resources": actor_resources(role, nodes)}
-            return actor_cls.options(**options).remote(role, f"{role}-{i}", worker_cfg)
+        def start_actor(role: str, worker_id: str) -> Any:
+            options = actor_options(worker_id, actor_resources(role, nodes))
+            return actor_cls.options(**options).remote(role, worker_id, worker_cfg)
 
-        prefills = [start_actor("prefill", i) for i in range(cfg.num_prefill)]
-        decodes = [start_actor("decode", i) for i in range(cfg.num_decode)]
+        # Workers belong to the cluster: those already running in it (this command started
+        # before and was killed) are adopted, and only what the pools lack is started.
+        try:
+            fleet = await bring_up({"prefill": cfg.num_prefill, "decode": cfg.num_decode}, start_actor,
+                                   cfg.startup_timeout_s, adopt=not owns_ray)  # fmt: skip
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+        if fleet.adopted:
+            progress("adopted running workers " + ", ".join(w.worker_id for w in fleet.adopted))
+        prefills, decodes = [w.actor for w in fleet.pool("prefill")], [w.actor for w in fleet.pool("decode")]
         actors = [*prefills, *decodes]
         telemetry = RouterTelemetry.create(cfg)
         try:
-            ids = [f"prefill-{i}" for i in range(cfg.num_prefill)] + [f"decode-{i}" for i in range(cfg.num_decode)]
-            infos = await _agent_infos(dict(zip(ids, actors)), cfg.startup_timeout_s)
-            p_infos, d_infos = infos[: len(prefills)], infos[len(prefills):]
+            p_infos, d_infos = [w.info for w in fleet.pool("prefill")], [w.info for w in fleet.pool("decode")]
             for pi in p_infos:
                 progress(worker_ready_line("prefill", pi, ()))
             # Colocated (no prefill pool): no KV moves between workers, so nothing to link or test.
@@ -141,7 +149,8 @@ class Cluster:
             await within(asyncio.gather(*links), 60)
             for d, di in zip(decodes, d_infos):
                 measured = []
-                for pi in p_infos:
+                # An adopted decode worker serves: the test would write into blocks in use.
+                for pi in p_infos if di.worker_id in fleet.started else ():
                     gbps = await within(d.link_test.remote(pi.agent_name), 60)
                     log.info("KV link %s <- %s: %.2f GB/s", di.worker_id, pi.worker_id, gbps)
                     telemetry.metrics.link_test.labels(di.worker_id, pi.worker_id).set(gbps * 1e9)
@@ -172,8 +181,9 @@ class Cluster:
             server, port, http = await start_edge(router, cfg, certs, telemetry, control)
         except BaseException:
             telemetry.stop()
-            for a in actors:
-                ray.kill(a)
+            for w in fleet.workers:
+                if w.worker_id in fleet.started:
+                    ray.kill(w.actor)
             if owns_ray:
                 ray.shutdown()
             raise
@@ -182,6 +192,7 @@ class Cluster:
         workers = {i.worker_id: ("prefill", a, i) for i, a in zip(p_infos, prefills)}
         workers |= {i.worker_id: ("decode", a, i) for i, a in zip(d_infos, decodes)}
         cluster = cls(cfg, router, server, port, actors, owns_ray, workers, http, telemetry, router_id)
+        cluster._retired |= fleet.named - set(workers)  # named in Ray but not answering: never reuse the name
         cluster.attach_control(control)
         return cluster
 
@@ -196,9 +207,7 @@ class Cluster:
         worker_id = f"{role}-{max(taken, default=-1) + 1}"
         worker_cfg = _worker_config(self.cfg, device="cuda" if gpu else self.cfg.device)
         resources = actor_resources(role, cluster_nodes())
-        actor = actor_cls.options(name=f"pdserve-{worker_id}", namespace=NAMESPACE, resources=resources).remote(
-            role, worker_id, worker_cfg
-        )
+        actor = actor_cls.options(**actor_options(worker_id, resources)).remote(role, worker_id, worker_cfg)
         try:
             (info,) = await _agent_infos({worker_id: actor}, self.cfg.startup_timeout_s)
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
@@ -235,6 +244,10 @@ class Cluster:
     def worker_count(self) -> int:
         return len(self._workers)
 
+    def held(self) -> dict[str, tuple[str, Any]]:
+        """Worker id -> (role, actor) of every worker the cluster holds (the pool reconciler's view)."""
+        return {w: (r, a) for w, (r, a, _) in self._workers.items()}
+
     def stop_worker(self, worker_id: str) -> Any:
         """Forget a worker already out of placement and kill its actor; returns the actor."""
         _, actor, _ = self._workers.pop(worker_id)
@@ -270,6 +283,7 @@ class Cluster:
         """Give the Admin service's control plane this cluster's role flipper and, with
         --controller, the P:D control loop, which starts now (the budget: the workers started)."""
         control.flipper = getattr(self, "flipper", None)
+        control.reconciler = PoolReconciler(self.router, self, self.telemetry.metrics)  # dead workers replaced
         settings = self.cfg.controller
         if settings is not None:
             scaler = None

@@ -109,6 +109,14 @@ class RouterMetrics:
             "pdserve_pool_workers", "Workers in placement now, by pool (a worker mid-flip is in neither).",
             ["role"], registry=r,
         )
+        # Set only by the router that keeps the pools at their size (`pdserve serve`'s), so that
+        # several routers' scrapes count each pool once.
+        self.reconciler_workers = Gauge(
+            "pdserve_reconciler_workers",
+            "Each pool's workers as the reconciler keeps it: desired (its size), ready, starting (replacements "
+            "loading) and failed (replacement starts that failed since the pool last had its size).",
+            ["pool", "state"], registry=r,
+        )
         self.pool_target = Gauge(
             "pdserve_pool_target", "The P:D controller's target number of workers, by pool (0 without --controller).",
             ["role"], registry=r,

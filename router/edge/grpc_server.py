@@ -69,7 +69,10 @@ class AdminServicer(inference_pb2_grpc.AdminServicer):
     async def GetStats(
         self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ClusterStats:
-        return await self.router.cluster_stats()
+        stats = await self.router.cluster_stats()
+        if self.control is not None:
+            stats.pools.extend(self.control.pools())
+        return stats
 
     async def SetRole(
         self, request: inference_pb2.SetRoleRequest, context: grpc.aio.ServicerContext

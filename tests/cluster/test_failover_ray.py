@@ -1,6 +1,7 @@
 """A decode worker's Ray actor killed mid-stream (`ray.kill`): the stream resumes on the other
 decode worker with exactly the tokens of an undisturbed run, and later requests go to the
-survivor. (The other faults of the failure model, with in-process workers: test_failover.py.)"""
+survivor; the pool reconciler then puts a new worker in its place. (The other faults of the
+failure model, with in-process workers: test_failover.py.)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def cluster(loop_thread: Any) -> Iterator[Any]:
     loop_thread.run(c.stop())
 
 
-def test_killing_the_decode_actor_mid_stream_loses_no_token(cluster: Any, channel: grpc.Channel, offline: Any, greedy):
+def test_killing_the_decode_actor_mid_stream_loses_no_token(
+    cluster: Any, channel: grpc.Channel, offline: Any, greedy: Any, wait_until: Any
+):
     stub = pbg.InferenceStub(channel)
     ids = list(range(500, 548))
     want = offline.generate([ids], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0].token_ids
@@ -45,7 +48,7 @@ def test_killing_the_decode_actor_mid_stream_loses_no_token(cluster: Any, channe
     assert killed is not None
     assert got == want
     assert cluster.router.metrics.failovers.labels("stream")._value.get() == 1
-    assert killed in cluster.router.placement_stats()["down"]
+    assert killed not in cluster.router.decode_policy.workers  # out of placement: down, or already replaced
 
     # The next requests go to the survivor.
     for i in range(3):
@@ -53,3 +56,9 @@ def test_killing_the_decode_actor_mid_stream_loses_no_token(cluster: Any, channe
         want = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
         chunks = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling_params=greedy(6, ignore_eos=True)), timeout=120))
         assert [t for c in chunks for t in c.token_ids] == want
+
+    # The pool reconciler replaced the dead worker: the pool is back to its size.
+    reconciler = cluster.control.reconciler
+    wait_until(lambda: [lost for lost, _ in reconciler.replaced] == [killed] and len(cluster.router.decodes) == 2,
+               60, "the dead decode worker to be replaced")
+    assert killed not in cluster.router.decodes

@@ -1,7 +1,7 @@
 """Kill a worker's Ray actor (`ray.kill`) while requests stream through a real Ray cluster, and
 measure what it cost: how many requests failed, whether the others kept their exact tokens, how
-long until a new request succeeds, and how long until the pool is whole again once a worker is
-added back (`Cluster.add_worker`). The figures of docs/reliability.md; used by
+long until a new request succeeds, and how long until the pool is whole again (the pool reconciler
+replaces the dead worker). The figures of docs/reliability.md; used by
 tests/faults/test_ray_kill.py and bench/fault_table.py."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class KillRun:
     codes: dict[str, int]  # how each request ended
     messages: dict[str, str]  # an error status -> the message of one request that ended with it
     recovery_s: float  # from the kill to the first new request that succeeds
-    readd_s: float  # from the kill until a replacement worker has joined (add_worker returned)
+    readd_s: float  # from the kill until the reconciler's replacement worker has joined
 
 
 def start_ray_cluster(lt: LoopThread, model_dir: Path, num_prefill: int = 2, num_decode: int = 2) -> Cluster:
@@ -63,7 +63,7 @@ def kill_under_load(
 ) -> KillRun:
     """n greedy requests streaming at once; once every one has its first token, the actor of a
     worker of `role` dies (for decode: the one serving the most streams); then new requests are
-    sent until one succeeds, and a worker of that role is added back."""
+    sent until one succeeds, and the pool reconciler puts a worker of that role in its place."""
     vocab = cluster.router.config.vocab_size
     ids = prompts(n, vocab)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -109,13 +109,22 @@ def kill_under_load(
     recovered = _first_success(stub, vocab, max_tokens=4) - killed_at
     for t in threads:
         t.join(DEADLINE_S)
-    lt.run(cluster.remove_worker(victim, 0.0))  # the dead worker leaves the router's pools for good
-    lt.run(cluster.add_worker(role), timeout=300)
+    _replaced(cluster, victim)  # the pool reconciler forgets the dead worker and starts another
     readd = time.monotonic() - killed_at
     channel.close()
     failed = sum(c != "OK" for c in codes)
     wrong = sum(c == "OK" and g != w for c, g, w in zip(codes, got, want))
     return KillRun(role, victim, n, failed, wrong, dict(Counter(codes)), messages, recovered, readd)
+
+
+def _replaced(cluster: Cluster, victim: str) -> None:
+    """Wait until the pool reconciler has put a worker in the dead one's place."""
+    reconciler = cluster.control.reconciler
+    assert reconciler is not None
+    deadline = time.monotonic() + DEADLINE_S
+    while victim not in [lost for lost, _ in reconciler.replaced]:
+        assert time.monotonic() < deadline, f"{victim} was not replaced within {DEADLINE_S}s"
+        time.sleep(0.1)
 
 
 def _victim(cluster: Cluster, role: str) -> str:
