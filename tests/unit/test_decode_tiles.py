@@ -57,8 +57,8 @@ def test_attention_splits_fill_the_sms_once(batch, kv_heads, splits):
 
 
 @pytest.mark.parametrize(
-    "splits, head_dim, tile",
-    [(1, 64, (32, 2)), (1, 128, (32, 4)), (2, 64, (64, 4)), (16, 128, (64, 4))],
+    "batch, head_dim, tile",
+    [(1, 64, (64, 4)), (32, 64, (64, 4)), (64, 64, (32, 2)), (64, 128, (32, 4)), (256, 64, (32, 2))],
 )
-def test_attention_tile_is_narrow_only_where_the_context_is_unsplit(splits, head_dim, tile):
-    assert attention_tile(splits, head_dim) == tile
+def test_attention_tile_narrows_from_three_programs_per_sm(batch, head_dim, tile):
+    assert attention_tile(batch * 8, H100_OR_H200_SMS, head_dim) == tile

@@ -410,7 +410,7 @@ def decode_attention(
         out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     assert out.shape == (b, hq, d) and out.stride(2) == 1
     part_o = part_lse = out
-    block_n, warps = attention_tile(splits, d)
+    block_n, warps = attention_tile(b * hk * splits, _num_sms(q.device), d)
     if splits > 1:
         part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)

@@ -43,12 +43,12 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     return splits
 
 
-def attention_tile(splits: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of a decode attention program. Unsplit (large batches: a program
-    per sequence and KV head already fills the GPU) it takes 32 keys a step, with 2 warps at
-    head_dim 64: 4-10 % more of the copy bandwidth than 64 keys and 4 warps at batch 64-256
-    (bench/decode_kernels.py). Split (small batches) keeps the tile the batch-1 path was tuned
-    with."""
-    if splits == 1:
+def attention_tile(programs: int, num_sms: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a decode attention launch of `programs` (sequence, KV head,
+    split) programs. At three or more programs per SM (batch 64+ at 8 KV heads on an H100 or
+    H200) each takes 32 keys a step, with 2 warps at head_dim 64: 12-22 % more of the HBM
+    bandwidth there than 64 keys and 4 warps, which stays for fewer programs, where it measured
+    faster (batch 32; bench/decode_kernels.py)."""
+    if programs >= 3 * num_sms:
         return 32, 2 if head_dim <= 64 else 4
     return 64, 4
