@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.engine.args import ATTENTION_BACKENDS, CPU_LIMITS, LARGE_GPU_LIMITS, SMALL_GPU_LIMITS, EngineArgs
+from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits
 
 
@@ -144,6 +145,32 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--http-port", type=int, default=None, metavar="PORT",
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port",
+    )
+    http = HttpOptions()  # the defaults live there, once
+    p.add_argument(
+        "--timeout-keep-alive", type=float, default=http.keep_alive_s, metavar="S",
+        help=f"close an HTTP connection idle this long, before its first request or after an answer "
+        f"(default: {http.keep_alive_s:g})",
+    )
+    p.add_argument(
+        "--http-header-timeout", type=float, default=http.header_s, metavar="S",
+        help=f"close an HTTP connection whose request headers are not complete this long after their first byte "
+        f"(default: {http.header_s:g})",
+    )
+    p.add_argument(
+        "--http-body-timeout", type=float, default=http.body_s, metavar="S",
+        help=f"answer 408 and close when a request body is not complete this long after its headers "
+        f"(default: {http.body_s:g})",
+    )
+    p.add_argument(
+        "--allow-unknown-fields", action="store_true",
+        help="ignore request fields the OpenAI API and this server do not define (such as other servers' "
+        "extensions) instead of refusing them with 400; fields known and not served are still refused",
+    )
+    p.add_argument(
+        "--allow-special-tokens-in-prompt", action="store_true",
+        help="let a special token's text typed in a prompt or chat message (such as <|im_start|>) become that "
+        "special token; by default it is tokenized as plain text, so a user cannot open a turn of another role",
     )
     p.add_argument(
         "--reuse-port", action="store_true",

@@ -50,3 +50,6 @@ class RouterConfig:
     # `--kv-transfer-overlap`: the decode worker pulls a prompt's KV chunk by chunk while it is
     # still being prefilled (`DecodeHandle.prefetch`), so little is left to move after its end.
     kv_transfer_overlap: bool = False
+    # On: a special token's text typed in a prompt or message becomes that special token. Off (the
+    # default): it is tokenized as text, as `split_special_tokens` does (router/edge/special_tokens.py).
+    allow_special_tokens_in_prompt: bool = False

@@ -67,7 +67,10 @@ def worker_actor_names(listed: Iterable[Mapping[str, str]]) -> dict[str, str]:
     return out
 
 
-def router_config(info: worker_pb2.ServeInfo, max_queued_requests: int, poll_interval_s: float = 0.0) -> RouterConfig:
+def router_config(
+    info: worker_pb2.ServeInfo, max_queued_requests: int, poll_interval_s: float = 0.0,
+    allow_special_tokens_in_prompt: bool = False,
+) -> RouterConfig:
     """The router's configuration from what the workers were started with."""
     return RouterConfig(
         model_id=Path(info.model_dir).name,
@@ -82,6 +85,7 @@ def router_config(info: worker_pb2.ServeInfo, max_queued_requests: int, poll_int
         max_queued_requests=max_queued_requests,
         poll_interval_s=poll_interval_s,
         kv_transfer_overlap=info.kv_transfer_overlap,
+        allow_special_tokens_in_prompt=allow_special_tokens_in_prompt,
     )
 
 
@@ -149,7 +153,7 @@ class JoinedRouter:
             telemetry = RouterTelemetry.create(cfg)
             clients = {wid: WorkerClient(wid, RayWorker(a), router_id=router_id) for wid, (_, a) in workers.items()}
             router = Router(
-                router_config(info, cfg.max_queued_requests, cfg.poll_interval_s),
+                router_config(info, cfg.max_queued_requests, cfg.poll_interval_s, cfg.allow_special_tokens_in_prompt),
                 load_tokenizer(model_dir),
                 [clients[w] for w, (role, _) in workers.items() if role == "prefill"],
                 [clients[w] for w, (role, _) in workers.items() if role == "decode"],

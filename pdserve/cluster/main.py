@@ -18,6 +18,7 @@ from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.router.edge.auth import ENV_VAR, ApiKeys, load_keys
+from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits
 from pdserve.router.edge.tls import tls_config
 from pdserve.router.placement.placement_config import PlacementConfig
@@ -75,6 +76,13 @@ def edge_from_args(args: argparse.Namespace) -> dict[str, Any]:
             max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars,
         ),
+        "http_options": HttpOptions(
+            keep_alive_s=args.timeout_keep_alive,
+            header_s=args.http_header_timeout,
+            body_s=args.http_body_timeout,
+            allow_unknown_fields=args.allow_unknown_fields,
+        ),
+        "allow_special_tokens_in_prompt": args.allow_special_tokens_in_prompt,
         "tracing": TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),
     }
 

@@ -167,6 +167,7 @@ class Cluster:
                 max_queued_requests=cfg.max_queued_requests,
                 poll_interval_s=cfg.poll_interval_s,
                 kv_transfer_overlap=cfg.kv_transfer_overlap,
+                allow_special_tokens_in_prompt=cfg.allow_special_tokens_in_prompt,
             )
             router = Router(
                 router_cfg,
@@ -346,7 +347,7 @@ async def start_edge(
         server, port = await start_grpc_server(router, cfg.host, cfg.port, control=control, **edge)
         http = None
         if cfg.http_port is not None:
-            http = await start_http_server(router, cfg.host, cfg.http_port, **edge)
+            http = await start_http_server(router, cfg.host, cfg.http_port, options=cfg.http_options, **edge)
     except OSError as exc:
         # Taken since the check at the start (a race): still one clear line.
         if exc.errno != errno.EADDRINUSE:

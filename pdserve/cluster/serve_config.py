@@ -8,6 +8,7 @@ from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
 from pdserve.router.edge.auth import ApiKeys
+from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits
 from pdserve.router.edge.tls import TlsConfig
 from pdserve.router.placement.placement_config import PlacementConfig
@@ -85,6 +86,8 @@ class ServeConfig:
     api_keys: ApiKeys = ApiKeys()  # none: the data plane is open (fine on loopback only)
     tls: TlsConfig | None = None  # None: plain TCP
     limits: InputLimits = InputLimits()
+    http_options: HttpOptions = HttpOptions()  # the HTTP connections' timeouts, unknown request fields
+    allow_special_tokens_in_prompt: bool = False  # a special token's text typed by a user is that token
     # The network device (UCX_NET_DEVICES, e.g. "lo", "eth1" or "mlx5_0:1") the workers' KV
     # transfers listen and connect on. None: loopback for a local cluster, UCX's choice (or the
     # UCX_NET_DEVICES of the environment) when joining one with ray_address.

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.edge.special_tokens import TemplateAltersContent, encode_chat, encode_user_text
 from pdserve.router.handles import RouterError
 from pdserve.router.router_config import RouterConfig
 from pdserve_proto import inference_pb2
@@ -89,10 +90,11 @@ def parse_request(
         raise RouterError(
             _INVALID, f"prompt: set only one of prompt, prompt_token_ids or messages (got {', '.join(given)})"
         )
+    split = not config.allow_special_tokens_in_prompt  # a special token's text typed by a user stays text
     if request.messages:
-        ids = _render_chat(tokenizer, request.messages)
+        ids = _render_chat(tokenizer, request.messages, split)
     elif request.prompt:
-        ids = _encode(tokenizer, request.prompt)
+        ids = _encode(tokenizer, request.prompt, split)
     else:
         ids = list(request.prompt_token_ids)
         bad = next((i for i, t in enumerate(ids) if t >= config.vocab_size), None)
@@ -139,25 +141,34 @@ def sampling_params_of(sp: inference_pb2.SamplingParams) -> SamplingParams:
         raise RouterError(_INVALID, f"sampling_params.{exc}") from None
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: Any, text: str, split_special: bool = False) -> list[int]:
     if tokenizer is None:
         raise RouterError(_INVALID, "prompt: this model has no tokenizer; send prompt_token_ids")
     try:
-        return list(tokenizer.encode(text))
+        return encode_user_text(tokenizer, text) if split_special else list(tokenizer.encode(text))
     except (ValueError, UnicodeError) as exc:  # text the tokenizer cannot take is the request's fault
         raise RouterError(_INVALID, f"prompt: the tokenizer refused it ({exc})") from None
 
 
-def _render_chat(tokenizer: Any, messages: Any) -> list[int]:
+def _render_chat(tokenizer: Any, messages: Any, split_special: bool = False) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RouterError(_INVALID, "messages: this model has no chat template; send prompt or prompt_token_ids")
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise RouterError(_INVALID, f"messages[{i}].role: unknown role {m.role!r}")
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+
+    def render(chat: list[dict[str, str]]) -> str:
+        try:
+            return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template refuses what it cannot render (roles out of order, ...) by raising
+            raise RouterError(_INVALID, f"messages: the chat template refused them ({exc})") from None
+
+    if not split_special:
+        return _encode(tokenizer, render(chat))
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
-        )
-    except Exception as exc:  # a template refuses what it cannot render (roles out of order, ...) by raising
-        raise RouterError(_INVALID, f"messages: the chat template refused them ({exc})") from None
-    return _encode(tokenizer, text)
+        return encode_chat(tokenizer, chat, render)
+    except TemplateAltersContent as exc:
+        raise RouterError(_INVALID, f"messages: {exc}; leave out the special token's text") from None
+    except (ValueError, UnicodeError) as exc:
+        raise RouterError(_INVALID, f"prompt: the tokenizer refused it ({exc})") from None

@@ -163,3 +163,18 @@ def test_defaults_and_bad_values():
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="header_s"):
             HttpOptions(header_s=bad)
+
+
+def test_the_flags_reach_serve_and_router_configs():
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.main import config_from_args, router_config_from_args
+
+    flags = ["--timeout-keep-alive", "2", "--http-header-timeout", "3", "--http-body-timeout", "4",
+             "--allow-unknown-fields", "--allow-special-tokens-in-prompt"]
+    for command, build in (("serve", config_from_args), ("router", router_config_from_args)):
+        extra = ["--address", "127.0.0.1:6379"] if command == "router" else []
+        cfg = build(_build_parser().parse_args([command, *extra, *flags]))
+        assert cfg.http_options == HttpOptions(keep_alive_s=2, header_s=3, body_s=4, allow_unknown_fields=True)
+        assert cfg.allow_special_tokens_in_prompt
+        default = build(_build_parser().parse_args([command, *extra]))
+        assert default.http_options == HttpOptions() and not default.allow_special_tokens_in_prompt
