@@ -14,7 +14,9 @@ from types import ModuleType
 
 from pdserve import cli_flags as flags
 from pdserve.cluster.node_pools import PlacementError
+from pdserve.cluster.local_ray import prepare as prepare_local_ray
 from pdserve.cluster.ports import PortInUseError
+from pdserve.cluster.ray_address import one_machine_env
 from pdserve.engine.args import EngineArgs, engine_options
 
 
@@ -88,7 +90,17 @@ def _build_parser() -> argparse.ArgumentParser:
         "them), as vLLM runs an API server per data-parallel rank: a router's one event loop relays every token of "
         "its streams, so one process caps the tokens/s a fleet can stream (default: 1; /metrics on the first)",
     )
-    srv.add_argument("--address", default=None, metavar="RAY_ADDRESS", help="join this Ray cluster instead of starting one")
+    srv.add_argument(
+        "--address", default=None, metavar="RAY_ADDRESS",
+        help="join this Ray cluster (HOST:PORT, or auto: RAY_ADDRESS or the cluster `ray start` last started here) "
+        "instead of starting one; without it this command starts a Ray instance of its own, whatever else runs on "
+        "the host",
+    )
+    srv.add_argument(
+        "--ray-temp-dir", default=None, metavar="DIR",
+        help="the temp directory (sockets, logs, token) of the Ray instance this command starts (default: a new "
+        "one under the system temp folder, removed at exit)",
+    )
     srv.add_argument("--lease-s", type=float, default=30.0, help="how long a prefill worker holds KV for a pull (default: 30)")
     srv.add_argument(
         "--kv-checksum", action=argparse.BooleanOptionalAction, default=True,
@@ -144,7 +156,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "has not polled them for --router-lease-s of `serve`. Ray's token must be at hand as for any Ray client "
         "(RAY_AUTH_MODE=token with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH; docs/operations.md).",
     )
-    rtr.add_argument("--address", required=True, metavar="RAY_ADDRESS", help="the Ray cluster the workers run on")
+    rtr.add_argument(
+        "--address", required=True, metavar="RAY_ADDRESS",
+        help="the Ray cluster the workers run on: HOST:PORT (`pdserve serve` prints it) or auto (RAY_ADDRESS, or "
+        "the cluster `ray start` last started on this host)",
+    )
     rtr.add_argument(
         "--model", default=None, metavar="DIR",
         help="the model directory on this host, for the tokenizer (default: the directory the workers report)",
@@ -256,15 +272,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _cmd_generate(args)
         if args.command == "serve":
+            # Ray reads its environment once, when it is imported: the one-machine mode (every Ray
+            # listener on loopback, not the host's external address), and for a Ray instance of
+            # this server's own, its token and ports. Set afterwards it has no effect.
+            os.environ.update(one_machine_env(args.address, os.environ))
+            local = None
+            if args.address is not None and args.ray_temp_dir is not None:
+                raise ValueError("--ray-temp-dir: only for the Ray instance this command starts, not with --address")
             if args.address is None:
-                # Ray reads this once, when it is imported: then a local cluster's node address is
-                # loopback and every Ray listener (GCS, raylet, workers, agents) binds there, not
-                # on the host's external address. Set afterwards it has no effect.
-                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+                local = prepare_local_ray(args.ray_temp_dir, os.environ)
+                os.environ.update(local.environment())
             from pdserve.cluster.main import serve_forever
 
-            return serve_forever(args)
+            return serve_forever(args, local)
         if args.command == "router":
+            os.environ.update(one_machine_env(args.address, os.environ))  # a cluster on loopback: see serve
             from pdserve.cluster.main import route_forever
 
             return route_forever(args)

@@ -170,7 +170,13 @@ async def agent_infos(actors: Mapping[str, Any], timeout_s: float) -> dict[str, 
     calls = {wid: asyncio.ensure_future(_await(a.agent_info.remote())) for wid, a in actors.items()}
     if not calls:
         return {}
-    done, pending = await asyncio.wait(calls.values(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+    try:
+        done, pending = await asyncio.wait(calls.values(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        # Start-up stopped (Ctrl-C): the calls end with the actors, and their errors are expected.
+        for call in calls.values():
+            call.cancel()
+        raise
     for call in pending:
         call.cancel()
     failed = [c for c in done if c.exception() is not None]

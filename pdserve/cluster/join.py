@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ import ray
 from aiohttp import web
 
 from pdserve.cluster.actors import RayWorker
+from pdserve.cluster.adoption import version_skew
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.ports import check_ports
+from pdserve.cluster.ray_address import resolve_address, wait_until_answers
 from pdserve.cluster.serve import NAMESPACE, start_edge
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.startup_lines import Progress, quiet
@@ -123,9 +126,14 @@ class JoinedRouter:
         return None if self._http is None else self._http[1]
 
     @classmethod
-    async def start(cls, cfg: ServeConfig, join: JoinConfig = JoinConfig(), progress: Progress = quiet) -> JoinedRouter:
+    async def start(
+        cls, cfg: ServeConfig, join: JoinConfig = JoinConfig(), progress: Progress = quiet,
+        connected: Callable[[], None] = lambda: None,
+    ) -> JoinedRouter:
         """Join the Ray cluster at `cfg.ray_address` (or the one this process is already
-        connected to), find the workers and serve `cfg`'s listeners in front of them."""
+        connected to), find the workers and serve `cfg`'s listeners in front of them. Until Ray's
+        GCS answers this waits on the event loop (cancellable, so signals stop it); `connected` is
+        called once ray.init returns (it takes SIGTERM over, for an exit without a shutdown)."""
         if (warning := unanswered_warning(cfg.tracing)) is not None:
             progress(warning)
         shared = cfg.reuse_port  # the listeners' ports are other routers' too, on purpose
@@ -136,11 +144,20 @@ class JoinedRouter:
         certs = None if cfg.tls is None else CertificateFiles(cfg.tls)
         owns_ray = not ray.is_initialized()
         if owns_ray:
-            progress(f"joining Ray at {cfg.ray_address}")
-            ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+            address = resolve_address(cfg.ray_address or "auto", os.environ)
+            progress(f"joining Ray at {address}")
+            try:
+                await wait_until_answers(address, join.startup_timeout_s)
+            except TimeoutError as exc:
+                raise JoinError(f"--address: {exc} (is the cluster up? `pdserve serve` prints its Ray address)") from None
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+            connected()
         try:
             workers = await _wait_for_decode(join)
             progress(f"found {_pools_line(workers)}")
+            # Workers of another KV protocol or layout: refused in one line, before any request.
+            if (skew := await version_skew({w: a for w, (_, a) in workers.items()}, join.health_timeout_s)) is not None:
+                raise JoinError(skew)
             some_actor = next(actor for _, actor in workers.values())
             info = await within(some_actor.serve_info.remote(), join.health_timeout_s)
             model_dir = Path(cfg.model) if cfg.model else Path(info.model_dir)

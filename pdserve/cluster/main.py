@@ -8,12 +8,16 @@ import asyncio
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
+from pdserve.cluster.local_ray import LocalRaySettings, RayStarter
 from pdserve.cluster.listeners import check_required_key, exposure_warning, listener_lines
 from pdserve.cluster.router_replicas import RouterReplicas
-from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve import LOCAL_RAY_SYSTEM_CONFIG, Cluster
 from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
+from pdserve.cluster.status import NAMESPACE
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
 from pdserve.engine.args import EngineArgs
@@ -23,6 +27,13 @@ from pdserve.router.edge.limits import InputLimits
 from pdserve.router.edge.tls import tls_config
 from pdserve.router.placement.placement_config import PlacementConfig
 from pdserve.telemetry.tracing import TracingConfig
+
+
+class _Stoppable(Protocol):
+    async def stop(self) -> None: ...
+
+
+_Started = TypeVar("_Started", bound=_Stoppable)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -114,14 +125,27 @@ def _say(line: str) -> None:
     print(f"pdserve: {line}", flush=True)
 
 
-async def _serve(cfg: ServeConfig, verbose: bool) -> None:
-    cluster = await Cluster.start(cfg, progress=_say, worker_logs=verbose)
-    # Handlers first: a client may stop the server as soon as it reads the address, and until
-    # then SIGTERM would go to Ray's own handler, which kills the process without a shutdown.
+async def _serve(cfg: ServeConfig, verbose: bool, local: LocalRaySettings | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+    # Before anything starts, so that Ctrl-C or SIGTERM during start-up stops it cleanly; and again
+    # once Ray is up (`connected`): ray.init installs its own SIGTERM handler, an exit without a shutdown.
+    on_signals()
+    starter = RayStarter(cfg.ray_address, local, NAMESPACE, LOCAL_RAY_SYSTEM_CONFIG, verbose, _say, on_signals)
+    try:
+        cluster = await _unless_stopped(Cluster.start(cfg, progress=_say, worker_logs=verbose, start_ray=starter), stop)
+    except BaseException:
+        starter.stop()
+        raise
+    if cluster is None:
+        starter.stop()
+        print("pdserve: stopped during start-up", flush=True)
+        return
     shape = (
         f"{cfg.num_prefill} prefill, {cfg.num_decode} decode" if cfg.num_prefill
         else f"colocated: {cfg.num_decode} decode, prefilling locally"
@@ -135,6 +159,9 @@ async def _serve(cfg: ServeConfig, verbose: bool) -> None:
     for line in listener_lines(cluster.cfg, cluster.port, cluster.http_port, cluster.telemetry.metrics_port,
                                cluster.cfg.kv_net_devices):
         _listing(line)
+    token = local.token_path if local is not None and local.token_path else os.environ.get("RAY_AUTH_TOKEN_PATH")
+    for line in ray_lines(cfg, starter.address or "", local, token, cluster.port, cluster.http_port):
+        _say(line)
     replicas = None
     try:
         if cfg.routers > 1:
@@ -144,7 +171,47 @@ async def _serve(cfg: ServeConfig, verbose: bool) -> None:
     finally:
         if replicas is not None:
             await asyncio.to_thread(replicas.stop)
-        await cluster.stop()
+        try:
+            await cluster.stop()
+        finally:
+            starter.stop()
+
+
+async def _unless_stopped(start: Awaitable[_Started], stop: asyncio.Event) -> _Started | None:
+    """What `start` returns, or None once `stop` is set first: then the start-up is cancelled (it
+    undoes what it started) and anything that finished starting meanwhile is stopped."""
+    task = asyncio.ensure_future(start)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        late = await task
+    except asyncio.CancelledError:
+        return None
+    await late.stop()
+    return None
+
+
+def ray_lines(
+    cfg: ServeConfig, ray_address: str, local: LocalRaySettings | None, token: Path | str | None,
+    port: int, http_port: int | None,
+) -> list[str]:
+    """Where Ray is, and the exact `pdserve router` command that adds a router to this cluster."""
+    own = f" (this server's own; its files in {local.temp_dir})" if local is not None and cfg.ray_address is None else ""
+    env = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token} " if token else ""
+    host = "" if cfg.host == "127.0.0.1" else f" --host {cfg.host}"
+    if cfg.reuse_port or cfg.routers > 1:  # the listeners' ports are shared on purpose
+        ports = f" --port {port} --reuse-port" + ("" if http_port is None else f" --http-port {http_port}")
+    else:
+        ports = " --port 0" + ("" if http_port is None else " --http-port 0")
+    extra = " (and this server's key and TLS flags)" if cfg.tls is not None or cfg.api_keys.data else ""
+    return [f"Ray cluster at {ray_address}{own}",
+            f"add a router: {env}pdserve router --address {ray_address}{host}{ports}{extra}"]
 
 
 async def _start_replicas(cfg: ServeConfig, cluster: Cluster) -> RouterReplicas:
@@ -173,19 +240,31 @@ def _checked(cfg: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     return cfg
 
 
-def serve_forever(args: argparse.Namespace) -> int:
-    asyncio.run(_serve(_checked(config_from_args(args), args), args.verbose))
+def serve_forever(args: argparse.Namespace, local: LocalRaySettings | None = None) -> int:
+    """`pdserve serve`; `local`: the Ray instance to start (`local_ray.prepare`, before Ray was imported)."""
+    try:
+        asyncio.run(_serve(_checked(config_from_args(args), args), args.verbose, local))
+    finally:
+        if local is not None:
+            local.discard()
     return 0
 
 
 async def _route(cfg: ServeConfig) -> None:
     from pdserve.cluster.join import JoinedRouter
 
-    joined = await JoinedRouter.start(cfg, progress=_say)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+    on_signals()  # while it waits for Ray and the workers too; again once ray.init took SIGTERM over
+    joined = await _unless_stopped(JoinedRouter.start(cfg, progress=_say, connected=on_signals), stop)
+    if joined is None:
+        print("pdserve: stopped during start-up", flush=True)
+        return
     model = joined.router.config.model_id
     print(f"pdserve: router {joined.router_id} serving {model} on {joined.address}", flush=True)
     if joined.http_port is not None:

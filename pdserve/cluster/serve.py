@@ -9,7 +9,9 @@ import asyncio
 import errno
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import grpc
@@ -87,9 +89,14 @@ class Cluster:
         return None if self.http_port is None else f"{self.cfg.host}:{self.http_port}"
 
     @classmethod
-    async def start(cls, cfg: ServeConfig, progress: Progress = quiet, worker_logs: bool = True) -> Cluster:
+    async def start(
+        cls, cfg: ServeConfig, progress: Progress = quiet, worker_logs: bool = True,
+        start_ray: Callable[[], None] | None = None,
+    ) -> Cluster:
         """progress gets a line for each stage and for each worker once it is ready; worker_logs:
-        whether the workers' own log lines reach this process (Ray keeps them in its log folder)."""
+        whether the workers' own log lines reach this process (Ray keeps them in its log folder);
+        start_ray: what starts or joins Ray when this process is not connected yet (default: a
+        plain `ray.init`; `pdserve serve` starts a Ray instance of its own)."""
         # Before anything slow: a silent trace collector and a taken port each cost one line.
         if (warning := unanswered_warning(cfg.tracing)) is not None:
             progress(warning)
@@ -104,7 +111,7 @@ class Cluster:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             progress(f"joining Ray at {cfg.ray_address}" if cfg.ray_address else "starting Ray")
-            _init_ray(cfg.ray_address, worker_logs)
+            (start_ray or partial(_init_ray, cfg.ray_address, worker_logs))()
         nodes = cluster_nodes()
         if cfg.ray_address:
             device = cluster_device(cfg.device, nodes)
@@ -414,6 +421,7 @@ def _init_ray(address: str | None, worker_logs: bool) -> None:
     auth_log.setLevel(logging.ERROR)
     try:
         ray.init(
+            address="local",  # a new instance, never one that RAY_ADDRESS or Ray's state files name
             namespace=NAMESPACE,
             include_dashboard=False,
             logging_level=logging.WARNING,
