@@ -233,6 +233,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         return generate_remote(args)
     from pdserve import LLM, SamplingParams
+    from pdserve import offline_generate as offline
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -253,12 +254,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if use_chat is None:
         use_chat = llm.tokenizer is not None and bool(getattr(llm.tokenizer, "chat_template", None))
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if use_chat else p for p in args.prompts]
-    outputs = llm.generate(prompts, params)
+    progress = offline.Progress(sys.stderr, len(prompts))
+    outputs, interrupted = offline.generate(llm.engine, prompts, params, progress)
     for prompt, out in zip(args.prompts, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}))
         else:
             print(out.text)
+    if interrupted:
+        print("pdserve: interrupted; above is what was generated until then", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -303,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ImportError, FileNotFoundError, PortInUseError, PlacementError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before anything was generated (a model still loading)
+        print("pdserve: interrupted", file=sys.stderr)
+        return 130
     return 1
 
 
