@@ -30,6 +30,8 @@ from pdserve.router.admission import PoolQueue, Refusal, retry_after_ms
 from pdserve.router.background import Background
 from pdserve.router.calls import WorkerCalls
 from pdserve.router.client_stream import ClientStream, chunk
+from pdserve.router.deadline_admission import DeadlineRefusal
+from pdserve.router.deadline_gate import DeadlineGate
 from pdserve.router.edge.parsing import RequestParser
 from pdserve.router.errors import to_router_error
 from pdserve.router.failover import Failover
@@ -76,7 +78,8 @@ class Router:
         self.pools = WorkerPools(config, prefills, decodes)
         self.load = LoadSignals(self.pools, config.block_size)  # what the P:D controller reads
         watch_pool_sizes(self.metrics, self.pools)
-        self.relay = TokenRelay(config, self.pools.decode_members.report_failure)
+        self.gate = DeadlineGate(self.pools, config.block_size, self.load.prefill_times)  # deadline admission
+        self.relay = TokenRelay(config, self.pools.decode_members.report_failure, self.gate.delivered)
         self._background = Background()
         self.calls = WorkerCalls(config, self.tracer, self.metrics, self.load.prefill_times)
         self.failover = Failover(config, self.pools, self.metrics, self._background, self.calls)
@@ -170,15 +173,18 @@ class Router:
         request: inference_pb2.GenerateRequest,
         trace_context: Mapping[str, str] | None = None,
         fill_context: bool = False,
+        time_left_s: float | None = None,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Serve one request as a stream of chunks. `trace_context`: the caller's W3C headers
         (`traceparent`), so the request's trace continues the client's. `fill_context`: without
-        `max_tokens`, generate up to the end of the context (the OpenAI chat default)."""
+        `max_tokens`, generate up to the end of the context (the OpenAI chat default).
+        `time_left_s`: the caller's deadline (None: none), which admission must be able to keep."""
+        deadline = None if time_left_s is None else time.monotonic() + time_left_s
         root = self.tracer.start_span("pdserve.generate", context=context_of(trace_context), kind=trace.SpanKind.SERVER)
         observed = StreamMetrics(self.metrics, root, self.load.latency)
         try:
             # aclosing: a client that goes away closes the inner stream too, which frees the request.
-            async with contextlib.aclosing(self._generate(request, root, fill_context)) as chunks:
+            async with contextlib.aclosing(self._generate(request, root, fill_context, deadline)) as chunks:
                 async for chunk in chunks:
                     observed.chunk(chunk)
                     yield chunk
@@ -190,14 +196,16 @@ class Router:
             observed.close()
 
     async def _generate(
-        self, request: inference_pb2.GenerateRequest, root: trace.Span, fill_context: bool
+        self, request: inference_pb2.GenerateRequest, root: trace.Span, fill_context: bool, deadline: float | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         ids, params = await self.parser.parse(request, fill_context)
+        # A chat without max_tokens may run to the end of the context: only its first token is promised.
+        promised = 1 if fill_context and not request.sampling_params.HasField("max_tokens") else params.max_tokens
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self.relay.streams or rid in self._books.ending:  # its workers may still hold it
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight")
         root.set_attributes({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(ids)})
-        r = self._place(rid, ids, params, trace.set_span_in_context(root))
+        r = self._place(rid, ids, params, trace.set_span_in_context(root), deadline, promised)
         self.load.arrived(r, time.monotonic())  # demand at arrival, for the P:D controller
         where = "local" if r.local else "remote"
         self.metrics.prompt_tokens.inc(len(ids))
@@ -215,12 +223,16 @@ class Router:
             raise to_router_error(exc, "generate") from exc
         finally:
             r.close()  # every path ends here: what the request holds goes back, once
+            self.gate.forget(rid)
 
-    def _place(self, rid: str, ids: list[int], params: SamplingParams, ctx: Any) -> InFlight:
+    def _place(
+        self, rid: str, ids: list[int], params: SamplingParams, ctx: Any, deadline: float | None, tokens: int
+    ) -> InFlight:
         """Choose the decode worker, then whether the prompt is prefilled there (`prefill_here`,
         or every prefill worker at its cap) or on a prefill worker, and which. RESOURCE_EXHAUSTED
         when the decode pool is full, or the prefill pool is and local prefill is off for that,
-        or (before any placement) when a pool it would join holds `max_queued_requests` queued."""
+        or (before any placement) when a pool it would join holds `max_queued_requests` queued, or
+        when it (`tokens` promised) or one admitted before would miss its deadline."""
         cfg, pools = self.config, self.pools
         refusal = self.queues["decode"].refusal()
         if refusal is not None:
@@ -250,6 +262,8 @@ class Router:
             _end_route(route, r.p_at, d_at, local, overflow)
             if r.p_at is None and not local:
                 raise _full("prefill", pools.prefill_policy.workers, self.queues["prefill"])
+            if (late := self.gate.refusal(r, deadline, tokens, time.monotonic())) is not None:
+                raise _refused(late)
         except BaseException:
             r.close()  # gives the placement back
             raise
@@ -343,8 +357,9 @@ class Router:
         await self._background.drain()
 
 
-def _refused(refusal: Refusal) -> RouterError:
-    """A pool's queue is full (`router.admission`): refused before any worker call, with a hint."""
+def _refused(refusal: Refusal | DeadlineRefusal) -> RouterError:
+    """A pool's queue is full (`router.admission`), or a deadline could not be kept
+    (`router.deadline_gate`): refused before any worker call, with a hint."""
     return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, retry_after_ms=refusal.retry_after_ms)
 
 

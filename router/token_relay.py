@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 from pdserve.router.deadline import stop_tasks
 from pdserve.router.handles import DecodeHandle
@@ -20,9 +21,16 @@ log = logging.getLogger(__name__)
 class TokenRelay:
     """The open streams by request id, and one long-poll task per followed decode worker that feeds
     them; a worker whose polls keep failing because it is down loses its streams."""
-    def __init__(self, config: RouterConfig, report_failure: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        report_failure: Callable[[str, str], None],
+        on_delivered: Callable[[str, float, Sequence[tuple[str, int, bool]]], None] | None = None,
+    ) -> None:
         self.config = config
         self._report_failure = report_failure  # (worker, why): takes it out of placement
+        # (worker, monotonic time, (request id, tokens, finished) per update): what deadline admission measures
+        self._on_delivered = on_delivered
         self.streams: dict[str, Stream] = {}  # by request id
         self._polls: dict[str, asyncio.Task] = {}  # by decode worker
 
@@ -66,6 +74,7 @@ class TokenRelay:
                     self.lose_streams(decode.worker_id, f"decode worker {decode.worker_id} stopped answering ({exc})")
                 await asyncio.sleep(min(0.05 * failures, 1.0))
                 continue
+            delivered = []
             for u in updates.updates:
                 if u.seq:
                     if u.seq <= acked:
@@ -74,6 +83,9 @@ class TokenRelay:
                 stream = self.streams.get(u.request_id)
                 if stream is not None and stream.worker == decode.worker_id:
                     stream.queue.put_nowait((list(u.token_ids), u.finish_reason))
+                    delivered.append((u.request_id, len(u.token_ids), bool(u.finish_reason)))
+            if delivered and self._on_delivered is not None:
+                self._on_delivered(decode.worker_id, time.monotonic(), delivered)
 
     def move_streams(self, worker: str, message: str) -> int:
         """Every stream served by `worker` (alive, but leaving its pool) moves to another decode

@@ -41,7 +41,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         carrier = {k: v for k, v in context.invocation_metadata() or () if k in ("traceparent", "tracestate")}
         try:
             check_request(request, self.limits)
-            async for chunk in self.router.generate(request, carrier or None):
+            # The client's deadline (None without one): admission refuses what could not meet it.
+            async for chunk in self.router.generate(request, carrier or None, time_left_s=context.time_remaining()):
                 yield chunk
         except RouterError as exc:
             log.info("request %s failed: %s %s", request.request_id or "-", exc.code.name, exc.message)

@@ -57,14 +57,19 @@ class PrefillTime:
 
 
 class PrefillTimes:
-    """Prefill times since the last `take()` (the newest `max_entries` of them)."""
+    """Prefill times since the last `take()` (the newest `max_entries` of them), and a running
+    mean of seconds per computed prompt token over all of them (what deadline admission reads)."""
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    def __init__(self, max_entries: int = 4096, smoothing: float = 0.2) -> None:
         self._entries: deque[PrefillTime] = deque(maxlen=max_entries)
+        self.smoothing = smoothing
+        self.per_token_s: float | None = None  # None: no prefill measured yet
 
     def add(self, worker: str, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self._entries.append(PrefillTime(worker, tokens, seconds))
+            prev, sample = self.per_token_s, seconds / tokens
+            self.per_token_s = sample if prev is None else prev + self.smoothing * (sample - prev)
 
     def take(self) -> list[PrefillTime]:
         out = list(self._entries)
