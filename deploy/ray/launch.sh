@@ -5,15 +5,18 @@
 #   launch.sh head   [--port 6379] [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
 #   launch.sh worker --address HEAD:PORT [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
 #   launch.sh serve  --address HEAD:PORT [pdserve serve flags: --prefill N --decode M --port P ...]
+#   launch.sh router --address HEAD:PORT [pdserve router flags: --host H --port P ...]
 #   launch.sh status [--address HEAD:PORT]
 #   launch.sh down
 #   (ARGS after `--` go to `ray start`: --num-cpus, --temp-dir, port settings, ...)
+#   launch.sh COMMAND --help: that command's usage
 #
 # A node joins a pool by offering Ray the custom resource pdserve_prefill or pdserve_decode (both
 # for --pool any), as the Helm chart's worker groups do; `pdserve serve` then places each pool's
 # workers on its nodes. Ray's token authentication is on: `head` writes the token to
-# $PDSERVE_RAY_DIR/auth_token, and `worker`, `serve` and `status` read it from the same path on
-# their machine. `down` stops, by the PIDs it recorded, what this script started on this machine.
+# $PDSERVE_RAY_DIR/auth_token, and `worker`, `serve`, `router` and `status` read it from the same
+# path on their machine. `down` stops, by the PIDs it recorded, what this script started on this
+# machine.
 #
 # Environment: PDSERVE_RAY_DIR (state: token, PIDs, logs; default ~/.pdserve/ray), PDSERVE_PYTHON
 # (the Python with pdserve and Ray installed; default python3), PDSERVE_START_TIMEOUT (seconds to
@@ -29,10 +32,26 @@ SELF=$(basename "$0")
 die() { echo "$SELF: error: $*" >&2; exit 2; }
 say() { echo "$SELF: $*"; }
 
+# The usage lines of the header, or one command's line and what it does.
 usage() {
-  sed -n '5,10s/^#  //p' "$0" >&2
-  exit 2
+  local only=${1:-} lines
+  lines=$(sed -n '5,13s/^#  //p' "$0")
+  if [ -z "$only" ]; then
+    echo "$lines"
+    return
+  fi
+  echo "usage:"
+  grep -E "^ launch.sh $only( |$)" <<<"$lines" || true
+  case $only in
+    head) echo "Start this machine's Ray head (token in $TOKEN_FILE), offering --pool's resources; ARGS after -- go to 'ray start'." ;;
+    worker) echo "Join this machine to the head's Ray cluster in --pool (copy the head's token here first); ARGS after -- go to 'ray start'." ;;
+    serve) echo "Start the worker pools and the first router on the cluster ('pdserve serve --address')." ;;
+    router) echo "Another router in front of the running pools ('pdserve router --address'), e.g. on a second machine." ;;
+    status) echo "The cluster's nodes, their pools and where each pdserve worker runs (run it on the head)." ;;
+    down) echo "Stop, by the PIDs recorded in $STATE_DIR, what this script started on this machine." ;;
+  esac
 }
+help_exit() { usage "${1:-}"; exit 0; }
 
 ensure_state_dir() {
   mkdir -p "$STATE_DIR"
@@ -50,8 +69,12 @@ use_token() {
 route_ip() {
   "$PY" -c 'import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.connect((sys.argv[1], 9))
-print(s.getsockname()[0])' "$1"
+try:
+    s.connect((sys.argv[1], 9))
+except OSError as exc:
+    sys.exit(f"no route to {sys.argv[1]} ({exc.strerror or exc})")
+print(s.getsockname()[0])' "$1" 2>/dev/null ||
+    die "--node-ip-address: this machine has no route to $1 (no default route?); give its address on the cluster network"
 }
 
 is_loopback() { case $1 in 127.*|localhost|::1) return 0 ;; *) return 1 ;; esac; }
@@ -128,12 +151,12 @@ cmd_head() {
       --pool) pool=${2:?--pool needs a value}; shift 2 ;;
       --gpus) gpus=${2:?--gpus needs a value}; shift 2 ;;
       --) shift; break ;;
-      -h|--help) usage ;;
+      -h|--help) help_exit head ;;
       *) die "head: unknown argument '$1'" ;;
     esac
   done
   check_args "$pool" "$gpus"
-  [ -n "$ip" ] || ip=$(route_ip 8.8.8.8)
+  [ -n "$ip" ] || ip=$(route_ip 8.8.8.8) || exit 2
   [ "$ip" != "0.0.0.0" ] || die "--node-ip-address: give this machine's address on the cluster network, not 0.0.0.0"
   ray_cluster_mode "$ip"
   ensure_state_dir
@@ -171,7 +194,7 @@ cmd_worker() {
       --pool) pool=${2:?--pool needs a value}; shift 2 ;;
       --gpus) gpus=${2:?--gpus needs a value}; shift 2 ;;
       --) shift; break ;;
-      -h|--help) usage ;;
+      -h|--help) help_exit worker ;;
       *) die "worker: unknown argument '$1'" ;;
     esac
   done
@@ -179,7 +202,7 @@ cmd_worker() {
   [ -n "$address" ] || die "worker: --address HEAD:PORT is required"
   ! is_loopback "$(host_of "$address")" ||
     die "worker: a head on loopback takes no other node; start it with --node-ip-address <its cluster address>"
-  [ -n "$ip" ] || ip=$(route_ip "$(host_of "$address")")
+  [ -n "$ip" ] || ip=$(route_ip "$(host_of "$address")") || exit 2
   [ "$ip" != "0.0.0.0" ] || die "--node-ip-address: give this machine's address on the cluster network, not 0.0.0.0"
   ray_cluster_mode "$ip"
   ensure_state_dir
@@ -191,21 +214,26 @@ cmd_worker() {
   say "Ray worker on $ip joined $address (pool $pool)"
 }
 
-cmd_serve() {
-  local address="" rest=()
+# serve and router: `pdserve serve|router --address HEAD:PORT ...` in the foreground, with the token.
+run_pdserve() {
+  local cmd=$1 address="" rest=(); shift
   while [ $# -gt 0 ]; do
     case $1 in
       --address) address=${2:?--address needs a value}; shift 2 ;;
+      -h|--help)
+        usage "$cmd"
+        echo "Other flags go to 'pdserve $cmd' (see 'pdserve $cmd --help'); runs in the foreground until Ctrl-C / SIGTERM."
+        exit 0 ;;
       *) rest+=("$1"); shift ;;
     esac
   done
-  [ -n "$address" ] || die "serve: --address HEAD:PORT is required"
+  [ -n "$address" ] || die "$cmd: --address HEAD:PORT is required"
   ray_cluster_mode "$(host_of "$address")"
   ensure_state_dir
   use_token
-  # exec keeps this PID: `down` finds the server by it.
-  echo $$ >"$STATE_DIR/serve.pid"
-  exec "$PY" -m pdserve.cli serve --address "$address" "${rest[@]}"
+  # exec keeps this PID: `down` finds the process by it.
+  echo $$ >"$STATE_DIR/$cmd.pid"
+  exec "$PY" -m pdserve.cli "$cmd" --address "$address" "${rest[@]}"
 }
 
 cmd_status() {
@@ -213,6 +241,7 @@ cmd_status() {
   while [ $# -gt 0 ]; do
     case $1 in
       --address) address=${2:?--address needs a value}; shift 2 ;;
+      -h|--help) help_exit status ;;
       *) die "status: unknown argument '$1'" ;;
     esac
   done
@@ -240,7 +269,7 @@ stop_pid() {
     ! kill -0 "$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
   fi
   # The node's processes share the group `ray start` leads (its PID): stop any that outlived it.
-  if [ "$name" != serve ] && kill -0 -- "-$pid" 2>/dev/null; then
+  if [ "$name" != serve ] && [ "$name" != router ] && kill -0 -- "-$pid" 2>/dev/null; then
     kill -TERM -- "-$pid" 2>/dev/null || true
     for i in $(seq 1 20); do
       kill -0 -- "-$pid" 2>/dev/null || break
@@ -252,7 +281,9 @@ stop_pid() {
 }
 
 cmd_down() {
+  case ${1:-} in -h|--help) help_exit down ;; esac
   [ $# -eq 0 ] || die "down takes no arguments"
+  stop_pid router pdserve.cli
   stop_pid serve pdserve.cli
   stop_pid worker ray.scripts.scripts
   stop_pid head ray.scripts.scripts
@@ -260,14 +291,17 @@ cmd_down() {
   say "down"
 }
 
-[ $# -ge 1 ] || usage
+if [ $# -lt 1 ]; then
+  usage >&2
+  exit 2
+fi
 sub=$1; shift
 case $sub in
   head) cmd_head "$@" ;;
   worker) cmd_worker "$@" ;;
-  serve) cmd_serve "$@" ;;
+  serve|router) run_pdserve "$sub" "$@" ;;
   status) cmd_status "$@" ;;
   down) cmd_down "$@" ;;
-  -h|--help|help) usage ;;
-  *) die "unknown command '$sub' (head, worker, serve, status, down)" ;;
+  -h|--help|help) help_exit ;;
+  *) die "unknown command '$sub' (head, worker, serve, router, status, down)" ;;
 esac
