@@ -26,13 +26,15 @@ from pdserve_proto import inference_pb2 as pdserve__proto_dot_inference__pb2
 from pdserve_proto import kv_pb2 as pdserve__proto_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve_proto/worker.proto\x12\npdserve.v1\x1a\x1dpdserve_proto/inference.proto\x1a\x16pdserve_proto/kv.proto\"\xfe\x01\n\x0bWorkerError\x12*\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.WorkerError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb1\x01\n\x04\x43ode\x12\x0f\n\x0bUNSPECIFIED\x10\x00\x12\x0e\n\nWRONG_ROLE\x10\x01\x12\x12\n\x0e\x45NGINE_STOPPED\x10\x02\x12\x12\n\x0eNO_FREE_BLOCKS\x10\x03\x12\x13\n\x0fKV_INCOMPATIBLE\x10\x04\x12\x11\n\rREQUEST_ENDED\x10\x05\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x06\x12\x13\n\x0fINVALID_REQUEST\x10\x07\x12\x0c\n\x08INTERNAL\x10\x08\"\xdc\x01\n\x14WorkerSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x15\n\routput_offset\x18\n \x01(\rB\x07\n\x05_seed\"\xa5\x02\n\x0ePrefillRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x43\n\rtrace_context\x18\x05 \x03(\x0b\x32,.pdserve.v1.PrefillRequest.TraceContextEntry\x12\x13\n\x0bprogress_to\x18\x06 \x01(\t\x12\x11\n\trouter_id\x18\x07 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\trouter_id\x18\x02 \x01(\t\"\xa7\x02\n\x0cStartRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12,\n\tprefilled\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PrefillResult\x12\x41\n\rtrace_context\x18\x05 \x03(\x0b\x32*.pdserve.v1.StartRequest.TraceContextEntry\x12\x11\n\trouter_id\x18\x06 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x84\x01\n\x0fPrefetchRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\"\xfb\x01\n\rSubmitRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x42\n\rtrace_context\x18\x04 \x03(\x0b\x32+.pdserve.v1.SubmitRequest.TraceContextEntry\x12\x11\n\trouter_id\x18\x05 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\trouter_id\x18\x02 \x01(\t\"\x15\n\x05\x46reed\x12\x0c\n\x04held\x18\x01 \x01(\x08\"N\n\x0bPollRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12\x12\n\x05\x61\x63ked\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x08\n\x06_acked\"\x0f\n\rHealthRequest\"\x0e\n\x0cStatsRequest\"B\n\x0fKvEventsRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\x12\x0c\n\x04\x66ull\x18\x02 \x01(\x08\x12\x11\n\trouter_id\x18\x03 \x01(\t\"\x96\x01\n\rPrefillResult\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\"\xd3\x01\n\x0b\x44\x65\x63odeStart\x12\x15\n\rreused_tokens\x18\x01 \x01(\r\x12\x15\n\rpulled_blocks\x18\x02 \x01(\r\x12\x12\n\nrecomputed\x18\x03 \x01(\x08\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x18\n\x10transfer_retries\x18\x06 \x01(\r\x12\x19\n\x11prefetched_blocks\x18\x07 \x01(\r\x12\x1b\n\x13waited_for_blocks_s\x18\x08 \x01(\x01\";\n\x0e\x44\x65\x63odePrefetch\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\",\n\x0c\x44\x65\x63odeSubmit\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x01 \x01(\r\"X\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"8\n\x0cTokenUpdates\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.TokenUpdate\"u\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\x15\n\rnum_available\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\"T\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0c\x65ngine_alive\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xcb\x01\n\tServeInfo\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x18\n\x10placement_policy\x18\x05 \x01(\t\x12\x13\n\x0bload_factor\x18\x06 \x01(\x01\x12 \n\x18max_local_prefill_tokens\x18\x07 \x01(\r\x12\x1b\n\x13kv_transfer_overlap\x18\x08 \x01(\x08\x32\xf3\x04\n\x06Worker\x12@\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x19.pdserve.v1.PrefillResult\x12\x38\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x11.pdserve.v1.Freed\x12:\n\x05Start\x12\x18.pdserve.v1.StartRequest\x1a\x17.pdserve.v1.DecodeStart\x12\x43\n\x08Prefetch\x12\x1b.pdserve.v1.PrefetchRequest\x1a\x1a.pdserve.v1.DecodePrefetch\x12=\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x18.pdserve.v1.DecodeSubmit\x12\x34\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x11.pdserve.v1.Freed\x12\x39\n\x04Poll\x12\x17.pdserve.v1.PollRequest\x1a\x18.pdserve.v1.TokenUpdates\x12=\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x18.pdserve.v1.WorkerHealth\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x41\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatchb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve_proto/worker.proto\x12\npdserve.v1\x1a\x1dpdserve_proto/inference.proto\x1a\x16pdserve_proto/kv.proto\"\xfe\x01\n\x0bWorkerError\x12*\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.WorkerError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb1\x01\n\x04\x43ode\x12\x0f\n\x0bUNSPECIFIED\x10\x00\x12\x0e\n\nWRONG_ROLE\x10\x01\x12\x12\n\x0e\x45NGINE_STOPPED\x10\x02\x12\x12\n\x0eNO_FREE_BLOCKS\x10\x03\x12\x13\n\x0fKV_INCOMPATIBLE\x10\x04\x12\x11\n\rREQUEST_ENDED\x10\x05\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x06\x12\x13\n\x0fINVALID_REQUEST\x10\x07\x12\x0c\n\x08INTERNAL\x10\x08\"\xea\x03\n\x14WorkerSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x15\n\routput_offset\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0e \x03(\x0b\x32/.pdserve.v1.WorkerSamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xa5\x02\n\x0ePrefillRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x43\n\rtrace_context\x18\x05 \x03(\x0b\x32,.pdserve.v1.PrefillRequest.TraceContextEntry\x12\x13\n\x0bprogress_to\x18\x06 \x01(\t\x12\x11\n\trouter_id\x18\x07 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\trouter_id\x18\x02 \x01(\t\"\xa7\x02\n\x0cStartRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12,\n\tprefilled\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PrefillResult\x12\x41\n\rtrace_context\x18\x05 \x03(\x0b\x32*.pdserve.v1.StartRequest.TraceContextEntry\x12\x11\n\trouter_id\x18\x06 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x84\x01\n\x0fPrefetchRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\"\xfb\x01\n\rSubmitRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x06params\x18\x02 \x01(\x0b\x32 .pdserve.v1.WorkerSamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x42\n\rtrace_context\x18\x04 \x03(\x0b\x32+.pdserve.v1.SubmitRequest.TraceContextEntry\x12\x11\n\trouter_id\x18\x05 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\trouter_id\x18\x02 \x01(\t\"\x15\n\x05\x46reed\x12\x0c\n\x04held\x18\x01 \x01(\x08\"N\n\x0bPollRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12\x12\n\x05\x61\x63ked\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x08\n\x06_acked\"\x0f\n\rHealthRequest\"\x0e\n\x0cStatsRequest\"B\n\x0fKvEventsRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\x12\x0c\n\x04\x66ull\x18\x02 \x01(\x08\x12\x11\n\trouter_id\x18\x03 \x01(\t\"\xf9\x01\n\rPrefillResult\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x1a\n\rfirst_logprob\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\x10\n\x0e_first_logprob\"\xd3\x01\n\x0b\x44\x65\x63odeStart\x12\x15\n\rreused_tokens\x18\x01 \x01(\r\x12\x15\n\rpulled_blocks\x18\x02 \x01(\r\x12\x12\n\nrecomputed\x18\x03 \x01(\x08\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x18\n\x10transfer_retries\x18\x06 \x01(\r\x12\x19\n\x11prefetched_blocks\x18\x07 \x01(\r\x12\x1b\n\x13waited_for_blocks_s\x18\x08 \x01(\x01\";\n\x0e\x44\x65\x63odePrefetch\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\",\n\x0c\x44\x65\x63odeSubmit\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x01 \x01(\r\"\x99\x01\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x03(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"8\n\x0cTokenUpdates\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.TokenUpdate\"u\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\x15\n\rnum_available\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\"T\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0c\x65ngine_alive\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xcb\x01\n\tServeInfo\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x18\n\x10placement_policy\x18\x05 \x01(\t\x12\x13\n\x0bload_factor\x18\x06 \x01(\x01\x12 \n\x18max_local_prefill_tokens\x18\x07 \x01(\r\x12\x1b\n\x13kv_transfer_overlap\x18\x08 \x01(\x08\x32\xf3\x04\n\x06Worker\x12@\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x19.pdserve.v1.PrefillResult\x12\x38\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x11.pdserve.v1.Freed\x12:\n\x05Start\x12\x18.pdserve.v1.StartRequest\x1a\x17.pdserve.v1.DecodeStart\x12\x43\n\x08Prefetch\x12\x1b.pdserve.v1.PrefetchRequest\x1a\x1a.pdserve.v1.DecodePrefetch\x12=\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x18.pdserve.v1.DecodeSubmit\x12\x34\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x11.pdserve.v1.Freed\x12\x39\n\x04Poll\x12\x17.pdserve.v1.PollRequest\x1a\x18.pdserve.v1.TokenUpdates\x12=\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x18.pdserve.v1.WorkerHealth\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x41\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatchb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_STARTREQUEST_TRACECONTEXTENTRY']._loaded_options = None
@@ -44,53 +46,55 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERERROR_CODE']._serialized_start=175
   _globals['_WORKERERROR_CODE']._serialized_end=352
   _globals['_WORKERSAMPLINGPARAMS']._serialized_start=355
-  _globals['_WORKERSAMPLINGPARAMS']._serialized_end=575
-  _globals['_PREFILLREQUEST']._serialized_start=578
-  _globals['_PREFILLREQUEST']._serialized_end=871
-  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_start=820
-  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_end=871
-  _globals['_RELEASEREQUEST']._serialized_start=873
-  _globals['_RELEASEREQUEST']._serialized_end=928
-  _globals['_STARTREQUEST']._serialized_start=931
-  _globals['_STARTREQUEST']._serialized_end=1226
-  _globals['_STARTREQUEST_TRACECONTEXTENTRY']._serialized_start=820
-  _globals['_STARTREQUEST_TRACECONTEXTENTRY']._serialized_end=871
-  _globals['_PREFETCHREQUEST']._serialized_start=1229
-  _globals['_PREFETCHREQUEST']._serialized_end=1361
-  _globals['_SUBMITREQUEST']._serialized_start=1364
-  _globals['_SUBMITREQUEST']._serialized_end=1615
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=820
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=871
-  _globals['_ABORTREQUEST']._serialized_start=1617
-  _globals['_ABORTREQUEST']._serialized_end=1670
-  _globals['_FREED']._serialized_start=1672
-  _globals['_FREED']._serialized_end=1693
-  _globals['_POLLREQUEST']._serialized_start=1695
-  _globals['_POLLREQUEST']._serialized_end=1773
-  _globals['_HEALTHREQUEST']._serialized_start=1775
-  _globals['_HEALTHREQUEST']._serialized_end=1790
-  _globals['_STATSREQUEST']._serialized_start=1792
-  _globals['_STATSREQUEST']._serialized_end=1806
-  _globals['_KVEVENTSREQUEST']._serialized_start=1808
-  _globals['_KVEVENTSREQUEST']._serialized_end=1874
-  _globals['_PREFILLRESULT']._serialized_start=1877
-  _globals['_PREFILLRESULT']._serialized_end=2027
-  _globals['_DECODESTART']._serialized_start=2030
-  _globals['_DECODESTART']._serialized_end=2241
-  _globals['_DECODEPREFETCH']._serialized_start=2243
-  _globals['_DECODEPREFETCH']._serialized_end=2302
-  _globals['_DECODESUBMIT']._serialized_start=2304
-  _globals['_DECODESUBMIT']._serialized_end=2348
-  _globals['_TOKENUPDATE']._serialized_start=2350
-  _globals['_TOKENUPDATE']._serialized_end=2438
-  _globals['_TOKENUPDATES']._serialized_start=2440
-  _globals['_TOKENUPDATES']._serialized_end=2496
-  _globals['_KVEVENTBATCH']._serialized_start=2498
-  _globals['_KVEVENTBATCH']._serialized_end=2615
-  _globals['_WORKERHEALTH']._serialized_start=2617
-  _globals['_WORKERHEALTH']._serialized_end=2701
-  _globals['_SERVEINFO']._serialized_start=2704
-  _globals['_SERVEINFO']._serialized_end=2907
-  _globals['_WORKER']._serialized_start=2910
-  _globals['_WORKER']._serialized_end=3537
+  _globals['_WORKERSAMPLINGPARAMS']._serialized_end=845
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=765
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=813
+  _globals['_PREFILLREQUEST']._serialized_start=848
+  _globals['_PREFILLREQUEST']._serialized_end=1141
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_start=1090
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_end=1141
+  _globals['_RELEASEREQUEST']._serialized_start=1143
+  _globals['_RELEASEREQUEST']._serialized_end=1198
+  _globals['_STARTREQUEST']._serialized_start=1201
+  _globals['_STARTREQUEST']._serialized_end=1496
+  _globals['_STARTREQUEST_TRACECONTEXTENTRY']._serialized_start=1090
+  _globals['_STARTREQUEST_TRACECONTEXTENTRY']._serialized_end=1141
+  _globals['_PREFETCHREQUEST']._serialized_start=1499
+  _globals['_PREFETCHREQUEST']._serialized_end=1631
+  _globals['_SUBMITREQUEST']._serialized_start=1634
+  _globals['_SUBMITREQUEST']._serialized_end=1885
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=1090
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=1141
+  _globals['_ABORTREQUEST']._serialized_start=1887
+  _globals['_ABORTREQUEST']._serialized_end=1940
+  _globals['_FREED']._serialized_start=1942
+  _globals['_FREED']._serialized_end=1963
+  _globals['_POLLREQUEST']._serialized_start=1965
+  _globals['_POLLREQUEST']._serialized_end=2043
+  _globals['_HEALTHREQUEST']._serialized_start=2045
+  _globals['_HEALTHREQUEST']._serialized_end=2060
+  _globals['_STATSREQUEST']._serialized_start=2062
+  _globals['_STATSREQUEST']._serialized_end=2076
+  _globals['_KVEVENTSREQUEST']._serialized_start=2078
+  _globals['_KVEVENTSREQUEST']._serialized_end=2144
+  _globals['_PREFILLRESULT']._serialized_start=2147
+  _globals['_PREFILLRESULT']._serialized_end=2396
+  _globals['_DECODESTART']._serialized_start=2399
+  _globals['_DECODESTART']._serialized_end=2610
+  _globals['_DECODEPREFETCH']._serialized_start=2612
+  _globals['_DECODEPREFETCH']._serialized_end=2671
+  _globals['_DECODESUBMIT']._serialized_start=2673
+  _globals['_DECODESUBMIT']._serialized_end=2717
+  _globals['_TOKENUPDATE']._serialized_start=2720
+  _globals['_TOKENUPDATE']._serialized_end=2873
+  _globals['_TOKENUPDATES']._serialized_start=2875
+  _globals['_TOKENUPDATES']._serialized_end=2931
+  _globals['_KVEVENTBATCH']._serialized_start=2933
+  _globals['_KVEVENTBATCH']._serialized_end=3050
+  _globals['_WORKERHEALTH']._serialized_start=3052
+  _globals['_WORKERHEALTH']._serialized_end=3136
+  _globals['_SERVEINFO']._serialized_start=3139
+  _globals['_SERVEINFO']._serialized_end=3342
+  _globals['_WORKER']._serialized_start=3345
+  _globals['_WORKER']._serialized_end=3972
 # @@protoc_insertion_point(module_scope)

@@ -75,6 +75,12 @@ def sampling_params_of(msg: worker_pb2.WorkerSamplingParams) -> SamplingParams:
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             logprobs=msg.logprobs,
+            top_logprobs=msg.top_logprobs,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            logit_bias=dict(msg.logit_bias),
+            min_tokens=msg.min_tokens,
             output_offset=msg.output_offset,
         )
     except ValueError as exc:

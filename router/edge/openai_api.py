@@ -138,7 +138,31 @@ def _sampling(body: dict[str, Any], chat: bool) -> inference_pb2.SamplingParams:
         _token_ids("stop_token_ids", stop_ids)
         sp.stop_token_ids.extend(stop_ids)
     sp.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
+    _processing(body, sp)
     return sp
+
+
+def _processing(body: dict[str, Any], sp: inference_pb2.SamplingParams) -> None:
+    """Penalties, logit_bias and min_tokens into `sp`; their ranges are the router's to check."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _typed(body, name, (int, float), "a number")
+        if value is not None:
+            setattr(sp, name, _finite(name, value))
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise _bad("logit_bias", "must be an object mapping token ids to numbers")
+    for key, value in (bias or {}).items():
+        # JSON object keys are strings: OpenAI's are token ids written in decimal.
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise _bad("logit_bias", f"keys must be token ids in [0, 2^32), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad("logit_bias", f"values must be numbers, got {type(value).__name__} for {key}")
+        sp.logit_bias[int(key)] = _finite(f"logit_bias[{key}]", value)
+    min_tokens = _typed(body, "min_tokens", (int,), "an integer")
+    if min_tokens is not None:
+        if not 0 <= min_tokens < 2**31:
+            raise _bad("min_tokens", f"must be in [0, 2^31), got {min_tokens}")
+        sp.min_tokens = min_tokens
 
 
 def _finite(name: str, value: int | float) -> float:

@@ -121,6 +121,11 @@ def parse_request(
             f"sampling_params.max_tokens: {sp.max_tokens} tokens after a prompt of {len(ids)} exceed the context of "
             f"{config.max_model_len}; at most {room}",
         )
+    bad_bias = next((t for t in sp.logit_bias if t >= config.vocab_size), None)
+    if bad_bias is not None:
+        raise RouterError(
+            _INVALID, f"sampling_params.logit_bias: token {bad_bias} is outside the vocabulary [0, {config.vocab_size})"
+        )
     return ids, sampling_params_of(sp)
 
 
@@ -136,6 +141,13 @@ def sampling_params_of(sp: inference_pb2.SamplingParams) -> SamplingParams:
             stop=tuple(sp.stop),
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
+            frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            logit_bias=dict(sp.logit_bias),
+            min_tokens=sp.min_tokens,
+            logprobs=sp.logprobs,
+            top_logprobs=sp.top_logprobs,
         )
     except ValueError as exc:
         raise RouterError(_INVALID, f"sampling_params.{exc}") from None

@@ -36,11 +36,15 @@ SERVED_SAMPLES: dict[str, Any] = {
     "stop_token_ids": [3],
     "ignore_eos": True,
     "n": 2,
+    "presence_penalty": 1.5,
+    "frequency_penalty": 1.5,
+    "repetition_penalty": 1.3,
+    "logit_bias": {"13": 100},
+    "min_tokens": 10,
 }
 # A value of each refused field that asks for something.
 REFUSED_SAMPLES: dict[str, Any] = {
-    "presence_penalty": 1.5, "frequency_penalty": 1.5, "repetition_penalty": 1.3, "logit_bias": {"13": 100},
-    "min_tokens": 10, "min_p": 0.1, "best_of": 3, "use_beam_search": True, "logprobs": True, "top_logprobs": 2,
+    "min_p": 0.1, "best_of": 3, "use_beam_search": True, "logprobs": True, "top_logprobs": 2,
     "prompt_logprobs": 1, "echo": True, "suffix": "end", "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= x",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "parallel_tool_calls": "yes",

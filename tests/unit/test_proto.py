@@ -43,9 +43,11 @@ def test_public_field_names():
         "GenerateRequest": {"request_id", "prompt", "prompt_token_ids", "messages", "sampling_params", "model"},
         "SamplingParams": {
             "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
+            "top_logprobs",
         },
         "ChatMessage": {"role", "content"},
-        "GenerateResponse": {"request_id", "token_ids", "text", "finish_reason", "usage"},
+        "GenerateResponse": {"request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "top_logprobs"},
         "Usage": {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"},
     }
     assert inference_pb2.DESCRIPTOR.package == "pdserve.v1"
