@@ -30,6 +30,27 @@ pytestmark = pytest.mark.deploy
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version() + ".0")
 
+# Each pod-spec escape hatch, as a user would set it for RoCE over a secondary network, the
+# NVIDIA runtime class and a non-root pod.
+POD_HATCHES: dict[str, Any] = {
+    "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "roce-net"},
+    "podLabels": {"team": "inference", "app.kubernetes.io/component": "not-this"},
+    "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    "runtimeClassName": "nvidia",
+    "serviceAccountName": "pdserve",
+    "priorityClassName": "inference-high",
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+         "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}}
+    ],
+    "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"},
+                 {"name": "SITE_TOKEN", "valueFrom": {"secretKeyRef": {"name": "site", "key": "token"}}}],
+    "extraVolumes": [{"name": "site-config", "configMap": {"name": "site-config"}}],
+    "extraVolumeMounts": [{"name": "site-config", "mountPath": "/etc/site", "readOnly": True}],
+    "initContainers": [{"name": "wait-for-fabric", "image": "busybox:1.36", "command": ["sh", "-c", "true"]}],
+}
+
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "multi_gpu": {
@@ -103,6 +124,26 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "apiKeys": {"secretName": "pdserve-keys", "adminSecretName": "pdserve-admin"},
         "otel": {"endpoint": "otel-collector.observability:4317"},
         "model": {"source": "pvc", "claimName": "models", "path": "llama-3.1-8b-instruct"},
+    },
+    # Every escape hatch on every pod, keys from Secrets, an image by digest (test_helm_pod_spec.py).
+    "pod_spec": {
+        "image": {"repository": "registry.example.com:5000/ml/pdserve", "digest": "sha256:" + "ab" * 32},
+        **{comp: POD_HATCHES for comp in ("head", "prefill", "decode")},
+        "router": {"replicas": 2, **POD_HATCHES},
+        "apiKeys": {"secretName": "pdserve-keys", "dataSecretName": "pdserve-data", "adminSecretName": "pdserve-admin"},
+        "kv": {"ipcLock": False},
+    },
+    # KubeRay's lifecycle options (test_helm_lifecycle.py).
+    "lifecycle": {
+        "upgradeStrategy": "Recreate",
+        "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis.pdserve-system:6379",
+                              "passwordSecret": {"name": "redis", "key": "password"}},
+        "autoscaling": {"enabled": True, "idleTimeoutSeconds": 300, "upscalingMode": "Conservative"},
+        "prefill": {"replicas": 2, "minReplicas": 1, "maxReplicas": 4},
+        "decode": {"replicas": 4, "maxReplicas": 8},
+        "controller": {"enabled": True, "sloTtftMs": 300, "sloItlMs": 40, "maxWorkers": 12},
+        "router": {"probes": {"timeoutSeconds": 3, "startupFailureThreshold": 60, "periodSeconds": 15},
+                   "progressDeadlineSeconds": 1000},
     },
     "colocated": {
         "prefill": {"replicas": 0},
@@ -187,6 +228,7 @@ def test_default_objects(chart: helm.Chart) -> None:
             "Service",
             "NetworkPolicy",
             "NetworkPolicy",
+            "PodDisruptionBudget",
             "PodDisruptionBudget",
             "PodDisruptionBudget",
             "PodDisruptionBudget",
@@ -365,13 +407,13 @@ def test_tls_api_keys_otel(chart: helm.Chart) -> None:
         "--ssl-keyfile": "/etc/pdserve/tls/tls.key",
         "--ssl-ca-certs": "/etc/pdserve/tls/ca.crt",
         "--api-key-file": "/etc/pdserve/api-keys/api-keys",
-        "--admin-api-key": "$PDSERVE_ADMIN_API_KEY",
         "--trace-exporter": "otlp-grpc",
         "--trace-endpoint": "otel-collector.observability:4317",
         "--trace-sample-ratio": "0.1",
     }
     for flag, value in expected.items():
         assert cmd[cmd.index(flag) + 1] == value, flag
+    assert "--admin-api-key" not in cmd  # the server reads PDSERVE_ADMIN_API_KEY from the env below
     spec = pod_specs(objects)["router"]
     vols = {v["name"]: v for v in spec["volumes"]}
     assert vols["tls"] == {"name": "tls", "secret": {"secretName": "pdserve-tls"}}
@@ -439,13 +481,14 @@ def test_router_replicas_deployment(chart: helm.Chart) -> None:
         "--ssl-certfile",
         "--ssl-keyfile",
         "--api-key-file",
-        "--admin-api-key",
         "--trace-exporter",
         "--trace-endpoint",
         "--trace-sample-ratio",
     ):
         assert cmd[cmd.index(flag) + 1] == serve[serve.index(flag) + 1], flag
-    assert cmd[cmd.index("--admin-api-key") + 1] == "$PDSERVE_ADMIN_API_KEY"
+    assert "--admin-api-key" not in cmd and "--admin-api-key" not in serve  # env from the Secret instead
+    # The first router alone exports the workers' series.
+    assert "--no-export-worker-metrics" in cmd and "--no-export-worker-metrics" not in serve
     # Nothing only `pdserve serve` takes (`pdserve router` would refuse it): the workers say the rest.
     for flag in ("--device", "--prefill", "--decode", "--placement-policy", "--dtype", "--model", "--max-num-seqs"):
         assert flag not in cmd, flag
@@ -456,8 +499,9 @@ def test_router_replicas_deployment(chart: helm.Chart) -> None:
     spec = replicas["spec"]["template"]["spec"]
     first_spec = first["spec"]["template"]["spec"]
     c, first_c = spec["containers"][0], first_spec["containers"][0]
-    assert not any(k.startswith("nvidia.com/") for k in c["resources"]["limits"])  # starts no worker
-    assert first_c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    for container in (c, first_c):  # no router holds a GPU: the workers' device is the cluster's
+        assert not any(k.startswith("nvidia.com/") for k in container["resources"]["limits"])
+        assert not any(k.startswith("nvidia.com/") for k in container["resources"]["requests"])
     assert c["ports"] == first_c["ports"]
     for probe, service in PROBE_SERVICES.items():
         assert c[probe] == first_c[probe] and f"service='{service}'" in c[probe]["exec"]["command"][2]
@@ -494,7 +538,7 @@ def test_service_spreads_over_every_router(chart: helm.Chart) -> None:
 def test_router_replicas_pdb(chart: helm.Chart) -> None:
     objects = render(chart, VALUE_SETS["routers"])
     pdbs = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects, "PodDisruptionBudget")}
-    assert set(pdbs) == {"demo-pdserve-router", "demo-pdserve-prefill", "demo-pdserve-decode"}
+    assert set(pdbs) == {"demo-pdserve-router", "demo-pdserve-prefill", "demo-pdserve-decode", "demo-pdserve-head"}
     router = pdbs["demo-pdserve-router"]
     assert router["minAvailable"] == 1 and "maxUnavailable" not in router
     for labels in router_pod_labels(objects).values():
@@ -536,13 +580,14 @@ def test_ray_token_from_the_secret(chart: helm.Chart) -> None:
 def test_pod_disruption_budgets(chart: helm.Chart) -> None:
     objects = render(chart, VALUE_SETS["multi_gpu"])
     pdbs = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects, "PodDisruptionBudget")}
-    assert set(pdbs) == {"demo-pdserve-router", "demo-pdserve-prefill", "demo-pdserve-decode"}
+    assert set(pdbs) == {"demo-pdserve-router", "demo-pdserve-prefill", "demo-pdserve-decode", "demo-pdserve-head"}
     rc = one(objects, "RayCluster")["spec"]
     pod_labels = {g["groupName"]: g["template"]["metadata"]["labels"] for g in rc["workerGroupSpecs"]}
     pod_labels["router"] = one(objects, "Deployment", "-router")["spec"]["template"]["metadata"]["labels"]
+    pod_labels["head"] = rc["headGroupSpec"]["template"]["metadata"]["labels"]
     for comp, labels in pod_labels.items():
         spec = pdbs[f"demo-pdserve-{comp}"]
-        assert spec["maxUnavailable"] == 1
+        assert spec["maxUnavailable"] == (0 if comp == "head" else 1)
         assert spec["selector"]["matchLabels"].items() <= labels.items()  # selects that component's pods
         others = [v for k, v in pod_labels.items() if k != comp]
         assert not any(spec["selector"]["matchLabels"].items() <= o.items() for o in others)  # and no other
@@ -573,7 +618,12 @@ def test_service_monitor_and_dashboard(chart: helm.Chart) -> None:
     objects = render(chart, VALUE_SETS["controller"])
     sm = one(objects, "ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prometheus"
-    assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert sm["spec"]["endpoints"] == [{
+        "port": "metrics", "path": "/metrics", "interval": "15s",
+        # The dashboard's release variable selects on this label.
+        "relabelings": [{"sourceLabels": ["__meta_kubernetes_service_label_app_kubernetes_io_instance"],
+                         "targetLabel": "release"}],
+    }]
     svc = one(objects, "Service", "-router")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     cm = one(objects, "ConfigMap", "-dashboard")
@@ -588,32 +638,3 @@ def test_chart_notes(chart: helm.Chart) -> None:
     notes = manifests["pdserve/templates/NOTES.txt"]
     assert "8 prefill and 24 decode workers" in notes
     assert re.search(r"50051\s+gRPC", notes) and re.search(r"8000\s+OpenAI HTTP", notes)
-
-
-# ----- the image -----------------------------------------------------------------------------
-
-
-def test_dockerfile_matches_chart_and_package() -> None:
-    dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
-    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)
-    assert ray_version is not None
-    values = helm.values_from_yaml((CHART_DIR / "values.yaml").read_text())
-    assert values["rayVersion"] == ray_version.group(1)
-    assert (
-        re.search(r"^FROM \$\{CUDA_IMAGE\}$", dockerfile, re.MULTILINE) and "ARG CUDA_IMAGE=nvidia/cuda:" in dockerfile
-    )
-    assert '".[gpu]"' in dockerfile and '"ray[default]==${RAY_VERSION}"' in dockerfile
-    # Every package pyproject installs is copied into the build.
-    import tomllib
-
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    mapped = setuptools["package-dir"]  # pdserve.router -> router/, ...
-    # The folder each package's sources live in, at the top of the repository.
-    folders = {
-        next((d for name, d in mapped.items() if pkg == name or pkg.startswith(name + ".")), pkg).split(".")[0]
-        for pkg in setuptools["packages"]
-    }
-    assert folders >= {"pdserve", "pdserve_proto", "router", "kv_transfer", "prefill_worker", "decode_worker"}
-    for pkg in sorted(folders):
-        assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
-        assert f"!{pkg}/" in (REPO / "deploy" / "docker" / "Dockerfile.dockerignore").read_text(), pkg

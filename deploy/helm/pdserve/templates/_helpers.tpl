@@ -19,8 +19,60 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/* repository@digest when a digest is given (the tag is then ignored), else repository:tag. */}}
 {{- define "pdserve.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $i := .Values.image -}}
+{{- if $i.digest -}}
+{{ $i.repository }}@{{ $i.digest }}
+{{- else -}}
+{{ $i.repository }}:{{ $i.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A pod template's metadata: the chart's labels (they win: selectors, the Service and the budgets
+depend on them) over the component's podLabels, and its podAnnotations.
+args: dict "root" $ "component" <app.kubernetes.io/component> "pod" <the component's values> "extra" <more labels>.
+*/}}
+{{- define "pdserve.podMetadata" -}}
+{{- $labels := include "pdserve.labels" .root | fromYaml -}}
+{{- $_ := set $labels "app.kubernetes.io/component" .component -}}
+{{- $labels = merge $labels (.extra | default dict) (.pod.podLabels | default dict) -}}
+labels:
+  {{- toYaml $labels | nindent 2 }}
+{{- with .pod.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The pod-level fields every pod of the release shares: pull secrets, scheduling, and the escape
+hatches of the component's values. args: dict "root" $ "pod" <the component's values>.
+*/}}
+{{- define "pdserve.podSpecCommon" -}}
+{{- $pod := .pod -}}
+{{- with .root.Values.image.pullSecrets }}
+imagePullSecrets:
+  {{- range . }}
+  - name: {{ . }}
+  {{- end }}
+{{- end }}
+{{- range $field := list "runtimeClassName" "serviceAccountName" "priorityClassName" }}
+{{- with index $pod $field }}
+{{ $field }}: {{ . }}
+{{- end }}
+{{- end }}
+{{- with $pod.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- range $field := list "nodeSelector" "tolerations" "affinity" "topologySpreadConstraints" "initContainers" }}
+{{- with index $pod $field }}
+{{ $field }}:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* KubeRay names the head's Service <cluster>-head-svc. */}}
@@ -108,28 +160,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "pdserve.poolTemplate" -}}
 {{- $root := .root -}}
 {{- $pool := .pool -}}
+{{- /* The user's container securityContext, with IPC_LOCK added: NIXL/UCX pin the KV pool's memory for RDMA registration. */ -}}
+{{- $sc := deepCopy ($pool.securityContext | default dict) -}}
+{{- if $root.Values.kv.ipcLock -}}
+{{- $caps := deepCopy (get $sc "capabilities" | default dict) -}}
+{{- $_ := set $caps "add" (append (get $caps "add" | default list) "IPC_LOCK" | uniq) -}}
+{{- $_ := set $sc "capabilities" $caps -}}
+{{- end -}}
 metadata:
-  labels:
-    {{- include "pdserve.labels" $root | nindent 4 }}
-    app.kubernetes.io/component: {{ .role }}
+  {{- include "pdserve.podMetadata" (dict "root" $root "component" .role "pod" $pool) | nindent 2 }}
 spec:
-  {{- with $root.Values.image.pullSecrets }}
-  imagePullSecrets:
-    {{- range . }}
-    - name: {{ . }}
-    {{- end }}
-  {{- end }}
-  {{- with $pool.nodeSelector }}
-  nodeSelector:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $pool.tolerations }}
-  tolerations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $pool.affinity }}
-  affinity:
-    {{- toYaml . | nindent 4 }}
+  {{- with include "pdserve.podSpecCommon" (dict "root" $root "pod" $pool) | trim }}
+  {{- . | nindent 2 }}
   {{- end }}
   containers:
     - name: ray-worker
@@ -142,6 +184,9 @@ spec:
         {{- end }}
         {{- with include "pdserve.kvEnv" $root | trim }}
         {{- . | nindent 8 }}
+        {{- end }}
+        {{- with $pool.extraEnv }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
       resources:
         requests:
@@ -158,15 +203,18 @@ spec:
           {{- if $root.Values.rdma.enabled }}
           {{ $root.Values.rdma.resourceName }}: {{ $root.Values.rdma.count | quote }}
           {{- end }}
+      {{- with $sc }}
       securityContext:
-        capabilities:
-          # NIXL/UCX pin the KV pool's memory for RDMA registration.
-          add: ["IPC_LOCK"]
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       volumeMounts:
         - name: dshm
           mountPath: /dev/shm
         {{- with include "pdserve.modelMounts" $root | trim }}
         {{- . | nindent 8 }}
+        {{- end }}
+        {{- with $pool.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
   volumes:
     - name: dshm
@@ -175,5 +223,8 @@ spec:
         sizeLimit: {{ $root.Values.shm.size }}
     {{- with include "pdserve.modelVolumes" $root | trim }}
     {{- . | nindent 4 }}
+    {{- end }}
+    {{- with $pool.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end -}}

@@ -53,28 +53,10 @@ container's bash script) "gpus" (GPUs the pod requests).
 {{- $r := $root.Values.router -}}
 {{- $tlsDir := "/etc/pdserve/tls" -}}
 metadata:
-  labels:
-    {{- include "pdserve.labels" $root | nindent 4 }}
-    app.kubernetes.io/component: {{ .component }}
-    pdserve.io/edge: router
+  {{- include "pdserve.podMetadata" (dict "root" $root "component" .component "pod" $r "extra" (dict "pdserve.io/edge" "router")) | nindent 2 }}
 spec:
-  {{- with $root.Values.image.pullSecrets }}
-  imagePullSecrets:
-    {{- range . }}
-    - name: {{ . }}
-    {{- end }}
-  {{- end }}
-  {{- with $r.nodeSelector }}
-  nodeSelector:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $r.tolerations }}
-  tolerations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $r.affinity }}
-  affinity:
-    {{- toYaml . | nindent 4 }}
+  {{- with include "pdserve.podSpecCommon" (dict "root" $root "pod" $r) | trim }}
+  {{- . | nindent 2 }}
   {{- end }}
   containers:
     - name: router
@@ -89,12 +71,25 @@ spec:
         {{- with include "pdserve.rayAuthEnv" $root | trim }}
         {{- . | nindent 8 }}
         {{- end }}
-        {{- if $root.Values.apiKeys.adminSecretName }}
+        {{- /* Keys from Secrets as env, which the server reads: never in argv, where `ps` shows them. */}}
+        {{- with $root.Values.apiKeys }}
+        {{- if .dataSecretName }}
+        - name: PDSERVE_API_KEY
+          valueFrom:
+            secretKeyRef:
+              name: {{ .dataSecretName }}
+              key: {{ .dataKey }}
+        {{- end }}
+        {{- if .adminSecretName }}
         - name: PDSERVE_ADMIN_API_KEY
           valueFrom:
             secretKeyRef:
-              name: {{ $root.Values.apiKeys.adminSecretName }}
-              key: {{ $root.Values.apiKeys.adminKey }}
+              name: {{ .adminSecretName }}
+              key: {{ .adminKey }}
+        {{- end }}
+        {{- end }}
+        {{- with $r.extraEnv }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
       ports:
         - name: grpc
@@ -113,34 +108,45 @@ spec:
       {{- /* The kubelet's gRPC probe speaks plaintext only: with TLS the health check runs in the pod. */}}
       {{- $server := $root.Values.tls.serverName | default (printf "%s.%s.svc" (include "pdserve.routerName" $root) $root.Release.Namespace) }}
       {{- $script := printf "import os, grpc\nfrom grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g\nr = lambda p: open(p, 'rb').read()\nc = grpc.ssl_channel_credentials(r('%s/ca.crt'), r('%s/tls.key'), r('%s/tls.crt'))\nch = grpc.secure_channel(os.environ['POD_IP'] + ':%d', c, options=[('grpc.ssl_target_name_override', '%s')])\ns = g.HealthStub(ch).Check(h.HealthCheckRequest(service='%s'), timeout=5).status\nraise SystemExit(0 if s == h.HealthCheckResponse.SERVING else 1)\n" $tlsDir $tlsDir $tlsDir (int $r.ports.grpc) $server $service }}
-      {{- $probe = dict "exec" (dict "command" (list "python" "-c" $script)) "timeoutSeconds" 10 }}
+      {{- $probe = dict "exec" (dict "command" (list "python" "-c" $script)) }}
       {{- end }}
       {{- $_ := set $probes $kind $probe }}
       {{- end }}
+      {{- $p := $r.probes }}
+      {{- /* The TLS probe's own call waits up to 5 s, so its exec gets at least 10. */}}
+      {{- $timeout := ternary (max 10 (int $p.timeoutSeconds)) (int $p.timeoutSeconds) $root.Values.tls.enabled }}
       startupProbe:
         {{- toYaml $probes.alive | nindent 8 }}
-        periodSeconds: 10
-        failureThreshold: {{ $r.probes.startupFailureThreshold }}
+        periodSeconds: {{ $p.periodSeconds }}
+        timeoutSeconds: {{ $timeout }}
+        failureThreshold: {{ $p.startupFailureThreshold }}
       readinessProbe:
         {{- toYaml $probes.ready | nindent 8 }}
-        periodSeconds: {{ $r.probes.periodSeconds }}
-        failureThreshold: 3
+        periodSeconds: {{ $p.periodSeconds }}
+        timeoutSeconds: {{ $timeout }}
+        failureThreshold: {{ $p.readinessFailureThreshold }}
       livenessProbe:
         {{- toYaml $probes.alive | nindent 8 }}
-        periodSeconds: {{ $r.probes.periodSeconds }}
-        failureThreshold: 6
+        periodSeconds: {{ $p.periodSeconds }}
+        timeoutSeconds: {{ $timeout }}
+        failureThreshold: {{ $p.livenessFailureThreshold }}
+      {{- with $r.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- $gpus := int (.gpus | default 0) }}
       resources:
         requests:
           cpu: {{ $r.cpu | quote }}
           memory: {{ $r.memory | quote }}
-          {{- if gt (int .gpus) 0 }}
-          {{ $root.Values.gpuResourceName }}: {{ .gpus | quote }}
+          {{- if gt $gpus 0 }}
+          {{ $root.Values.gpuResourceName }}: {{ $gpus | quote }}
           {{- end }}
         limits:
           cpu: {{ $r.cpu | quote }}
           memory: {{ $r.memory | quote }}
-          {{- if gt (int .gpus) 0 }}
-          {{ $root.Values.gpuResourceName }}: {{ .gpus | quote }}
+          {{- if gt $gpus 0 }}
+          {{ $root.Values.gpuResourceName }}: {{ $gpus | quote }}
           {{- end }}
       volumeMounts:
         - name: dshm
@@ -157,6 +163,9 @@ spec:
         - name: api-keys
           mountPath: /etc/pdserve/api-keys
           readOnly: true
+        {{- end }}
+        {{- with $r.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
   volumes:
     - name: dshm
@@ -175,6 +184,9 @@ spec:
     - name: api-keys
       secret:
         secretName: {{ $root.Values.apiKeys.secretName }}
+    {{- end }}
+    {{- with $r.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end -}}
 
