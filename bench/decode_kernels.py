@@ -3,7 +3,7 @@
 
 At batch 1, each matmul of a 1B and an 8B layer (and the 1B LM head): cuBLAS, our GEMV with its
 default tile and the best tile of a small sweep, in µs and TB/s of weights; decode attention at
-batch 1, 4 and 32 against flash-attn-4. Each op is recorded 32 times in a CUDA graph over weight
+batch 1, 4, 32, 128 and 256 against flash-attn-4. Each op is recorded 32 times in a CUDA graph over weight
 copies larger than L2 (so every call reads HBM), median of 7 replays; `--pdl` rows launch them as
 programmatic dependents, as a decode step does.
 
@@ -175,7 +175,7 @@ def main() -> None:
         sys.exit(f"bench/decode_kernels.py needs Triton: {_IMPORT_ERROR}")
     card = torch.cuda.get_device_name(0)
     mm = bench_matmuls(not args.no_sweep)
-    at = bench_attention([(1, 512), (1, 4096), (4, 512), (32, 512)])
+    at = bench_attention([(1, 512), (1, 4096), (4, 512), (32, 512), (128, 512), (256, 512), (128, 2048)])
 
     def us(s: float | None) -> str:
         return "-" if s is None else f"{s * 1e6:.1f}"
