@@ -41,10 +41,12 @@ SERVED_SAMPLES: dict[str, Any] = {
     "repetition_penalty": 1.3,
     "logit_bias": {"13": 100},
     "min_tokens": 10,
+    "logprobs": True,
+    "top_logprobs": 2,
 }
 # A value of each refused field that asks for something.
 REFUSED_SAMPLES: dict[str, Any] = {
-    "min_p": 0.1, "best_of": 3, "use_beam_search": True, "logprobs": True, "top_logprobs": 2,
+    "min_p": 0.1, "best_of": 3, "use_beam_search": True,
     "prompt_logprobs": 1, "echo": True, "suffix": "end", "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= x",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "parallel_tool_calls": "yes",
@@ -108,8 +110,9 @@ def test_a_refused_field_is_a_400_naming_it_unless_it_asks_for_nothing(name: str
 
 def test_neutral_values_keep_their_json_type():
     # false is not 0 and 0 is not false: logprobs 0 on completions asks for the chosen token's logprob.
+    assert _parse({"prompt": "hi", "logprobs": 0}, Api.COMPLETIONS).request.sampling_params.logprobs
     with pytest.raises(ApiError) as caught:
-        _parse({"prompt": "hi", "logprobs": 0}, Api.COMPLETIONS)
+        _parse({"prompt": "hi", "logprobs": False}, Api.COMPLETIONS)
     assert caught.value.param == "logprobs"
     with pytest.raises(ApiError):
         _parse({"prompt": "hi", "presence_penalty": False}, Api.COMPLETIONS)
@@ -139,7 +142,7 @@ def test_unknown_fields_are_refused_by_name_unless_allowed():
     assert caught.value.param == "max_completion_tokens"
     # Allowed, a refused field that asks for something is still refused: allowing is about names.
     with pytest.raises(ApiError):
-        _parse(BASE[Api.CHAT] | {"logprobs": True}, Api.CHAT, allow_unknown=True)
+        _parse(BASE[Api.CHAT] | {"use_beam_search": True}, Api.CHAT, allow_unknown=True)
 
 
 def _doc_rows() -> dict[str, tuple[str, str, str, str]]:
@@ -164,3 +167,11 @@ def test_the_operations_table_equals_the_code():
         for name, f in FIELDS.items()
     }
     assert _doc_rows() == expected
+
+
+def test_the_readme_lists_the_served_sampling_fields():
+    text = (OPERATIONS.parents[1] / "README.md").read_text()
+    paragraph = text.split("\nSupported: ", 1)[1].split(" Any other field", 1)[0]
+    listed = {re.split(r"[=.]", name)[0] for name in re.findall(r"`([a-z_.=0-9]+)`", paragraph)}
+    request_itself = {"model", "prompt", "messages", "stream"}
+    assert listed == {n for n, f in FIELDS.items() if f.support is Support.SERVED} - request_itself
