@@ -1,11 +1,11 @@
-"""deploy/ray/launch.sh as an operator runs it, on one machine standing in for two: a Ray head
-labelled as the prefill pool and a second Ray node (its own raylet, ports and temp dir) labelled as
-the decode pool; `serve` refuses while no node offers the decode pool, then places each pool's
-worker on its node (read back from Ray's state API), answers through the gRPC API exactly as the
-offline engine does, and `down` leaves no process behind.
-
-Both nodes use this machine's own address: Ray replaces a loopback node address by it unless
-multi-node clusters are off, and then no second node could join."""
+"""deploy/ray/launch.sh as an operator runs it, on one machine standing in for two: two network
+namespaces the test creates, on a bridge of its own, are the two hosts (each its own address and
+loopback), a Ray head labelled as the prefill pool in one and a second Ray node labelled as the
+decode pool in the other; `serve` refuses while no node offers the decode pool, then places each
+pool's worker on its node (read back from Ray's state API), answers through the gRPC API exactly
+as the offline engine does, and `down` leaves no process behind. No traffic reaches this machine's
+own addresses: the test talks to the head's namespace over the bridge. Creating namespaces needs
+root (or the right capabilities); elsewhere the test is skipped, saying so."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -54,14 +56,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def own_address() -> str:
-    """This machine's address on its default route, as Ray picks it (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("8.8.8.8", 53))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Two network namespaces on a bridge: `head` and `worker` addresses; `client` is the bridge's
+    own address in this namespace, from which the test talks to them."""
+
+    head_ns: str
+    worker_ns: str
+    bridge: str
+    head: str
+    worker: str
+    client: str
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    tag = f"{os.getpid() % 100000}"
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    h = Hosts(f"pdh{tag}", f"pdw{tag}", f"pdbr{tag}", f"{subnet}.2", f"{subnet}.3", f"{subnet}.1")
+    try:
+        _ip("netns", "add", h.head_ns)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"no network namespace can be created here ({getattr(exc, 'stderr', exc)!s}); needs root")
+    try:
+        _ip("netns", "add", h.worker_ns)
+        _ip("link", "add", h.bridge, "type", "bridge")
+        _ip("addr", "add", f"{h.client}/24", "dev", h.bridge)
+        _ip("link", "set", h.bridge, "up")
+        for ns, address, end in ((h.head_ns, h.head, "h"), (h.worker_ns, h.worker, "w")):
+            outer, inner = f"{h.bridge}{end}", f"{h.bridge}{end}i"
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", outer, "master", h.bridge)
+            _ip("link", "set", outer, "up")
+            _ip("link", "set", inner, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inner)
+            _ip("-n", ns, "link", "set", inner, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "route", "add", "default", "via", h.client)
+        yield h
+    finally:
+        for ns in (h.head_ns, h.worker_ns):
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", h.bridge, check=False)
 
 
 def wait_until(check, timeout_s: float, what: str) -> None:
@@ -90,15 +130,21 @@ def processes_in(sessions: set[int], marker: str) -> set[int]:
 
 
 class Machine:
-    """One machine's view: its state directory (token, PIDs) and how it runs the script."""
+    """One machine's view: its network namespace, state directory (token, PIDs) and how it runs
+    the script (and any other command) there."""
 
-    def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, state_dir: Path, env: dict[str, str], netns: str) -> None:
         self.state_dir = state_dir
         self.env = env | {"PDSERVE_RAY_DIR": str(state_dir)}
+        self.netns = netns
+
+    def command(self, *args: str) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *args]
 
     def run(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            [str(SCRIPT), *args], env=self.env, capture_output=True, text=True, check=False, timeout=timeout_s, cwd=ROOT
+            self.command(str(SCRIPT), *args), env=self.env, capture_output=True, text=True, check=False,
+            timeout=timeout_s, cwd=ROOT,
         )
         assert proc.returncode == 0, f"launch.sh {args[0]} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         return proc
@@ -109,17 +155,17 @@ class Machine:
 
 
 @pytest.fixture
-def machines() -> Iterator[tuple[Machine, Machine, Path]]:
+def machines(hosts: Hosts) -> Iterator[tuple[Machine, Machine, Path]]:
     # Short: Ray's unix sockets live under the temp dir and their paths have a length limit.
     root = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PDSERVE_"))}
     env |= {"PDSERVE_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
-    head, worker = Machine(root / "head", env), Machine(root / "worker", env)
+    head, worker = Machine(root / "head", env, hosts.head_ns), Machine(root / "worker", env, hosts.worker_ns)
     try:
         yield head, worker, root
     finally:
         for m in (worker, head):
-            subprocess.run([str(SCRIPT), "down"], env=m.env, capture_output=True, check=False, timeout=120)
+            subprocess.run(m.command(str(SCRIPT), "down"), env=m.env, capture_output=True, check=False, timeout=120)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -129,9 +175,9 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
-def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines):
+def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines, hosts):
     head, worker, root = machines
-    ip, ray_port, dash_port = own_address(), free_port(), free_port()
+    ip, ray_port, dash_port = hosts.head, free_port(), free_port()
     address = f"{ip}:{ray_port}"
     started = head.run(
         "head", "--port", str(ray_port), "--node-ip-address", ip, "--pool", "prefill", "--",
@@ -146,7 +192,7 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
 
     # With only the prefill pool up, serve refuses at once, naming the missing pool.
     refused = subprocess.run(
-        [str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--port", "0", *SMALL],
+        head.command(str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--port", "0", *SMALL),
         env=head.env, capture_output=True, text=True, check=False, timeout=120, cwd=ROOT,
     )
     assert refused.returncode == 2, refused.stdout + refused.stderr
@@ -158,7 +204,7 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
     worker.state_dir.mkdir(mode=0o700)
     shutil.copy2(token, worker.state_dir / "auth_token")
     worker.run(
-        "worker", "--address", address, "--pool", "decode", "--",
+        "worker", "--address", address, "--node-ip-address", hosts.worker, "--pool", "decode", "--",
         "--num-cpus", "1", "--temp-dir", str(root / "rw"), "--dashboard-agent-listen-port", str(free_port()),
         "--metrics-export-port", str(free_port()),
     )
@@ -166,7 +212,8 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
     assert None not in sessions
 
     serve = subprocess.Popen(
-        [str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--port", "0", *SMALL],
+        head.command(str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--host", ip,
+                     "--port", "0", *SMALL),
         env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )
     out: queue.Queue = queue.Queue()
@@ -182,7 +229,7 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
 
         ray_env = head.env | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
         placed = subprocess.run(
-            [sys.executable, "-c", PLACEMENT, address],
+            head.command(sys.executable, "-c", PLACEMENT, address),
             env=ray_env, capture_output=True, text=True, check=False, timeout=120,
         )
         assert placed.returncode == 0, placed.stderr
@@ -209,7 +256,7 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
 
         status = head.run("status", timeout_s=120).stdout
         assert re.search(r"pdserve-prefill-0\s+ALIVE\s+on " + re.escape(ip), status), status
-        assert re.search(r"pdserve-decode-0\s+ALIVE\s+on " + re.escape(ip), status), status
+        assert re.search(r"pdserve-decode-0\s+ALIVE\s+on " + re.escape(hosts.worker), status), status
         assert "pool prefill" in status and "pool decode" in status, status
 
         serve.send_signal(signal.SIGTERM)
