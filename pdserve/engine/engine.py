@@ -16,6 +16,7 @@ from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.detokenizer import load_tokenizer
+from pdserve.engine.grammar import GrammarMasks
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
 from pdserve.engine.kv_memory import kv_pool_blocks
 from pdserve.engine.model_loading import build_model, eos_token_ids
@@ -69,6 +70,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, num_blocks, self.max_model_len)
         self.runner.capture_cuda_graphs()
         self.eos_token_ids = eos_token_ids(mc, model_dir, self.tokenizer)
+        # Structured output: the runner masks grammar rows' logits; requests are checked here first.
+        self.grammar = self.runner.grammar = GrammarMasks(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.role)
         self.scheduler = Scheduler(limits, self.blocks, self.eos_token_ids)
         self.requests = RequestTable(self.tokenizer, mc.vocab_size, self.max_model_len, self.blocks)
@@ -93,6 +96,7 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
+        self.grammar.check(params.structured_output)  # compiled before admission: a bad one is refused here
         self.requests.hold(seq, self.cfg.detokenize)
         self.scheduler.add(seq)
         return seq.request_id
@@ -130,6 +134,7 @@ class LLMEngine:
         Blocks already in this engine's prefix cache are reused; the plan lists the rest."""
         seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
         check_block_hashes(seq, block_hashes, self.cfg.block_size)
+        self.grammar.check(params.structured_output)  # structured output: compiled before blocks are taken
         if self._inflight is not None:
             # The READ that fills these blocks is not ordered with the device's stream: a block
             # just freed by a finished request may still be written by the step in flight.

@@ -17,6 +17,7 @@ def overlappable(scheduled: list[ScheduledSeq]) -> bool:
         and item.seq.params.greedy
         and not item.seq.params.logprobs
         and not item.seq.params.processes_logits
+        and item.seq.params.structured_output is None  # its grammar masks the logits before the argmax
         for item in scheduled
     )
 

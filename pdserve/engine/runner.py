@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_kernels_for
+from pdserve.engine.grammar import GrammarMasks
 from pdserve.engine.kernels.attention import AttentionMetadata
 from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
@@ -97,6 +98,7 @@ class ModelRunner:
         self.step_backend = mixed_step_backend(self.backend, self.device, kernels, wanted)
         self.default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on
+        self.grammar: GrammarMasks | None = None  # structured output's masks; the engine sets it
         self.step_graphs: StepGraphs | None = None  # prefill and mixed steps, likewise
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -183,6 +185,9 @@ class ModelRunner:
         sampled, logits, argmax = self._forward(scheduled)
         if not sampled:
             return {}
+        # Structured output: tokens a row's grammar forbids go to -inf before any draw or argmax.
+        if self.grammar is not None and self.grammar.mask(logits, sampled):
+            argmax = None  # a decode graph's argmax saw the logits unmasked
         params = [s.seq.params for s in sampled]
         if argmax is not None and all(p.greedy and not p.logprobs and not p.processes_logits for p in params):
             return {s.seq.request_id: SampledToken(t) for s, t in zip(sampled, argmax.tolist())}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from pdserve.engine.grammar_spec import StructuredOutput
+
 # Above this every token is about equally likely; a larger value is far more likely a mistake
 # (a typo, a value in the wrong unit) than a wish, so it is refused rather than silently flattened.
 MAX_TEMPERATURE = 100.0
@@ -41,6 +43,8 @@ class SamplingParams:
     # worker recomputing after a failed transfer, a stream resumed on another worker): a seeded
     # request's i-th token here draws as token output_offset + i, as it would have there.
     output_offset: int = 0
+    # Structured output: the tokens are constrained to what this grammar accepts (pdserve.engine.grammar).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -72,6 +76,19 @@ class SamplingParams:
         self._check_processing()
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise ValueError(f"output_offset: must be an integer >= 0, got {self.output_offset!r}")
+        self._check_structured_output()
+
+    def _check_structured_output(self) -> None:
+        """A grammar ends the output with EOS: ignore_eos and min_tokens would fight it."""
+        so = self.structured_output
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutput):
+            raise ValueError(f"structured_output: expected a StructuredOutput, got {type(so).__name__}")
+        if self.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with structured output, whose grammar ends with EOS")
+        if self.min_tokens:
+            raise ValueError("min_tokens: cannot be combined with structured output, whose grammar decides the length")
 
     def _check_processing(self) -> None:
         """Freeze and range-check the penalties, the logit bias, min_tokens and top_logprobs."""
