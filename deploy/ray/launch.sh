@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # pdserve on bare metal: start the Ray cluster, one machine at a time, and serve on it.
-# docs/deploy.md ("Bare metal with the launch script") walks through two machines.
+# docs/bare-metal.md ("Several machines: the launch script") walks through two machines.
 #
 #   launch.sh head   [--port 6379] [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
 #   launch.sh worker --address HEAD:PORT [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
