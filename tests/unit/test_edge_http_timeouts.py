@@ -34,6 +34,7 @@ class _AnswerRouter:
 
     config = _Config()
     decode_policy = SimpleNamespace(workers=["decode-0"])
+    tokenizer = None  # a model served by token ids
 
     async def generate(self, request: pb.GenerateRequest, *_: Any, **__: Any) -> AsyncIterator[pb.GenerateResponse]:
         yield pb.GenerateResponse(text="ok", finish_reason="stop", usage=pb.Usage(prompt_tokens=1))
