@@ -64,7 +64,7 @@ def test_decode_time_per_token_is_the_gap_between_a_streams_deliveries_over_its_
     assert t.per_token_s(4) == pytest.approx(0.15)
     t.delivered(10.5, 4, [("a", 1, True)])  # a's last token: 0.1 s
     t.delivered(11.0, 4, [("a", 1, False)])  # a id seen again after its end: a new stream, no gap
-    assert t.per_token_s(4) == pytest.approx(0.15 + 0.2 * (0.1 - 0.15))
+    assert t.per_token_s(4) == pytest.approx(0.15 + t.smoothing * (0.1 - 0.15))
 
 
 def test_several_updates_of_one_stream_in_a_poll_count_as_their_sum():
