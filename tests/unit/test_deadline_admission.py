@@ -121,3 +121,39 @@ def test_prefill_time_per_token_is_a_running_mean_that_take_does_not_clear():
     p.add("p0", 100, 3.0)
     assert len(p.take()) == 2 and p.take() == []
     assert p.per_token_s == pytest.approx(0.02)
+
+
+def test_the_gate_reads_the_queue_on_its_prefill_worker_and_the_count_on_its_decode_worker():
+    """The mechanism over stand-ins for the pools and a request (only the fields it reads)."""
+    from types import SimpleNamespace
+
+    from pdserve.router.deadline_gate import DeadlineGate
+
+    prefill_times = PrefillTimes()
+    prefill_times.add("p0", 100, 0.1)  # 1 ms a prompt token
+    pools = SimpleNamespace(
+        prefill_policy=SimpleNamespace(queued={"p0": 10.0}),  # blocks of 16: 160 tokens ahead, its own included
+        decode_policy=SimpleNamespace(inflight={"d0": 2}),  # the new request counted
+    )
+    gate = DeadlineGate(pools, 16, prefill_times)
+    gate.decode_times.add(1, 0.01)
+    gate.decode_times.add(2, 0.02)
+
+    def request(rid: str) -> SimpleNamespace:
+        return SimpleNamespace(rid=rid, ids=[1] * 40, p_at=SimpleNamespace(worker="p0"),
+                               d_at=SimpleNamespace(worker="d0", matched_blocks=0), completion=0)
+
+    first = request("a")
+    est = gate.estimate(first)
+    assert est.prefill_wait_s == pytest.approx(0.16)
+    assert (est.per_token_now_s, est.per_token_with_s) == (0.01, 0.02)
+    # 0.16 s + 100 x 0.02 s = 2.16 s: fits 80 % of 3 s, not of 2.5 s.
+    assert gate.refusal(request("late"), 2.5, 100, 0.0) is not None
+    assert gate.refusal(first, 3.0, 100, 0.0) is None
+    # Admitted with 3 s: another request that makes the worker's tokens take 0.03 s would break it.
+    pools.decode_policy.inflight["d0"] = 3
+    gate.decode_times.add(3, 0.03)
+    refusal = gate.refusal(request("b"), None, 10, 0.0)
+    assert refusal is not None and "1 admitted request(s)" in refusal.message
+    gate.forget("a")
+    assert gate.refusal(request("b"), None, 10, 0.0) is None
