@@ -143,3 +143,13 @@ def test_autoscaling_bounds_are_checked(chart: helm.Chart, pool: dict[str, Any],
 def test_max_workers_needs_the_controller(chart: helm.Chart) -> None:
     with pytest.raises(helm.HelmRenderError, match="controller.maxWorkers: only with controller.enabled"):
         chart.render(values={"controller": {"maxWorkers": 8}}, name="demo", namespace=NAMESPACE)
+
+
+def test_notes_say_how_pools_roll(chart: helm.Chart) -> None:
+    def notes(values: dict[str, Any]) -> str:
+        return chart.render(values=values, name="demo", namespace=NAMESPACE)["pdserve/templates/NOTES.txt"]
+
+    default = notes({})
+    assert "roll each pool by hand" in default and "The Ray head admits no voluntary eviction" in default
+    recreate = notes({"upgradeStrategy": "Recreate", **{k: VALUE_SETS["lifecycle"][k] for k in ("gcsFaultTolerance",)}})
+    assert "roll each pool by hand" not in recreate and "Ray head admits no" not in recreate
