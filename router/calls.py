@@ -9,6 +9,7 @@ import time
 from opentelemetry import trace
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.edge.grammar_fields import structured_output_msg
 from pdserve.router.handles import RouterError
 from pdserve.router.inflight import InFlight
 from pdserve.router.load.measured import PrefillTimes
@@ -133,4 +134,5 @@ def worker_params(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
         logprobs=params.logprobs, output_offset=params.output_offset, top_logprobs=params.top_logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
+        structured_output=None if params.structured_output is None else structured_output_msg(params.structured_output),
     )

@@ -21,6 +21,7 @@ from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.compat import KvCompatError
 from pdserve.prefill_worker.prefiller import PrefillCancelled
+from pdserve.router.edge.grammar_fields import structured_output_of
 from pdserve.telemetry.context import TraceCarrier
 from pdserve_proto import inference_pb2, worker_pb2
 
@@ -82,6 +83,7 @@ def sampling_params_of(msg: worker_pb2.WorkerSamplingParams) -> SamplingParams:
             logit_bias=dict(msg.logit_bias),
             min_tokens=msg.min_tokens,
             output_offset=msg.output_offset,
+            structured_output=structured_output_of(msg.structured_output) if msg.HasField("structured_output") else None,
         )
     except ValueError as exc:
         raise InvalidRequest(f"params.{exc}") from None

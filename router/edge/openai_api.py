@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine.sampling_params import MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
+from pdserve.router.edge.grammar_fields import PARAM_OF_KIND, GrammarFieldError, openai_structured_output
 from pdserve.router.edge.openai_fields import Api, FieldError, check_fields
 from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
@@ -34,7 +35,9 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 
 # Router error messages start with the proto field they are about; OpenAI names the JSON field.
-_PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "sampling_params.stop_token_ids": "stop_token_ids"}
+_PARAM_OF_FIELD = {
+    "prompt_token_ids": "prompt", "sampling_params.stop_token_ids": "stop_token_ids", **PARAM_OF_KIND,
+}
 
 
 class ApiError(Exception):
@@ -138,6 +141,12 @@ def _sampling(body: dict[str, Any], chat: bool) -> inference_pb2.SamplingParams:
         _token_ids("stop_token_ids", stop_ids)
         sp.stop_token_ids.extend(stop_ids)
     sp.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
+    try:  # structured output: response_format, guided_* (router/edge/grammar_fields.py)
+        structured = openai_structured_output(body)
+    except GrammarFieldError as exc:
+        raise _bad(exc.param, exc.reason) from None
+    if structured is not None:
+        sp.structured_output.CopyFrom(structured)
     _processing(body, sp)
     return sp
 

@@ -56,7 +56,6 @@ def _ignored(apis: frozenset[Api], note: str) -> Field:
 
 
 _SAMPLER = "not in the sampler yet"
-_STRUCTURED = "structured output is not served yet"
 _TOOLS = "tool calling is not served"
 
 FIELDS: Mapping[str, Field] = MappingProxyType({
@@ -91,11 +90,11 @@ FIELDS: Mapping[str, Field] = MappingProxyType({
     "echo": _refused(COMPLETIONS, "the prompt is not returned", False),
     "suffix": _refused(COMPLETIONS, "no insertion", ""),
     # Structured output, tools and other kinds of output.
-    "response_format": _refused(BOTH, _STRUCTURED, {"type": "text"}),
-    "guided_json": _refused(BOTH, _STRUCTURED),
-    "guided_regex": _refused(BOTH, _STRUCTURED),
-    "guided_choice": _refused(BOTH, _STRUCTURED),
-    "guided_grammar": _refused(BOTH, _STRUCTURED),
+    "response_format": _served(BOTH, "text, json_object, json_schema: the output is held to it by a grammar"),
+    "guided_json": _served(BOTH, "vLLM's; a JSON schema (one structured-output field per request)"),
+    "guided_regex": _served(BOTH, "vLLM's; a regular expression"),
+    "guided_choice": _served(BOTH, "vLLM's; a list of strings"),
+    "guided_grammar": _served(BOTH, "vLLM's; an EBNF grammar (xgrammar's dialect)"),
     "tools": _refused(CHAT, _TOOLS, []),
     "tool_choice": _refused(CHAT, _TOOLS, "none"),
     "parallel_tool_calls": _refused(CHAT, _TOOLS, True, False),

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.edge.grammar_fields import structured_output_of
 from pdserve.router.edge.special_tokens import TemplateAltersContent, encode_chat, encode_user_text
 from pdserve.router.handles import RouterError
 from pdserve.router.router_config import RouterConfig
@@ -148,6 +149,7 @@ def sampling_params_of(sp: inference_pb2.SamplingParams) -> SamplingParams:
             min_tokens=sp.min_tokens,
             logprobs=sp.logprobs,
             top_logprobs=sp.top_logprobs,
+            structured_output=structured_output_of(sp.structured_output) if sp.HasField("structured_output") else None,
         )
     except ValueError as exc:
         raise RouterError(_INVALID, f"sampling_params.{exc}") from None

@@ -43,12 +43,16 @@ SERVED_SAMPLES: dict[str, Any] = {
     "min_tokens": 10,
     "logprobs": True,
     "top_logprobs": 2,
+    "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": 'root ::= "x"',
 }
 # A value of each refused field that asks for something.
 REFUSED_SAMPLES: dict[str, Any] = {
     "min_p": 0.1, "best_of": 3, "use_beam_search": True,
-    "prompt_logprobs": 1, "echo": True, "suffix": "end", "response_format": {"type": "json_object"},
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= x",
+    "prompt_logprobs": 1, "echo": True, "suffix": "end",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "parallel_tool_calls": "yes",
     "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",

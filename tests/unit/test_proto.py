@@ -44,7 +44,7 @@ def test_public_field_names():
         "SamplingParams": {
             "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
-            "top_logprobs",
+            "top_logprobs", "structured_output",
         },
         "ChatMessage": {"role", "content"},
         "GenerateResponse": {"request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "top_logprobs"},
