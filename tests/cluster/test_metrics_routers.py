@@ -64,7 +64,8 @@ def _worker_series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 def test_three_routers_export_each_worker_series_once(routers: list[str]) -> None:
     texts = [_scrape(url) for url in routers]
     for text in texts:
-        check = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        check = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True,
+                               timeout=60, check=False)
         assert check.returncode in (0, 3), check.stdout + check.stderr  # 3: lint findings, judged below
         problems = [ln for ln in (check.stdout + check.stderr).splitlines() if "pdserve_" in ln]
         assert not problems, "\n".join(problems)
