@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,6 +24,7 @@ from pdserve_proto import inference_pb2, inference_pb2_grpc
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_MS = "retry-after-ms"  # trailing metadata of a refusal under overload: when to retry
+RETRY_AFTER = "retry-after"  # the same in whole seconds, rounded up, as HTTP's Retry-After
 
 SERVICE_NAMES = (INFERENCE, ADMIN)
 
@@ -47,7 +49,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except RouterError as exc:
             log.info("request %s failed: %s %s", request.request_id or "-", exc.code.name, exc.message)
             if exc.retry_after_ms is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_MS, str(exc.retry_after_ms)),))
+                seconds = max(1, math.ceil(exc.retry_after_ms / 1000))
+                context.set_trailing_metadata(((RETRY_AFTER_MS, str(exc.retry_after_ms)), (RETRY_AFTER, str(seconds))))
             await context.abort(exc.code, exc.message)
         except (ValueError, UnicodeError) as exc:
             # Validation that raised before it could name a status: still the request's fault.

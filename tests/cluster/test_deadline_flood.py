@@ -98,8 +98,10 @@ def test_a_flood_with_deadlines_admits_what_it_can_finish_in_time(cluster, wait_
             refused = got == 0 and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             kind, detail = ("refused" if refused else exc.code().name), exc.details() or ""
             if refused:
-                hint = dict(exc.trailing_metadata() or ())["retry-after-ms"]
+                trailing = dict(exc.trailing_metadata() or ())
+                hint = trailing["retry-after-ms"]
                 assert int(hint) > 0 and f"retry after {hint} ms" in detail, detail
+                assert int(trailing["retry-after"]) == max(1, -(-int(hint) // 1000))  # whole seconds, rounded up
         with lock:
             outcomes.append((kind, time.monotonic() - t0, detail))
 

@@ -73,8 +73,10 @@ def test_a_flood_is_refused_at_once_with_a_retry_hint_and_the_admitted_complete(
     assert all(tokens == expected for tokens in served)
     for exc, took in refused:
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
-        hint = dict(exc.trailing_metadata() or ())["retry-after-ms"]
+        trailing = dict(exc.trailing_metadata() or ())
+        hint = trailing["retry-after-ms"]
         assert int(hint) > 0 and f"retry after {hint} ms" in exc.details()
+        assert int(trailing["retry-after"]) == max(1, -(-int(hint) // 1000))  # whole seconds, as HTTP's
         assert " pool: " in exc.details()
         assert took < REFUSED_WITHIN_S
     wait_until(lambda: cluster.blocks_in_use() == 0, 15, "every KV block to be freed")
