@@ -30,7 +30,9 @@ def replica_config(cfg: ServeConfig, ray_address: str, port: int, http_port: int
 
 def ray_client_env(environ: Mapping[str, str], home: Path) -> dict[str, str]:
     """What a second driver of a local Ray cluster needs beside the first's environment: its
-    listeners kept on loopback, and Ray's token (a local cluster keeps it in ~/.ray/auth_token)."""
+    listeners kept on loopback, and Ray's token (`pdserve serve`'s own Ray instance names its
+    token in RAY_AUTH_TOKEN_PATH, which the replicas inherit; a plain `ray.init()` cluster keeps it
+    in ~/.ray/auth_token)."""
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")}
     token = home / ".ray" / "auth_token"
     if "RAY_AUTH_TOKEN" not in environ and "RAY_AUTH_TOKEN_PATH" not in environ and token.is_file():
