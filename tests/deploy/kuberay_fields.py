@@ -1,7 +1,7 @@
 """The KubeRay `ray.io/v1` RayCluster fields the chart uses, with their meaning, checked strictly.
 
 No package registry this project uses (PyPI, npm, Debian) ships KubeRay's CRD schema, so the
-RayCluster is checked against this list instead: an unknown field, a missing required one or a
+RayCluster is checked against this list instead (written from KubeRay's ray.io/v1 types): an unknown field, a missing required one or a
 wrong type fails. The pod templates inside it are core `PodTemplateSpec`s and are validated
 against the Kubernetes schemas like every other object (test_helm_chart.py).
 """
@@ -27,8 +27,8 @@ HEAD_GROUP: dict[str, tuple[type, bool, str]] = {
 WORKER_GROUP: dict[str, tuple[type, bool, str]] = {
     "groupName": (str, True, "the group's name; KubeRay labels its pods ray.io/group=<name>"),
     "replicas": (int, False, "pods in the group"),
-    "minReplicas": (int, True, "autoscaler floor (equal to replicas: fixed pools)"),
-    "maxReplicas": (int, True, "autoscaler ceiling (equal to replicas: fixed pools)"),
+    "minReplicas": (int, True, "autoscaler floor (replicas unless autoscaling is on)"),
+    "maxReplicas": (int, True, "autoscaler ceiling (replicas unless autoscaling is on)"),
     "rayStartParams": (dict, False, "`ray start` flags (string values) for the group's pods"),
     "template": (dict, True, "the group's PodTemplateSpec"),
 }
