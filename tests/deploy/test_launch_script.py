@@ -254,6 +254,34 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
         assert [t for c in chunks for t in c.token_ids] == expected.token_ids
         assert "".join(c.text for c in chunks) == expected.text
 
+        # A second router on the other host (`launch.sh router`, with the token copied there)
+        # serves the same workers, and stops on SIGTERM leaving them serving.
+        router = subprocess.Popen(
+            worker.command(str(SCRIPT), "router", "--address", address, "--host", hosts.worker, "--port", "0"),
+            env=worker.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        )
+        routed: queue.Queue = queue.Queue()
+        threading.Thread(target=_lines, args=(router.stdout, routed), daemon=True).start()
+        said: list[str] = []
+        try:
+            deadline = time.monotonic() + 180
+            while not (found := [m for line in said if (m := re.search(r" serving .* on (\S+:\d+)", line))]):
+                line = routed.get(timeout=max(0.1, deadline - time.monotonic()))
+                assert line is not None, f"router exited ({router.wait(30)}) early:\n" + "\n".join(said)
+                said.append(line)
+            assert found[0].group(1).startswith(hosts.worker + ":")
+            with grpc.insecure_channel(found[0].group(1)) as channel:
+                via_router = list(pbg.InferenceStub(channel).Generate(
+                    pb.GenerateRequest(prompt=PROMPT, sampling_params=params), timeout=120
+                ))
+            assert [t for c in via_router for t in c.token_ids] == expected.token_ids
+            router.send_signal(signal.SIGTERM)
+            assert router.wait(60) == 0, "\n".join(said)
+        finally:
+            if router.poll() is None:
+                router.kill()
+                router.wait(30)
+
         status = head.run("status", timeout_s=120).stdout
         assert re.search(r"pdserve-prefill-0\s+ALIVE\s+on " + re.escape(ip), status), status
         assert re.search(r"pdserve-decode-0\s+ALIVE\s+on " + re.escape(hosts.worker), status), status
