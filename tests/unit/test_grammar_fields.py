@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.cluster.worker_boundary import InvalidRequest, sampling_params_of as worker_sampling_params_of
+from pdserve.cluster.worker_boundary import InvalidRequest
+from pdserve.cluster.worker_boundary import sampling_params_of as worker_sampling_params_of
 from pdserve.engine.grammar_spec import StructuredOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.calls import worker_params
