@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from pdserve.cluster.local_ray import LocalRaySettings, RayStarter
+from pdserve.cluster.ray_address import answers, resolve_address, wait_until_answers
 from pdserve.cluster.listeners import check_required_key, exposure_warning, listener_lines
 from pdserve.cluster.router_replicas import RouterReplicas
 from pdserve.cluster.serve import LOCAL_RAY_SYSTEM_CONFIG, Cluster
@@ -136,6 +137,9 @@ async def _serve(cfg: ServeConfig, verbose: bool, local: LocalRaySettings | None
     # Before anything starts, so that Ctrl-C or SIGTERM during start-up stops it cleanly; and again
     # once Ray is up (`connected`): ray.init installs its own SIGTERM handler, an exit without a shutdown.
     on_signals()
+    if cfg.ray_address is not None and not await _answers_unless_stopped(cfg, stop):
+        print("pdserve: stopped during start-up", flush=True)
+        return
     starter = RayStarter(cfg.ray_address, local, NAMESPACE, LOCAL_RAY_SYSTEM_CONFIG, verbose, _say, on_signals)
     try:
         cluster = await _unless_stopped(Cluster.start(cfg, progress=_say, worker_logs=verbose, start_ray=starter), stop)
@@ -175,6 +179,29 @@ async def _serve(cfg: ServeConfig, verbose: bool, local: LocalRaySettings | None
             await cluster.stop()
         finally:
             starter.stop()
+
+
+async def _answers_unless_stopped(cfg: ServeConfig, stop: asyncio.Event) -> bool:
+    """Wait until the Ray cluster at --address answers (ValueError naming --address past the
+    start-up deadline); False once `stop` is set first. Ray's own connect would hold every signal
+    for tens of seconds at a time."""
+    address = resolve_address(cfg.ray_address or "auto", os.environ)
+    if not answers(address):
+        _say(f"waiting for the Ray cluster at {address} to answer (up to {cfg.startup_timeout_s:g} s)")
+    waiting = asyncio.ensure_future(wait_until_answers(address, cfg.startup_timeout_s))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        return False
+    try:
+        waiting.result()
+    except TimeoutError as exc:
+        raise ValueError(f"--address: {exc} (is the Ray cluster up?)") from None
+    return True
 
 
 async def _unless_stopped(start: Awaitable[_Started], stop: asyncio.Event) -> _Started | None:

@@ -228,16 +228,19 @@ def test_a_signal_during_start_up_stops_it_cleanly(host_env, sig):
         server.kill()
 
 
-def test_a_router_waiting_for_ray_stops_on_sigterm(host_env):
+@pytest.mark.parametrize("command", ["router", "serve"])
+def test_waiting_for_an_absent_ray_cluster_stops_on_sigterm(host_env, command):
     from pdserve.cluster.local_ray import free_port
 
-    router = Server(["router", "--address", f"127.0.0.1:{free_port()}", "--port", "0"], host_env)
+    address = f"127.0.0.1:{free_port()}"
+    waiting = Server([command, "--address", address, "--port", "0"], host_env)
     try:
-        router.wait_for(r"joining Ray at 127\.0\.0\.1:\d+")
+        waiting.wait_for(f"(joining Ray|waiting for the Ray cluster) at {re.escape(address)}")
         time.sleep(1.5)  # past the first tries to connect
         started = time.monotonic()
-        assert router.stop(signal.SIGTERM, timeout_s=10) == 0, router.err
+        assert waiting.stop(signal.SIGTERM, timeout_s=10) == 0, waiting.err
         assert time.monotonic() - started < 5
-        assert router.out[-1] == "pdserve: stopped during start-up"
+        assert waiting.out[-1] == "pdserve: stopped during start-up"
+        assert not [line for line in waiting.err if "Traceback" in line], waiting.err
     finally:
-        router.kill()
+        waiting.kill()
