@@ -201,6 +201,12 @@ class DecodeWorker(WorkerBase):
             )
             for o in outputs
         ]
+        for u, o in zip(updates, outputs):
+            if o.logprobs and o.new_token_ids:  # asked for: the new tokens' are the last ones
+                n = len(o.new_token_ids)
+                u.logprobs.extend(o.logprobs[-n:])
+                for top in (o.top_logprobs or [])[-n:]:
+                    u.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
         with self._outbox_ready:
             if self._outboxes.deliver(updates):
                 self._outbox_ready.notify_all()

@@ -114,13 +114,19 @@ class PrefillWorker(WorkerBase):
             compat_hash=self.agent.compat_hash,
             block_checksums=checksums,
         )
-        return worker_pb2.PrefillResult(
+        result = worker_pb2.PrefillResult(
             handle=handle,
             first_token=pinned.first_token,
             finish_reason=pinned.finish_reason or "",
             cached_prompt_tokens=pinned.num_cached_tokens,
             queue_seconds=queue_s,
         )
+        if pinned.first_logprob is not None:  # the decode worker samples the rest; this one's travels back
+            result.first_logprob = pinned.first_logprob
+            top = pinned.first_top_logprobs or []
+            result.first_top_logprobs.token_ids.extend(t for t, _ in top)
+            result.first_top_logprobs.logprobs.extend(lp for _, lp in top)
+        return result
 
     def _run_prefill(
         self, ids: list[int], params: SamplingParams, request_id: str, timeout_s: float, span: trace.Span,

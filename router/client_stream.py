@@ -17,7 +17,7 @@ from pdserve.router.handles import RouterError
 from pdserve.router.inflight import InFlight
 from pdserve.router.router_config import RouterConfig
 from pdserve.router.token_stream import WorkerLost
-from pdserve_proto import inference_pb2
+from pdserve_proto import inference_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ class ClientStream:
                 continue
             if isinstance(item, RouterError):
                 raise item
-            tokens, reason = item
+            tokens, reason = item[0], item[1]
+            take_logprobs(r, item)
             if stream_span is None:
                 r.dequeue("decode", served=True)
                 first.end()
@@ -97,7 +98,8 @@ class ClientStream:
             item = queue.get_nowait()
             if not isinstance(item, tuple):
                 return out, reason, stopped, item
-            tokens, reason = item
+            tokens, reason = item[0], item[1]
+            take_logprobs(r, item)
             out += tokens
 
     async def _silent(self, r: InFlight) -> WorkerLost | None:
@@ -116,12 +118,34 @@ class ClientStream:
         return None
 
 
+def take_first_token(r: InFlight, handle: worker_pb2.PrefillResult) -> None:
+    """Count the prefill worker's first token; its logprobs, where asked, came back with it."""
+    r.completion = 1
+    if handle.HasField("first_logprob"):
+        r.logprobs.append(handle.first_logprob)
+        if r.params.top_logprobs:
+            r.top_logprobs.append(handle.first_top_logprobs)
+
+
+def take_logprobs(r: InFlight, item: tuple) -> None:
+    """Keep the logprobs that came with a relayed item (tokens, reason[, logprobs, top]) until
+    its tokens go out in a chunk."""
+    if len(item) > 2:
+        r.logprobs += item[2]
+        r.top_logprobs += item[3]
+
+
 def chunk(r: InFlight, tokens: list[int], reason: str) -> inference_pb2.GenerateResponse:
     """One chunk for the client: `tokens`, the text they complete, and at the end the usage."""
     r.generated += tokens
     resp = inference_pb2.GenerateResponse(
         request_id=r.rid, token_ids=tokens, text=r.detok.stream_delta(finished=bool(reason)), finish_reason=reason
     )
+    if r.params.logprobs:
+        # One per token; a stop string may cut the chunk's tokens short of those received.
+        resp.logprobs.extend(r.logprobs[: len(tokens)])
+        resp.top_logprobs.extend(r.top_logprobs[: len(tokens)])
+        del r.logprobs[: len(tokens)], r.top_logprobs[: len(tokens)]
     if reason:
         resp.usage.prompt_tokens = len(r.ids)
         resp.usage.completion_tokens = r.completion

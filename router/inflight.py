@@ -21,6 +21,7 @@ from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
 from pdserve.router.placement.pool_state import Placement
 from pdserve.router.token_stream import Stream
 from pdserve.router.worker_pools import WorkerPools
+from pdserve_proto import inference_pb2
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class InFlight:
         self.phase = Phase.QUEUED
         self.completion = 0  # tokens generated so far
         self.generated: list[int] = []  # the tokens sent to the client so far
+        # Logprobs of tokens received and not yet in a chunk (with sampling_params.logprobs).
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[inference_pb2.TopLogprobs] = []
         self.cached = 0  # prompt tokens served from a prefix cache
         self.tried: set[str] = set()  # workers that failed it
         self.open_spans: list[trace.Span] = []

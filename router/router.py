@@ -29,7 +29,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import PoolQueue, Refusal, retry_after_ms
 from pdserve.router.background import Background
 from pdserve.router.calls import WorkerCalls
-from pdserve.router.client_stream import ClientStream, chunk
+from pdserve.router.client_stream import ClientStream, chunk, take_first_token
 from pdserve.router.deadline_admission import DeadlineRefusal
 from pdserve.router.deadline_gate import DeadlineGate
 from pdserve.router.edge.parsing import RequestParser
@@ -282,7 +282,7 @@ class Router:
         r.dequeue("prefill", served=True)
         r.cached = handle.cached_prompt_tokens
         self.metrics.cached_prompt_tokens.inc(r.cached)
-        r.completion = 1
+        take_first_token(r, handle)
         reason = handle.finish_reason
         if r.detok.add([handle.first_token]) is not None:
             reason = "stop"

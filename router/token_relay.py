@@ -82,7 +82,10 @@ class TokenRelay:
                     acked = u.seq
                 stream = self.streams.get(u.request_id)
                 if stream is not None and stream.worker == decode.worker_id:
-                    stream.queue.put_nowait((list(u.token_ids), u.finish_reason))
+                    if u.logprobs:  # asked for: they travel beside the tokens
+                        stream.queue.put_nowait((list(u.token_ids), u.finish_reason, list(u.logprobs), list(u.top_logprobs)))
+                    else:
+                        stream.queue.put_nowait((list(u.token_ids), u.finish_reason))
                     delivered.append((u.request_id, len(u.token_ids), bool(u.finish_reason)))
             if delivered and self._on_delivered is not None:
                 self._on_delivered(decode.worker_id, time.monotonic(), delivered)

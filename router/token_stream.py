@@ -11,7 +11,8 @@ from pdserve.router.handles import RouterError
 
 
 class Stream:
-    """Where the relay puts one request's tokens: (tokens, finish reason) or an error."""
+    """Where the relay puts one request's tokens: (tokens, finish reason), with their logprobs
+    and top logprobs after those where the request asked, or an error."""
 
     def __init__(self, worker: str) -> None:
         self.queue: asyncio.Queue[tuple[list[int], str] | RouterError | None] = asyncio.Queue()

@@ -24,6 +24,8 @@ class PinnedKv:
     first_token: int
     num_cached_tokens: int
     finish_reason: str | None
+    first_logprob: float | None = None  # where the request asked for logprobs
+    first_top_logprobs: list[tuple[int, float]] | None = None  # where it asked for top_logprobs
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ def pinned_kv(scheduler: Scheduler, request_id: str, block_size: int) -> PinnedK
         first_token=seq.token_ids[seq.num_prompt_tokens],
         num_cached_tokens=seq.num_cached_tokens,
         finish_reason=seq.finish_reason,
+        first_logprob=seq.logprobs[0] if seq.logprobs else None,
+        first_top_logprobs=seq.top_logprobs[0] if seq.top_logprobs else None,
     )
 
 

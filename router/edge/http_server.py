@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -33,6 +33,7 @@ from pdserve.router.edge.openai_api import (
     parse_request,
     usage_chunk,
 )
+from pdserve.router.edge.openai_logprobs import choice_logprobs
 from pdserve.router.edge.tls import CertificateFiles, ReloadingSSLContext
 from pdserve.router.handles import RouterError
 from pdserve.router.router import Router
@@ -119,25 +120,47 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             log.info("request %s failed: %s %s", parsed.id, exc.code.name, exc.message)
             return _router_error(exc, chat)
         if parsed.stream:
-            return await _stream(request, parsed, first, chunks)
-        return await _collect(parsed, first, chunks)
+            return await _stream(request, parsed, first, chunks, _token_text(router))
+        return await _collect(parsed, first, chunks, _token_text(router))
     finally:
         # A client that went away (or an error) closes the generator: the router aborts the
         # request on its workers and frees its KV blocks.
         await chunks.aclose()
 
 
+def _token_text(router: Router) -> Callable[[int], str]:
+    """A token's text as logprobs show it: the token decoded alone."""
+    tokenizer = router.tokenizer
+    return (lambda t: str(t)) if tokenizer is None else (lambda t: tokenizer.decode([t]))
+
+
+def _chunk_logprobs(
+    parsed: ParsedRequest, chunks: list[inference_pb2.GenerateResponse], decode: Callable[[int], str], offset: int = 0
+) -> dict[str, Any] | None:
+    """The choice's `logprobs` for the tokens of `chunks`, where the request asked for them."""
+    if not parsed.request.sampling_params.logprobs:
+        return None
+    ids = [t for c in chunks for t in c.token_ids]
+    lps = [lp for c in chunks for lp in c.logprobs]
+    tops = [top for c in chunks for top in c.top_logprobs]
+    return choice_logprobs(parsed.chat, ids, lps, tops, decode, offset)
+
+
 async def _collect(
-    parsed: ParsedRequest, first: inference_pb2.GenerateResponse, rest: AsyncIterator[inference_pb2.GenerateResponse]
+    parsed: ParsedRequest,
+    first: inference_pb2.GenerateResponse,
+    rest: AsyncIterator[inference_pb2.GenerateResponse],
+    decode: Callable[[int], str],
 ) -> web.Response:
-    text, last = [first.text], first
+    chunks = [first]
     try:
         async for chunk in rest:
-            text.append(chunk.text)
-            last = chunk
+            chunks.append(chunk)
     except RouterError as exc:
         return _router_error(exc, parsed.chat)
-    return web.json_response(completion(parsed, "".join(text), last.finish_reason, last.usage))
+    last = chunks[-1]
+    text = "".join(c.text for c in chunks)
+    return web.json_response(completion(parsed, text, last.finish_reason, last.usage, _chunk_logprobs(parsed, chunks, decode)))
 
 
 async def _stream(
@@ -145,14 +168,18 @@ async def _stream(
     parsed: ParsedRequest,
     first: inference_pb2.GenerateResponse,
     rest: AsyncIterator[inference_pb2.GenerateResponse],
+    decode: Callable[[int], str],
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     chunk, is_first = first, True
     events = StreamEvents(parsed)
+    offset = 0  # completions' text_offset: where the chunk's text starts in the whole text
     try:
         while True:
-            await resp.write(_sse(events.chunk(chunk.text, chunk.finish_reason, is_first)))
+            logprobs = _chunk_logprobs(parsed, [chunk], decode, offset)
+            await resp.write(_sse(events.chunk(chunk.text, chunk.finish_reason, is_first, logprobs)))
+            offset += len(chunk.text)
             is_first = False
             if chunk.finish_reason:
                 break

@@ -21,6 +21,7 @@ import grpc
 from pdserve.engine.sampling_params import MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
 from pdserve.router.edge.grammar_fields import PARAM_OF_KIND, GrammarFieldError, openai_structured_output
 from pdserve.router.edge.openai_fields import Api, FieldError, check_fields
+from pdserve.router.edge.openai_logprobs import LogprobsFieldError, parse_logprobs
 from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
 
@@ -148,6 +149,10 @@ def _sampling(body: dict[str, Any], chat: bool) -> inference_pb2.SamplingParams:
     if structured is not None:
         sp.structured_output.CopyFrom(structured)
     _processing(body, sp)
+    try:
+        parse_logprobs(body, chat, sp)
+    except LogprobsFieldError as exc:
+        raise _bad(exc.param, exc.reason) from None
     return sp
 
 
@@ -298,16 +303,18 @@ def _envelope(p: ParsedRequest, stream: bool) -> dict[str, Any]:
     return {"id": p.id, "object": obj, "created": p.created, "model": p.model}
 
 
-def stream_chunk(p: ParsedRequest, text: str, finish_reason: str, first: bool) -> dict[str, Any]:
+def stream_chunk(
+    p: ParsedRequest, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One SSE event for a router response (text delta; finish reason on the last)."""
     choice: dict[str, Any] = {"index": 0}
     if p.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         delta["content"] = text
         choice["delta"] = delta
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
     else:
-        choice |= {"text": text, "logprobs": None}
+        choice |= {"text": text, "logprobs": logprobs}
     choice["finish_reason"] = finish_reason or None
     out = _envelope(p, stream=True) | {"choices": [choice]}
     if p.include_usage:
@@ -330,9 +337,10 @@ class StreamEvents:
         # A request field that holds the marker too (it cannot be told apart): no template.
         self._parts = doc.split(marker) if doc.count(marker) == 1 else None
 
-    def chunk(self, text: str, finish_reason: str, first: bool) -> str:
-        if first or finish_reason or self._parts is None:
-            return _json(stream_chunk(self.p, text, finish_reason, first))
+    def chunk(self, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None) -> str:
+        """One event's JSON; `logprobs`: the choice's logprobs object, where the request asked."""
+        if first or finish_reason or self._parts is None or logprobs is not None:
+            return _json(stream_chunk(self.p, text, finish_reason, first, logprobs))
         head, tail = self._parts
         return head + json.dumps(text) + tail
 
@@ -345,12 +353,14 @@ def usage_chunk(p: ParsedRequest, u: inference_pb2.Usage) -> dict[str, Any]:
     return _envelope(p, stream=True) | {"choices": [], "usage": usage(u)}
 
 
-def completion(p: ParsedRequest, text: str, finish_reason: str, u: inference_pb2.Usage) -> dict[str, Any]:
+def completion(
+    p: ParsedRequest, text: str, finish_reason: str, u: inference_pb2.Usage, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The whole answer of a non-streaming request."""
     if p.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(p, stream=False) | {"choices": [choice], "usage": usage(u)}
 
 

@@ -38,11 +38,11 @@ def offline_text(offline, prompt: str, **kw) -> tuple[str, list[int]]:
     ],
 )
 def test_penalties_change_the_tokens_as_offline(client, offline, fields):
-    plain, _ = offline_text(offline, PROMPT, max_tokens=16, temperature=0.0)
+    plain, _ = offline_text(offline, PROMPT, max_tokens=24, temperature=0.0)
     kw = {"temperature": 0.0, **fields}
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, **kw).choices[0].text
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, **kw).choices[0].text
     engine_kw = {k: v for k, v in kw.items() if k != "extra_body"} | kw.get("extra_body", {})
-    expected, _ = offline_text(offline, PROMPT, max_tokens=16, **engine_kw)
+    expected, _ = offline_text(offline, PROMPT, max_tokens=24, **engine_kw)
     assert out == expected
     assert expected != plain  # the penalty did something, or the check above would prove little
 
@@ -106,3 +106,37 @@ def test_bad_values_are_refused_over_http_naming_the_field(client, body):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", **({"max_tokens": 4} | {"extra_body": body}))
     assert field in str(info.value)
+
+
+def test_logprobs_over_http_equal_offline_and_the_chosen_token_is_the_argmax(client, offline):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    expected = offline.generate([offline.chat_prompt(messages)],
+                                SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3))[0]  # fmt: skip
+    decode = lambda t: offline.tokenizer.decode([t])
+    for stream in (False, True):
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0,
+                                             logprobs=True, top_logprobs=3, stream=stream)  # fmt: skip
+        content = [e for c in out for e in (c.choices[0].logprobs.content or [])] if stream else out.choices[0].logprobs.content
+        assert [e.token for e in content] == [decode(t) for t in expected.token_ids]
+        for e, lp, top in zip(content, expected.logprobs, expected.top_logprobs):
+            assert abs(e.logprob - lp) < 1e-4  # the first from the prefill worker, the rest from the decode worker
+            assert [t.token for t in e.top_logprobs] == [decode(t) for t, _ in top]
+            assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy: the argmax
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=2)
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2))[0]
+    lp = done.choices[0].logprobs
+    assert lp.tokens == [decode(t) for t in expected.token_ids]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs, expected.logprobs, strict=True))
+    assert [len(t) for t in lp.top_logprobs] == [2] * 6 and lp.text_offset[0] == 0
+
+
+def test_logprobs_over_grpc_equal_offline(channel, offline):
+    sp = pb.SamplingParams(max_tokens=6, temperature=0.9, seed=4, logprobs=True, top_logprobs=2, presence_penalty=0.5)
+    chunks = list(pbg.InferenceStub(channel).Generate(pb.GenerateRequest(prompt=PROMPT, sampling_params=sp), timeout=120))
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=6, temperature=sp.temperature, seed=4, logprobs=True,
+                                                         top_logprobs=2, presence_penalty=0.5))[0]  # fmt: skip
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids  # seeded: the same draws across the split
+    got = [lp for c in chunks for lp in c.logprobs]
+    assert len(got) == 6 and all(abs(a - b) < 1e-4 for a, b in zip(got, expected.logprobs))
+    tops = [list(t.token_ids) for c in chunks for t in c.top_logprobs]
+    assert tops == [[t for t, _ in top] for top in expected.top_logprobs]
