@@ -105,6 +105,13 @@ def version_problem(infos: Mapping[str, kv_pb2.KvAgentInfo], protocol_version: i
     return None
 
 
+async def version_skew(actors: Mapping[str, Any], timeout_s: float) -> str | None:
+    """Why these worker actors cannot serve beside this router (`version_problem` of their KV
+    agent infos), or None; a router refuses then rather than move KV between them."""
+    infos = await agent_infos(actors, timeout_s)
+    return version_problem(infos, compat.PROTOCOL_VERSION)
+
+
 async def adopt_running(timeout_s: float) -> tuple[dict[str, Worker], set[str]]:
     """The worker actors running in the cluster's namespace that answer within `timeout_s` (one
     still loading its model answers once loaded), and every worker id named in Ray (the dead and
@@ -133,14 +140,13 @@ async def bring_up(
     want: Mapping[str, int],
     start_actor: Callable[[str, str], Any],
     timeout_s: float,
-    adopt: bool = True,
     taken: Iterable[str] = (),
 ) -> Fleet:
-    """Adopt the running workers (`adopt`), refuse them if they cannot serve beside this router
+    """Adopt the running workers, refuse them if they cannot serve beside this router
     (`VersionSkew`), and start what each pool of `want` lacks with `start_actor(role, worker_id)`.
     Returns once every started worker has loaded its model; on any failure the workers started
     here are killed (the adopted ones keep running)."""
-    running, named = await adopt_running(timeout_s) if adopt else ({}, set())
+    running, named = await adopt_running(timeout_s)
     problem = version_problem({w: r.info for w, r in running.items()}, compat.PROTOCOL_VERSION)
     if problem is not None:
         raise VersionSkew(problem)

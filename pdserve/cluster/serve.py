@@ -136,7 +136,7 @@ class Cluster:
         # before and was killed) are adopted, and only what the pools lack is started.
         try:
             fleet = await bring_up({"prefill": cfg.num_prefill, "decode": cfg.num_decode}, start_actor,
-                                   cfg.startup_timeout_s, adopt=not owns_ray)  # fmt: skip
+                                   cfg.startup_timeout_s)  # fmt: skip
         except BaseException:
             if owns_ray:
                 ray.shutdown()
