@@ -208,11 +208,15 @@ def test_two_serves_on_one_host_run_and_stop_independently(host_env, tmp_path):
                 s.kill()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_start_up_stops_it_cleanly(host_env, sig):
+@pytest.mark.parametrize(
+    "sig, moment",
+    [(signal.SIGINT, r"^pdserve: starting Ray$"),  # while Ray starts
+     (signal.SIGTERM, r"starting 1 decode worker")],  # Ray is up, the worker loads its model
+)
+def test_a_signal_during_start_up_stops_it_cleanly(host_env, sig, moment):
     server = Server(["serve", *SMALL, "--prefill", "0", "--decode", "1", "--port", "0"], host_env)
     try:
-        server.wait_for(r"starting 1 decode worker")  # Ray is up, the worker loads its model
+        server.wait_for(moment)
         server.note_processes()
         code = server.stop(sig)
         assert code == 0, (server.out, server.err)
