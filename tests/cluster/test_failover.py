@@ -73,13 +73,22 @@ def test_a_decode_worker_dead_before_the_pull_hands_over_to_another(two_by_two: 
     wait_until(lambda: c.decode_workers[1].stats().kv_blocks_in_use == 0, 10, "the survivor's blocks freed")
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+RESUMED_SAMPLING: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "seeded": {"temperature": 0.9, "seed": 1234},
+    # Penalties count the tokens made before the failure too: the resumed worker rebuilds them.
+    "seeded-penalties": {"temperature": 0.75, "seed": 99, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                         "repetition_penalty": 1.25, "logit_bias": {13: 2.0}},
+}
+
+
+@pytest.mark.parametrize("sampling", list(RESUMED_SAMPLING))
 def test_a_decode_worker_dying_mid_stream_is_resumed_elsewhere(
     two_by_two: Any, offline: LLM, sampling: str, wait_until: Any
 ):
     c = two_by_two
     ids = _prompts(1)[0]
-    kw: dict[str, Any] = {"temperature": 0.0} if sampling == "greedy" else {"temperature": 0.9, "seed": 1234}
+    kw = RESUMED_SAMPLING[sampling]
     want = _expected(offline, ids, 40, **kw)
     killed: list[str] = []
 
