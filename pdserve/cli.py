@@ -202,17 +202,18 @@ def _add_control_parsers(sub: argparse._SubParsersAction) -> None:
 
     sim = sub.add_parser(
         "simulate",
-        help="replay a trace in the P:D simulator, with a static split or the controller",
+        help="replay a trace in the P:D simulator, with a static split, the controller or colocated workers",
         description="Replay a JSONL trace in the discrete-event simulator: the router's placement policies, "
-        "simulated workers from a performance model, and a static prefill:decode split or the P:D controller "
-        "(docs/controller.md). Reports goodput, SLO attainment, latencies and role changes.",
+        "simulated workers from a performance model, and a static prefill:decode split, the P:D controller or "
+        "every worker colocated (docs/controller.md). Reports goodput, SLO attainment, latencies and role changes.",
     )
     control.add_simulate_arguments(sim)
     plan = sub.add_parser(
         "plan",
-        help="find the best static P:D split for a trace and what the controller gains over it",
-        description="Simulate every static prefill:decode split of --workers and the controller on a trace; "
-        "print the best static split and the controller's goodput against it.",
+        help="choose disaggregated or colocated for a trace: every split, the controller and colocated",
+        description="Simulate every static prefill:decode split of --workers, the controller and the same workers "
+        "colocated on a trace; print each, the controller's goodput against the best static split, and which "
+        "to run for this trace and SLO, the best split or colocated.",
     )
     control.add_common_arguments(plan)
 

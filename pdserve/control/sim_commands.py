@@ -1,5 +1,6 @@
 """`pdserve simulate` and `pdserve plan`: replay a trace in the simulator, with a static P:D
-split or with the controller; the planner tries every static split and the controller."""
+split, the controller or every worker colocated; the planner tries every static split, the
+controller and colocated, and recommends disaggregated or colocated for the trace and SLO."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pdserve.control.signals import Slo
 
 if TYPE_CHECKING:  # the simulator imports the router's placement: not for --help
     from pdserve.control.results import SimResult
+    from pdserve.control.sim_colocated import ColocatedConfig
     from pdserve.control.simulator import SimConfig
     from pdserve.control.trace import SimRequest
 
@@ -38,6 +40,10 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="host cores the workers and the router share: steps stretch by the perf model's measured "
                    "share_slowdown when more workers are busy than cores (CPU models; default: every worker owns "
                    "its device)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                   help="tokens one engine step computes at most: a prefill worker's chunks, or a colocated "
+                   "worker's decodes and prompt chunks together (default: 2048; pdserve serve uses 8192 on a "
+                   "GPU of 70 GiB or more)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -47,6 +53,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prefill", type=int, help="a static split: this many prefill workers, the rest decode")
     mode.add_argument("--controller", action="store_true", help="the P:D controller chooses the split")
+    mode.add_argument("--colocated", action="store_true",
+                      help="no split: every worker prefills and decodes (role both, chunked prefill in mixed steps)")
     p.add_argument("--start-prefill", type=int, default=None, help="with --controller: prefill workers at the start "
                    "(default: half)")
     p.add_argument("--max-workers", type=int, default=None, metavar="N",
@@ -69,6 +77,8 @@ def max_workers_from_args(args: argparse.Namespace) -> int | None:
 def _setup(args: argparse.Namespace) -> tuple[list[SimRequest], PerfModel, Slo]:
     from pdserve.control.trace import load_trace
 
+    if args.max_num_batched_tokens < 1:
+        raise ValueError(f"--max-num-batched-tokens: must be >= 1, got {args.max_num_batched_tokens}")
     return load_trace(args.trace), load_perf_model(args.perf_model), Slo(args.slo_ttft_ms, args.slo_itl_ms)
 
 
@@ -78,7 +88,8 @@ def _bar(args: argparse.Namespace, total: int, desc: str):
     return tqdm(total=total, desc=desc, file=sys.stderr, disable=args.quiet, dynamic_ncols=True, unit="req")
 
 
-def _run(reqs: list[SimRequest], model: PerfModel, cfg: SimConfig, bar) -> SimResult:
+def _run(reqs: list[SimRequest], model: PerfModel, cfg: SimConfig | ColocatedConfig, bar) -> SimResult:
+    from pdserve.control.sim_colocated import ColocatedConfig, simulate_colocated
     from pdserve.control.simulator import simulate
 
     done = [0]
@@ -88,23 +99,38 @@ def _run(reqs: list[SimRequest], model: PerfModel, cfg: SimConfig, bar) -> SimRe
         bar.update(n - done[0])
         done[0] = n
 
-    result = simulate(reqs, model, cfg, progress)
+    if isinstance(cfg, ColocatedConfig):
+        result = simulate_colocated(reqs, model, cfg, progress)
+    else:
+        result = simulate(reqs, model, cfg, progress)
     bar.update(len(reqs) - done[0])
     return result
 
 
+def _mode(args: argparse.Namespace) -> str:
+    if args.colocated:
+        return f"colocated {args.workers}"
+    return "controller" if args.controller else f"static {args.prefill}P:{args.workers - args.prefill}D"
+
+
 def run_simulate(args: argparse.Namespace) -> int:
+    from pdserve.control.sim_colocated import ColocatedConfig
     from pdserve.control.simulator import SimConfig
 
     reqs, model, slo = _setup(args)
-    cfg = SimConfig(workers=args.workers, prefill=args.prefill, start_prefill=args.start_prefill, slo=slo,
-                    max_workers=max_workers_from_args(args), cores=args.cores)
+    cfg: SimConfig | ColocatedConfig
+    if args.colocated:
+        max_workers_from_args(args)
+        cfg = ColocatedConfig(workers=args.workers, slo=slo, step_tokens=args.max_num_batched_tokens, cores=args.cores)
+    else:
+        cfg = SimConfig(workers=args.workers, prefill=args.prefill, start_prefill=args.start_prefill, slo=slo,
+                        max_workers=max_workers_from_args(args), cores=args.cores,
+                        prefill_step_tokens=args.max_num_batched_tokens)
     with _bar(args, len(reqs), "simulate") as bar:
         result = _run(reqs, model, cfg, bar)
     d = result.as_dict()
-    d.update(trace=str(args.trace), workers=args.workers, perf_model=model.name,
-             mode="controller" if args.controller else f"static {args.prefill}P:{args.workers - args.prefill}D")
-    if cfg.max_workers is not None:
+    d.update(trace=str(args.trace), workers=args.workers, perf_model=model.name, mode=_mode(args))
+    if isinstance(cfg, SimConfig) and cfg.max_workers is not None:
         held = [r["prefill"] + r["decode"] for r in result.timeline]
         d.update(max_workers=cfg.max_workers, most_workers_serving=max(held, default=args.workers),
                  workers_added=sum(1 for x in result.decisions if x["action"] == "add"),
@@ -118,42 +144,75 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def recommend(colocated: dict, best_static: dict | None) -> dict:
+    """Disaggregated or colocated for this trace and SLO: the higher goodput, then the higher SLO
+    attainment; a tie goes to colocated (no hand-over to run). Pure."""
+    if best_static is None:
+        return {"mode": "colocated", "goodput_rps": colocated["goodput_rps"], "split": None,
+                "text": f"recommend: colocated (goodput {colocated['goodput_rps']} rps; one worker has no split)"}
+    split = f"{best_static['prefill']}P:{best_static['decode']}D"
+    key = lambda r: (r["goodput_rps"], r["slo_attainment"])
+    if key(best_static) > key(colocated):
+        return {"mode": "disaggregated", "split": split, "goodput_rps": best_static["goodput_rps"],
+                "text": f"recommend: split {split} (goodput {best_static['goodput_rps']} rps) over colocated "
+                f"({colocated['goodput_rps']} rps)"}
+    return {"mode": "colocated", "split": split, "goodput_rps": colocated["goodput_rps"],
+            "text": f"recommend: colocated (goodput {colocated['goodput_rps']} rps) over best split {split} "
+            f"({best_static['goodput_rps']} rps)"}
+
+
 def plan(reqs: list[SimRequest], model: PerfModel, workers: int, slo: Slo,
-         bar_for: Callable[[int, str], object], cores: int | None = None) -> dict:
-    """Every static split and the controller on one trace: the best static, and the gain."""
+         bar_for: Callable[[int, str], object], cores: int | None = None, step_tokens: int = 2048) -> dict:
+    """Every static split, the controller and colocated on one trace: the best static, the
+    controller's gain and the recommendation, disaggregated or colocated."""
+    from pdserve.control.sim_colocated import ColocatedConfig
     from pdserve.control.simulator import SimConfig
 
+    with bar_for(len(reqs), f"colocated {workers}") as bar:
+        col = _run(reqs, model, ColocatedConfig(workers=workers, slo=slo, step_tokens=step_tokens, cores=cores), bar)
+    colocated = col.as_dict(timeline=False)
     statics = []
     for p in range(1, workers):
         with bar_for(len(reqs), f"static {p}P:{workers - p}D") as bar:
-            r = _run(reqs, model, SimConfig(workers=workers, prefill=p, slo=slo, cores=cores), bar)
+            cfg = SimConfig(workers=workers, prefill=p, slo=slo, cores=cores, prefill_step_tokens=step_tokens)
+            r = _run(reqs, model, cfg, bar)
         statics.append({"prefill": p, "decode": workers - p, **r.as_dict(timeline=False)})
-    with bar_for(len(reqs), "controller") as bar:
-        ctrl = _run(reqs, model, SimConfig(workers=workers, slo=slo, cores=cores), bar)
-    best = max(statics, key=lambda r: (r["goodput_rps"], r["slo_attainment"]))
-    return {
-        "workers": workers, "perf_model": model.name, "slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms,
-        "best_static": best, "controller": ctrl.as_dict(), "statics": statics,
-        "controller_gain": round(ctrl.goodput_rps / best["goodput_rps"], 3) if best["goodput_rps"] else None,
-    }
+    out = {"workers": workers, "perf_model": model.name, "slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms,
+           "max_num_batched_tokens": step_tokens, "colocated": colocated, "statics": statics,
+           "best_static": None, "controller": None, "controller_gain": None}
+    if statics:
+        with bar_for(len(reqs), "controller") as bar:
+            cfg = SimConfig(workers=workers, slo=slo, cores=cores, prefill_step_tokens=step_tokens)
+            ctrl = _run(reqs, model, cfg, bar)
+        best = max(statics, key=lambda r: (r["goodput_rps"], r["slo_attainment"]))
+        out.update(best_static=best, controller=ctrl.as_dict(),
+                   controller_gain=round(ctrl.goodput_rps / best["goodput_rps"], 3) if best["goodput_rps"] else None)
+    out["recommend"] = recommend(colocated, out["best_static"])
+    return out
 
 
 def run_plan(args: argparse.Namespace) -> int:
     reqs, model, slo = _setup(args)
-    out = plan(reqs, model, args.workers, slo, lambda n, desc: _bar(args, n, desc), args.cores)
+    out = plan(reqs, model, args.workers, slo, lambda n, desc: _bar(args, n, desc), args.cores,
+               args.max_num_batched_tokens)
     out["trace"] = str(args.trace)
     if args.json:
         print(json.dumps(out))
         return 0
     print(f"{args.trace}: {len(reqs)} requests, {args.workers} workers, {model.name}, "
           f"SLO TTFT {slo.ttft_ms:g} ms / ITL {slo.itl_ms:g} ms")
-    print("split | goodput rps | SLO attainment | TTFT p99 ms | ITL p99 ms")
+    print("configuration | goodput rps | SLO attainment | TTFT p99 ms | ITL p99 ms")
+    c = out["colocated"]
+    print(f"colocated {args.workers} | {c['goodput_rps']} | {c['slo_attainment']} | {c['ttft_p99_ms']} | "
+          f"{c['itl_p99_ms']}")
     for r in out["statics"]:
         print(f"{r['prefill']}P:{r['decode']}D | {r['goodput_rps']} | {r['slo_attainment']} | "
               f"{r['ttft_p99_ms']} | {r['itl_p99_ms']}")
     c, b = out["controller"], out["best_static"]
-    print(f"controller | {c['goodput_rps']} | {c['slo_attainment']} | {c['ttft_p99_ms']} | {c['itl_p99_ms']} "
-          f"({c['role_changes']} role changes, {c['reversals']} reversals)")
-    print(f"best static: {b['prefill']}P:{b['decode']}D, goodput {b['goodput_rps']} rps; "
-          f"the controller: {c['goodput_rps']} rps ({out['controller_gain']}x)")
+    if c is not None:
+        print(f"controller | {c['goodput_rps']} | {c['slo_attainment']} | {c['ttft_p99_ms']} | {c['itl_p99_ms']} "
+              f"({c['role_changes']} role changes, {c['reversals']} reversals)")
+        print(f"best static: {b['prefill']}P:{b['decode']}D, goodput {b['goodput_rps']} rps; "
+              f"the controller: {c['goodput_rps']} rps ({out['controller_gain']}x)")
+    print(out["recommend"]["text"])
     return 0
