@@ -154,7 +154,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "balancer: each finds the workers by name, learns their model and settings from them, and follows workers "
         "that join or leave. A router that dies loses only its own streams; the workers abort its requests once it "
         "has not polled them for --router-lease-s of `serve`. Ray's token must be at hand as for any Ray client "
-        "(RAY_AUTH_MODE=token with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH; docs/operations.md).",
+        "(RAY_AUTH_MODE=token with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH; docs/operations.md); `pdserve serve` prints "
+        "the whole command, token path included.",
     )
     rtr.add_argument(
         "--address", required=True, metavar="RAY_ADDRESS",
