@@ -49,19 +49,21 @@ SCRIPT = ROOT / "deploy" / "ray" / "launch.sh"
 SMALL = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512",
          "--cpu-threads", "1"]  # fmt: skip
 
-# Each named worker actor's identity (`WorkerActor.identity`), from a driver of its own.
+# A Ray driver of its own: for each line read, every named worker actor's identity
+# (`WorkerActor.identity`) as one line of JSON.
 IDENTITIES = """
 import json, sys, ray
 ray.init(address=sys.argv[1], namespace="pdserve", log_to_driver=False, logging_level="ERROR")
-names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-         if a.get("namespace") == "pdserve" and a["name"].startswith("pdserve-")]
-out = {}
-for name in names:
-    try:
-        out[name] = ray.get(ray.get_actor(name, namespace="pdserve").identity.remote(), timeout=30)
-    except Exception as exc:
-        out[name] = {"error": type(exc).__name__}
-print(json.dumps(out))
+for _ in sys.stdin:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == "pdserve" and a["name"].startswith("pdserve-")]
+    out = {}
+    for name in names:
+        try:
+            out[name] = ray.get(ray.get_actor(name, namespace="pdserve").identity.remote(), timeout=30)
+        except Exception as exc:
+            out[name] = {"error": type(exc).__name__}
+    print("identities " + json.dumps(out), flush=True)
 """
 
 # `pdserve ...` in a process whose KV protocol is one version ahead of the workers'.
@@ -96,8 +98,9 @@ def session_processes(sid: int) -> set[int]:
 class Proc:
     """A pdserve process, its output read on a thread."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    def __init__(self, argv: list[str], env: dict[str, str], stdin: bool = False) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)  # fmt: skip
         self.lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -151,6 +154,7 @@ class Cluster:
     router_address: str = ""
     metrics: str = ""
     extra: list[Proc] = field(default_factory=list)
+    driver: Proc | None = None  # `identities`'
 
     def start_serve(self) -> Proc:
         self.serve = Proc([str(SCRIPT), "serve", "--address", self.address, "--prefill", "1", "--decode", "1",
@@ -160,10 +164,13 @@ class Cluster:
         return self.serve
 
     def identities(self) -> dict[str, dict[str, Any]]:
-        done = subprocess.run([sys.executable, "-c", IDENTITIES, self.address], env=self.ray_env,
-                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        if self.driver is None:
+            self.driver = Proc([sys.executable, "-c", IDENTITIES, self.address], self.ray_env, stdin=True)
+        assert self.driver.proc.stdin is not None
+        self.driver.proc.stdin.write("\n")
+        self.driver.proc.stdin.flush()
+        self.driver.out.clear()
+        return json.loads(self.driver.wait_for(r"^identities (.*)$", 120).group(1))
 
 
 MAX_TOKENS = 64
@@ -223,7 +230,7 @@ def cluster(want: Any) -> Iterator[Cluster]:
         assert left == {}, f"worker actors outlived the stop of `pdserve serve`: {left}"
     finally:
         if c is not None:
-            for p in (c.router, c.serve, *c.extra):
+            for p in (c.driver, c.router, c.serve, *c.extra):
                 if p is not None:
                     p.stop(signal.SIGKILL)
         subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, check=False, timeout=180)
