@@ -22,6 +22,7 @@ from opentelemetry import trace
 from pdserve.control.actuator import Actuator
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.controller import Controller
+from pdserve.control.mode_choice import mode_loads
 from pdserve.control.perf_model import DEFAULT_MODEL
 from pdserve.control.signals import Decision, Role, Signals
 from pdserve.router.router import Router
@@ -188,7 +189,8 @@ class ControlLoop:
         in_flight = in_flight or (self.scaler is not None and self.scaler.in_flight())
         held = self.scaler.held() if self.scaler is not None else None
         signals = replace(reading.signals, change_in_flight=in_flight, total_workers=held)
-        d = self.controller.decide(signals, self.capacity.estimate())
+        model = self.capacity.estimate()
+        d = self.controller.decide(signals, model)
         worker = None
         if d.action == "flip":
             worker = self._act(d)
@@ -197,6 +199,9 @@ class ControlLoop:
         self.last = d
         self.metrics.pool_target.labels("prefill").set(d.target_prefill)
         self.metrics.pool_target.labels("decode").set(d.target_decode)
+        modes = mode_loads(signals, model, self.controller.cfg)
+        self.metrics.mode_load.labels("colocated").set(modes.colocated)
+        self.metrics.mode_load.labels("disaggregated").set(modes.disaggregated)
         if d.action != "hold" or d.close:
             self._record(d, worker)
         return d

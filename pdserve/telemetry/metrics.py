@@ -121,6 +121,12 @@ class RouterMetrics:
             "pdserve_pool_target", "The P:D controller's target number of workers, by pool (0 without --controller).",
             ["role"], registry=r,
         )
+        self.mode_load = Gauge(
+            "pdserve_mode_load",
+            "With --controller: the predicted load (1.0: the most within the SLOs) of the workers colocated and of "
+            "their best P:D split; the lower is the mode the load favours (0 without --controller).",
+            ["mode"], registry=r,
+        )
         self.role_changes = Counter(
             "pdserve_role_changes",
             "Role flips that finished, by the pool the worker left (from) and the one it joined (to).",
@@ -136,5 +142,7 @@ class RouterMetrics:
             self.pool_workers.labels(role)
             self.pool_target.labels(role)
             self.role_changes.labels(role, "decode" if role == "prefill" else "prefill")
+        for mode in ("colocated", "disaggregated"):
+            self.mode_load.labels(mode)
         for action in ("flip", "add", "remove", "hold"):
             self.controller_decisions.labels(action)

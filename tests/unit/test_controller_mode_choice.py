@@ -8,6 +8,7 @@ from typing import Self
 
 import pytest
 
+from pdserve.control.capacity import CapacityModel
 from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.mode_choice import colocated_load, mode_loads
 from pdserve.control.perf_model import load_perf_model
@@ -83,3 +84,20 @@ def test_an_idle_cluster_favours_colocated_and_load_grows_with_prompts():
     assert colocated_load(busy, H200_8B, Slo(1000, 12), 4, 0.85, 10.0) > colocated_load(
         busy, H200_8B, Slo(1000, 50), 4, 0.85, 10.0
     )
+
+
+def test_the_live_loop_sets_both_modes_loads_as_gauges():
+    import asyncio
+
+    from tests.unit.test_control_loop import MODEL, FakeActuator, Script, make_loop, ticks
+
+    act = FakeActuator(["p0", "p1"], ["d0", "d1"])
+    loop, metrics, _, clock = make_loop(act, Script(act))
+    value = metrics.registry.get_sample_value
+    assert value("pdserve_mode_load", {"mode": "colocated"}) == 0.0  # nothing read yet
+    asyncio.run(ticks(loop, clock, 1))
+    signals = asyncio.run(Script(act).read(0.0, 10.0)).signals
+    expected = mode_loads(signals, CapacityModel(MODEL).estimate(), loop.controller.cfg)
+    assert value("pdserve_mode_load", {"mode": "colocated"}) == pytest.approx(expected.colocated)
+    assert value("pdserve_mode_load", {"mode": "disaggregated"}) == pytest.approx(expected.disaggregated)
+    assert expected.colocated > 0 and expected.disaggregated > 0
