@@ -24,7 +24,7 @@ class RowTokens:
     """One sampled row's tokens so far: prompt then output (`token_ids`), of which the last
     `num_output` are output, counting those generated elsewhere before a resume."""
 
-    token_ids: Sequence[int]
+    token_ids: Sequence[int] | np.ndarray
     num_output: int
 
 
@@ -41,69 +41,71 @@ def process_logits(
         return logits
     if rows is None and any(params[i].penalized or params[i].min_tokens for i in wanted):
         raise ValueError("rows: the tokens of each row are needed for penalties and min_tokens")
-    out = logits.clone()
-    vocab = out.shape[-1]
-    where: list[int] = []
-    tokens: list[int] = []
-    values: list[float] = []
-    banned_rows: list[int] = []
+    vocab = logits.shape[-1]
+    # Every index and value of the step goes to the device in one copy each (flat indices into
+    # [B, vocab] and [P, vocab + 1]): a decode step is short enough that each copy's fixed cost shows.
+    bias_at: list[int] = []
+    bias: list[float] = []
     banned: list[int] = []
     for i in wanted:
         p = params[i]
-        for t, b in p.logit_bias:
-            if t < vocab:  # a token past the model's logits (the engine refuses these) cannot be biased
-                where.append(i)
-                tokens.append(t)
-                values.append(b)
+        # A token past the model's logits (the engine refuses these) cannot be biased.
+        bias_at += [i * vocab + t for t, _ in p.logit_bias if t < vocab]
+        bias += [b for t, b in p.logit_bias if t < vocab]
         # min_tokens counts this worker's share: SamplingParams.after lowers it on a resume.
         if p.min_tokens and rows is not None and rows[i].num_output - p.output_offset < p.min_tokens:
             stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
-            for t in sorted(t for t in stops if t < vocab):
-                banned_rows.append(i)
-                banned.append(t)
-    dev = out.device
-    if where:
-        idx = (torch.tensor(where, device=dev), torch.tensor(tokens, device=dev))
-        out.index_put_(idx, torch.tensor(values, dtype=out.dtype, device=dev), accumulate=True)
-    if banned:
-        out[torch.tensor(banned_rows, device=dev), torch.tensor(banned, device=dev)] = float("-inf")
-    penalized = [i for i in wanted if params[i].penalized]
-    if penalized:
-        assert rows is not None
-        _apply_penalties(out, [params[i] for i in penalized], [rows[i] for i in penalized], penalized)
+            banned += [i * vocab + t for t in sorted(stops) if t < vocab]
+    pen = [i for i in wanted if params[i].penalized]
+    pen_rows = [rows[i] for i in pen] if rows is not None else []
+    pen_params = [params[i] for i in pen]
+    use_rep = any(p.repetition_penalty != 1.0 for p in pen_params)
+    use_counts = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in pen_params)
+    seen = _flat_index([r.token_ids for r in pen_rows], vocab) if use_rep else np.empty(0, np.int64)
+    outputs = [r.token_ids[len(r.token_ids) - r.num_output :] if r.num_output else () for r in pen_rows]
+    counted = _flat_index(outputs, vocab) if use_counts else np.empty(0, np.int64)
+    ints = np.concatenate([np.asarray(bias_at + banned + pen, dtype=np.int64), seen, counted])
+    floats = np.asarray(bias + [x for p in pen_params for x in (p.repetition_penalty, p.frequency_penalty,
+                                                                 p.presence_penalty)], dtype=np.float32)  # fmt: skip
+    dev = logits.device
+    ints_dev = torch.from_numpy(ints).to(dev)
+    floats_dev = torch.from_numpy(floats).to(dev, logits.dtype)
+    out = logits.clone()
+    flat = out.view(-1)
+    nb, nx, npen = len(bias_at), len(banned), len(pen)
+    if nb:
+        flat.index_add_(0, ints_dev[:nb], floats_dev[:nb])
+    if nx:
+        flat.index_fill_(0, ints_dev[nb : nb + nx], float("-inf"))
+    if npen:
+        at = nb + nx + npen
+        index = ints_dev[nb + nx : at]
+        knobs = floats_dev[nb:].view(npen, 3)
+        sub = out.index_select(0, index)
+        if use_rep:
+            present = _counts(ints_dev[at : at + len(seen)], npen, vocab) > 0
+            rep = knobs[:, 0:1]
+            # As vLLM and transformers do: a positive logit is divided, a negative one multiplied.
+            sub = torch.where(present, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        if use_counts:
+            counts = _counts(ints_dev[at + len(seen) :], npen, vocab).to(sub.dtype)
+            sub = sub - knobs[:, 1:2] * counts - knobs[:, 2:3] * (counts > 0).to(sub.dtype)
+        out.index_copy_(0, index, sub)
     return out
 
 
-def _apply_penalties(
-    logits: torch.Tensor, params: list[SamplingParams], rows: list[RowTokens], which: list[int]
-) -> None:
-    """In place on `logits`' rows `which`. Counts come from one scatter_add over the rows'
-    padded token ids (padding goes to an extra column that is dropped)."""
-    dev, vocab = logits.device, logits.shape[-1]
-    index = torch.tensor(which, device=dev)
-    sub = logits.index_select(0, index)
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = _counts([r.token_ids for r in rows], vocab, dev) > 0
-        # As vLLM and transformers do: a positive logit is divided, a negative one multiplied.
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        outputs = [r.token_ids[len(r.token_ids) - r.num_output :] if r.num_output else () for r in rows]
-        counts = _counts(outputs, vocab, dev).to(sub.dtype)
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
-        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
-    logits.index_copy_(0, index, sub)
+def _flat_index(token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
+    """Flat indices into [len(token_lists), vocab + 1] of each list's tokens (arrays cost a copy,
+    lists a conversion; a token past the vocabulary lands in the extra column, which is dropped)."""
+    lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
+    if not token_lists:
+        return np.empty(0, np.int64)
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
+    return np.repeat(np.arange(len(token_lists), dtype=np.int64) * (vocab + 1), lengths) + np.minimum(flat, vocab)
 
 
-def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] int32: how often each token occurs in each list."""
-    width = max((len(t) for t in token_lists), default=0)
-    ids = np.full((len(token_lists), max(width, 1)), vocab, dtype=np.int64)
-    for r, toks in enumerate(token_lists):
-        if len(toks):
-            ids[r, : len(toks)] = np.asarray(toks, dtype=np.int64).clip(0, vocab)
-    ids_dev = torch.from_numpy(ids).to(device)
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.int32, device=device)
-    counts.scatter_add_(1, ids_dev, torch.ones_like(ids_dev, dtype=torch.int32))
-    return counts[:, :vocab]
+def _counts(flat_index: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] int32: how often each token occurs in each row, from `_flat_index`'s indices."""
+    counts = torch.zeros(rows * (vocab + 1), dtype=torch.int32, device=flat_index.device)
+    counts.index_add_(0, flat_index, torch.ones_like(flat_index, dtype=torch.int32))
+    return counts.view(rows, vocab + 1)[:, :vocab]

@@ -194,7 +194,7 @@ class ModelRunner:
         gens = [self._generator_for(s) for s in sampled]
         rows = None
         if any(p.processes_logits for p in params):
-            rows = [RowTokens(s.seq.token_ids, s.seq.params.output_offset + s.seq.num_output_tokens) for s in sampled]
+            rows = [RowTokens(s.seq.token_array(), s.seq.params.output_offset + s.seq.num_output_tokens) for s in sampled]
         out = sample(logits, params, gens, self.default_generator, rows, tuple(eos_token_ids))
         return {
             s.seq.request_id: SampledToken(

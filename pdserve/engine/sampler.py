@@ -21,6 +21,9 @@ from pdserve.engine.logits_processing import RowTokens, process_logits
 from pdserve.engine.sampling_params import SamplingParams
 
 
+_TOP_K_ONLY = 1024  # below this top-k for every row, top-k/top-p look at the k largest only
+
+
 @dataclass(frozen=True)
 class Sampled:
     """A step's draws: one token per row and, where any row asked, the logprobs."""
@@ -91,9 +94,16 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     if not (use_k or use_p):
         return logits
     dev = logits.device
-    sorted_logits, order = torch.sort(logits, descending=True)
+    ks_host = [k if 0 < k < vocab else vocab for k in top_k]
+    kmax = max(ks_host)
+    if kmax <= _TOP_K_ONLY:
+        # Every row has a small top-k: only the kmax largest matter, so one topk instead of a
+        # full sort of the vocabulary (a tie with a row's k-th value past kmax is then dropped).
+        sorted_logits, order = torch.topk(logits, kmax, dim=-1)
+    else:
+        sorted_logits, order = torch.sort(logits, descending=True)
     if use_k:
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        ks = torch.tensor(ks_host, device=dev)
         kth = sorted_logits.gather(1, (ks - 1)[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if use_p:
@@ -102,4 +112,6 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > ps
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if kmax <= _TOP_K_ONLY:
+        return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

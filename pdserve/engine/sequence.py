@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.engine.hashing import ROOT_HASH, hash_block
@@ -35,6 +36,8 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    _token_buf: np.ndarray | None = None  # token_ids as an array, for penalties (see token_array)
+    _token_buf_len: int = 0  # how many of token_ids it holds
     _hashes: list[int] = field(default_factory=list)
     _num_registered: int = 0  # blocks whose hash is registered in the prefix cache
 
@@ -56,6 +59,21 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def token_array(self) -> np.ndarray:
+        """`token_ids` as an int64 array, kept in step as tokens are appended (they only ever
+        are), so a penalized row costs its new tokens per step, not all of them."""
+        n, have = len(self.token_ids), self._token_buf_len
+        buf = self._token_buf
+        if buf is None or len(buf) < n:  # grown by doubling: appending stays O(1) amortised
+            grown = np.empty(max(2 * n, 64), dtype=np.int64)
+            if buf is not None:
+                grown[:have] = buf[:have]
+            buf = self._token_buf = grown
+        if have < n:
+            buf[have:n] = self.token_ids[have:n]
+            self._token_buf_len = n
+        return buf[:n]
 
     def full_block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of every full block of the current tokens, extended incrementally."""

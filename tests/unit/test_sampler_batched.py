@@ -62,9 +62,10 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached_counting_a_resume():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_batched_top_k_top_p_equal_transformers_warpers(seed):
+# With a row without top-k the whole vocabulary is sorted; with top-k on every row only the k largest.
+@pytest.mark.parametrize(("ks", "ps"), [([3, -1, 10, 1], [1.0, 0.6, 0.3, 0.9]), ([3, 7, 10, 1], [1.0, 0.6, 0.3, 0.9])])
+def test_batched_top_k_top_p_equal_transformers_warpers(seed, ks, ps):
     logits = _logits(4, seed)
-    ks, ps = [3, -1, 10, 1], [1.0, 0.6, 0.3, 0.9]
     got = _filter_top_k_top_p(logits, ks, ps)
     for i, (k, p) in enumerate(zip(ks, ps)):
         ref = logits[i : i + 1]
