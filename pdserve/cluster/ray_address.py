@@ -43,7 +43,7 @@ def resolve_address(address: str, environ: Mapping[str, str]) -> str:
         if found is None:
             raise ValueError("--address auto: no RAY_ADDRESS and no Ray state file on this host; give HOST:PORT")
         address = found[0]
-    host, sep, port = address.rpartition(":")
+    host, sep, port = _without_scheme(address).rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--address: {address!r} is not HOST:PORT")
     return address
@@ -51,6 +51,7 @@ def resolve_address(address: str, environ: Mapping[str, str]) -> str:
 
 def is_loopback(address: str) -> bool:
     """True when HOST:PORT (or a bare host) names this machine's loopback interface."""
+    address = _without_scheme(address)
     host = address.rpartition(":")[0] if ":" in address else address
     host = host.strip("[]")
     if host == "localhost":
@@ -63,7 +64,7 @@ def is_loopback(address: str) -> bool:
 
 def answers(address: str, timeout_s: float = 0.5) -> bool:
     """True when something accepts a TCP connection at HOST:PORT within `timeout_s`."""
-    host, _, port = address.rpartition(":")
+    host, _, port = _without_scheme(address).rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return True
@@ -88,7 +89,7 @@ async def wait_until_answers(address: str, timeout_s: float, interval_s: float =
     """Return once something listens at HOST:PORT; TimeoutError after `timeout_s`. Each try is a
     short connect on the event loop, so SIGINT/SIGTERM handlers run while it waits (Ray's own
     connect blocks every signal for tens of seconds at a time)."""
-    host, _, port = address.rpartition(":")
+    host, _, port = _without_scheme(address).rpartition(":")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
@@ -117,3 +118,8 @@ def one_machine_env(address: str | None, environ: Mapping[str, str]) -> dict[str
         return {}  # said with the error where the address is used
     return {ONE_MACHINE_VAR: "0"} if is_loopback(resolved) else {}
 
+
+
+def _without_scheme(address: str) -> str:
+    """HOST:PORT of an address that may name a scheme (Ray Client's ray://HOST:PORT)."""
+    return address.split("://", 1)[-1]

@@ -47,6 +47,7 @@ def test_auto_reads_ray_address_first_then_rays_state_file(tmp_path):
     assert resolve_address("auto", env) == "127.0.0.1:6380"
     assert resolve_address("auto", env | {"RAY_ADDRESS": "10.0.0.1:6379"}) == "10.0.0.1:6379"
     assert resolve_address("10.0.0.2:6379", env) == "10.0.0.2:6379"
+    assert resolve_address("ray://10.0.0.3:10001", env) == "ray://10.0.0.3:10001"  # Ray Client's, kept
     with pytest.raises(ValueError, match=r"^--address auto: no RAY_ADDRESS and no Ray state file"):
         resolve_address("auto", {"RAY_TMPDIR": str(tmp_path / "none")})
     with pytest.raises(ValueError, match=r"^--address: 'head' is not HOST:PORT"):
@@ -55,7 +56,7 @@ def test_auto_reads_ray_address_first_then_rays_state_file(tmp_path):
 
 @pytest.mark.parametrize(
     "address, loopback",
-    [("127.0.0.1:6379", True), ("127.0.0.5:1", True), ("localhost:6379", True), ("[::1]:6379", True),
+    [("127.0.0.1:6379", True), ("127.0.0.5:1", True), ("ray://127.0.0.1:10001", True), ("localhost:6379", True), ("[::1]:6379", True),
      ("10.0.0.1:6379", False), ("head.example:6379", False), ("192.0.2.7", False)],
 )
 def test_loopback_addresses(address, loopback):
