@@ -107,7 +107,9 @@ class GrammarMasks:
 
         states = [self._state(items[i].seq) for i in rows]
         if self._bitmask is None or self._bitmask.shape[0] < len(items):
-            self._bitmask = xgr.allocate_token_bitmask(max(len(items), 64), self.vocab_size)
+            bitmask = xgr.allocate_token_bitmask(max(len(items), 64), self.vocab_size)
+            # Pinned for a device: its copy is then queued behind the forward, not waited for.
+            self._bitmask = bitmask.pin_memory() if logits.is_cuda else bitmask
         bitmask = self._bitmask
         ok = [i for i, s in zip(rows, states) if not s.broken]
         self._batch.batch_fill_next_token_bitmask(
