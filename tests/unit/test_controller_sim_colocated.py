@@ -148,3 +148,14 @@ def test_pdserve_plan_reports_colocated_and_recommends(tmp_path, capsys):
     assert main(["plan", *common, "--max-num-batched-tokens", "0"]) == 2
     assert "--max-num-batched-tokens" in capsys.readouterr().err
     assert main(["simulate", *common, "--colocated", "--max-workers", "4"]) == 2
+
+
+def test_colocated_workers_sharing_too_few_cores_step_slower():
+    cpu = load_perf_model("smollm2-135m-cpu")
+    reqs = [SimRequest(0.5 * i, 256, 16) for i in range(20)]
+    shared = simulate_colocated(reqs, cpu, ColocatedConfig(workers=2, cores=1))
+    roomy = simulate_colocated(reqs, cpu, ColocatedConfig(workers=2, cores=4))
+    assert shared.completed == roomy.completed == 20
+    assert shared.itl_p50_ms > roomy.itl_p50_ms and shared.ttft_p50_ms > roomy.ttft_p50_ms
+    with pytest.raises(ValueError, match="share_slowdown"):
+        simulate_colocated(reqs, H200_8B, ColocatedConfig(workers=2, cores=2))
