@@ -208,6 +208,14 @@ class JoinedRouter:
         for wid, (role, actor) in listed.items():
             if wid in self.workers:
                 continue
+            # A worker of another KV protocol or layout (started from another image) is never placed.
+            try:
+                skew = await version_skew({wid: actor}, self.join.health_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - asked again at the next listing
+                skew = f"no KV agent info ({type(exc).__name__})"
+            if skew is not None:
+                log.warning("router %s: not placing on %s worker %s: %s", self.router_id, role, wid, skew)
+                continue
             client = WorkerClient(wid, RayWorker(actor), router_id=self.router_id)
             if role == "decode":
                 await self.router.add_decode(client)
