@@ -41,6 +41,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     flags.add_engine_args(gen)
+    gen.add_argument(
+        "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1, metavar="N",
+        help="split the model over N ranks, one process each (CPU only so far; default: 1)",
+    )
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     gen.add_argument(
         "--temperature", type=float, default=0.0,
@@ -250,6 +254,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
         **engine_options(EngineArgs.from_options(vars(args))),
     )
     use_chat = args.chat

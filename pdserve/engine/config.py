@@ -209,6 +209,8 @@ class EngineConfig(EngineArgs):
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (decode workers)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
+    # Ranks the model is split over, one process each (pdserve/engine/parallel/); CPU (gloo) only so far.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -218,6 +220,12 @@ class EngineConfig(EngineArgs):
             raise ValueError("cpu_kv_cache_bytes: must be >= 1")
         if self.workers_on_host < 1:
             raise ValueError("workers_on_host: must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, not {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and torch.device(self.device).type != "cpu":
+            raise ValueError(f"tensor_parallel_size: more than 1 rank runs on CPU (gloo) only so far, not on {self.device}")
+        if self.tensor_parallel_size > 1 and self.overlap_decode:
+            raise ValueError("overlap_decode: not available with tensor_parallel_size > 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be auto or dummy, not {self.load_format!r}")
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:

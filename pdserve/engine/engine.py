@@ -10,19 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
 from pdserve.engine.config import EngineConfig, ModelConfig, Role
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.engine.grammar import GrammarMasks
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
-from pdserve.engine.kv_memory import kv_pool_blocks
-from pdserve.engine.model_loading import build_model, eos_token_ids
+from pdserve.engine.model_loading import eos_token_ids
 from pdserve.engine.overlap_plan import overlappable, plan_following
+from pdserve.engine.parallel.tp_runner import start_runner
 from pdserve.engine.request_table import RequestTable
-from pdserve.engine.runner import DecodeLaunch, ModelRunner, SampledToken
+from pdserve.engine.runner import DecodeLaunch, SampledToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import SeqStatus
@@ -63,11 +61,9 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_dir)
-        model = build_model(cfg, mc, self.max_model_len)
-        # Sized after the weights are on the device: on CUDA the pool takes what they leave.
-        num_blocks = kv_pool_blocks(cfg, mc, self.max_model_len, torch.device(cfg.device))
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.runner = ModelRunner(model, cfg, num_blocks, self.max_model_len)
+        # The model and its KV pool (with tensor_parallel_size > 1, rank 0 of the ranks it starts).
+        self.runner = start_runner(cfg, mc, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner.capture_cuda_graphs()
         self.eos_token_ids = eos_token_ids(mc, model_dir, self.tokenizer)
         # Structured output: the runner masks grammar rows' logits; requests are checked here first.

@@ -13,16 +13,20 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model.cpu_linear import onednn_available
-from pdserve.engine.model.model import CausalLM
+from pdserve.engine.model.model import SINGLE, CausalLM
 from pdserve.engine.model.weights import init_dummy_weights, load_weights
+from pdserve.engine.parallel.tp_group import ParallelContext
 
 log = logging.getLogger(__name__)
 
 
-def build_model(cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> CausalLM:
-    """The model of `cfg.model` on `cfg.device`, in eval mode, ready to run."""
+def build_model(
+    cfg: EngineConfig, mc: ModelConfig, max_model_len: int, parallel: ParallelContext = SINGLE
+) -> CausalLM:
+    """The model of `cfg.model` on `cfg.device`, in eval mode, ready to run; with `parallel`
+    wider than 1, this rank's part of it."""
     device = torch.device(cfg.device)
-    model = CausalLM.empty(mc, max_model_len, device, cfg.dtype)
+    model = CausalLM.empty(mc, max_model_len, device, cfg.dtype, parallel)
     if cfg.load_format == "dummy":
         init_dummy_weights(model, cfg.seed)
     else:

@@ -79,7 +79,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
-        mc = model.cfg
+        mc = model.shard_cfg  # this rank's KV heads (all of them in a single-process engine)
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         shape = (num_blocks + 1, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim)

@@ -19,6 +19,9 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.model.cpu_linear import PackedLinear, pack_linears
 from pdserve.engine.model.ops import ElementwiseOps, rope_rows, rope_tables
+from pdserve.engine.parallel.tp_group import ParallelContext
+
+SINGLE = ParallelContext()  # one process, the whole model: every collective is the identity
 
 
 class RMSNorm(nn.Module):
@@ -97,8 +100,12 @@ def layer_caches(kv_pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ElementwiseOps) -> None:
+    """Self-attention over this rank's heads (`cfg` is the rank's part of the model; o_proj is
+    row-parallel: its output is summed over the ranks)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ElementwiseOps, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
+        self.parallel = parallel
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -127,7 +134,11 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
-        return self.o_proj(self.attend(self.project(x, positions, rotary, ctx), ctx))
+        return self.output(self.attend(self.project(x, positions, rotary, ctx), ctx))
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output, summed over the tensor-parallel ranks."""
+        return self.parallel.all_reduce(self.o_proj(o))
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext) -> torch.Tensor:
         """Everything before attention: q [T, Hq, D] with RoPE applied; k and v (with RoPE) are
@@ -185,24 +196,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ElementwiseOps) -> None:
+    """SwiGLU over this rank's intermediate columns: gate/up column-parallel, down_proj
+    row-parallel (summed over the ranks)."""
+
+    def __init__(self, cfg: ModelConfig, ops: ElementwiseOps, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
+        self.parallel = parallel
         self.ops = ops
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x), self.intermediate))
+        return self.parallel.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x), self.intermediate)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ElementwiseOps) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ElementwiseOps, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, layer_idx, ops)
+        self.self_attn = Attention(cfg, layer_idx, ops, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg, ops, parallel)
 
     def forward(
         self, residual: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm, positions: torch.Tensor, rotary: Rotary, ctx: ForwardContext
@@ -219,7 +234,7 @@ class DecoderLayer(nn.Module):
         where attention runs outside a CUDA graph (see step_graphs)."""
         ops = self.mlp.ops
         post = self.post_attention_layernorm
-        residual, h = ops.add_rms_norm(residual, self.self_attn.o_proj(o), post.weight, post.eps)
+        residual, h = ops.add_rms_norm(residual, self.self_attn.output(o), post.weight, post.eps)
         m = self.mlp(h)
         return ops.add_rms_norm(residual, m, next_norm.weight, next_norm.eps)
 
@@ -238,19 +253,25 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """The model, or with `parallel` wider than 1 this rank's part of it: `cfg` is the whole
+    model's config, `shard_cfg` the sizes this rank holds (pdserve/engine/parallel/tp_layout.py)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.parallel = parallel
+        self.shard_cfg = part = parallel.shard_config(cfg)
+        self.vocab_start = parallel.layout(cfg).vocab.start if parallel.size > 1 else 0
         self.ops = ElementwiseOps()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.ops) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(part.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(part, i, self.ops, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.rotary = Rotary(cfg, max_positions, self.ops)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, part.vocab_size, bias=False)
         self.tied_head: PackedLinear | None = None  # the embeddings packed as an LM head (CPU)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)
+        residual = self.parallel.embed(self.embed_tokens, input_ids, self.vocab_start)
         ctx.rope = self.rotary.step_tables(positions, residual.dtype)
         h = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
@@ -271,13 +292,15 @@ class CausalLM(nn.Module):
         ctx.batch1.logits_and_argmax(residual, delta, self.norm.weight, self.norm.eps, head, logits_out, argmax_out)
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    def empty(
+        cls, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype, parallel: ParallelContext = SINGLE
+    ) -> CausalLM:
         """Allocate parameters without initialising them (the loader fills every one)."""
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device("meta"):
-                model = cls(cfg, max_positions)
+                model = cls(cfg, max_positions, parallel)
         finally:
             torch.set_default_dtype(previous)
         model.to_empty(device=device)
@@ -294,7 +317,10 @@ class CausalLM(nn.Module):
         return n
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the whole vocabulary (each rank's slice gathered on every rank)."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if head is not None:
-            return head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        return self.parallel.gather_vocab(logits, self.cfg.vocab_size)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.model.model import CausalLM
+from pdserve.engine.parallel.sharded_weights import SliceReader, shard_reader
 
 # checkpoint suffix -> (parameter suffix, index of the slice in the fused parameter)
 _FUSED = {
@@ -47,17 +48,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(files: list[Path], take: SliceReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, or with `take` the part of it that `take` reads."""
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+                    yield name, sf.get_tensor(name) if take is None else take(name, sf.get_slice(name))
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise ValueError(f"weights: cannot read {f.name}: {exc}") from None
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
+    """Fill every parameter of `model` from the checkpoint (a tensor-parallel rank reads only
+    its slices)."""
+    take = None
+    if model.parallel.size > 1:
+        take = shard_reader(model.parallel.layout(model.cfg), model.cfg.head_dim)
     params = dict(model.named_parameters())
     slices = _fused_slices(model)
     filled: dict[str, int] = {}
@@ -65,7 +72,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     for name in slices:
         expected[name] = len(slices[name])
 
-    for ckpt_name, tensor in iter_checkpoint(checkpoint_files(model_dir)):
+    for ckpt_name, tensor in iter_checkpoint(checkpoint_files(model_dir), take):
         name = ckpt_name.removeprefix("model.")
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -110,7 +117,7 @@ def _target(name: str) -> tuple[str, int | None]:
 
 
 def _fused_slices(model: CausalLM) -> dict[str, list[tuple[int, int]]]:
-    cfg = model.cfg
+    cfg = model.shard_cfg
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     out: dict[str, list[tuple[int, int]]] = {}
     for i in range(cfg.num_layers):

@@ -1,0 +1,94 @@
+"""The step rank 0 hands to the other ranks of a tensor-parallel worker: the flattened inputs
+its runner prepared (token ids, positions, KV slots, block tables, rows to take logits of),
+as bytes. The other ranks only execute what they get,
+so every rank runs the same forward in the same order and meets the same collectives.
+
+The steps go over a pipe from rank 0 to each other rank: an idle rank waits as long as rank 0
+is idle, and one whose rank 0 is gone reads the pipe's end and stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from pdserve.engine.kernels.attention import AttentionMetadata
+
+_HEADER = 7  # kind, tokens, sequences, block-table width, logits rows, max query len, max seq len
+_STEP, _STOP = 1, 0
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One forward pass as a non-zero rank runs it."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+def encode_step(
+    token_rows: torch.Tensor, logits_indices: torch.Tensor, meta: AttentionMetadata
+) -> bytes:
+    """A step's bytes: `token_rows` [4, T] (ids, positions, slot block, slot offset), the logits
+    rows and the attention metadata's device tensors."""
+    b, width = meta.block_tables.shape
+    header = np.array(
+        [_STEP, token_rows.shape[1], b, width, logits_indices.numel(), meta.max_query_len, meta.max_seq_len],
+        dtype=np.int64,
+    )
+    longs = torch.cat([token_rows.reshape(-1), logits_indices]).cpu().numpy()
+    ints = torch.cat([meta.cu_seqlens_q, meta.seq_lens, meta.block_tables.reshape(-1)]).cpu().numpy()
+    return header.tobytes() + longs.astype(np.int64).tobytes() + ints.astype(np.int32).tobytes()
+
+
+def decode_step(payload: bytes) -> RankStep | None:
+    """`encode_step`'s step back, None for the stop message."""
+    header = np.frombuffer(payload, dtype=np.int64, count=_HEADER)
+    kind, t, b, width, n_logits, max_q, max_seq = (int(v) for v in header)
+    if kind == _STOP:
+        return None
+    at = _HEADER * 8
+    longs = torch.from_numpy(np.frombuffer(payload, dtype=np.int64, count=4 * t + n_logits, offset=at).copy())
+    at += longs.numel() * 8
+    ints = torch.from_numpy(np.frombuffer(payload, dtype=np.int32, count=2 * b + 1 + b * width, offset=at).copy())
+    cu, seq_lens = ints[: b + 1], ints[b + 1 : 2 * b + 1]
+    seq_lens_host = seq_lens.tolist()
+    meta = AttentionMetadata(
+        slot_block=longs[2 * t : 3 * t],
+        slot_offset=longs[3 * t : 4 * t],
+        cu_seqlens_q=cu,
+        seq_lens=seq_lens,
+        block_tables=ints[2 * b + 1 :].view(b, width),
+        max_query_len=max_q,
+        max_seq_len=max_seq,
+        query_lens=(cu[1:] - cu[:-1]).tolist(),
+        seq_lens_host=seq_lens_host,
+    )
+    return RankStep(longs[:t], longs[t : 2 * t], meta, longs[4 * t :])
+
+
+def stop_message() -> bytes:
+    return np.array([_STOP] + [0] * (_HEADER - 1), dtype=np.int64).tobytes()
+
+
+class StepSender:
+    """Rank 0's end: each step to every other rank's pipe."""
+
+    def __init__(self, pipes: list[Connection]) -> None:
+        self.pipes = pipes
+
+    def send(self, payload: bytes) -> None:
+        for pipe in self.pipes:
+            pipe.send_bytes(payload)
+
+
+def receive_step(pipe: Connection) -> RankStep | None:
+    """A non-zero rank's next step; None once rank 0 stops, or is gone (its end closed)."""
+    try:
+        return decode_step(pipe.recv_bytes())
+    except (EOFError, OSError):
+        return None

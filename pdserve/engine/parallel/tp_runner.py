@@ -1,0 +1,156 @@
+"""Rank 0 of a tensor-parallel worker: starts the other ranks (one process each), loads its own
+part, and runs the engine's runner, which sends every step it prepares to the other ranks
+before running it itself. `start_runner` is what an engine calls for any width; at width 1 it
+builds the single-process runner exactly as before."""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.kv_memory import kv_pool_blocks
+from pdserve.engine.model.model import CausalLM
+from pdserve.engine.model_loading import build_model
+from pdserve.engine.parallel.rank_worker import RankSpec, join_group, rank_main
+from pdserve.engine.parallel.step_channel import StepSender, encode_step, stop_message
+from pdserve.engine.parallel.tp_group import LOOPBACK
+from pdserve.engine.parallel.tp_layout import check_tensor_parallel
+from pdserve.engine.runner import ModelRunner, StepInputs
+from pdserve.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+# Loading a large checkpoint takes minutes; a step's collectives wait at most for the slowest
+# rank's share of one forward, so a rank silent for longer than this is gone.
+STARTUP_TIMEOUT_S = 600.0
+COLLECTIVE_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+
+
+def start_runner(cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> ModelRunner:
+    """The runner of an engine of `cfg`: single-process at `tensor_parallel_size` 1, else rank 0
+    of a group whose other ranks this starts."""
+    if cfg.tensor_parallel_size == 1:
+        model = build_model(cfg, mc, max_model_len)
+        # Sized after the weights are on the device: on CUDA the pool takes what they leave.
+        num_blocks = kv_pool_blocks(cfg, mc, max_model_len, torch.device(cfg.device))
+        return ModelRunner(model, cfg, num_blocks, max_model_len)
+    check_tensor_parallel(mc, cfg.tensor_parallel_size)
+    ranks = RankProcesses(cfg, max_model_len)
+    try:
+        model = build_model(cfg, mc, max_model_len, ranks.parallel)
+        ranks.wait_ready()
+        # Every rank's pool lives on this host: each sizes for its share of the memory.
+        sizing = replace(cfg, workers_on_host=cfg.workers_on_host * cfg.tensor_parallel_size)
+        num_blocks = kv_pool_blocks(sizing, model.shard_cfg, max_model_len, torch.device(cfg.device))
+        ranks.share_blocks(num_blocks)
+        return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks)
+    except BaseException:
+        ranks.close()
+        raise
+
+
+class RankProcesses:
+    """Ranks 1..N-1 of a group, each a spawned process with a pipe to this one (rank 0)."""
+
+    def __init__(self, cfg: EngineConfig, max_model_len: int) -> None:
+        size = cfg.tensor_parallel_size
+        threads = max(1, torch.get_num_threads() // size)  # this process's cores, split over the ranks
+        spec = RankSpec(cfg, max_model_len, 0, 0, STARTUP_TIMEOUT_S, COLLECTIVE_TIMEOUT_S, threads)
+        self.store = torch.distributed.TCPStore(  # port 0: the OS picks a free one
+            LOOPBACK, 0, size, True, timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False
+        )
+        ctx = mp.get_context("spawn")
+        self.pipes: list[Connection] = []
+        self.procs: list[Any] = []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=rank_main, args=(replace(spec, rank=rank, store_port=self.store.port), theirs),
+                name=f"pdserve-tp-rank{rank}", daemon=True,
+            )
+            proc.start()
+            theirs.close()  # the child's end lives in the child only: its exit closes the pipe
+            self.pipes.append(ours)
+            self.procs.append(proc)
+        self.sender = StepSender(self.pipes)
+        self._closed = False
+        for rank in range(1, size):
+            self._expect(rank, "joining")
+        _, self.parallel = join_group(spec, self.store)
+
+    def _expect(self, rank: int, what: str) -> None:
+        pipe, proc = self.pipes[rank - 1], self.procs[rank - 1]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not pipe.poll(0.5):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor_parallel_size: rank {rank} exited (code {proc.exitcode}) while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor_parallel_size: rank {rank} did not start in {STARTUP_TIMEOUT_S:.0f} s")
+        try:
+            kind, detail = pipe.recv()
+        except EOFError:
+            raise RuntimeError(f"tensor_parallel_size: rank {rank} exited while starting") from None
+        if kind == "error":
+            raise RuntimeError(f"tensor_parallel_size: {detail}")
+        if kind != what:
+            raise RuntimeError(f"tensor_parallel_size: rank {rank} said {kind!r}, expected {what!r}")
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has loaded its part (an error there is raised here)."""
+        for rank in range(1, len(self.procs) + 1):
+            self._expect(rank, "ready")
+
+    def share_blocks(self, num_blocks: int) -> None:
+        """Tell the ranks the pool size rank 0 chose: every rank has the same blocks."""
+        for pipe in self.pipes:
+            pipe.send(("blocks", num_blocks))
+
+    def close(self) -> None:
+        """Stop the ranks: the stop message, then a bounded wait, then termination."""
+        if self._closed:
+            return
+        self._closed = True
+        for pipe in self.pipes:
+            try:
+                pipe.send_bytes(stop_message())
+            except OSError:
+                pass  # that rank is gone already
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(STOP_TIMEOUT_S)
+        for pipe in self.pipes:
+            pipe.close()
+
+
+class TensorParallelRunner(ModelRunner):
+    """The engine's runner on rank 0: each step it prepares also goes to the other ranks."""
+
+    def __init__(
+        self, model: CausalLM, cfg: EngineConfig, num_blocks: int, max_model_len: int, ranks: RankProcesses
+    ) -> None:
+        super().__init__(model, cfg, num_blocks, max_model_len)
+        self.ranks = ranks
+        # The ranks stop with this runner, or at the latest when the interpreter exits.
+        self._finalizer = weakref.finalize(self, ranks.close)
+
+    def prepare(self, scheduled: list[ScheduledSeq], ahead: int = 0) -> StepInputs:
+        inputs = super().prepare(scheduled, ahead)
+        self.ranks.sender.send(encode_step(inputs.token_rows, inputs.logits_indices, inputs.meta))
+        return inputs
+
+    def close(self) -> None:
+        """Stop the other ranks now."""
+        self._finalizer()

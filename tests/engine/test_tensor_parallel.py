@@ -1,0 +1,113 @@
+"""Tensor parallelism on CPU: two ranks (two processes, gloo on loopback) give the single-process
+engine's greedy tokens, token for token, in float32: with grouped-query attention, with as many
+KV heads as query heads, and with a KV-head count the ranks do not divide (replicated)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig, RopeConfig
+from pdserve.engine.parallel.tp_layout import shard_layout, split_range
+from tests.engine.greedy_reference import mixed_prompts
+from tests.tiny_models import TINY_COMMON
+
+MAX_NEW = 16
+
+
+def _config(heads: int, kv_heads: int, vocab: int = 384, intermediate: int = 160) -> ModelConfig:
+    return ModelConfig(
+        "LlamaForCausalLM", vocab, 64, intermediate, 2, heads, kv_heads, 16, 1e-5, RopeConfig(1e4), 256,
+        False, False, False, "float32",
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "expected"),
+    [
+        (4, 2, [(0,), (1,)]),  # GQA: one KV head each
+        (4, 4, [(0, 1), (2, 3)]),  # MHA
+        (4, 1, [(0,), (0,)]),  # fewer KV heads than ranks: replicated
+        (6, 3, [(0, 0, 1), (1, 2, 2)]),  # uneven: KV head 1 on both ranks, stored per query head
+    ],
+)
+def test_kv_heads_per_rank(heads: int, kv_heads: int, expected: list[tuple[int, ...]]) -> None:
+    mc = _config(heads, kv_heads)
+    layouts = [shard_layout(mc, r, 2) for r in range(2)]
+    assert [lay.kv_heads for lay in layouts] == expected
+    group = heads // kv_heads
+    for lay in layouts:
+        # Each rank's query heads read, in equal groups, the KV heads the full model gives them.
+        per_slot = lay.q_heads.count // len(lay.kv_heads)
+        for j in range(lay.q_heads.count):
+            assert lay.kv_heads[j // per_slot] == (lay.q_heads.start + j) // group
+
+
+def test_uneven_splits_cover_everything_once() -> None:
+    for n, size in [(383, 2), (161, 2), (10, 3), (7, 4)]:
+        spans = [split_range(n, r, size) for r in range(size)]
+        assert spans[0].start == 0 and spans[-1].stop == n
+        assert all(a.stop == b.start for a, b in zip(spans, spans[1:]))
+
+
+def test_more_ranks_than_heads_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        shard_layout(_config(4, 2), 0, 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="unused", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="unused", device="cuda", tensor_parallel_size=2)
+
+
+def _uneven_model(out_dir: Path) -> None:
+    """Qwen2 (q/k/v biases, tied head) with 6 query heads over 3 KV heads, and a vocabulary and
+    MLP width two ranks do not divide."""
+    import transformers
+
+    config = transformers.Qwen2Config(**{
+        **TINY_COMMON, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+        "vocab_size": 383, "intermediate_size": 161, "tie_word_embeddings": True,
+    })
+    torch.manual_seed(1)
+    transformers.Qwen2ForCausalLM(config).eval().save_pretrained(out_dir)
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "uneven"])
+def test_tp2_greedy_equals_single_process(arch, tiny_model_factory, tmp_path, check_blocks_freed) -> None:
+    """llama: GQA (4 query, 2 KV heads), untied head; llama_tied: MHA (4 and 4), tied head;
+    uneven: 3 KV heads over 2 ranks (Qwen2: q/k/v biases). A 16-token step budget
+    chunks the long prompts beside running decodes."""
+    if arch == "uneven":
+        model_dir = tmp_path / "uneven"
+        _uneven_model(model_dir)
+    else:
+        model_dir = tiny_model_factory(arch)[0]
+    mc = ModelConfig.from_dir(model_dir)
+    prompts = mixed_prompts(mc.vocab_size, seed=7, lengths=(1, 9, 40, 70))
+    opts = dict(device="cpu", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16)
+    single = _tokens(LLM(str(model_dir), **opts), prompts)
+    tp = LLM(str(model_dir), tensor_parallel_size=2, **opts)
+    try:
+        check_blocks_freed(tp.engine)
+        runner = tp.engine.runner
+        assert runner.kv_pool.shape[4] == len(shard_layout(mc, 0, 2).kv_heads)  # rank 0's KV heads only
+        assert _tokens(tp, prompts) == single
+    finally:
+        tp.engine.runner.close()
+    assert not any(p.is_alive() for p in runner.ranks.procs)
+
+
+def test_generate_takes_vllms_flag() -> None:
+    from pdserve.cli import _build_parser
+
+    args = _build_parser().parse_args(["generate", "--tensor-parallel-size", "2", "hi"])
+    assert args.tensor_parallel_size == 2
+    assert _build_parser().parse_args(["generate", "hi"]).tensor_parallel_size == 1
