@@ -81,16 +81,19 @@ def process_logits(
         at = nb + nx + npen
         index = ints_dev[nb + nx : at]
         knobs = floats_dev[nb:].view(npen, 3)
-        sub = out.index_select(0, index)
+        every_row = npen == out.shape[0]  # then in place: no gather and scatter of the rows
+        sub = out if every_row else out.index_select(0, index)
         if use_rep:
             present = _counts(ints_dev[at : at + len(seen)], npen, vocab) > 0
             rep = knobs[:, 0:1]
             # As vLLM and transformers do: a positive logit is divided, a negative one multiplied.
-            sub = torch.where(present, torch.where(sub > 0, sub / rep, sub * rep), sub)
+            sub.copy_(torch.where(present, torch.where(sub > 0, sub / rep, sub * rep), sub))
         if use_counts:
             counts = _counts(ints_dev[at + len(seen) :], npen, vocab).to(sub.dtype)
-            sub = sub - knobs[:, 1:2] * counts - knobs[:, 2:3] * (counts > 0).to(sub.dtype)
-        out.index_copy_(0, index, sub)
+            sub.addcmul_(counts, knobs[:, 1:2], value=-1.0)
+            sub.addcmul_(counts.clamp_(max=1.0), knobs[:, 2:3], value=-1.0)
+        if not every_row:
+            out.index_copy_(0, index, sub)
     return out
 
 
