@@ -111,3 +111,16 @@ def test_generate_takes_vllms_flag() -> None:
     args = _build_parser().parse_args(["generate", "--tensor-parallel-size", "2", "hi"])
     assert args.tensor_parallel_size == 2
     assert _build_parser().parse_args(["generate", "hi"]).tensor_parallel_size == 1
+
+
+def test_a_failed_start_leaves_no_rank_running(tiny_model_factory, tmp_path) -> None:
+    """A checkpoint that cannot be read is an error naming it, and the ranks already started stop."""
+    import multiprocessing
+    import shutil
+
+    model_dir = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_factory("llama")[0], model_dir)
+    (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pdserve-tp-rank")]
