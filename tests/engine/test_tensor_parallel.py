@@ -124,3 +124,36 @@ def test_a_failed_start_leaves_no_rank_running(tiny_model_factory, tmp_path) -> 
     with pytest.raises(ValueError, match="model.safetensors"):
         LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pdserve-tp-rank")]
+
+
+def test_each_rank_reads_only_its_slices(tmp_path) -> None:
+    """The reader returns a rank's rows (column-parallel, vocabulary) or columns (row-parallel)
+    of the stored tensors, and its KV heads in slot order, a shared head repeated."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pdserve.engine.parallel.sharded_weights import shard_reader
+
+    mc = _config(6, 3, vocab=11, intermediate=7)  # head_dim 16
+    tensors = {
+        "model.layers.0.self_attn.q_proj.weight": torch.arange(96 * 64.0).view(96, 64),
+        "model.layers.0.self_attn.k_proj.weight": torch.arange(48 * 64.0).view(48, 64),
+        "model.layers.0.self_attn.o_proj.weight": torch.arange(64 * 96.0).view(64, 96),
+        "model.layers.0.mlp.down_proj.weight": torch.arange(64 * 7.0).view(64, 7),
+        "model.embed_tokens.weight": torch.arange(11 * 64.0).view(11, 64),
+        "model.norm.weight": torch.ones(64),
+    }
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    layout = shard_layout(mc, 1, 2)  # query heads 3-5, KV heads (1, 2, 2), MLP columns 4-6, vocabulary 6-10
+    take = shard_reader(layout, 16)
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as sf:
+        got = {name: take(name, sf.get_slice(name)) for name in sf.keys()}
+    attn = "model.layers.0.self_attn."
+    k = tensors[attn + "k_proj.weight"]
+    assert torch.equal(got[attn + "q_proj.weight"], tensors[attn + "q_proj.weight"][48:96])
+    assert torch.equal(got[attn + "k_proj.weight"], torch.cat([k[16:32], k[32:48], k[32:48]]))
+    assert torch.equal(got[attn + "o_proj.weight"], tensors[attn + "o_proj.weight"][:, 48:96])
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(got[down], tensors[down][:, 4:7])
+    assert torch.equal(got["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"][6:11])
+    assert torch.equal(got["model.norm.weight"], tensors["model.norm.weight"])
