@@ -14,8 +14,8 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model.cpu_linear import onednn_available
 from pdserve.engine.model.model import SINGLE, CausalLM
+from pdserve.engine.model.tp_group import ParallelContext
 from pdserve.engine.model.weights import init_dummy_weights, load_weights
-from pdserve.engine.parallel.tp_group import ParallelContext
 
 log = logging.getLogger(__name__)
 

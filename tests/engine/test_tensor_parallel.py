@@ -11,7 +11,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, ModelConfig, RopeConfig
-from pdserve.engine.parallel.tp_layout import shard_layout, split_range
+from pdserve.engine.model.tp_layout import shard_layout, split_range
 from tests.engine.greedy_reference import mixed_prompts
 from tests.tiny_models import TINY_COMMON
 
@@ -132,7 +132,7 @@ def test_each_rank_reads_only_its_slices(tmp_path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from pdserve.engine.parallel.sharded_weights import shard_reader
+    from pdserve.engine.model.sharded_weights import shard_reader
 
     mc = _config(6, 3, vocab=11, intermediate=7)  # head_dim 16
     tensors = {

@@ -19,7 +19,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.model.cpu_linear import PackedLinear, pack_linears
 from pdserve.engine.model.ops import ElementwiseOps, rope_rows, rope_tables
-from pdserve.engine.parallel.tp_group import ParallelContext
+from pdserve.engine.model.tp_group import ParallelContext
 
 SINGLE = ParallelContext()  # one process, the whole model: every collective is the identity
 
@@ -254,7 +254,7 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """The model, or with `parallel` wider than 1 this rank's part of it: `cfg` is the whole
-    model's config, `shard_cfg` the sizes this rank holds (pdserve/engine/parallel/tp_layout.py)."""
+    model's config, `shard_cfg` the sizes this rank holds (pdserve/engine/model/tp_layout.py)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()

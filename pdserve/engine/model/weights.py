@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.model.model import CausalLM
-from pdserve.engine.parallel.sharded_weights import SliceReader, shard_reader
+from pdserve.engine.model.sharded_weights import SliceReader, shard_reader
 
 # checkpoint suffix -> (parameter suffix, index of the slice in the fused parameter)
 _FUSED = {

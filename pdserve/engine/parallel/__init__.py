@@ -1,4 +1,4 @@
-"""Tensor parallelism of the engine: how heads, MLP columns and the vocabulary split across the
-ranks of a worker (`tp_layout`), the process group (`tp_group`), each rank's share of the
-checkpoint (`sharded_weights`), the step that rank 0 hands to the others (`step_channel`), the
-other ranks' loop (`rank_worker`) and rank 0's runner (`tp_runner`)."""
+"""Tensor parallelism's processes: the step that rank 0 hands to the other ranks
+(`step_channel`), the other ranks' loop (`rank_worker`) and rank 0's runner that starts them
+(`tp_runner`). What the model itself needs (each rank's part, the collectives, sliced loading)
+is device code under `pdserve.engine.model`."""

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
+from pdserve.engine.model.tp_group import LOOPBACK, ParallelContext, open_group
 from pdserve.engine.model_loading import build_model
 from pdserve.engine.parallel.step_channel import receive_step
-from pdserve.engine.parallel.tp_group import LOOPBACK, ParallelContext, open_group
 from pdserve.engine.runner import zeroed_host_tensor
 
 

@@ -19,11 +19,11 @@ import torch.multiprocessing as mp
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_memory import kv_pool_blocks
 from pdserve.engine.model.model import CausalLM
+from pdserve.engine.model.tp_group import LOOPBACK
+from pdserve.engine.model.tp_layout import check_tensor_parallel
 from pdserve.engine.model_loading import build_model
 from pdserve.engine.parallel.rank_worker import RankSpec, join_group, rank_main
 from pdserve.engine.parallel.step_channel import StepSender, encode_step, stop_message
-from pdserve.engine.parallel.tp_group import LOOPBACK
-from pdserve.engine.parallel.tp_layout import check_tensor_parallel
 from pdserve.engine.runner import ModelRunner, StepInputs
 from pdserve.engine.scheduler import ScheduledSeq
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.parallel.tp_layout import ShardLayout, Span
+from pdserve.engine.model.tp_layout import ShardLayout, Span
 
 # A checkpoint tensor's name and its safetensors slice handle -> this rank's part of it.
 SliceReader = Callable[[str, Any], torch.Tensor]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.parallel.tp_layout import ShardLayout, shard_config, shard_layout, split_range
+from pdserve.engine.model.tp_layout import ShardLayout, shard_config, shard_layout, split_range
 
 LOOPBACK = "127.0.0.1"  # the ranks of a worker share a host
 
