@@ -34,7 +34,7 @@ def test_imports_past_max_num_seqs_wait_for_a_place_and_decode_exactly(tiny_mode
     check_blocks_freed(decoder)
     widths: list[int] = []
     execute, launch = decoder.runner.execute, decoder.runner.launch_greedy_decode
-    decoder.runner.execute = lambda scheduled: (widths.append(len(scheduled)), execute(scheduled))[1]
+    decoder.runner.execute = lambda scheduled, *rest: (widths.append(len(scheduled)), execute(scheduled, *rest))[1]
     decoder.runner.launch_greedy_decode = lambda scheduled, *a: (widths.append(len(scheduled)), launch(scheduled, *a))[1]
 
     tokens: dict[str, list[int]] = {}
