@@ -3,9 +3,9 @@ prints, and where the workers' KV transfers may listen. Pure: no sockets, no Ray
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping
 
+from pdserve.cluster.ray_address import is_loopback_host
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.router.edge.auth import ENV_VAR
 
@@ -23,13 +23,7 @@ def kv_net_devices(cfg: ServeConfig, environ: Mapping[str, str]) -> str | None:
     return None if cfg.ray_address else LOOPBACK_DEVICE
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+is_loopback = is_loopback_host  # a listener's --host: a bare name or address
 
 
 def _protection(cfg: ServeConfig, admin: bool) -> str:

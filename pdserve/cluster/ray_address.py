@@ -49,17 +49,21 @@ def resolve_address(address: str, environ: Mapping[str, str]) -> str:
     return address
 
 
-def is_loopback(address: str) -> bool:
-    """True when HOST:PORT (or a bare host) names this machine's loopback interface."""
-    address = _without_scheme(address)
-    host = address.rpartition(":")[0] if ":" in address else address
-    host = host.strip("[]")
+def is_loopback_host(host: str) -> bool:
+    """True when a bare host name or IP address is this machine's loopback interface."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_loopback(address: str) -> bool:
+    """True when HOST:PORT (or a bare host) names this machine's loopback interface."""
+    address = _without_scheme(address)
+    host = address.rpartition(":")[0] if ":" in address else address
+    return is_loopback_host(host.strip("[]"))
 
 
 def answers(address: str, timeout_s: float = 0.5) -> bool:

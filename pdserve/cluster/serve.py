@@ -20,7 +20,7 @@ from aiohttp import web
 
 from pdserve.cluster.actors import NAMESPACE, RayWorker, actor_options, remote_class
 from pdserve.cluster.admin_control import ClusterControl, build_control_loop
-from pdserve.cluster.adoption import bring_up
+from pdserve.cluster.adoption import agent_infos, bring_up
 from pdserve.cluster.listeners import kv_net_devices
 from pdserve.cluster.node_pools import PlacementError, actor_resources, cluster_device, cluster_nodes, unplaceable
 from pdserve.cluster.observability import RouterTelemetry
@@ -217,7 +217,7 @@ class Cluster:
         resources = actor_resources(role, cluster_nodes())
         actor = actor_cls.options(**actor_options(worker_id, resources)).remote(role, worker_id, worker_cfg)
         try:
-            (info,) = await _agent_infos({worker_id: actor}, self.cfg.startup_timeout_s)
+            info = (await agent_infos({worker_id: actor}, self.cfg.startup_timeout_s))[worker_id]
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
             links = [actor.connect.remote(i) for _, i in peers] + [a.connect.remote(info) for a, _ in peers]
             await within(asyncio.gather(*links), 60)
@@ -365,29 +365,6 @@ async def start_edge(
             cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop(), cfg.export_worker_metrics
         )
     return server, port, http
-
-
-async def _agent_infos(actors: dict[str, Any], timeout_s: float) -> list[Any]:
-    """Each actor's KV agent info, once its worker has loaded the model; past `timeout_s`, a
-    `PlacementError` naming the workers still missing (not placed, or still loading)."""
-    calls = {wid: asyncio.ensure_future(_await(a.agent_info.remote())) for wid, a in actors.items()}
-    done, pending = await asyncio.wait(calls.values(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
-    for call in pending:
-        call.cancel()
-    failed = [c for c in done if c.exception() is not None]
-    if failed:
-        raise failed[0].exception()  # type: ignore[misc]
-    if pending:
-        late = ", ".join(wid for wid, c in calls.items() if c in pending)
-        raise PlacementError(
-            f"workers not ready within {timeout_s:g} s: {late} (no node of their pool with a free GPU, "
-            "or the model still loading; `deploy/ray/launch.sh status` shows the nodes and pools)"
-        )
-    return [c.result() for c in calls.values()]
-
-
-async def _await(ref: Any) -> Any:
-    return await ref
 
 
 def _worker_config(cfg: ServeConfig, device: str) -> ServeConfig:
