@@ -166,9 +166,16 @@ def test_grpcurl_sees_health_and_reflection(cluster):
     assert '"finish_reason": "length"' in gen.stdout
 
 
-def test_client_deadline_propagates_and_frees_blocks(channel, wait_until, blocks_free, greedy):
+def test_a_client_deadline_the_fleet_cannot_meet_is_refused_at_once_and_holds_nothing(channel, wait_until, blocks_free, greedy):
+    """The client's gRPC deadline reaches admission: once the router has timed this fleet's
+    tokens (the short request first makes sure it has), 2,000 tokens in 1.5 s are refused before
+    any worker is called, with the deadline named, and no KV block is held afterwards."""
     stub = pbg.InferenceStub(channel)
+    list(stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(20, 30)), sampling_params=greedy(8, ignore_eos=True)), timeout=60))
+    t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(50, 90)), sampling_params=greedy(2000, ignore_eos=True)), timeout=1.5))
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(blocks_free(channel), 15, "every KV block to be freed after a deadline")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+    assert "deadline" in err.value.details(), err.value.details()
+    assert time.monotonic() - t0 < 1.0  # refused, not run until the deadline
+    wait_until(blocks_free(channel), 15, "every KV block to be free after the refusal")
