@@ -19,7 +19,7 @@ from pdserve.cluster.join import JoinedRouter
 from pdserve.cluster.serve import Cluster
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
-from tests.cluster.test_observability import promtool
+from tests.promtool_path import promtool
 
 pytestmark = pytest.mark.cluster
 

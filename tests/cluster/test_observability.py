@@ -3,7 +3,6 @@ scraped over HTTP and validated with Prometheus's own promtool."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -18,6 +17,7 @@ from pdserve.telemetry.tracing import TracingConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from tests.cluster.otlp import OtlpReceiver, ReceivedSpan
+from tests.promtool_path import promtool
 
 pytestmark = pytest.mark.cluster
 
@@ -118,12 +118,6 @@ def test_one_trace_per_request_across_router_prefill_and_decode(loop_thread, clu
     assert root0.trace_id == CLIENT_TRACE_ID and root0.parent_span_id == CLIENT_SPAN_ID
     root1 = next(s for s in trace_of(receiver, "traced-1") if s.name == "pdserve.generate")
     assert root1.trace_id != CLIENT_TRACE_ID and root1.parent_span_id == ""
-
-
-def promtool() -> str:
-    found = shutil.which("promtool") or str(ROOT / ".tools/prometheus/usr/bin/promtool")
-    assert Path(found).exists(), "promtool not found: run the set-up command of the README (scripts/setup.sh)"
-    return found
 
 
 def scrape(cluster) -> str:

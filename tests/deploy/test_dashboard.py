@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ import pytest
 import yaml
 from helm_objects import REPO
 
+from tests.promtool_path import promtool
+
 pytestmark = pytest.mark.deploy
 
 DASHBOARD = json.loads((REPO / "deploy" / "grafana" / "pdserve.json").read_text())
@@ -22,10 +23,6 @@ SCOPE = 'namespace=~"$namespace", release=~"$release"'
 ALL = ".*"  # the variables' allValue
 
 
-def promtool() -> str:
-    found = shutil.which("promtool") or str(REPO / ".tools/prometheus/usr/bin/promtool")
-    assert Path(found).exists(), "promtool not found: run the set-up command of the README (scripts/setup.sh)"
-    return found
 
 
 def exprs() -> dict[str, str]:

@@ -10,8 +10,8 @@ from typing import Any
 import helm_python as helm
 import pytest
 from helm_objects import NAMESPACE, by_kind, one, render, serve_command
+from helm_value_sets import VALUE_SETS
 from kuberay_fields import raycluster_errors
-from test_helm_chart import VALUE_SETS
 
 pytestmark = pytest.mark.deploy
 

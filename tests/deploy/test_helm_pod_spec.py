@@ -1,7 +1,7 @@
 """The chart's pods as a platform team configures them: the pod-spec escape hatches on every pod,
 keys from Secrets and never in a container's arguments, the router without a GPU, probes and
 progress deadlines as values, and images pinned by digest. Every value set here also goes
-through strict lint and kubernetes-validate in test_helm_chart.py (VALUE_SETS)."""
+through strict lint and kubernetes-validate in test_helm_chart.py (helm_value_sets.VALUE_SETS)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import helm_python as helm
 import pytest
 from helm_objects import NAMESPACE, by_kind, one, render, replica_script, router_script
-from test_helm_chart import POD_HATCHES, VALUE_SETS, env_of, pod_specs
+from helm_value_sets import POD_HATCHES, VALUE_SETS, env_of, pod_specs
 
 pytestmark = pytest.mark.deploy
 

@@ -89,7 +89,7 @@ def test_an_idle_cluster_favours_colocated_and_load_grows_with_prompts():
 def test_the_live_loop_sets_both_modes_loads_as_gauges():
     import asyncio
 
-    from tests.unit.test_control_loop import MODEL, FakeActuator, Script, make_loop, ticks
+    from tests.unit.control_loop_doubles import MODEL, FakeActuator, Script, make_loop, ticks
 
     act = FakeActuator(["p0", "p1"], ["d0", "d1"])
     loop, metrics, _, clock = make_loop(act, Script(act))

@@ -44,6 +44,7 @@ class EchoRouter:
 
     config = _Config()
     decode_policy = SimpleNamespace(workers=["decode-0"])  # a decode worker in placement: healthy
+    tokenizer = None  # logprobs then show token ids as text
 
     async def generate(self, request: pb.GenerateRequest, *_: Any, **__: Any) -> AsyncIterator[pb.GenerateResponse]:
         yield pb.GenerateResponse(text=request.prompt, finish_reason="stop", usage=pb.Usage(prompt_tokens=1))
