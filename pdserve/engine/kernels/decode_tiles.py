@@ -46,7 +46,7 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
 def attention_tile(programs: int, num_sms: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of a decode attention launch of `programs` (sequence, KV head,
     split) programs. At three or more programs per SM (batch 64+ at 8 KV heads on an H100 or
-    H200) each takes 32 keys a step, with 2 warps at head_dim 64: 12-22 % more of the HBM
+    H200) each takes 32 keys a step, with 2 warps at head_dim 64: 12-25 % more of the HBM
     bandwidth there than 64 keys and 4 warps, which stays for fewer programs, where it measured
     faster (batch 32; bench/decode_kernels.py)."""
     if programs >= 3 * num_sms:
