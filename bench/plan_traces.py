@@ -15,10 +15,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Self
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tqdm import tqdm
 
 from bench.gpu_serve_workloads import PROFILES, WORKLOADS, requests_per_run
 from bench.serve_workload import poisson_arrivals
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     slo = Slo(args.slo_ttft_ms or prof.slo_ttft_ms, args.slo_itl_ms or prof.slo_itl_ms)
     model = load_perf_model(args.perf_model)
     args.out.mkdir(parents=True, exist_ok=True)
-    quiet = lambda n, desc: _Quiet()
+    quiet = lambda n, desc: tqdm(total=n, disable=True)
     rows = []
     print(
         f"{args.profile}, {model.name}, {args.workers} workers, SLO TTFT {slo.ttft_ms:g} ms / ITL {slo.itl_ms:g} ms, "
@@ -83,18 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(rows))
     return 0
 
-
-class _Quiet:
-    """A progress bar that shows nothing."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        return None
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ verdict on the same load: signals as a colocated cluster would measure them."""
 from __future__ import annotations
 
 import random
-from typing import Self
 
 import pytest
+from tqdm import tqdm
 
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.controller_config import ControllerConfig
@@ -19,16 +19,6 @@ from pdserve.control.trace import SimRequest
 
 H200_8B = load_perf_model("llama3-8b-h200")
 
-
-class _NoBar:
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        return None
 
 
 def long_prompts(rate: float, seconds: float = 20.0) -> list[SimRequest]:
@@ -60,7 +50,7 @@ def test_the_favoured_mode_is_the_simulators_verdict(rate: float, itl_ms: float)
     reqs = long_prompts(rate)
     slo = Slo(1000, itl_ms)
     loads = mode_loads(measured(reqs, slo), H200_8B, ControllerConfig(workers=2, slo=slo))
-    verdict = plan(reqs, H200_8B, 2, slo, lambda n, d: _NoBar(), step_tokens=8192)["recommend"]
+    verdict = plan(reqs, H200_8B, 2, slo, lambda n, d: tqdm(total=n, disable=True), step_tokens=8192)["recommend"]
     assert loads.favoured == verdict["mode"]
     assert (loads.prefill, loads.decode) == (1, 1)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Self
 
 import pytest
+from tqdm import tqdm
 
 from pdserve.cli import main
 from pdserve.control.perf_model import PerfModel, load_perf_model
@@ -23,19 +23,9 @@ TOY = PerfModel(
 H200_8B = load_perf_model("llama3-8b-h200")
 
 
-class _NoBar:
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        return None
-
-
-def no_bar(n: int, desc: str) -> _NoBar:
-    return _NoBar()
+def no_bar(n: int, desc: str) -> tqdm:
+    return tqdm(total=n, disable=True)
 
 
 def test_a_colocated_worker_finishes_a_tiny_trace_in_the_steps_the_scheduler_takes():
