@@ -252,6 +252,7 @@ class KvConsumer:
         remote = [handle.block_ids[i] for i in todo]
         local = [plan.block_ids[i] for i in todo]
         parent = trace.set_span_in_context(span)
+        plan.wait_writable()  # outside the loop's lock: the engine steps on meanwhile
         retries = 0
         for attempt in range(1, self.config.transfer_attempts + 1):
             with self._tracer.start_span(

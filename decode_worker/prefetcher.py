@@ -112,6 +112,7 @@ class Prefetcher:
         (or it is cancelled, expires, or a READ fails); then, unless claimed, give the import up."""
         rid = p.request_id
         try:
+            p.plan.wait_writable()
             while (batch := p.next_batch(time.monotonic())) is not None:
                 remote = p.remote_ids(batch)
                 local = [p.plan.block_ids[i] for i in batch]

@@ -131,12 +131,12 @@ class LLMEngine:
         seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
         check_block_hashes(seq, block_hashes, self.cfg.block_size)
         self.grammar.check(params.structured_output)  # structured output: compiled before blocks are taken
-        if self._inflight is not None:
-            # The READ that fills these blocks is not ordered with the device's stream: a block
-            # just freed by a finished request may still be written by the step in flight.
-            self.runner.wait_device()
         plan = handover.begin_import(self.scheduler, seq)  # raises NoFreeBlocksError when full
         self.requests.hold(seq, self.cfg.detokenize)
+        if self._inflight is not None:
+            # The transfer waits for the step in flight (`ImportPlan.wait_writable`), not the
+            # caller under the engine's lock: that wait stalled the loop once per hand-over.
+            plan = replace(plan, device_ready=self._inflight.launch.done)
         return plan
 
     def commit_import(self, request_id: str, first_token: int) -> None:

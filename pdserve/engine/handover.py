@@ -9,11 +9,15 @@ them, `commit_import` starts decoding. `LLMEngine` exposes these as methods.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.scheduler import Scheduler, admissible_prefix
 from pdserve.engine.sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,16 @@ class ImportPlan:
     block_ids: list[int]  # the request's blocks in this engine, in prompt order
     pull_indices: list[int]  # which of them must be filled from the producer
     num_reused_tokens: int  # prompt tokens found in this engine's own prefix cache
+    # Set once the device has run every step launched before the blocks were taken: a step still
+    # in flight may write a block a request just freed, and a transfer is not ordered with the
+    # device's stream. None: nothing was in flight (or no device).
+    device_ready: torch.cuda.Event | None = None
+
+    def wait_writable(self) -> None:
+        """Block until a transfer may write the plan's blocks. Called outside the engine's lock,
+        so the engine keeps stepping (and launching ahead) while this waits."""
+        if self.device_ready is not None:
+            self.device_ready.synchronize()
 
 
 def pinned_kv(scheduler: Scheduler, request_id: str, block_size: int) -> PinnedKv:
