@@ -101,6 +101,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "the host",
     )
     srv.add_argument(
+        "--keep-workers", action="store_true",
+        help="on SIGTERM or Ctrl-C stop only this router and leave the worker actors serving in the Ray cluster, for "
+        "other routers and for the next `pdserve serve --address`, which adopts them without loading a model "
+        "(default: off, the stop also stops the pools' workers, adopted ones included); needs --address",
+    )
+    srv.add_argument(
         "--ray-temp-dir", default=None, metavar="DIR",
         help="the temp directory (sockets, logs, token) of the Ray instance this command starts (default: a new "
         "one under the system temp folder, removed at exit)",

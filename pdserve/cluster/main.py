@@ -60,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         token_transport=args.token_transport,
         routers=args.routers,
         controller=controller_from_args(args),
+        keep_workers=args.keep_workers,
         **edge_from_args(args),
     )
 
@@ -177,6 +178,10 @@ async def _serve(cfg: ServeConfig, verbose: bool, local: LocalRaySettings | None
             await asyncio.to_thread(replicas.stop)
         try:
             await cluster.stop()
+            if cfg.keep_workers:
+                kept = ", ".join(sorted(cluster.held()))
+                _say(f"left the workers serving (--keep-workers): {kept}; `pdserve serve --address "
+                     f"{starter.address}` adopts them")  # fmt: skip
         finally:
             starter.stop()
 

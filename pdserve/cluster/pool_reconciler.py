@@ -1,10 +1,12 @@
 """Pools that heal: every interval the reconciler asks Ray's actor table which of the cluster's
-worker actors are dead (a busy worker is never taken for dead), takes each out of placement (its
-decode streams resume on another decode worker) and starts a replacement of the same pool where
-a node offering the pool's resource has room (`Cluster.add_worker`); a failed start is retried
-after a back-off doubling up to `max_retry_s`. A pool's size follows what the cluster holds (role
-flips and the controller's adds and removals change it); each pool's desired, ready, starting
-and failed workers are in `Admin.GetStats` (`ClusterStats.pools`) and on /metrics
+worker actors are dead, and the others their health. A worker whose engine loop died while its
+process lives (EngineStopped on every call) is lost too, once it says so at `stopped_checks`
+checks in a row outside a role flip; a busy worker, whose health is late, never is. Each lost
+worker is killed, taken out of placement (its decode streams resume on another decode worker)
+and replaced by one of its pool where a node offering the pool's resource has room
+(`Cluster.add_worker`); a failed start is retried after a back-off doubling up to `max_retry_s`.
+A pool's size follows what the cluster holds (flips and the controller change it); its desired,
+ready, starting and failed workers are in `Admin.GetStats` (`ClusterStats.pools`) and on /metrics
 (`pdserve_reconciler_workers{pool, state}`)."""
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdserve.router.deadline import within
 from pdserve.router.router import Router
 from pdserve.telemetry.metrics import RouterMetrics
-from pdserve_proto import inference_pb2
+from pdserve_proto import inference_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,12 @@ class ReconcileConfig:
     interval_s: float = 1.0
     retry_s: float = 1.0  # after a failed start; doubles at each failure in a row
     max_retry_s: float = 30.0
+    health_timeout_s: float = 2.0  # a health answer later than this says nothing (a busy worker)
+    stopped_checks: int = 2  # engine-stopped answers in a row before a live process counts as lost
+
+    def __post_init__(self) -> None:
+        if self.stopped_checks < 1:
+            raise ValueError(f"stopped_checks: {self.stopped_checks}; must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,40 @@ def pool_counts(roles: Mapping[str, str], owed: Mapping[str, int], starting: Map
     return out
 
 
+DIED = "died"
+
+
+def lost_reason(actor_state: str | None, health: Any) -> str | None:
+    """Why one check finds a worker lost, or None: DIED for an actor Ray has as DEAD, a reason
+    naming the stopped engine for a live one that says so (`health`: its health answer, a
+    WorkerError, or None when it did not answer in time, which says nothing)."""
+    if actor_state == "DEAD":
+        return DIED
+    if isinstance(health, worker_pb2.WorkerHealth) and not health.engine_alive:
+        return "its engine stopped"
+    if isinstance(health, worker_pb2.WorkerError) and health.code == worker_pb2.WorkerError.Code.ENGINE_STOPPED:
+        return f"its engine stopped ({health.message})"
+    return None
+
+
+def confirmed(
+    found: Mapping[str, str], streaks: Mapping[str, int], checks: int, switching: frozenset[str] = frozenset()
+) -> tuple[dict[str, str], dict[str, int]]:
+    """The lost workers to act on now and the engine-stopped streaks to carry to the next check.
+    `found`: this check's `lost_reason`s. A dead actor is lost at once; a stopped engine once it
+    was found at `checks` checks in a row, never while its worker is `switching` roles."""
+    lost, carried = {}, {}
+    for wid, why in found.items():
+        if why == DIED:
+            lost[wid] = why
+        elif wid not in switching:
+            carried[wid] = streaks.get(wid, 0) + 1
+            if carried[wid] >= checks:
+                lost[wid] = why
+                del carried[wid]
+    return lost, carried
+
+
 class ReconcileHosts(Protocol):
     """What the reconciler needs of whatever hosts the workers (the `Cluster`)."""
 
@@ -73,27 +116,36 @@ class ReconcileHosts(Protocol):
     def stop_worker(self, worker_id: str) -> Any:
         """Forget the worker and kill its actor; returns the actor."""
 
+    def switching(self) -> frozenset[str]:
+        """Ids of the workers between roles now (a role flip)."""
+
     async def add_worker(self, role: str) -> str:
         """Start a worker of `role`, link it and put it in placement; its id."""
 
 
-async def dead_actors(actors: Mapping[str, Any]) -> set[str]:
-    """The ids among `actors` whose actor Ray's actor table (the GCS) has as DEAD."""
+async def lost_actors(actors: Mapping[str, Any], health_timeout_s: float) -> dict[str, str]:
+    """Worker id -> `lost_reason` of each of `actors` that one check finds lost: Ray's actor table
+    (the GCS) for the dead, a health call (its own concurrency group, apart from work) for the rest."""
     from ray._private import state
 
-    def check() -> set[str]:
-        dead = set()
-        for wid, actor in actors.items():
-            info = state.actors(actor._actor_id.hex())
-            if info and info.get("State") == "DEAD":
-                dead.add(wid)
-        return dead
+    def states() -> dict[str, str | None]:
+        return {wid: (state.actors(a._actor_id.hex()) or {}).get("State") for wid, a in actors.items()}
 
-    return await asyncio.to_thread(check)
+    async def health(actor: Any) -> Any:
+        try:
+            return await within(actor.health.remote(), health_timeout_s)
+        except Exception:  # noqa: BLE001 -- late or dying: the actor table tells at a later check
+            return None
+
+    known = await asyncio.to_thread(states)
+    alive = [wid for wid in actors if known[wid] != "DEAD"]
+    answers = dict(zip(alive, await asyncio.gather(*(health(actors[wid]) for wid in alive))))
+    found = {wid: lost_reason(known[wid], answers.get(wid)) for wid in actors}
+    return {wid: why for wid, why in found.items() if why is not None}
 
 
 class PoolReconciler:
-    """Replaces dead workers; `tick()` is one check, `start()` runs them until `stop()`."""
+    """Replaces lost workers; `tick()` is one check, `start()` runs them until `stop()`."""
 
     def __init__(
         self,
@@ -101,14 +153,15 @@ class PoolReconciler:
         hosts: ReconcileHosts,
         metrics: RouterMetrics | None = None,
         cfg: ReconcileConfig = ReconcileConfig(),
-        find_dead: Callable[[Mapping[str, Any]], Awaitable[set[str]]] = dead_actors,
+        find_lost: Callable[[Mapping[str, Any]], Awaitable[Mapping[str, str]]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.router = router
         self.hosts = hosts
         self.metrics = metrics
         self.cfg = cfg
-        self._find_dead = find_dead
+        self._find_lost = find_lost or (lambda actors: lost_actors(actors, cfg.health_timeout_s))
+        self._streaks: dict[str, int] = {}  # worker id -> engine-stopped answers in a row
         self._clock = clock
         self.owed = dict.fromkeys(POOLS, 0)  # lost workers not yet being replaced
         self.starting = dict.fromkeys(POOLS, 0)
@@ -130,9 +183,10 @@ class PoolReconciler:
 
     async def tick(self) -> None:
         held = self.hosts.held()
-        dead = await self._find_dead({w: a for w, (_, a) in held.items()})
-        for wid in sorted(dead):
-            await self._lose(wid)
+        found = await self._find_lost({w: a for w, (_, a) in held.items()})
+        lost, self._streaks = confirmed(found, self._streaks, self.cfg.stopped_checks, self.hosts.switching())
+        for wid in sorted(lost):
+            await self._lose(wid, lost[wid])
         now = self._clock()
         for pool in POOLS:
             while self.owed[pool] > 0 and now >= self._next_try[pool]:
@@ -143,14 +197,14 @@ class PoolReconciler:
                 task.add_done_callback(self._tasks.discard)
         self._export()
 
-    async def _lose(self, worker_id: str) -> None:
+    async def _lose(self, worker_id: str, reason: str) -> None:
         held = self.hosts.held()
         if worker_id not in held:  # removed on purpose (a scale-down) since it was listed
             return
         role, _ = held[worker_id]
-        self.hosts.stop_worker(worker_id)
+        self.hosts.stop_worker(worker_id)  # a live process with a stopped engine is killed too
         self.owed[role] += 1
-        why = f"{role} worker {worker_id} died"
+        why = f"{role} worker {worker_id}: {reason}"
         log.warning("%s; starting a replacement", why)
         if role == "decode":
             self.router.relay.lose_streams(worker_id, why)  # each resumes on another decode worker

@@ -74,6 +74,7 @@ class Cluster:
         self._owns_ray = owns_ray
         self._workers = workers or {}  # worker id -> (role, actor, agent info)
         self._retired: set[str] = set()  # ids of removed workers: never reused (Ray names linger)
+        self._switching: set[str] = set()  # between roles now: their engine loop is down a moment
         self._http_runner, self.http_port = http if http is not None else (None, None)
         self.telemetry = telemetry if telemetry is not None else RouterTelemetry.create(ServeConfig())
         self.control = ClusterControl(router)  # Admin.SetRole / GetController (`attach_control`)
@@ -240,10 +241,7 @@ class Cluster:
         if worker_id not in self._workers:
             raise ValueError(f"worker_id: no worker {worker_id!r} in this cluster")
         drained = await self.router.drain(worker_id, drain_timeout_s)
-        _, actor, _ = self._workers.pop(worker_id)
-        self._retired.add(worker_id)
-        self.actors.remove(actor)
-        ray.kill(actor)
+        self.stop_worker(worker_id)
         log.info("worker %s left (%s)", worker_id, "drained" if drained else "drain timed out")
         return drained
 
@@ -267,9 +265,17 @@ class Cluster:
 
     # ----- role flips (`RoleFlipper`'s hosts) -------------------------------------------------
 
+    def switching(self) -> frozenset[str]:
+        """Ids of the workers between roles now (the pool reconciler leaves their engines be)."""
+        return frozenset(self._switching)
+
     async def switch(self, worker_id: str, role: str, timeout_s: float) -> worker_pb2.WorkerHealth:
         _, actor, info = self._workers[worker_id]
-        health = await within(actor.switch_role.remote(role), timeout_s)
+        self._switching.add(worker_id)
+        try:
+            health = await within(actor.switch_role.remote(role), timeout_s)
+        finally:
+            self._switching.discard(worker_id)
         self._workers[worker_id] = (role, actor, info)
         return health
 
@@ -291,7 +297,7 @@ class Cluster:
         """Give the Admin service's control plane this cluster's role flipper and, with
         --controller, the P:D control loop, which starts now (the budget: the workers started)."""
         control.flipper = getattr(self, "flipper", None)
-        control.reconciler = PoolReconciler(self.router, self, self.telemetry.metrics)  # dead workers replaced
+        control.reconciler = PoolReconciler(self.router, self, self.telemetry.metrics)  # lost workers replaced
         settings = self.cfg.controller
         if settings is not None:
             scaler = None
@@ -307,6 +313,7 @@ class Cluster:
         control.start()
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop the listeners and the router; the workers too unless `cfg.keep_workers`."""
         await self.control.stop()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
@@ -315,11 +322,11 @@ class Cluster:
         await self.router.stop()
         await self.flush_traces()
         self.telemetry.stop()
-        for a in self.actors:
-            ray.kill(a)
+        if not self.cfg.keep_workers:  # kept: detached, they serve on for the next router to adopt
+            for a in self.actors:
+                ray.kill(a)
         if self._owns_ray:
             ray.shutdown()
-
 
     @property
     def metrics_address(self) -> str | None:

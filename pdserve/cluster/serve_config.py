@@ -93,6 +93,9 @@ class ServeConfig:
     # UCX_NET_DEVICES of the environment) when joining one with ray_address.
     kv_net_devices: str | None = None
     controller: ControllerSettings | None = None  # None: the split stays as started (Admin.SetRole still flips)
+    # --keep-workers: the stop of this router leaves the worker actors serving, for the next
+    # `pdserve serve` to adopt (False: its stop stops the pools' workers, adopted ones included).
+    keep_workers: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0:
@@ -119,6 +122,10 @@ class ServeConfig:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port")
         if self.controller is not None and self.num_prefill < 1:
             raise ValueError("controller: needs a prefill pool to balance against the decode pool (--prefill >= 1)")
+        if self.keep_workers and self.ray_address is None:
+            raise ValueError(
+                "--keep-workers: only with --address; the workers of the Ray instance this command starts stop with it"
+            )
         started = self.num_prefill + self.num_decode
         if self.controller is not None and (self.controller.max_workers or started) < started:
             raise ValueError(

@@ -9,9 +9,15 @@ as the first router and `pdserve router` as a second, all separate processes.
    within 30 s, and the new worker serves exact tokens, through both routers.
 3. A router whose KV protocol is one version ahead (a test double bumps PROTOCOL_VERSION in its
    process) is refused in one line naming both versions, moves no KV and leaves nothing behind.
+4. A worker whose engine loop died while its process lives (the crash is injected into the
+   actor's loop through Ray) is taken for lost: the reconciler kills its process and has the
+   pool back at its size within 30 s, with a worker that serves exact tokens.
+5. SIGTERM of a `pdserve serve --keep-workers` stops only that router: the workers keep their
+   processes and serve through the second router, and the next `pdserve serve` adopts them.
 
-The module's teardown is the operator's stop: SIGTERM of `pdserve serve` stops the workers (no
-named worker actor is left), then `launch.sh down` leaves no process of the head's session.
+The module's teardown is the operator's stop: SIGTERM of a plain `pdserve serve` stops the
+workers (no named worker actor is left), then `launch.sh down` leaves no process of the head's
+session.
 Network namespaces are not needed here: every process runs on one host, on loopback."""
 
 from __future__ import annotations
@@ -50,11 +56,28 @@ SMALL = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--m
          "--cpu-threads", "1"]  # fmt: skip
 
 # A Ray driver of its own: for each line read, every named worker actor's identity
-# (`WorkerActor.identity`) as one line of JSON.
+# (`WorkerActor.identity`) as one line of JSON; for a line "crash NAME", the engine loop of that
+# worker actor dies at its next turn (its process lives on), and "crashed NAME" is the answer.
 IDENTITIES = """
-import json, sys, ray
+import json, sys, threading, ray
 ray.init(address=sys.argv[1], namespace="pdserve", log_to_driver=False, logging_level="ERROR")
-for _ in sys.stdin:
+
+def crash(actor):
+    loop = actor.host.worker.loop
+    real = loop.engine.has_unfinished
+    def has_unfinished():
+        if threading.current_thread().name == loop.name:
+            raise RuntimeError("injected: the engine loop dies")
+        return real()
+    loop.engine.has_unfinished = has_unfinished
+    return loop.name
+
+for line in sys.stdin:
+    if line.startswith("crash "):
+        name = line.split()[1]
+        ray.get(ray.get_actor(name, namespace="pdserve").__ray_call__.remote(crash), timeout=30)
+        print("crashed " + name, flush=True)
+        continue
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == "pdserve" and a["name"].startswith("pdserve-")]
     out = {}
@@ -156,21 +179,28 @@ class Cluster:
     extra: list[Proc] = field(default_factory=list)
     driver: Proc | None = None  # `identities`'
 
-    def start_serve(self) -> Proc:
+    def start_serve(self, *extra: str) -> Proc:
         self.serve = Proc([str(SCRIPT), "serve", "--address", self.address, "--prefill", "1", "--decode", "1",
-                           "--port", "0", "--metrics-port", "0", *SMALL], self.env)  # fmt: skip
+                           "--port", "0", "--metrics-port", "0", *SMALL, *extra], self.env)  # fmt: skip
         self.serve_address = self.serve.wait_for(r" serving \S+ on (127\.0\.0\.1:\d+) ").group(1)
         self.metrics = self.serve.wait_for(r"metrics on (http://\S+/metrics)").group(1)
         return self.serve
 
     def identities(self) -> dict[str, dict[str, Any]]:
+        return json.loads(self._ask("\n", r"^identities (.*)$").group(1))
+
+    def crash_engine(self, name: str) -> None:
+        """Make the engine loop of worker actor `name` die (its process lives on)."""
+        self._ask(f"crash {name}\n", f"^crashed {name}$")
+
+    def _ask(self, line: str, answer: str) -> re.Match:
         if self.driver is None:
             self.driver = Proc([sys.executable, "-c", IDENTITIES, self.address], self.ray_env, stdin=True)
         assert self.driver.proc.stdin is not None
-        self.driver.proc.stdin.write("\n")
-        self.driver.proc.stdin.flush()
         self.driver.out.clear()
-        return json.loads(self.driver.wait_for(r"^identities (.*)$", 120).group(1))
+        self.driver.proc.stdin.write(line)
+        self.driver.proc.stdin.flush()
+        return self.driver.wait_for(answer, 120)
 
 
 MAX_TOKENS = 64
@@ -178,6 +208,8 @@ STREAMS = [list(range(100 + 40 * i, 130 + 40 * i)) for i in range(4)]  # through
 AFTER_RESTART = (list(range(900, 930)), 16)
 AFTER_REPLACE = (list(range(1200, 1240)), 24)
 AFTER_REFUSAL = (list(range(1500, 1530)), 12)
+AFTER_ENGINE_STOP = (list(range(1800, 1830)), 16)
+AFTER_KEEP = (list(range(2100, 2130)), 12)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +218,8 @@ def want(offline: Any) -> dict[tuple[int, ...], list[int]]:
     on a 2-core host, an engine in this process while the workers step would slow both."""
     import torch
 
-    cases = [(ids, MAX_TOKENS) for ids in STREAMS] + [AFTER_RESTART, AFTER_REPLACE, AFTER_REFUSAL]
+    cases = [(ids, MAX_TOKENS) for ids in STREAMS] + [AFTER_RESTART, AFTER_REPLACE, AFTER_REFUSAL, AFTER_ENGINE_STOP,
+                                                      AFTER_KEEP]
     out = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # OpenMP threads on a loaded 2-core host wait on each other for many times the work
@@ -261,6 +294,19 @@ def _pools(stats: pb.ClusterStats) -> dict[str, tuple[int, int, int, int]]:
     return {p.pool: (p.desired, p.ready, p.starting, p.failed) for p in stats.pools}
 
 
+def _serves_through_both_routers(cluster: Cluster, want: Any, ids: list[int], n: int) -> None:
+    assert _tokens(cluster.serve_address, ids, n) == want[tuple(ids)]
+    # The second router finds a new worker at its next listing and serves through it too.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert _tokens(cluster.router_address, ids, n) == want[tuple(ids)]
+            return
+        except grpc.RpcError as exc:
+            assert time.monotonic() < deadline, f"the second router did not serve again: {exc}"
+            time.sleep(0.5)
+
+
 def test_a_router_crash_leaves_the_workers_serving_and_a_restarted_serve_adopts_them(cluster: Cluster, want: Any):
     first = cluster.start_serve()
     cluster.router = Proc([sys.executable, "-m", "pdserve.cli", "router", "--address", cluster.address, "--port", "0"],
@@ -284,7 +330,7 @@ def test_a_router_crash_leaves_the_workers_serving_and_a_restarted_serve_adopts_
     assert cluster.identities() == before, "the workers did not outlive the first router"
 
     # Started again, `pdserve serve` adopts the running workers: same processes, nothing loaded again.
-    again = cluster.start_serve()
+    again = cluster.start_serve("--keep-workers")  # its stop is the last test's
     adopted = again.wait_for(r"adopted running workers (.*)$").group(1)
     assert adopted == "decode-0, prefill-0", again.out
     assert cluster.identities() == before
@@ -309,16 +355,7 @@ def test_a_killed_decode_worker_is_replaced_within_30_s_and_serves_exact_tokens(
     assert set(after) == {"pdserve-prefill-0", "pdserve-decode-1"} and after["pdserve-prefill-0"] == before["pdserve-prefill-0"]
 
     ids, n = AFTER_REPLACE
-    assert _tokens(cluster.serve_address, ids, n) == want[tuple(ids)]
-    # The second router finds the new worker at its next listing and serves through it too.
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            assert _tokens(cluster.router_address, ids, n) == want[tuple(ids)]
-            break
-        except grpc.RpcError as exc:
-            assert time.monotonic() < deadline, f"the second router did not serve again: {exc}"
-            time.sleep(0.5)
+    _serves_through_both_routers(cluster, want, ids, n)
     with urllib.request.urlopen(cluster.metrics, timeout=30) as r:
         metrics = r.read().decode()
     assert 'pdserve_reconciler_workers{pool="decode",state="ready"} 1.0' in metrics, metrics
@@ -351,3 +388,44 @@ def test_a_router_of_another_protocol_version_is_refused_and_moves_no_kv(cluster
     # The routers of the workers' own version serve on.
     ids, n = AFTER_REFUSAL
     assert _tokens(cluster.router_address, ids, n) == want[tuple(ids)]
+
+
+def test_a_worker_whose_engine_loop_died_is_killed_and_replaced_within_30_s(cluster: Cluster, want: Any):
+    before = cluster.identities()
+    victim = before["pdserve-prefill-0"]["pid"]
+    cluster.crash_engine("pdserve-prefill-0")
+    crashed_at = time.monotonic()
+    while True:
+        stats = _stats(cluster.serve_address)
+        prefills = [w.worker_id for w in stats.workers if w.role == "prefill"]
+        if prefills == ["prefill-1"] and _pools(stats)["prefill"] == (1, 1, 0, 0):
+            break
+        assert time.monotonic() - crashed_at < 30, (prefills, _pools(stats))
+        time.sleep(0.2)
+    after = cluster.identities()
+    assert set(after) == {"pdserve-prefill-1", "pdserve-decode-1"}, after
+    assert after["pdserve-decode-1"] == before["pdserve-decode-1"] and after["pdserve-prefill-1"]["pid"] != victim
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{victim}").exists():  # killed, not left running with a dead engine
+        assert time.monotonic() < deadline, f"the process {victim} of the stopped engine still runs"
+        time.sleep(0.2)
+    ids, n = AFTER_ENGINE_STOP
+    _serves_through_both_routers(cluster, want, ids, n)
+
+
+def test_keep_workers_stops_only_the_router_and_the_next_serve_adopts_them(cluster: Cluster, want: Any):
+    before = cluster.identities()
+    kept = cluster.serve
+    assert kept is not None and "--keep-workers" in kept.proc.args
+    kept.stop()  # SIGTERM, as systemd or Kubernetes stop it
+    out = kept.finish(30)
+    assert kept.proc.returncode == 0, out
+    assert "pdserve: left the workers serving (--keep-workers): decode-1, prefill-1;" in out, out
+    assert cluster.identities() == before, "a stop with --keep-workers stopped or restarted a worker"
+    ids, n = AFTER_KEEP
+    assert _tokens(cluster.router_address, ids, n) == want[tuple(ids)]  # served on without the first router
+
+    again = cluster.start_serve()  # plain: the module's teardown stops it, and the workers with it
+    assert again.wait_for(r"adopted running workers (.*)$").group(1) == "decode-1, prefill-1", again.out
+    assert cluster.identities() == before
+    assert _tokens(cluster.serve_address, ids, n) == want[tuple(ids)]

@@ -8,9 +8,18 @@ import asyncio
 from typing import Any
 
 from pdserve.cluster.adoption import missing, next_ids, version_problem, worker_ids
-from pdserve.cluster.pool_reconciler import PoolCounts, PoolReconciler, ReconcileConfig, backoff_s, pool_counts
+from pdserve.cluster.pool_reconciler import (
+    DIED,
+    PoolCounts,
+    PoolReconciler,
+    ReconcileConfig,
+    backoff_s,
+    confirmed,
+    lost_reason,
+    pool_counts,
+)
 from pdserve.telemetry.metrics import RouterMetrics
-from pdserve_proto import kv_pb2
+from pdserve_proto import kv_pb2, worker_pb2
 
 
 def test_backoff_doubles_up_to_its_cap():
@@ -22,6 +31,36 @@ def test_pool_counts_add_the_starting_and_the_lost_to_the_ready():
     counts = pool_counts({"prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"},
                          {"decode": 1}, {"prefill": 1}, {"decode": 2})  # fmt: skip
     assert counts == {"prefill": PoolCounts(2, 1, 1, 0), "decode": PoolCounts(3, 2, 0, 2)}
+
+
+def test_a_dead_actor_or_a_stopped_engine_is_lost_and_a_late_or_healthy_answer_is_not():
+    alive = worker_pb2.WorkerHealth(worker_id="decode-0", role="decode", engine_alive=True)
+    stopped = worker_pb2.WorkerHealth(worker_id="decode-0", role="decode", engine_alive=False)
+    refused = worker_pb2.WorkerError(code=worker_pb2.WorkerError.Code.ENGINE_STOPPED, message="engine loop stopped: boom")
+    other = worker_pb2.WorkerError(code=worker_pb2.WorkerError.Code.INTERNAL, message="KeyError")
+    assert lost_reason("DEAD", None) == DIED and lost_reason("DEAD", alive) == DIED
+    assert lost_reason("ALIVE", stopped) == "its engine stopped"
+    assert lost_reason("ALIVE", refused) == "its engine stopped (engine loop stopped: boom)"
+    # No answer in time (a busy worker, or one Ray has not yet seen die), a healthy one, another error: not lost.
+    assert [lost_reason("ALIVE", h) for h in (None, alive, other)] == [None, None, None]
+    assert lost_reason(None, alive) is None  # not in Ray's table yet (just started)
+
+
+def test_a_stopped_engine_is_lost_only_at_enough_checks_in_a_row_and_never_while_switching_roles():
+    stopped = "its engine stopped"
+    lost, streaks = confirmed({"decode-0": stopped, "prefill-0": DIED}, {}, 2)
+    assert lost == {"prefill-0": DIED} and streaks == {"decode-0": 1}  # the dead at once, the stopped counted
+    lost, streaks = confirmed({"decode-0": stopped}, streaks, 2)
+    assert lost == {"decode-0": stopped} and streaks == {}
+    # A check that finds it healthy again starts the count over.
+    _, streaks = confirmed({"decode-0": stopped}, {}, 2)
+    _, streaks = confirmed({}, streaks, 2)
+    lost, streaks = confirmed({"decode-0": stopped}, streaks, 2)
+    assert lost == {} and streaks == {"decode-0": 1}
+    # Between roles its old loop is down on purpose: not counted, however often; a dead actor still is.
+    for _ in range(3):
+        lost, streaks = confirmed({"decode-0": stopped, "decode-1": DIED}, streaks, 2, frozenset({"decode-0", "decode-1"}))
+        assert lost == {"decode-1": DIED} and streaks == {}
 
 
 def test_adoption_names_and_new_ids():
@@ -76,6 +115,9 @@ class _Hosts:
     def held(self) -> dict[str, tuple[str, Any]]:
         return dict(self.workers)
 
+    def switching(self) -> frozenset[str]:
+        return frozenset()
+
     def stop_worker(self, worker_id: str) -> Any:
         return self.workers.pop(worker_id)[1]
 
@@ -96,11 +138,11 @@ def test_a_dead_worker_is_replaced_and_a_failed_start_is_retried_after_its_backo
         dead: set[str] = set()
         now = [0.0]
 
-        async def find_dead(actors: Any) -> set[str]:
-            return {w for w in actors if w in dead}
+        async def find_lost(actors: Any) -> dict[str, str]:
+            return {w: DIED for w in actors if w in dead}
 
         metrics = RouterMetrics()
-        rec = PoolReconciler(router, hosts, metrics, ReconcileConfig(retry_s=2.0), find_dead, clock=lambda: now[0])  # type: ignore[arg-type]
+        rec = PoolReconciler(router, hosts, metrics, ReconcileConfig(retry_s=2.0), find_lost, clock=lambda: now[0])  # type: ignore[arg-type]
         await rec.tick()
         assert rec.counts()["decode"] == PoolCounts(2, 2, 0, 0)
 
@@ -132,6 +174,29 @@ def test_a_dead_worker_is_replaced_and_a_failed_start_is_retried_after_its_backo
         await rec.tick()
         await asyncio.sleep(0.01)
         assert rec.counts()["prefill"] == PoolCounts(0, 0, 0, 0) and rec.replaced == [("decode-0", "decode-10")]
+        await rec.stop()
+
+    asyncio.run(run())
+
+
+def test_a_worker_whose_engine_stopped_is_killed_and_replaced_after_two_checks():
+    async def run() -> None:
+        hosts = _Hosts({"prefill-0": "prefill", "decode-0": "decode"})
+        router = _Router()
+        stopped: set[str] = set()
+
+        async def find_lost(actors: Any) -> dict[str, str]:
+            return {w: "its engine stopped" for w in actors if w in stopped}
+
+        rec = PoolReconciler(router, hosts, None, ReconcileConfig(stopped_checks=2), find_lost)  # type: ignore[arg-type]
+        stopped.add("prefill-0")
+        await rec.tick()  # one answer: counted, nothing done yet
+        assert "prefill-0" in hosts.workers and router.drained == []
+        await rec.tick()
+        await asyncio.sleep(0.01)
+        assert "prefill-0" not in hosts.workers and router.drained == ["prefill-0"]
+        assert router.relay.lost == []  # a prefill worker has no streams to move
+        assert rec.replaced == [("prefill-0", "prefill-10")] and rec.counts()["prefill"] == PoolCounts(1, 1, 0, 0)
         await rec.stop()
 
     asyncio.run(run())
