@@ -167,6 +167,8 @@ def test_ray_and_router_on_the_pod_ip(chart: helm.Chart) -> None:
     script = router_script(objects)
     assert '--node-ip-address="$POD_IP"' in script
     assert serve_command(objects).startswith('exec pdserve serve --host "$POD_IP"')
+    # A new router pod (a roll, an eviction) adopts the workers the last one left serving.
+    assert "'--keep-workers'" in serve_command(objects).split()
 
 
 def test_no_ucx_tls_pin_by_default(chart: helm.Chart) -> None:
