@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.ray_address import ONE_MACHINE_VAR, running_cluster, system_temp_dir
+from pdserve.cluster.stale_ray_dirs import PREFIX, mark_owner, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,9 @@ class LocalRaySettings:
 
 
 def prepare(temp_dir: str | None, environ: Mapping[str, str]) -> LocalRaySettings:
-    """A directory (a new one under the system temp folder unless `temp_dir`), a token file in
-    it (mode 600; unless the environment gives Ray a token) and free ports."""
+    """A directory (a new one under the system temp folder unless `temp_dir`, where those that
+    killed servers left are removed first), a token file in it (mode 600; unless the environment
+    gives Ray a token) and free ports."""
     # Ray's unix sockets live under it, in paths of at most 107 bytes.
     base = Path(temp_dir).resolve() if temp_dir is not None else system_temp_dir(environ) / "pdserve-ray-xxxxxxxx"
     if len(str(base).encode()) > MAX_TEMP_DIR_BYTES:
@@ -80,7 +82,9 @@ def prepare(temp_dir: str | None, environ: Mapping[str, str]) -> LocalRaySetting
             "--ray-temp-dir a shorter one"
         )
     if temp_dir is None:
-        root = Path(tempfile.mkdtemp(prefix="pdserve-ray-", dir=system_temp_dir(environ)))
+        remove_stale(system_temp_dir(environ))
+        root = Path(tempfile.mkdtemp(prefix=PREFIX, dir=system_temp_dir(environ)))
+        mark_owner(root, os.getpid())
         owned = True
     else:
         root = base
