@@ -29,7 +29,7 @@ from pdserve.engine.handover import ImportPlan
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.checksum import block_checksums, mismatched
+from pdserve.kv_transfer.checksum import mismatched
 from pdserve.kv_transfer.compat import check_handle
 from pdserve.kv_transfer.notice import pulled_notice
 from pdserve.kv_transfer.transport import KvTransferError, KvTransport
@@ -314,7 +314,7 @@ class KvConsumer:
         if not self.config.kv_checksum or not sent or not local:
             return True
         if len(sent) == len(handle.block_ids):
-            bad = mismatched([sent[i] for i in pull_indices], block_checksums(self.engine.runner.kv_pool, local))
+            bad = mismatched([sent[i] for i in pull_indices], self.agent.block_checksums(local))
         else:
             bad = list(range(len(local)))
         if not bad:

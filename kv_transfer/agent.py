@@ -18,12 +18,24 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from pdserve.kv_transfer.checksum import block_checksums, shard_weights, sharded_block_checksums
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
 from pdserve.kv_transfer.descriptors import coalesce, plan_reads, split_large
+from pdserve.kv_transfer.shards import (
+    ShardSpec,
+    SlotRun,
+    info_shards,
+    primary_slots,
+    same_heads,
+    slot_runs,
+    specs_of_info,
+    whole_pool,
+)
+from pdserve.kv_transfer.staging import STAGING_BLOCKS, Desc, copy_out, direct_descriptors, staged_descriptors
 from pdserve.kv_transfer.transport import KvTransferError, TransferStats
 from pdserve_proto import kv_pb2
 
@@ -79,12 +91,15 @@ class KvTransferAgent:
         progress_thread: bool = False,
         net_devices: str | None = None,
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
+        shards: Sequence[tuple[tuple[int, ...], torch.Tensor]] | None = None,
     ) -> None:
         """net_devices: the network devices UCX may listen and connect on ("lo" keeps the KV
         side channel on loopback); None leaves UCX's choice. UCX reads it from the environment
         only (NIXL's `ucx_devices` parameter does not restrict its listeners), so it is set for
         this process, which hosts one worker. reads_in_flight: how many NIXL READs one block list
-        is shared out to (1: a single READ of all its descriptors)."""
+        is shared out to (1: a single READ of all its descriptors). shards: a tensor-parallel
+        worker's pools, (the model's KV head in each slot, pool) per rank, all inside `pool`, the
+        region registered; None: `pool` is the worker's one pool."""
         if isinstance(reads_in_flight, bool) or not isinstance(reads_in_flight, int) or reads_in_flight < 1:
             raise ValueError(f"reads_in_flight: must be an integer >= 1, got {reads_in_flight!r}")
         if net_devices is not None:
@@ -98,9 +113,27 @@ class KvTransferAgent:
         self.reads_in_flight = reads_in_flight
         self.compat_hash = layout.compat_hash()
         self.pool = pool
-        self.block_bytes = pool[0].numel() * pool.element_size()
-        if self.block_bytes != layout.block_bytes:
-            raise ValueError(f"KV pool blocks are {self.block_bytes} bytes, layout says {layout.block_bytes}")
+        self._slot_bytes = layout.block_bytes // layout.num_kv_heads  # one KV head of a block
+        self._pools = (pool,) if shards is None else tuple(t for _, t in shards)
+        if shards is None:
+            self.block_bytes = pool[0].numel() * pool.element_size()
+            if self.block_bytes != layout.block_bytes:
+                raise ValueError(f"KV pool blocks are {self.block_bytes} bytes, layout says {layout.block_bytes}")
+            self.shards = whole_pool(layout.num_kv_heads, self.block_bytes)
+        else:
+            self.shards = tuple(
+                ShardSpec(tuple(heads), t.data_ptr() - pool.data_ptr(), t[0].numel() * t.element_size()) for heads, t in shards
+            )
+            for heads, t in shards:
+                if t[0].numel() * t.element_size() != self._slot_bytes * len(heads):
+                    raise ValueError(f"a KV shard of {len(heads)} heads has blocks of {t[0].numel() * t.element_size()} bytes")
+            self.block_bytes = sum(s.block_bytes for s in self.shards)
+        self._sharded = shards is not None
+        self._weights: list[torch.Tensor] | None = None  # of the sharded checksum, made on first use
+        # Per peer: its shards, and the slot runs of a staged READ (None: same split, direct).
+        self._peers: dict[str, tuple[tuple[ShardSpec, ...], list[SlotRun] | None]] = {}
+        self._staging: tuple[torch.Tensor, object] | None = None  # area and its registration
+        self._staging_lock = threading.Lock()  # one staged READ at a time: they share the area
         self.memory_type = "VRAM" if pool.is_cuda else "DRAM"
         self.device_id = (pool.device.index or 0) if pool.is_cuda else 0
         # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, and
@@ -128,9 +161,10 @@ class KvTransferAgent:
             compat_hash=self.compat_hash,
             pool_address=self.pool.data_ptr(),
             block_bytes=self.block_bytes,
-            num_blocks=self.pool.shape[0],
+            num_blocks=self._pools[0].shape[0],
             device_id=self.device_id,
             memory_type=self.memory_type,
+            shards=info_shards(self.shards) if self._sharded else [],
         )
 
     def _metadata(self) -> bytes:
@@ -142,6 +176,8 @@ class KvTransferAgent:
         if info.protocol_version != PROTOCOL_VERSION:
             raise ValueError(f"protocol_version: peer {info.worker_id} speaks {info.protocol_version}, we speak {PROTOCOL_VERSION}")
         check_compatible(self.compat_hash, info.compat_hash, info.worker_id)
+        specs = specs_of_info(info, self.layout.num_kv_heads, self._slot_bytes)
+        self._peers[info.agent_name] = (specs, None if same_heads(specs, self.shards) else slot_runs(specs, self.shards))
         if info.agent_name not in self._remotes:
             with self._lock:
                 self._agent.add_remote_agent(info.agent_metadata)
@@ -166,20 +202,31 @@ class KvTransferAgent:
         for r in remote_ids:
             if not 0 <= r < remote.num_blocks:
                 raise KvTransferError(f"block_ids: remote block {r} outside the producer's pool of {remote.num_blocks}")
+        specs, runs = self._peers[remote_agent]
+        if runs is not None:
+            return self._staged_read(remote_agent, remote_ids, local_ids, notify, timeout_s)
         groups = self.plan(remote_ids, local_ids)
-        bb = self.block_bytes
-        local_base = self.pool.data_ptr()
+        bases, devices = (self.pool.data_ptr(), remote.pool_address), (self.device_id, remote.device_id)
+        reads = [direct_descriptors(g, self.shards, specs, bases, devices) for g in groups]
+        start = time.perf_counter()
+        self._run_reads(remote_agent, reads, notify, f"READ of {len(remote_ids)} blocks from {remote_agent}", start, timeout_s)
+        seconds = time.perf_counter() - start
+        return TransferStats(len(remote_ids), len(remote_ids) * self.block_bytes, sum(len(loc) for loc, _ in reads), seconds)
+
+    def _run_reads(
+        self, remote_agent: str, reads: list[tuple[list[Desc], list[Desc]]], notify: bytes, what: str,
+        start: float, timeout_s: float,
+    ) -> None:
+        """Post the READs (local and remote descriptors each) together and wait for all of them
+        until `start + timeout_s`; then the producer gets `notify`."""
+        remote = self._remotes[remote_agent]
         # One READ carries the notification itself; several must all be DONE before the producer
         # hears of it (it frees the blocks on the notice), so it is sent after the last one.
-        notify_after = len(groups) > 1
-        start = time.perf_counter()
-        what = f"READ of {len(remote_ids)} blocks from {remote_agent}"
+        notify_after = len(reads) > 1
         handles: list[object] = []
         states: list[str] = []
         try:
-            for runs in groups:
-                local = [(local_base + loc * bb, n * bb, self.device_id) for _, loc, n in runs]
-                remote_descs = [(remote.pool_address + r * bb, n * bb, remote.device_id) for r, _, n in runs]
+            for local, remote_descs in reads:
                 with self._lock, _nixl_errors(what):
                     handle = self._agent.initialize_xfer(
                         "READ",
@@ -191,7 +238,7 @@ class KvTransferAgent:
                     handles.append(handle)
                     states.append(self._agent.transfer(handle))
                 if states[-1] == "ERR":
-                    raise KvTransferError(f"{what} failed (READ {len(handles)} of {len(groups)})")
+                    raise KvTransferError(f"{what} failed (READ {len(handles)} of {len(reads)})")
             pending = list(range(len(handles)))  # states[j] is the state of handles[pending[j]]
             deadline = start + timeout_s
             while True:
@@ -223,8 +270,59 @@ class KvTransferAgent:
                         self._agent.release_xfer_handle(handle)
                 except Exception as exc:  # noqa: BLE001 - the READ's own outcome is what the caller needs
                     log.warning("%s: releasing its transfer handle: %s", what, exc)
-        seconds = time.perf_counter() - start
-        return TransferStats(len(remote_ids), len(remote_ids) * bb, sum(len(g) for g in groups), seconds)
+
+    def _staged_read(
+        self, remote_agent: str, remote_ids: list[int], local_ids: list[int], notify: bytes, timeout_s: float
+    ) -> TransferStats:
+        """A READ from a worker that splits the KV heads otherwise: the producer shards' whole
+        blocks into the staging area, `STAGING_BLOCKS` at a time, each local slot then copied
+        into place (`kv_transfer.staging`); the producer's notice after the last."""
+        remote = self._remotes[remote_agent]
+        specs, runs = self._peers[remote_agent]
+        assert runs is not None
+        used = sorted({run.src for run in runs})
+        per_block = sum(specs[p].block_bytes for p in used)
+        what = f"staged READ of {len(remote_ids)} blocks from {remote_agent}"
+        descriptors = 0
+        with self._staging_lock:
+            area = self._staging_area(per_block * STAGING_BLOCKS)
+            start = time.perf_counter()
+            bases, devices = (area.data_ptr(), remote.pool_address), (self.device_id, remote.device_id)
+            for at in range(0, len(remote_ids), STAGING_BLOCKS):
+                local, remote_descs, areas = staged_descriptors(remote_ids[at : at + STAGING_BLOCKS], specs, used, bases, devices)
+                self._run_reads(remote_agent, [(local, remote_descs)], b"", what, start, timeout_s)
+                copy_out(area, areas, specs, runs, self._pools, local_ids[at : at + STAGING_BLOCKS])
+                descriptors += len(local)
+            if notify:
+                with self._lock, _nixl_errors(f"notifying {remote_agent} after the {what}"):
+                    self._agent.send_notif(remote_agent, notify)
+        return TransferStats(len(remote_ids), len(remote_ids) * per_block, descriptors, time.perf_counter() - start)
+
+    def _staging_area(self, nbytes: int) -> torch.Tensor:
+        """The registered staging area, grown to `nbytes` if smaller (under `_staging_lock`)."""
+        if self._staging is not None and self._staging[0].numel() >= nbytes:
+            return self._staging[0]
+        area = torch.empty(nbytes, dtype=torch.uint8, device=self.pool.device)
+        with self._lock, _nixl_errors("registering the KV staging area"):
+            if self._staging is not None:
+                self._agent.deregister_memory(self._staging[1])
+                self._staging = None
+            self._staging = (area, self._agent.register_memory(area))
+        return area
+
+    def block_checksums(self, block_ids: list[int]) -> list[int]:
+        """The checksum of each block over every KV head (`kv_transfer.checksum`): the same
+        number for the same KV whatever the width of the worker."""
+        if not self._sharded:
+            return block_checksums(self.pool, block_ids)
+        if self._weights is None:
+            primary = primary_slots(self.shards)
+            itemsize = self._pools[0].element_size()
+            self._weights = [
+                shard_weights(tuple(t.shape[1:]), s.kv_heads, prim, self.layout.num_kv_heads, itemsize).to(t.device)
+                for t, s, prim in zip(self._pools, self.shards, primary)
+            ]
+        return sharded_block_checksums(self._pools, self._weights, block_ids)
 
     def plan(self, remote_ids: list[int], local_ids: list[int]) -> list[list[tuple[int, int, int]]]:
         """The READs a block list becomes: per READ, its descriptors as (remote, local, blocks)."""
@@ -262,6 +360,9 @@ class KvTransferAgent:
                 agent.remove_remote_agent(name)
             self._remotes.clear()
             agent.deregister_memory(self._registration)
+            if self._staging is not None:
+                agent.deregister_memory(self._staging[1])
+                self._staging = None
             del self._registration, agent
 
 

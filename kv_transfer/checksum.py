@@ -75,3 +75,38 @@ def mismatched(expected: Sequence[int], got: Sequence[int]) -> list[int]:
     """Positions where two checksum lists differ (a length difference counts from the shorter's end)."""
     bad = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
     return bad + list(range(min(len(expected), len(got)), max(len(expected), len(got))))
+
+
+def shard_weights(
+    shape: tuple[int, ...], kv_heads: Sequence[int], primary: Sequence[bool], num_kv_heads: int, itemsize: int
+) -> torch.Tensor:
+    """The weight of each int64 word of one block of a shard ``[layers, 2, tokens, slots,
+    head_dim]`` in the checksum of the whole model's block: that of the word's place in a
+    single-process pool's block, 0 in a slot whose head is counted elsewhere (`primary` false).
+    Summed over every shard of a worker, a block's checksum is then the one a single-process
+    worker computes for the same KV (`block_checksums`), whatever the widths."""
+    layers, kv, tokens, _, head_dim = shape
+    if head_dim * itemsize % 8:
+        raise ValueError(f"head_dim: {head_dim} values of {itemsize} bytes are not a whole number of int64 words")
+    w = head_dim * itemsize // 8  # words of one head in one token
+    cols = _row_words(layers * kv * tokens * num_kv_heads * w)
+    place = torch.arange(layers * kv * tokens, dtype=torch.int64)[:, None, None] * num_kv_heads
+    heads = torch.tensor(list(kv_heads), dtype=torch.int64)[None, :, None]
+    word = (place + heads) * w + torch.arange(w, dtype=torch.int64)[None, None, :]
+    weights = (word // cols) * 2 + 1
+    weights[:, [not p for p in primary], :] = 0
+    return weights.reshape(-1)
+
+
+def sharded_block_checksums(
+    shards: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], block_ids: Sequence[int]
+) -> list[int]:
+    """The checksum of each block over every shard of a tensor-parallel worker's pool (weights
+    from `shard_weights`, on each shard's device), unsigned 64-bit, in the order of block_ids."""
+    total: torch.Tensor | None = None
+    for shard, weight in zip(shards, weights):
+        words = block_words(shard)
+        out = [(words[first : first + count] * weight).sum(dim=1) for first, count in _runs(block_ids)]
+        part = torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=words.device)
+        total = part if total is None else total + part  # int64 wraps: modulo 2^64
+    return as_fixed64(total) if total is not None else []

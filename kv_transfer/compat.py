@@ -11,8 +11,9 @@ from pathlib import Path
 
 from pdserve_proto import kv_pb2
 
-# Bumped whenever the handle, the pool layout or the block hash changes meaning.
-PROTOCOL_VERSION = 2
+# Bumped whenever the handle, the pool layout or the block hash changes meaning (3: a pool may
+# be sharded over tensor-parallel ranks, `KvAgentInfo.shards`).
+PROTOCOL_VERSION = 3
 POOL_LAYOUT = "block-major[block,layer,kv,token,head,dim]"
 
 

@@ -60,6 +60,11 @@ class KvTransport(Protocol):
         """Notifications received since the last call, from every peer."""
         ...
 
+    def block_checksums(self, block_ids: list[int]) -> list[int]:
+        """The checksum of each of this end's blocks over every KV head (`kv_transfer.checksum`),
+        equal for equal KV whatever the tensor-parallel width of either end."""
+        ...
+
     def link_test(self, remote_agent: str, local_ids: list[int], remote_ids: list[int], repeats: int = 3) -> float:
         """Read a set of idle blocks a few times and return the best GB/s."""
         ...

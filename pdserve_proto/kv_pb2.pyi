@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -43,7 +43,7 @@ class KvProgress(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvAgentInfo(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "agent_name", "agent_metadata", "compat_hash", "pool_address", "block_bytes", "num_blocks", "device_id", "memory_type")
+    __slots__ = ("protocol_version", "worker_id", "agent_name", "agent_metadata", "compat_hash", "pool_address", "block_bytes", "num_blocks", "device_id", "memory_type", "shards")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class KvAgentInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     agent_name: str
@@ -64,4 +65,15 @@ class KvAgentInfo(_message.Message):
     num_blocks: int
     device_id: int
     memory_type: str
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., pool_address: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[KvShard]
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., pool_address: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
+
+class KvShard(_message.Message):
+    __slots__ = ("kv_heads", "offset", "block_bytes")
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kv_heads: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    block_bytes: int
+    def __init__(self, kv_heads: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...

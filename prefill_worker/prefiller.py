@@ -24,7 +24,6 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
 from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.checksum import block_checksums
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION
 from pdserve.kv_transfer.notice import progress_notice, pulled_request, send_notice
 from pdserve.kv_transfer.transport import KvTransferError, KvTransport
@@ -101,7 +100,7 @@ class PrefillWorker(WorkerBase):
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
             # Pinned blocks are written no more, so this runs outside the engine's lock; on a GPU
             # it is ordered after the prefill's writes by the device's stream.
-            checksums = block_checksums(self.engine.runner.kv_pool, pinned.block_ids) if self.config.kv_checksum else []
+            checksums = self.agent.block_checksums(pinned.block_ids) if self.config.kv_checksum else []
         handle = kv_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,
             request_id=request_id,

@@ -50,6 +50,10 @@ class ServeConfig:
     http_port: int | None = None  # the OpenAI-compatible HTTP API on host (None: off; 0: a free port)
     ray_address: str | None = None  # None: start a local Ray cluster
     engine: EngineArgs = EngineArgs()  # every worker's engine settings (block size, KV pool, batch limits, ...)
+    # Ranks (processes, on CPU) per worker of each pool: the widths may differ, since the KV moves
+    # between any two (docs/kv-transfer.md, "Tensor-parallel workers").
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
     # CPU workers: torch threads each. None: this host's cores shared out among the workers,
     # because two engines running OpenMP on the same cores stall each other at every barrier.
     cpu_threads_per_worker: int | None = None
@@ -102,6 +106,9 @@ class ServeConfig:
             raise ValueError(f"num_prefill: {self.num_prefill} workers; use 0 for a colocated cluster")
         if self.num_decode < 1:
             raise ValueError(f"num_decode: {self.num_decode} workers; every cluster needs at least one decode worker")
+        for role in ("prefill", "decode"):
+            if getattr(self, f"{role}_tensor_parallel_size") < 1:
+                raise ValueError(f"{role}_tensor_parallel_size: must be >= 1, not {getattr(self, f'{role}_tensor_parallel_size')}")
         if self.cpu_threads_per_worker is not None and self.cpu_threads_per_worker < 1:
             raise ValueError(f"cpu_threads_per_worker: {self.cpu_threads_per_worker}; must be >= 1 (or None: shared out)")
         if self.router_lease_s <= 0:

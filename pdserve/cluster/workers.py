@@ -60,12 +60,14 @@ def engine_config(cfg: ServeConfig, role: Role, model_dir: Path, device: str, dt
         dtype=dtype,
         role=role,
         workers_on_host=cfg.num_prefill + cfg.num_decode,  # they share the host's memory, as its cores
+        tensor_parallel_size=cfg.prefill_tensor_parallel_size if role == "prefill" else cfg.decode_tensor_parallel_size,
         detokenize=role != "decode",  # the router turns decode tokens into text
     )
 
 
 def kv_layout(engine: LLMEngine) -> KvLayout:
-    """The engine's KV pool layout in the plain numbers two workers compare."""
+    """The engine's KV pool layout in the plain numbers two workers compare: the whole model's,
+    whatever the engine's tensor-parallel width (each rank's KV heads travel in the agent's info)."""
     c, mc = engine.cfg, engine.model_config
     return KvLayout(
         model=model_fingerprint(c.model),
@@ -79,7 +81,14 @@ def kv_layout(engine: LLMEngine) -> KvLayout:
 
 
 def build_agent(worker_id: str, engine: LLMEngine, net_devices: str | None = None) -> KvTransferAgent:
-    return KvTransferAgent(worker_id, engine.runner.kv_pool, kv_layout(engine), net_devices=net_devices)
+    """The worker's NIXL agent over its KV pool; a tensor-parallel engine's ranks' pools lie in
+    one shared region, which the agent registers whole (`pdserve.engine.parallel.shared_pools`)."""
+    runner = engine.runner
+    if engine.cfg.tensor_parallel_size > 1:
+        return KvTransferAgent(
+            worker_id, runner.kv_region, kv_layout(engine), net_devices=net_devices, shards=runner.kv_shards
+        )
+    return KvTransferAgent(worker_id, runner.kv_pool, kv_layout(engine), net_devices=net_devices)
 
 
 def build_prefill(

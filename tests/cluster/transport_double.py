@@ -106,6 +106,9 @@ class FaultyTransport:
     def notifications(self) -> list[bytes]:
         return self.inner.notifications()
 
+    def block_checksums(self, block_ids: list[int]) -> list[int]:
+        return self.inner.block_checksums(block_ids)
+
     def link_test(self, remote_agent: str, local_ids: list[int], remote_ids: list[int], repeats: int = 3) -> float:
         return self.inner.link_test(remote_agent, local_ids, remote_ids, repeats)
 

@@ -1,5 +1,5 @@
 """A non-zero rank of a tensor-parallel worker: its own process, holding its part of the weights
-and of the KV pool, running the forward of each step rank 0 sends and nothing else (rank 0
+and of the KV pool (in the mapping rank 0 shares, `shared_pools`), running the forward of each step rank 0 sends and nothing else (rank 0
 schedules and samples). Started by `tp_runner`; it talks to rank 0 over a pipe (start-up
 messages, then the steps) and to every rank over the gloo group."""
 
@@ -17,8 +17,8 @@ from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.model.tp_group import LOOPBACK, ParallelContext, open_group
 from pdserve.engine.model_loading import build_model
+from pdserve.engine.parallel.shared_pools import SharedPools
 from pdserve.engine.parallel.step_channel import receive_step
-from pdserve.engine.runner import zeroed_host_tensor
 
 
 @dataclass(frozen=True)
@@ -60,19 +60,23 @@ def rank_main(spec: RankSpec, pipe: Connection) -> None:
         return
     pipe.send(("ready", None))
     try:
-        kind, num_blocks = pipe.recv()
+        kind, plan = pipe.recv()
     except (EOFError, OSError):
         return
-    if kind != "blocks":
+    if kind != "pools":
         return
-    run_steps(model, spec.cfg, int(num_blocks), pipe)
+    try:
+        # Its KV heads' pool, in the mapping rank 0 made (`shared_pools`).
+        pools = SharedPools(plan, create=False)
+    except OSError as exc:
+        pipe.send(("error", f"rank {spec.rank}: mapping the KV pools: {type(exc).__name__}: {exc}"))
+        return
+    pipe.send(("mapped", None))
+    run_steps(model, spec.cfg, pools.pools[spec.rank], pipe)
 
 
-def run_steps(model: CausalLM, cfg: EngineConfig, num_blocks: int, pipe: Connection) -> None:
-    """Allocate this rank's KV pool (its KV heads only) and run every step received."""
-    part = model.shard_cfg
-    shape = (num_blocks + 1, part.num_layers, 2, cfg.block_size, part.num_kv_heads, part.head_dim)
-    kv_pool = zeroed_host_tensor(shape, cfg.dtype)
+def run_steps(model: CausalLM, cfg: EngineConfig, kv_pool: torch.Tensor, pipe: Connection) -> None:
+    """Run every step received over this rank's KV pool (its KV heads only)."""
     caches = layer_caches(kv_pool)
     backend = make_backend(cfg.attention_backend, torch.device(cfg.device), cfg.dtype)
     with torch.inference_mode():

@@ -18,11 +18,12 @@ import torch.multiprocessing as mp
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_memory import kv_pool_blocks
-from pdserve.engine.model.model import CausalLM
+from pdserve.engine.model.model import CausalLM, layer_caches
 from pdserve.engine.model.tp_group import LOOPBACK
-from pdserve.engine.model.tp_layout import check_tensor_parallel
+from pdserve.engine.model.tp_layout import check_tensor_parallel, shard_layout
 from pdserve.engine.model_loading import build_model
 from pdserve.engine.parallel.rank_worker import RankSpec, join_group, rank_main
+from pdserve.engine.parallel.shared_pools import PoolsPlan, SharedPools, plan_pools
 from pdserve.engine.parallel.step_channel import StepSender, encode_step, stop_message
 from pdserve.engine.runner import ModelRunner, StepInputs
 from pdserve.engine.scheduler import ScheduledSeq
@@ -34,6 +35,12 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 COLLECTIVE_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+
+
+def pools_plan(cfg: EngineConfig, mc: ModelConfig, num_blocks: int, kv_heads: tuple[tuple[int, ...], ...]) -> PoolsPlan:
+    """The shared mapping of every rank's KV pool: `num_blocks` (+1 scratch) blocks of its KV slots."""
+    shapes = [(num_blocks + 1, mc.num_layers, 2, cfg.block_size, len(heads), mc.head_dim) for heads in kv_heads]
+    return plan_pools(shapes, cfg.dtype)
 
 
 def start_runner(cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> ModelRunner:
@@ -52,8 +59,9 @@ def start_runner(cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> Mode
         # Every rank's pool lives on this host: each sizes for its share of the memory.
         sizing = replace(cfg, workers_on_host=cfg.workers_on_host * cfg.tensor_parallel_size)
         num_blocks = kv_pool_blocks(sizing, model.shard_cfg, max_model_len, torch.device(cfg.device))
-        ranks.share_blocks(num_blocks)
-        return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks)
+        kv_heads = tuple(shard_layout(mc, r, cfg.tensor_parallel_size).kv_heads for r in range(cfg.tensor_parallel_size))
+        pools = ranks.share_pools(pools_plan(cfg, mc, num_blocks, kv_heads))
+        return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks, pools, kv_heads)
     except BaseException:
         ranks.close()
         raise
@@ -110,10 +118,18 @@ class RankProcesses:
         for rank in range(1, len(self.procs) + 1):
             self._expect(rank, "ready")
 
-    def share_blocks(self, num_blocks: int) -> None:
-        """Tell the ranks the pool size rank 0 chose: every rank has the same blocks."""
-        for pipe in self.pipes:
-            pipe.send(("blocks", num_blocks))
+    def share_pools(self, plan: PoolsPlan) -> SharedPools:
+        """Create the ranks' KV pools (every rank has the same blocks, of its own KV heads), have
+        every rank map them, then remove their name: nothing is left behind when the ranks exit."""
+        pools = SharedPools(plan, create=True)
+        try:
+            for pipe in self.pipes:
+                pipe.send(("pools", plan))
+            for rank in range(1, len(self.procs) + 1):
+                self._expect(rank, "mapped")
+        finally:
+            pools.unlink()
+        return pools
 
     def close(self) -> None:
         """Stop the ranks: the stop message, then a bounded wait, then termination."""
@@ -139,9 +155,24 @@ class TensorParallelRunner(ModelRunner):
     """The engine's runner on rank 0: each step it prepares also goes to the other ranks."""
 
     def __init__(
-        self, model: CausalLM, cfg: EngineConfig, num_blocks: int, max_model_len: int, ranks: RankProcesses
+        self,
+        model: CausalLM,
+        cfg: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        ranks: RankProcesses,
+        pools: SharedPools,
+        kv_heads: tuple[tuple[int, ...], ...],
     ) -> None:
+        """kv_heads: the model's KV head in each KV slot of each rank (its pool's fifth dimension)."""
         super().__init__(model, cfg, num_blocks, max_model_len)
+        # Rank 0's pool is its part of the shared mapping (the one the base class allocated is
+        # never written, so it takes no memory): the KV agent registers the mapping, every rank's
+        # KV heads in one region (`kv_region`, `kv_shards`).
+        self.kv_pool = pools.pools[0]
+        self._layer_caches = layer_caches(self.kv_pool)
+        self.kv_region = pools.region
+        self.kv_shards = tuple(zip(kv_heads, pools.pools))
         self.ranks = ranks
         # The ranks stop with this runner, or at the latest when the interpreter exits.
         self._finalizer = weakref.finalize(self, ranks.close)

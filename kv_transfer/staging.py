@@ -1,0 +1,88 @@
+"""The descriptors of a READ between sharded pools, and the copy out of the staging area when
+the two workers split the KV heads differently (docs/kv-transfer.md, "Tensor-parallel workers").
+
+Equal splits: each run of blocks is one descriptor per shard, rank r's blocks into rank r's.
+Different splits: a KV head's bytes within a block are one `head_dim` row per layer, K/V and
+token, so reading a head range in place would take that many descriptors per block. Instead
+the whole blocks of the producer shards that hold the heads are READ into a staging area
+(registered once, reused), and each local slot is then copied from there: every byte crosses
+the link once and is copied once more, locally."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.kv_transfer.descriptors import coalesce
+from pdserve.kv_transfer.shards import ShardSpec, SlotRun
+
+# Blocks READ into the staging area at a time: its size is this many blocks of the producer's
+# shards that a READ takes from; a longer block list goes in turns.
+STAGING_BLOCKS = 64
+
+Desc = tuple[int, int, int]  # address, bytes, device id
+
+
+def direct_descriptors(
+    runs: Sequence[tuple[int, int, int]],
+    local: Sequence[ShardSpec],
+    remote: Sequence[ShardSpec],
+    bases: tuple[int, int],
+    devices: tuple[int, int],
+) -> tuple[list[Desc], list[Desc]]:
+    """Local and remote descriptors of `runs` (remote start, local start, blocks) between two
+    pools of the same split: shard r to shard r. `bases` and `devices`: (local, remote)."""
+    loc_out: list[Desc] = []
+    rem_out: list[Desc] = []
+    for ls, rs in zip(local, remote):
+        for r, loc, n in runs:
+            loc_out.append((bases[0] + ls.offset + loc * ls.block_bytes, n * ls.block_bytes, devices[0]))
+            rem_out.append((bases[1] + rs.offset + r * rs.block_bytes, n * rs.block_bytes, devices[1]))
+    return loc_out, rem_out
+
+
+def staged_descriptors(
+    remote_ids: Sequence[int],
+    remote: Sequence[ShardSpec],
+    used: Sequence[int],
+    bases: tuple[int, int],
+    devices: tuple[int, int],
+) -> tuple[list[Desc], list[Desc], dict[int, int]]:
+    """Descriptors that READ blocks `remote_ids` of producer shards `used` into a staging area
+    at `bases[0]`: shard p's blocks one after the other from the area's offset `areas[p]`."""
+    loc_out: list[Desc] = []
+    rem_out: list[Desc] = []
+    areas: dict[int, int] = {}
+    at = 0
+    for p in used:
+        spec, areas[p] = remote[p], at
+        for r, k, n in coalesce(remote_ids, range(len(remote_ids))):
+            loc_out.append((bases[0] + at + k * spec.block_bytes, n * spec.block_bytes, devices[0]))
+            rem_out.append((bases[1] + spec.offset + r * spec.block_bytes, n * spec.block_bytes, devices[1]))
+        at += len(remote_ids) * spec.block_bytes
+    return loc_out, rem_out, areas
+
+
+def copy_out(
+    staging: torch.Tensor,
+    areas: dict[int, int],
+    remote: Sequence[ShardSpec],
+    runs: Sequence[SlotRun],
+    pools: Sequence[torch.Tensor],
+    local_ids: Sequence[int],
+) -> None:
+    """Copy each run of slots from the staged producer blocks into local blocks `local_ids` of
+    the local shards `pools` ([blocks, layers, 2, tokens, slots, head_dim])."""
+    n = len(local_ids)
+    layers, kv, tokens, _, head_dim = pools[0].shape[1:]
+    dtype = pools[0].dtype
+    staged = {}
+    for p, at in areas.items():
+        nbytes = n * remote[p].block_bytes
+        shape = (n, layers, kv, tokens, len(remote[p].kv_heads), head_dim)
+        staged[p] = staging[at : at + nbytes].view(dtype).view(shape)
+    index = torch.tensor(list(local_ids), dtype=torch.int64, device=pools[0].device)
+    for run in runs:
+        src = staged[run.src][:, :, :, :, run.src_slot : run.src_slot + run.count]
+        pools[run.dst][index, :, :, :, run.dst_slot : run.dst_slot + run.count] = src
