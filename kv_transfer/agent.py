@@ -284,9 +284,12 @@ class KvTransferAgent:
         per_block = sum(specs[p].block_bytes for p in used)
         what = f"staged READ of {len(remote_ids)} blocks from {remote_agent}"
         descriptors = 0
-        with self._staging_lock:
+        start = time.perf_counter()
+        # Staged READs take turns at the area; the wait for it counts against the deadline.
+        if not self._staging_lock.acquire(timeout=timeout_s):
+            raise KvTransferError(f"{what} timed out after {timeout_s}s waiting for the staging area")
+        try:
             area = self._staging_area(per_block * STAGING_BLOCKS)
-            start = time.perf_counter()
             bases, devices = (area.data_ptr(), remote.pool_address), (self.device_id, remote.device_id)
             for at in range(0, len(remote_ids), STAGING_BLOCKS):
                 local, remote_descs, areas = staged_descriptors(remote_ids[at : at + STAGING_BLOCKS], specs, used, bases, devices)
@@ -296,6 +299,8 @@ class KvTransferAgent:
             if notify:
                 with self._lock, _nixl_errors(f"notifying {remote_agent} after the {what}"):
                     self._agent.send_notif(remote_agent, notify)
+        finally:
+            self._staging_lock.release()
         return TransferStats(len(remote_ids), len(remote_ids) * per_block, descriptors, time.perf_counter() - start)
 
     def _staging_area(self, nbytes: int) -> torch.Tensor:
