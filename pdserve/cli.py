@@ -83,6 +83,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     srv.add_argument(
+        "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1, metavar="N",
+        help="ranks per worker of both pools, one process each (CPU only so far); the KV moves between any two "
+        "widths (default: 1)",
+    )
+    for role in ("prefill", "decode"):
+        srv.add_argument(
+            f"--{role}-tensor-parallel-size", type=int, default=None, metavar="N",
+            help=f"ranks per {role} worker (default: --tensor-parallel-size)",
+        )
+    srv.add_argument(
         "--max-local-prefill-tokens", type=int, default=0, metavar="N",
         help="conditional disaggregation: prefill a prompt on its decode worker when at most N of its tokens are "
         "missing from that worker's prefix cache (default: 0, always use the prefill pool)",

@@ -44,6 +44,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         dtype=args.dtype,
         num_prefill=args.prefill,
         num_decode=args.decode,
+        prefill_tensor_parallel_size=_width(args.prefill_tensor_parallel_size, args.tensor_parallel_size),
+        decode_tensor_parallel_size=_width(args.decode_tensor_parallel_size, args.tensor_parallel_size),
         ray_address=args.address,
         engine=EngineArgs.from_options(vars(args)),  # the engine flags' dests are its field names
         lease_s=args.lease_s,
@@ -63,6 +65,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         keep_workers=args.keep_workers,
         **edge_from_args(args),
     )
+
+
+def _width(pool: int | None, both: int) -> int:
+    """A pool's tensor-parallel width: its own flag where given, else --tensor-parallel-size."""
+    return both if pool is None else pool
 
 
 def router_config_from_args(args: argparse.Namespace) -> ServeConfig:
