@@ -46,7 +46,7 @@ usage() {
     head) echo "Start this machine's Ray head (token in $TOKEN_FILE), offering --pool's resources; ARGS after -- go to 'ray start'." ;;
     worker) echo "Join this machine to the head's Ray cluster in --pool (copy the head's token here first); ARGS after -- go to 'ray start'." ;;
     serve) echo "Start the worker pools and the first router on the cluster ('pdserve serve --address')." ;;
-    router) echo "Another router in front of the running pools ('pdserve router --address'), e.g. on a second machine." ;;
+    router) echo "Another router in front of the running pools ('pdserve router --address --no-export-worker-metrics': the first router exports the workers' series), e.g. on a second machine." ;;
     status) echo "The cluster's nodes, their pools and where each pdserve worker runs (run it on the head)." ;;
     down) echo "Stop, by the PIDs recorded in $STATE_DIR, what this script started on this machine." ;;
   esac
@@ -231,9 +231,13 @@ run_pdserve() {
   ray_cluster_mode "$(host_of "$address")"
   ensure_state_dir
   use_token
+  # The first router (serve) exports the workers' series; another would count each worker twice
+  # (as the chart's replicas, and given first so that an explicit --export-worker-metrics wins).
+  local own=()
+  [ "$cmd" != router ] || own=(--no-export-worker-metrics)
   # exec keeps this PID: `down` finds the process by it.
   echo $$ >"$STATE_DIR/$cmd.pid"
-  exec "$PY" -m pdserve.cli "$cmd" --address "$address" "${rest[@]}"
+  exec "$PY" -m pdserve.cli "$cmd" --address "$address" "${own[@]}" "${rest[@]}"
 }
 
 cmd_status() {

@@ -3,7 +3,8 @@ namespaces the test creates, on a bridge of its own, are the two hosts (each its
 loopback), a Ray head labelled as the prefill pool in one and a second Ray node labelled as the
 decode pool in the other; `serve` refuses while no node offers the decode pool, then places each
 pool's worker on its node (read back from Ray's state API), answers through the gRPC API exactly
-as the offline engine does, and `down` leaves no process behind. No traffic reaches this machine's
+as the offline engine does, a second router (`launch.sh router`) serves the same and leaves the
+workers' series to the first router's /metrics, and `down` leaves no process behind. No traffic reaches this machine's
 own addresses: the test talks to the head's namespace over the bridge. Creating namespaces needs
 root (or the right capabilities); elsewhere the test is skipped, saying so."""
 
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,6 +177,16 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
+def _until(proc: subprocess.Popen, out: queue.Queue, seen: list[str], pattern: str, timeout_s: float = 180) -> re.Match:
+    """The first line `proc` printed (kept in `seen`) that matches `pattern`, waiting for it."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := [m for line in seen if (m := re.search(pattern, line))]):
+        line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line is not None, f"exited ({proc.wait(30)}) before {pattern!r}:\n" + "\n".join(seen)
+        seen.append(line)
+    return found[0]
+
+
 def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines, hosts):
     head, worker, root = machines
     ip, ray_port, dash_port = hosts.head, free_port(), free_port()
@@ -213,19 +225,15 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
 
     serve = subprocess.Popen(
         head.command(str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--host", ip,
-                     "--port", "0", *SMALL),
+                     "--port", "0", "--metrics-port", "0", *SMALL),
         env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )
     out: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(serve.stdout, out), daemon=True).start()
     seen: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while not (serving := [m for line in seen if (m := re.search(r" serving .* on (\S+:\d+) ", line))]):
-            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, f"serve exited ({serve.wait(30)}) early:\n" + "\n".join(seen)
-            seen.append(line)
-        grpc_address = serving[0].group(1)
+        grpc_address = _until(serve, out, seen, r" serving .* on (\S+:\d+) ").group(1)
+        serve_metrics = _until(serve, out, seen, r"metrics on (http://\S+/metrics)").group(1)
 
         ray_env = head.env | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
         placed = subprocess.run(
@@ -257,24 +265,27 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
         # A second router on the other host (`launch.sh router`, with the token copied there)
         # serves the same workers, and stops on SIGTERM leaving them serving.
         router = subprocess.Popen(
-            worker.command(str(SCRIPT), "router", "--address", address, "--host", hosts.worker, "--port", "0"),
+            worker.command(str(SCRIPT), "router", "--address", address, "--host", hosts.worker, "--port", "0",
+                           "--metrics-port", "0"),
             env=worker.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         )
         routed: queue.Queue = queue.Queue()
         threading.Thread(target=_lines, args=(router.stdout, routed), daemon=True).start()
         said: list[str] = []
         try:
-            deadline = time.monotonic() + 180
-            while not (found := [m for line in said if (m := re.search(r" serving .* on (\S+:\d+)", line))]):
-                line = routed.get(timeout=max(0.1, deadline - time.monotonic()))
-                assert line is not None, f"router exited ({router.wait(30)}) early:\n" + "\n".join(said)
-                said.append(line)
-            assert found[0].group(1).startswith(hosts.worker + ":")
-            with grpc.insecure_channel(found[0].group(1)) as channel:
+            router_address = _until(router, routed, said, r" serving .* on (\S+:\d+)").group(1)
+            router_metrics = _until(router, routed, said, r"metrics on (http://\S+/metrics)").group(1)
+            assert router_address.startswith(hosts.worker + ":")
+            with grpc.insecure_channel(router_address) as channel:
                 via_router = list(pbg.InferenceStub(channel).Generate(
                     pb.GenerateRequest(prompt=PROMPT, sampling_params=params), timeout=120
                 ))
             assert [t for c in via_router for t in c.token_ids] == expected.token_ids
+            # Only the first router exports the workers' series: a scrape of both counts each worker once.
+            first, second = (urllib.request.urlopen(u, timeout=30).read().decode() for u in (serve_metrics, router_metrics))
+            assert 'pdserve_worker_up{role="decode",worker="decode-0"} 1.0' in first, first
+            assert "pdserve_worker_up" not in second and "pdserve_kv_blocks" not in second, second
+            assert "pdserve_placed_requests" in second  # its own placement figures stay
             router.send_signal(signal.SIGTERM)
             assert router.wait(60) == 0, "\n".join(said)
         finally:
