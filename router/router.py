@@ -29,6 +29,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import PoolQueue, Refusal, retry_after_ms
 from pdserve.router.background import Background
 from pdserve.router.calls import WorkerCalls
+from pdserve.router.choices import ChoiceAnchor, serve_choices
 from pdserve.router.client_stream import ClientStream, chunk, take_first_token
 from pdserve.router.deadline_admission import DeadlineRefusal
 from pdserve.router.deadline_gate import DeadlineGate
@@ -36,6 +37,7 @@ from pdserve.router.edge.parsing import RequestParser
 from pdserve.router.errors import to_router_error
 from pdserve.router.failover import Failover
 from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
+from pdserve.router.handover_room import start_when_room
 from pdserve.router.inflight import Books, InFlight, Phase
 from pdserve.router.load.load_signals import LoadSignals, watch_pool_sizes
 from pdserve.router.placement.pool_state import DecodePolicy, Placement, PrefillPolicy
@@ -46,13 +48,9 @@ from pdserve.router.token_stream import Stream
 from pdserve.router.worker_pools import WorkerPools
 from pdserve.telemetry.context import context_of
 from pdserve.telemetry.metrics import RouterMetrics
-from pdserve_proto import inference_pb2, worker_pb2
+from pdserve_proto import inference_pb2
 
 __all__ = ["Router", "RouterConfig"]
-
-# A hand-over refused for want of free KV blocks is tried again after these waits (doubling).
-HANDOVER_RETRY_FIRST_S = 0.01
-HANDOVER_RETRY_MAX_S = 0.25
 
 
 class Router:
@@ -195,9 +193,19 @@ class Router:
         finally:
             observed.close()
 
-    async def _generate(
+    def _generate(
         self, request: inference_pb2.GenerateRequest, root: trace.Span, fill_context: bool, deadline: float | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """One request's chunks (`n > 1`: its choices', `router.choices`)."""
+        return serve_choices(request, lambda sub, decode_on, anchor: self._generate_one(
+            sub, root, fill_context, deadline, decode_on, anchor))
+
+    async def _generate_one(
+        self, request: inference_pb2.GenerateRequest, root: trace.Span, fill_context: bool, deadline: float | None,
+        decode_on: str | None = None, anchor: ChoiceAnchor | None = None,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """One sequence's chunks. `decode_on`: a decode worker to prefill it on, if it has room
+        (a choice of n after the first); `anchor` learns where it decodes (the first choice)."""
         ids, params = await self.parser.parse(request, fill_context)
         # A chat without max_tokens may run to the end of the context: only its first token is promised.
         promised = 1 if fill_context and not request.sampling_params.HasField("max_tokens") else params.max_tokens
@@ -205,7 +213,7 @@ class Router:
         if rid in self.relay.streams or rid in self._books.ending:  # its workers may still hold it
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight")
         root.set_attributes({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(ids)})
-        r = self._place(rid, ids, params, trace.set_span_in_context(root), deadline, promised)
+        r = self._place(rid, ids, params, trace.set_span_in_context(root), deadline, promised, decode_on)
         self.load.arrived(r, time.monotonic())  # demand at arrival, for the P:D controller
         where = "local" if r.local else "remote"
         self.metrics.prompt_tokens.inc(len(ids))
@@ -214,8 +222,14 @@ class Router:
         r.open()  # before any worker call, so no token of this request is dropped
         try:
             path = self._serve_local(r) if r.local else self._serve_remote(r)
+            first = True
             async with contextlib.aclosing(path) as chunks:
                 async for out in chunks:
+                    if first:  # the prompt's cached share is known by its first token
+                        self.metrics.prefilled_tokens.inc(len(ids) - r.cached)
+                        first = False
+                    if anchor is not None and r.phase is Phase.DECODING:
+                        anchor.set(r.d_at.worker)
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
             raise
@@ -226,26 +240,30 @@ class Router:
             self.gate.forget(rid)
 
     def _place(
-        self, rid: str, ids: list[int], params: SamplingParams, ctx: Any, deadline: float | None, tokens: int
+        self, rid: str, ids: list[int], params: SamplingParams, ctx: Any, deadline: float | None, tokens: int,
+        decode_on: str | None = None,
     ) -> InFlight:
         """Choose the decode worker, then whether the prompt is prefilled there (`prefill_here`,
         or every prefill worker at its cap) or on a prefill worker, and which. RESOURCE_EXHAUSTED
         when the decode pool is full, or the prefill pool is and local prefill is off for that,
         or (before any placement) when a pool it would join holds `max_queued_requests` queued, or
-        when it (`tokens` promised) or one admitted before would miss its deadline."""
+        when it (`tokens` promised) or one admitted before would miss its deadline. `decode_on`:
+        that decode worker prefills it, if it has room (`router.choices`)."""
         cfg, pools = self.config, self.pools
         refusal = self.queues["decode"].refusal()
         if refusal is not None:
             raise _refused(refusal)
         route = self.tracer.start_span("pdserve.route", context=ctx)
         hashes = block_hashes(ids, cfg.block_size)
-        d_at = pools.decode_policy.place(hashes, len(ids), cfg.max_inflight_per_decode)
+        d_at = pools.decode_policy.place_on(decode_on, hashes, len(ids), cfg.max_inflight_per_decode) if decode_on else None
+        if d_at is None:
+            d_at = pools.decode_policy.place(hashes, len(ids), cfg.max_inflight_per_decode)
         if d_at is None:
             _end_route(route, None, None, False, False)
             raise _full("decode", pools.decode_policy.workers, self.queues["decode"])
         r = InFlight(self._books, rid, ids, params, ctx, IncrementalDetokenizer(self.tokenizer, params.stop), d_at)
         try:
-            local = pools.decode_policy.prefill_here(d_at, bool(pools.prefill_policy.workers))
+            local = d_at.worker == decode_on or pools.decode_policy.prefill_here(d_at, bool(pools.prefill_policy.workers))
             overflow = False
             if not local:
                 refusal = self.queues["prefill"].refusal()
@@ -299,7 +317,7 @@ class Router:
         r.enqueue("decode")  # past its prefill: joins the decode queue whatever its length
         # A decode worker that fails before it has pulled: the same handle goes to another one
         # (the prefill worker still holds the blocks under its lease).
-        start = await self._start_when_room(r, handle)
+        start = await start_when_room(self.failover, self.metrics, r, handle)
         r.prefetch_taken_over()  # the start took it over (or another decode worker has the request)
         handed_over = time.monotonic()
         if start.recomputed:
@@ -308,36 +326,6 @@ class Router:
         r.enter(Phase.DECODING)
         async for out in self.client_stream.relay(r, handed_over, self.metrics.decode_wait):
             yield out
-
-    async def _start_when_room(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
-        """The hand-over; while the decode worker has no free KV blocks for the prompt, the same
-        hand-over again after a backoff, for as long as the prefill worker's lease keeps the KV
-        (the worker itself first waits in line for blocks, `DecodeConfig.handover_wait_s`).
-        An admitted request so waits its turn behind the ones decoding, as it would in the
-        worker's queue, instead of failing after its first token reached the client."""
-        delay = HANDOVER_RETRY_FIRST_S
-        waited = 0.0
-        while True:
-            try:
-                start = await self.failover.start(r, handle)
-            except RouterError as exc:
-                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                left = handle.handle.lease_deadline - time.time()
-                if left <= delay:
-                    raise RouterError(
-                        exc.code, f"{exc.message} (waited {waited:.1f}s for free blocks; the prefill worker's "
-                        f"KV lease ends in {max(left, 0.0):.1f}s)",
-                    ) from exc
-                if waited == 0.0:
-                    self.metrics.handover_waits.inc()
-            else:
-                if start.waited_for_blocks_s > 0 and waited == 0.0:  # it waited in line on the worker
-                    self.metrics.handover_waits.inc()
-                return start
-            await asyncio.sleep(delay)
-            waited += delay
-            delay = min(2 * delay, HANDOVER_RETRY_MAX_S)
 
     async def _serve_local(self, r: InFlight) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Colocated, or conditionally not disaggregated: the decode worker prefills the prompt

@@ -16,6 +16,7 @@ MAX_PENALTY = 2.0  # presence/frequency penalty bound, as OpenAI's API has it
 MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is as good as banned: a mistake, not a wish
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 bans or forces a token
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_N = 16  # completions of one prompt per request (`n`): each is a sequence on a decode worker
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ class RouterMetrics:
             "pdserve_cached_prompt_tokens",
             "Prompt tokens served from the prefix cache of the worker that prefilled them.", registry=r,
         )
+        self.prefilled_tokens = Counter(
+            "pdserve_prefilled_tokens",
+            "Prompt tokens computed by a prefill (prompt tokens less those served from a prefix cache).",
+            registry=r,
+        )
         self.prefill_location = Counter(
             "pdserve_prefills",
             "Placed requests by where their prompt is prefilled: on a prefill worker (remote) or on their "

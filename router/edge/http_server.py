@@ -25,12 +25,14 @@ from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits, check_request
 from pdserve.router.edge.openai_api import (
     ApiError,
+    Choice,
     ParsedRequest,
     StreamEvents,
-    completion,
+    completion_of,
     from_router_error,
     models,
     parse_request,
+    total_usage,
     usage_chunk,
 )
 from pdserve.router.edge.openai_logprobs import choice_logprobs
@@ -152,15 +154,19 @@ async def _collect(
     rest: AsyncIterator[inference_pb2.GenerateResponse],
     decode: Callable[[int], str],
 ) -> web.Response:
-    chunks = [first]
+    by_choice: list[list[inference_pb2.GenerateResponse]] = [[] for _ in range(parsed.n)]
+    by_choice[first.index].append(first)
     try:
         async for chunk in rest:
-            chunks.append(chunk)
+            by_choice[chunk.index].append(chunk)
     except RouterError as exc:
         return _router_error(exc, parsed.chat)
-    last = chunks[-1]
-    text = "".join(c.text for c in chunks)
-    return web.json_response(completion(parsed, text, last.finish_reason, last.usage, _chunk_logprobs(parsed, chunks, decode)))
+    choices = [
+        Choice("".join(c.text for c in chunks), chunks[-1].finish_reason, _chunk_logprobs(parsed, chunks, decode))
+        for chunks in by_choice
+    ]
+    u = total_usage([chunks[-1].usage for chunks in by_choice])
+    return web.json_response(completion_of(parsed, choices, u))
 
 
 async def _stream(
@@ -172,20 +178,27 @@ async def _stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    chunk, is_first = first, True
+    chunk = first
     events = StreamEvents(parsed)
-    offset = 0  # completions' text_offset: where the chunk's text starts in the whole text
+    # Per choice: completions' text_offset (where the chunk's text starts in the choice's whole
+    # text), and the usage of its last message (None while it runs).
+    offsets = [0] * parsed.n
+    usages: list[inference_pb2.Usage | None] = [None] * parsed.n
+    started = [False] * parsed.n
     try:
         while True:
-            logprobs = _chunk_logprobs(parsed, [chunk], decode, offset)
-            await resp.write(_sse(events.chunk(chunk.text, chunk.finish_reason, is_first, logprobs)))
-            offset += len(chunk.text)
-            is_first = False
+            i = chunk.index
+            logprobs = _chunk_logprobs(parsed, [chunk], decode, offsets[i])
+            await resp.write(_sse(events.chunk(chunk.text, chunk.finish_reason, not started[i], logprobs, i)))
+            started[i] = True
+            offsets[i] += len(chunk.text)
             if chunk.finish_reason:
-                break
+                usages[i] = chunk.usage
+                if all(u is not None for u in usages):
+                    break
             chunk = await anext(rest)
         if parsed.include_usage:
-            await resp.write(_sse(usage_chunk(parsed, chunk.usage)))
+            await resp.write(_sse(usage_chunk(parsed, total_usage([u for u in usages if u is not None]))))
     except ConnectionResetError:
         return resp  # the client left; the caller's aclose() aborts the request
     except RouterError as exc:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.engine.sampling_params import MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
+from pdserve.engine.sampling_params import MAX_N, MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
 from pdserve.router.edge.grammar_fields import PARAM_OF_KIND, GrammarFieldError, openai_structured_output
 from pdserve.router.edge.openai_fields import Api, FieldError, check_fields
 from pdserve.router.edge.openai_logprobs import LogprobsFieldError, parse_logprobs
@@ -88,6 +88,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     fill_context: bool = False  # no max_tokens in a chat request: generate up to the end of the context
+    n: int = 1  # choices, each its own `index` in the answer
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -257,8 +258,8 @@ def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields
         raise ApiError(HTTPStatus.NOT_FOUND, f"model: the model {model!r} does not exist; this server serves {served_model!r}",
                        "model", code="model_not_found")
     n = _typed(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise _bad("n", f"only n=1 is supported, got {n}")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise _bad("n", f"must be in [1, {MAX_N}], got {n}")
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -280,10 +281,12 @@ def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields
     else:
         _prompt(body, req)
     req.sampling_params.CopyFrom(_sampling(body, chat))
+    if n is not None and n > 1:
+        req.sampling_params.n = n
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req.request_id = rid
     fill_context = chat and not req.sampling_params.HasField("max_tokens")
-    return ParsedRequest(req, rid, served_model, chat, stream, include_usage, fill_context)
+    return ParsedRequest(req, rid, served_model, chat, stream, include_usage, fill_context, n or 1)
 
 
 # ----- responses ------------------------------------------------------------------------------
@@ -304,10 +307,11 @@ def _envelope(p: ParsedRequest, stream: bool) -> dict[str, Any]:
 
 
 def stream_chunk(
-    p: ParsedRequest, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None
+    p: ParsedRequest, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None, index: int = 0
 ) -> dict[str, Any]:
-    """One SSE event for a router response (text delta; finish reason on the last)."""
-    choice: dict[str, Any] = {"index": 0}
+    """One SSE event for a router response of choice `index` (text delta; finish reason on the
+    choice's last; `first`: the choice's first)."""
+    choice: dict[str, Any] = {"index": index}
     if p.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         delta["content"] = text
@@ -337,10 +341,12 @@ class StreamEvents:
         # A request field that holds the marker too (it cannot be told apart): no template.
         self._parts = doc.split(marker) if doc.count(marker) == 1 else None
 
-    def chunk(self, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None) -> str:
+    def chunk(
+        self, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None, index: int = 0
+    ) -> str:
         """One event's JSON; `logprobs`: the choice's logprobs object, where the request asked."""
-        if first or finish_reason or self._parts is None or logprobs is not None:
-            return _json(stream_chunk(self.p, text, finish_reason, first, logprobs))
+        if first or finish_reason or self._parts is None or logprobs is not None or index:
+            return _json(stream_chunk(self.p, text, finish_reason, first, logprobs, index))
         head, tail = self._parts
         return head + json.dumps(text) + tail
 
@@ -353,15 +359,40 @@ def usage_chunk(p: ParsedRequest, u: inference_pb2.Usage) -> dict[str, Any]:
     return _envelope(p, stream=True) | {"choices": [], "usage": usage(u)}
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a non-streaming answer."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
+
+
 def completion(
     p: ParsedRequest, text: str, finish_reason: str, u: inference_pb2.Usage, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The whole answer of a non-streaming request."""
-    if p.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return _envelope(p, stream=False) | {"choices": [choice], "usage": usage(u)}
+    """The whole answer of a non-streaming request of one choice."""
+    return completion_of(p, [Choice(text, finish_reason, logprobs)], u)
+
+
+def completion_of(p: ParsedRequest, choices: list[Choice], u: inference_pb2.Usage) -> dict[str, Any]:
+    """The whole answer of a non-streaming request: `choices` in index order."""
+    out = []
+    for i, c in enumerate(choices):
+        if p.chat:
+            out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                        "finish_reason": c.finish_reason})
+        else:
+            out.append({"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+    return _envelope(p, stream=False) | {"choices": out, "usage": usage(u)}
+
+
+def total_usage(usages: list[inference_pb2.Usage]) -> inference_pb2.Usage:
+    """The usage of a request of several choices (each choice's last message has its own): the
+    prompt once, as the first choice saw it, and every choice's completion tokens."""
+    first = usages[0]
+    return inference_pb2.Usage(prompt_tokens=first.prompt_tokens, cached_prompt_tokens=first.cached_prompt_tokens,
+                               completion_tokens=sum(u.completion_tokens for u in usages))
 
 
 def models(model_id: str, max_model_len: int, created: int) -> dict[str, Any]:

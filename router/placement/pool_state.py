@@ -268,6 +268,14 @@ class DecodePolicy(_Pool):
         w = self.placement.place(request)[0]
         return self._placed(Placement(w, matched.get(w, 0), None, 1.0, num_tokens))
 
+    def place_on(self, worker: str, block_hashes: Sequence[int], num_tokens: int, capacity: int = 1 << 30) -> Placement | None:
+        """Place on `worker` if it is in placement and has room (None otherwise): a request
+        that must decode where its prompt's KV already is (`router.choices`)."""
+        if worker not in self._open(capacity):
+            return None
+        matched = self.index.match(block_hashes)
+        return self._placed(Placement(worker, matched.get(worker, 0), None, 1.0, num_tokens))
+
     def prefill_here(self, p: Placement, has_prefill_workers: bool) -> bool:
         """Whether the decode worker of placement `p` prefills its prompt itself (the strategy's hook)."""
         return self.placement.prefill_here(p.num_tokens, p.matched_blocks * self.block_size, has_prefill_workers)

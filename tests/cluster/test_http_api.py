@@ -74,7 +74,7 @@ def test_sse_framing_ends_with_done(cluster):
 @pytest.mark.parametrize(
     "path, body, status, param",
     [
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),

@@ -1,13 +1,19 @@
 """The sampling fields users expect, through a real `pdserve serve` (Ray, 1 prefill + 1 decode,
 so the first token is sampled on the prefill worker and the rest on the decode worker), spoken
 to by the official `openai` client and over gRPC, each checked against the offline engine with
-the same settings: penalties, logit_bias, min_tokens, seeds."""
+the same settings: penalties, logit_bias, min_tokens, seeds, logprobs, and `n` choices of one
+prefill (seen in /metrics)."""
 
 from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import SamplingParams
 from pdserve_proto import inference_pb2 as pb
@@ -17,6 +23,19 @@ pytestmark = pytest.mark.cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Count: one, two, three, four,"
+
+
+@pytest.fixture(scope="module")
+def cluster(loop_thread) -> Iterator[Any]:
+    """The default cluster of `pdserve serve` (as tests/cluster/conftest.py's), with /metrics."""
+    from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.engine.args import EngineArgs
+
+    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, metrics_port=0, engine=EngineArgs(num_kv_blocks=384))
+    c = loop_thread.run(Cluster.start(cfg))
+    yield c
+    loop_thread.run(c.stop())
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +159,80 @@ def test_logprobs_over_grpc_equal_offline(channel, offline):
     assert len(got) == 6 and all(abs(a - b) < 1e-4 for a, b in zip(got, expected.logprobs))
     tops = [list(t.token_ids) for c in chunks for t in c.top_logprobs]
     assert tops == [[t for t, _ in top] for top in expected.top_logprobs]
+
+
+# A prompt no other test sends, so that no prefix cache holds it before the test that counts its prefills.
+CHOICES_PROMPT = ("A list of the planets of the solar system, from the one nearest the sun outwards, with one fact "
+                  "about each of them, written for a class of children:")
+BLOCK = 16  # the engine's default KV block size
+
+
+def _prefilled_tokens(cluster) -> float:
+    with urllib.request.urlopen(f"http://{cluster.metrics_address}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "pdserve_prefilled_tokens_total")  # fmt: skip
+
+
+def test_n_choices_prefill_the_prompt_once_and_each_equals_offline_greedy(client, cluster, channel, offline, wait_until,
+                                                                          blocks_free):  # fmt: skip
+    before = _prefilled_tokens(cluster)
+    out = client.completions.create(model=MODEL, prompt=CHOICES_PROMPT, max_tokens=10, temperature=0.0, n=3)
+    expected = offline.generate([CHOICES_PROMPT], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [expected.text] * 3
+    assert [c.finish_reason for c in out.choices] == [expected.finish_reason] * 3
+    n_prompt = len(offline.tokenizer.encode(CHOICES_PROMPT))
+    assert out.usage.prompt_tokens == n_prompt and out.usage.completion_tokens == 3 * len(expected.token_ids)
+    # One prefill: the prompt once, then each later choice only its tail past the last full block
+    # (at least its last token), its full blocks taken from the decode worker's prefix cache.
+    tail = n_prompt - BLOCK * ((n_prompt - 1) // BLOCK)
+    assert _prefilled_tokens(cluster) - before == n_prompt + 2 * tail < 2 * n_prompt
+    wait_until(blocks_free(channel), 15, "every KV block to be freed after n=3")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_choices_each_equal_offline_with_seed_plus_index(client, offline, stream):
+    messages = [{"role": "user", "content": "Tell me about a cat."}]
+    kw = {"max_tokens": 12, "temperature": 1.0, "seed": 11}
+    out = client.chat.completions.create(model=MODEL, messages=messages, n=3, logprobs=True, stream=stream,
+                                         stream_options={"include_usage": True} if stream else None, **kw)  # fmt: skip
+    texts, logprobs, reasons, usage = ["", "", ""], [[], [], []], [None] * 3, None
+    for c in out if stream else [out]:
+        usage = c.usage or usage
+        for choice in c.choices:
+            i = choice.index
+            texts[i] += (choice.delta.content if stream else choice.message.content) or ""
+            logprobs[i] += [e.logprob for e in (choice.logprobs.content or [])] if choice.logprobs else []
+            reasons[i] = choice.finish_reason or reasons[i]
+    prompt = offline.chat_prompt(messages)
+    expected = [offline.generate([prompt], SamplingParams(**(kw | {"seed": 11 + i}), logprobs=True))[0] for i in range(3)]
+    assert texts == [e.text for e in expected]
+    assert reasons == [e.finish_reason for e in expected]
+    for got, want in zip(logprobs, expected):
+        assert len(got) == len(want.logprobs) and all(abs(a - b) < 1e-4 for a, b in zip(got, want.logprobs))
+    assert len(set(texts)) > 1  # distinct streams, or the seeds would prove little
+    assert usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+
+
+def test_n_over_grpc_tags_each_choice_with_its_index(channel, offline, wait_until, blocks_free):
+    sp = pb.SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2)
+    chunks = list(pbg.InferenceStub(channel).Generate(pb.GenerateRequest(prompt=PROMPT, sampling_params=sp), timeout=120))
+    for i in range(2):
+        mine = [c for c in chunks if c.index == i]
+        expected = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=sp.temperature, seed=3 + i))[0]
+        assert [t for c in mine for t in c.token_ids] == expected.token_ids
+        assert [bool(c.finish_reason) for c in mine] == [False] * (len(mine) - 1) + [True]
+        assert mine[-1].usage.completion_tokens == len(expected.token_ids)
+    assert {c.index for c in chunks} == {0, 1} and len({c.request_id for c in chunks}) == 1
+    wait_until(blocks_free(channel), 15, "every KV block to be freed after n=2")
+
+
+def test_n_out_of_range_is_refused_naming_it(client, channel):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=17)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(grpc.RpcError) as err:
+        list(pbg.InferenceStub(channel).Generate(
+            pb.GenerateRequest(prompt="hi", sampling_params=pb.SamplingParams(n=0)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params.n" in err.value.details()

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from pdserve.router.handles import RouterError
-from pdserve.router.router import HANDOVER_RETRY_MAX_S
+from pdserve.router.handover_room import HANDOVER_RETRY_MAX_S
 from pdserve_proto import kv_pb2, worker_pb2
 from tests.unit.router_doubles import FakeDecode, FakePrefill, make_router, request
 

@@ -49,7 +49,9 @@ def test_chat_without_max_tokens_runs_to_the_context_end():
 @pytest.mark.parametrize(
     "body, status, param",
     [
-        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "n": 17}, 400, "n"),
+        ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"prompt": "hi", "n": 2.0}, 400, "n"),
         ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
         ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
         ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),

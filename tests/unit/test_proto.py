@@ -44,10 +44,12 @@ def test_public_field_names():
         "SamplingParams": {
             "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
-            "top_logprobs", "structured_output",
+            "top_logprobs", "structured_output", "n",
         },
         "ChatMessage": {"role", "content"},
-        "GenerateResponse": {"request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "top_logprobs"},
+        "GenerateResponse": {
+            "request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "top_logprobs", "index",
+        },
         "Usage": {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"},
     }
     assert inference_pb2.DESCRIPTOR.package == "pdserve.v1"
