@@ -16,6 +16,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
+from pdserve.cluster.worker_boundary import request_key
 from pdserve.engine.args import EngineArgs
 from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2 as pb
@@ -147,7 +148,9 @@ class DiesMidPrompt:
         worker = next(w for w in c.prefill_workers if w.worker_id == self.worker_id)
         c.decode.agent.dead_agents.add(worker.agent.name)
         c.kill(self.worker_id)
-        worker.release(rid)  # ends the call's thread; the killed engine's blocks go with it
+        # Ends the call's thread (the worker keys a request by its router too); the killed
+        # engine's blocks go with it.
+        worker.release(request_key(request.router_id, rid))
         await asyncio.gather(call, return_exceptions=True)
         self.killed.append(self.worker_id)
         raise RouterError(grpc.StatusCode.UNAVAILABLE, f"ActorDiedError: {self.worker_id} was killed", worker_failed=True)
