@@ -165,7 +165,8 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-unknown-fields", action="store_true",
         help="ignore request fields the OpenAI API and this server do not define (such as other servers' "
-        "extensions) instead of refusing them with 400; fields known and not served are still refused",
+        "extensions) instead of refusing them with 400, and gRPC fields the messages do not define instead of "
+        "refusing them with INVALID_ARGUMENT; fields known and not served are still refused",
     )
     p.add_argument(
         "--allow-special-tokens-in-prompt", action="store_true",

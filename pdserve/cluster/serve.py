@@ -358,7 +358,8 @@ async def start_edge(
     gRPC server, its port and the HTTP runner with its port. `pdserve serve` and `pdserve router`."""
     try:
         edge = {"keys": cfg.api_keys, "tls": certs, "limits": cfg.limits, "reuse_port": cfg.reuse_port or cfg.routers > 1}
-        server, port = await start_grpc_server(router, cfg.host, cfg.port, control=control, **edge)
+        server, port = await start_grpc_server(router, cfg.host, cfg.port, control=control,
+                                               allow_unknown_fields=cfg.http_options.allow_unknown_fields, **edge)
         http = None
         if cfg.http_port is not None:
             http = await start_http_server(router, cfg.host, cfg.http_port, options=cfg.http_options, **edge)

@@ -8,6 +8,7 @@ import math
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -16,6 +17,7 @@ from pdserve.router.edge.grpc_auth import EdgeInterceptor
 from pdserve.router.edge.health import ADMIN, INFERENCE, RouterHealth
 from pdserve.router.edge.limits import InputLimits, check_request
 from pdserve.router.edge.tls import CertificateFiles, grpc_credentials
+from pdserve.router.edge.unknown_fields import unknown_fields, unknown_fields_message
 from pdserve.router.fleet_control import NO_FLIPS, ROLES, ControlPlane, pools_state
 from pdserve.router.handles import RouterError
 from pdserve.router.router import Router
@@ -29,18 +31,30 @@ RETRY_AFTER = "retry-after"  # the same in whole seconds, rounded up, as HTTP's 
 SERVICE_NAMES = (INFERENCE, ADMIN)
 
 
+async def refuse_unknown_fields(request: Message, context: grpc.aio.ServicerContext, allow: bool) -> None:
+    """Abort with INVALID_ARGUMENT naming the field numbers of `request` that this server does not
+    know (they would be dropped in silence), unless `allow` (`--allow-unknown-fields`)."""
+    names = [] if allow else unknown_fields(request)
+    if names:
+        log.info("refused a %s with unknown fields %s", type(request).__name__, names)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, unknown_fields_message(names))
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """The Inference service: checks each request against the input limits, streams its generation
-    from the router with a `RouterError` turned into its gRPC status, and lists the model."""
-    def __init__(self, router: Router, limits: InputLimits = InputLimits()) -> None:
+    from the router with a `RouterError` turned into its gRPC status, and lists the model. A request
+    with fields it does not know is refused unless `allow_unknown_fields`."""
+    def __init__(self, router: Router, limits: InputLimits = InputLimits(), allow_unknown_fields: bool = False) -> None:
         self.router = router
         self.limits = limits
+        self.allow_unknown_fields = allow_unknown_fields
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         # A client's W3C trace context (gRPC metadata keys are lower-case) parents the request's trace.
         carrier = {k: v for k, v in context.invocation_metadata() or () if k in ("traceparent", "tracestate")}
+        await refuse_unknown_fields(request, context, self.allow_unknown_fields)
         try:
             check_request(request, self.limits)
             # The client's deadline (None without one): admission refuses what could not meet it.
@@ -60,19 +74,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
+        await refuse_unknown_fields(request, context, self.allow_unknown_fields)
         return inference_pb2.ListModelsResponse(models=[self.router.model_info()])
 
 
 class AdminServicer(inference_pb2_grpc.AdminServicer):
     """The Admin service: the cluster's stats, role flips by hand and the P:D controller's state,
-    the last two through a `ControlPlane` when this server has one."""
-    def __init__(self, router: Router, control: ControlPlane | None = None) -> None:
+    the last two through a `ControlPlane` when this server has one. A request with fields it does
+    not know is refused unless `allow_unknown_fields`."""
+    def __init__(self, router: Router, control: ControlPlane | None = None, allow_unknown_fields: bool = False) -> None:
         self.router = router
         self.control = control  # role flips and the P:D controller (None: this server has neither)
+        self.allow_unknown_fields = allow_unknown_fields
 
     async def GetStats(
         self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ClusterStats:
+        await refuse_unknown_fields(request, context, self.allow_unknown_fields)
         stats = await self.router.cluster_stats()
         if self.control is not None:
             stats.pools.extend(self.control.pools())
@@ -81,6 +99,7 @@ class AdminServicer(inference_pb2_grpc.AdminServicer):
     async def SetRole(
         self, request: inference_pb2.SetRoleRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.SetRoleResponse:
+        await refuse_unknown_fields(request, context, self.allow_unknown_fields)
         if request.role not in ROLES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {request.role!r} is neither prefill nor decode")
         if not request.worker_id:
@@ -100,6 +119,7 @@ class AdminServicer(inference_pb2_grpc.AdminServicer):
     async def GetController(
         self, request: inference_pb2.GetControllerRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ControllerState:
+        await refuse_unknown_fields(request, context, self.allow_unknown_fields)
         if self.control is None:
             return pools_state(self.router.prefill_policy, self.router.decode_policy)
         return self.control.controller_state()
@@ -114,10 +134,12 @@ async def start_grpc_server(
     limits: InputLimits = InputLimits(),
     control: ControlPlane | None = None,
     reuse_port: bool = False,
+    allow_unknown_fields: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one). With
     `keys`, calls need an API key (health checks excepted); with `tls`, the port speaks only TLS;
-    `control` serves Admin.SetRole and Admin.GetController (None: no flips, no controller)."""
+    `control` serves Admin.SetRole and Admin.GetController (None: no flips, no controller);
+    `allow_unknown_fields`: ignore request fields the messages do not define (else INVALID_ARGUMENT)."""
     options = [
         # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind too and
         # take half of the new connections. Off, a taken port is an error; on only where asked
@@ -126,8 +148,8 @@ async def start_grpc_server(
         ("grpc.max_receive_message_length", limits.max_request_bytes),
     ]
     server = grpc.aio.server(options=options, interceptors=[EdgeInterceptor(keys)])
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router, limits), server)
-    inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, control), server)
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router, limits, allow_unknown_fields), server)
+    inference_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, control, allow_unknown_fields), server)
     health_servicer = RouterHealth(router)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

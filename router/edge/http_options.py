@@ -20,7 +20,7 @@ class HttpOptions:
     keep_alive_s: float = 5.0
     header_s: float = 30.0
     body_s: float = 60.0
-    allow_unknown_fields: bool = False
+    allow_unknown_fields: bool = False  # `pdserve serve` passes it to the gRPC server too
 
     def __post_init__(self) -> None:
         for name in ("keep_alive_s", "header_s", "body_s"):
