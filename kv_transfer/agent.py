@@ -172,7 +172,8 @@ class KvTransferAgent:
             return self._agent.get_agent_metadata()
 
     def connect(self, info: kv_pb2.KvAgentInfo) -> None:
-        """Accept a peer after checking that its KV layout is the same as ours."""
+        """Accept a peer after checking that its KV layout is the same as ours (any width: its
+        shards must hold every KV head of the model), and plan how its blocks come over."""
         if info.protocol_version != PROTOCOL_VERSION:
             raise ValueError(f"protocol_version: peer {info.worker_id} speaks {info.protocol_version}, we speak {PROTOCOL_VERSION}")
         check_compatible(self.compat_hash, info.compat_hash, info.worker_id)
