@@ -471,3 +471,40 @@ def test_silu_and_mul_kernel_matches_the_compiled_chain(dtype, tokens, intermedi
     # and against the eager chain, whose bf16 rounds twice
     eager = silu_and_mul(gate_up.float(), intermediate)
     torch.testing.assert_close(got.float(), eager, **(ulp if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
+
+
+def test_an_import_begun_while_a_step_runs_waits_for_it_outside_the_engine(tiny_model_factory, check_blocks_freed):
+    """A hand-over's blocks may have just been freed by a request whose launched-ahead step still
+    writes them: `begin_import` hands the transfer that step's event (`ImportPlan.device_ready`)
+    instead of synchronizing the device under the engine's lock, and the engine's tokens do not
+    change for it."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.hashing import block_hashes
+
+    model_dir, hf_cpu = tiny_model_factory("llama")
+    prompts = _prompts(hf_cpu.config.vocab_size, seed=400, lengths=(9, 30, 64, 100))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512, overlap_decode=True)
+    check_blocks_freed(llm.engine)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    engine = llm.engine
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    for i, p in enumerate(prompts):
+        engine.add_request(list(p), params, f"r{i}")
+    while engine._inflight is None:  # step until a decode step is launched ahead
+        step()
+    launched = engine._inflight.launch.done
+    imported = list(prompts[1])
+    plan = engine.begin_import(imported, params, "import", block_hashes(imported, engine.cfg.block_size))
+    assert plan.device_ready is launched  # not waited for here, under the caller's lock
+    plan.wait_writable()
+    assert plan.device_ready.query()
+    engine.abort("import")
+    while engine.has_unfinished():
+        step()
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
