@@ -9,6 +9,7 @@ docs/kv-transfer.md, "Block checksums"."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -80,8 +81,8 @@ def mismatched(expected: Sequence[int], got: Sequence[int]) -> list[int]:
 def shard_weights(
     shape: tuple[int, ...], kv_heads: Sequence[int], primary: Sequence[bool], num_kv_heads: int, itemsize: int
 ) -> torch.Tensor:
-    """The weight of each int64 word of one block of a shard ``[layers, 2, tokens, slots,
-    head_dim]`` in the checksum of the whole model's block: that of the word's place in a
+    """The weight of each int64 word (per chunk of words in one row) of one block of a shard
+    ``[layers, 2, tokens, slots, head_dim]`` in the checksum of the whole model's block: that of the word's place in a
     single-process pool's block, 0 in a slot whose head is counted elsewhere (`primary` false).
     Summed over every shard of a worker, a block's checksum is then the one a single-process
     worker computes for the same KV (`block_checksums`), whatever the widths."""
@@ -90,9 +91,12 @@ def shard_weights(
         raise ValueError(f"head_dim: {head_dim} values of {itemsize} bytes are not a whole number of int64 words")
     w = head_dim * itemsize // 8  # words of one head in one token
     cols = _row_words(layers * kv * tokens * num_kv_heads * w)
+    # Words are taken in chunks of g, which never straddle a row of the whole block (g divides
+    # the row and a head's words start on a multiple of g): one weight per chunk, summed first.
+    g = math.gcd(w, cols)
     place = torch.arange(layers * kv * tokens, dtype=torch.int64)[:, None, None] * num_kv_heads
     heads = torch.tensor(list(kv_heads), dtype=torch.int64)[None, :, None]
-    word = (place + heads) * w + torch.arange(w, dtype=torch.int64)[None, None, :]
+    word = (place + heads) * w + torch.arange(0, w, g, dtype=torch.int64)[None, None, :]
     weights = (word // cols) * 2 + 1
     weights[:, [not p for p in primary], :] = 0
     return weights.reshape(-1)
@@ -106,7 +110,11 @@ def sharded_block_checksums(
     total: torch.Tensor | None = None
     for shard, weight in zip(shards, weights):
         words = block_words(shard)
-        out = [(words[first : first + count] * weight).sum(dim=1) for first, count in _runs(block_ids)]
+        g = words.shape[1] // weight.numel()  # words per weight (`shard_weights`)
+        out = [
+            (words[first : first + count].view(count, -1, g).sum(dim=2) * weight).sum(dim=1)
+            for first, count in _runs(block_ids)
+        ]
         part = torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=words.device)
         total = part if total is None else total + part  # int64 wraps: modulo 2^64
     return as_fixed64(total) if total is not None else []

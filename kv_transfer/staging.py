@@ -82,7 +82,9 @@ def copy_out(
         nbytes = n * remote[p].block_bytes
         shape = (n, layers, kv, tokens, len(remote[p].kv_heads), head_dim)
         staged[p] = staging[at : at + nbytes].view(dtype).view(shape)
-    index = torch.tensor(list(local_ids), dtype=torch.int64, device=pools[0].device)
+    blocks = coalesce(local_ids, range(n))  # (first local block, first staged block, count)
     for run in runs:
         src = staged[run.src][:, :, :, :, run.src_slot : run.src_slot + run.count]
-        pools[run.dst][index, :, :, :, run.dst_slot : run.dst_slot + run.count] = src
+        dst = pools[run.dst][:, :, :, :, run.dst_slot : run.dst_slot + run.count]
+        for first, k, count in blocks:  # one strided copy per run of consecutive local blocks
+            dst[first : first + count].copy_(src[k : k + count])
