@@ -14,8 +14,11 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 def unknown_fields(message: Message, path: str = "") -> list[str]:
     """Each unknown field of `message` and of the messages it holds, as `path` + its number
-    (`17`, `sampling_params.99`, `messages[2].5`), each once, in the order found."""
-    found = [f"{path}{f.field_number}" for f in UnknownFieldSet(message)]
+    (`17`, `sampling_params.99`, `messages[2].5`), each once, in the order found. A number the
+    message defines, sent with another wire type (protobuf keeps that aside too), is marked so."""
+    known = message.DESCRIPTOR.fields_by_number
+    found = [f"{path}{f.field_number}" + (" (the wrong wire type)" if f.field_number in known else "")
+             for f in UnknownFieldSet(message)]
     for fd, value in message.ListFields():
         if fd.message_type is None:
             continue

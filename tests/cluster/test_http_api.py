@@ -96,7 +96,7 @@ def test_bad_requests_get_the_openai_error_body(cluster, path, body, status, par
 
 def test_openai_client_raises_its_own_errors(client):
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=17)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi")
 

@@ -2,7 +2,8 @@
 hostile values (NaN, infinities, integers past every bound, lone surrogates, wrong types, deep
 nesting) and valid requests with their bytes mutated. Every answer must be a success or the
 client's fault (HTTP 2xx/4xx, gRPC OK / INVALID_ARGUMENT / NOT_FOUND / RESOURCE_EXHAUSTED), never
-a 5xx, UNKNOWN or INTERNAL, never a hang (each call has a deadline), and no thread may be left
+a 5xx, UNKNOWN or INTERNAL, never a hang (each call has a deadline), a refusal names the field at
+fault (penalties, logit_bias and min_tokens among the fuzzed ones), and no thread may be left
 spinning; afterwards the server still serves a greedy request its exact tokens.
 
 The router is served in process over worker doubles (`edge_server`, a decode double that emits
@@ -45,7 +46,10 @@ _NASTY_STRINGS = ["", "a", "hello world", "\ud800", "a\udc00b", "\x00", "\u202e"
                   "😀" * 10, "m", "user", "system", "assistant", "tool", "robot", "the quick brown fox"]
 _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
            "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "n", "user", "logprobs",
-           "echo", "suffix", "response_format", "unknown_field"]
+           "echo", "suffix", "response_format", "unknown_field", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "logit_bias", "min_tokens", "top_logprobs"]
+# logit_bias keys as JSON writes them: token ids in and out of range, and what is no token id at all.
+_BIAS_KEYS = ["0", "13", "299", "300", "4294967295", "4294967296", "-1", "1e3", "x", "", " 7", "\u0663", "07"]
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
@@ -60,6 +64,10 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
     if kind < 0.9:
         return {"role": rng.choice(_NASTY_STRINGS), "content": _value(rng, depth + 1)}
     return {rng.choice(_FIELDS + ["type", "text", "include_usage"]): _value(rng, depth + 1)}
+
+
+def _logit_bias(rng: random.Random) -> dict[str, Any]:
+    return {rng.choice(_BIAS_KEYS): rng.choice(_NASTY_NUMBERS + [None, "1", True, [1]]) for _ in range(rng.randrange(0, 4))}
 
 
 def _messages(rng: random.Random) -> Any:
@@ -77,7 +85,7 @@ def _body(rng: random.Random, chat: bool) -> dict[str, Any]:
     body["max_tokens"] = rng.choice([1, 4, 16, 300])
     for _ in range(rng.randrange(0, 5)):
         name = rng.choice(_FIELDS)
-        body[name] = _value(rng)
+        body[name] = _logit_bias(rng) if name == "logit_bias" and rng.random() < 0.7 else _value(rng)
     if rng.random() < 0.2:
         body.pop(rng.choice(list(body)), None)
     return body
@@ -138,9 +146,19 @@ def _grpc_request(rng: random.Random) -> pb.GenerateRequest:
         ("top_k", lambda: rng.choice([-(2**31), -2, -1, 0, 1, 50, 2**31 - 1])),
         ("seed", lambda: rng.choice([0, 1, 2**63, 2**64 - 1])),
         ("ignore_eos", lambda: rng.random() < 0.5),
+        ("presence_penalty", lambda: rng.choice(floats)),
+        ("frequency_penalty", lambda: rng.choice(floats)),
+        ("repetition_penalty", lambda: rng.choice(floats)),
+        ("min_tokens", lambda: rng.choice([0, 1, 5, 300, 2**32 - 1])),
+        ("n", lambda: rng.choice([0, 1, 2, 16, 17, 2**32 - 1])),
+        ("logprobs", lambda: rng.random() < 0.5),
+        ("top_logprobs", lambda: rng.choice([0, 2, 20, 21, 2**32 - 1])),
     ):
         if rng.random() < 0.5:
             setattr(sp, name, choose())
+    if rng.random() < 0.3:
+        for _ in range(rng.randrange(0, 4)):
+            sp.logit_bias[rng.choice([0, 7, 299, 300, 2**32 - 1])] = rng.choice(floats)
     if rng.random() < 0.3:
         sp.stop.extend(rng.choice(["", "x", "\u202e", "y" * 300]) for _ in range(rng.randrange(0, 20)))
     if rng.random() < 0.3:
@@ -204,6 +222,30 @@ def test_fuzzed_http_json_is_answered_2xx_or_4xx_never_5xx():
     assert not bad, bad[:5]
     statuses = {status for _, (status, _) in results}
     assert 200 in statuses and 400 in statuses, statuses  # the fuzz reached both sides
+    # A 400 for a JSON object names the field at fault: one the body has (or `prompt`/`messages`,
+    # which a body may lack), or a part of one (`messages[0].content`, `logit_bias[13]`).
+    unnamed = [(body, text[:300]) for body, status, text in _json_objects(results)
+               if status == 400 and _param_root(text) not in {*body, "prompt", "messages"}]
+    assert not unnamed, unnamed[:5]
+
+
+def _json_objects(results: list[Any]) -> list[tuple[dict[str, Any], int, str]]:
+    """The cases whose body is a JSON object, with their answers."""
+    out = []
+    for (_, data), (status, text) in results:
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
+            continue
+        if isinstance(body, dict):
+            out.append((body, status, text))
+    return out
+
+
+def _param_root(text: str) -> str | None:
+    """The field an OpenAI error body names (its `param`, up to the first `[` or `.`)."""
+    param = json.loads(text)["error"]["param"]
+    return None if param is None else param.split("[")[0].split(".")[0]
 
 
 _ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -226,3 +268,14 @@ def test_fuzzed_grpc_messages_are_answered_ok_or_invalid_argument_never_unknown(
     assert not bad, bad[:5]
     codes = {code for _, (code, _) in results}
     assert {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT} <= codes, codes
+    # Each refusal names what is at fault: a field (`sampling_params.logit_bias[300]: ...`), unknown
+    # field numbers, or the request itself when its bytes are no message at all.
+    unnamed = [(data[:100], details[:300]) for data, (code, details) in results
+               if code == grpc.StatusCode.INVALID_ARGUMENT and not _names_what(details)]
+    assert not unnamed, unnamed[:5]
+
+
+def _names_what(details: str) -> bool:
+    """Does a refusal start with what it is about (`field: reason`, or `unknown fields N, ...`)?"""
+    head, sep, _ = details.partition(": ")
+    return details.startswith("unknown fields ") or bool(sep and head and " " not in head)

@@ -56,6 +56,8 @@ def test_unknown_fields_are_found_at_every_depth():
     parsed = pb.GenerateRequest.FromString(_with_unknowns())
     assert unknown_fields(parsed) == ["99", "messages[0].9", "sampling_params.77"]
     assert unknown_fields(pb.GenerateRequest(prompt="hi", sampling_params=pb.SamplingParams(n=2, seed=1))) == []
+    # A defined number with another wire type (here prompt, 2, as a varint) is set aside as unknown too.
+    assert unknown_fields(pb.GenerateRequest.FromString(_varint_field(2, 1))) == ["2 (the wrong wire type)"]
 
 
 async def _call(allow: bool, method: str, payload: bytes, stream: bool) -> tuple[grpc.StatusCode, str, list[bytes]]:
