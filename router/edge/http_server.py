@@ -29,6 +29,7 @@ from pdserve.router.edge.openai_api import (
     ParsedRequest,
     StreamEvents,
     completion_of,
+    echoed_prompt,
     from_router_error,
     models,
     parse_request,
@@ -108,6 +109,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         parsed = parse_request(body, chat, router.config.model_id, options.allow_unknown_fields)
         check_request(parsed.request, request.app[_LIMITS])
+        prefix = echoed_prompt(parsed, _prompt_text(router)) if parsed.echo else ""
     except ApiError as exc:
         return _error(exc)
     except RouterError as exc:
@@ -122,8 +124,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             log.info("request %s failed: %s %s", parsed.id, exc.code.name, exc.message)
             return _router_error(exc, chat)
         if parsed.stream:
-            return await _stream(request, parsed, first, chunks, _token_text(router))
-        return await _collect(parsed, first, chunks, _token_text(router))
+            return await _stream(request, parsed, first, chunks, _token_text(router), prefix)
+        return await _collect(parsed, first, chunks, _token_text(router), prefix)
     finally:
         # A client that went away (or an error) closes the generator: the router aborts the
         # request on its workers and frees its KV blocks.
@@ -134,6 +136,12 @@ def _token_text(router: Router) -> Callable[[int], str]:
     """A token's text as logprobs show it: the token decoded alone."""
     tokenizer = router.tokenizer
     return (lambda t: str(t)) if tokenizer is None else (lambda t: tokenizer.decode([t]))
+
+
+def _prompt_text(router: Router) -> Callable[[list[int]], str] | None:
+    """A prompt of token ids as text, for `echo` (None: the model has no tokenizer)."""
+    tokenizer = router.tokenizer
+    return None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
 
 
 def _chunk_logprobs(
@@ -153,7 +161,9 @@ async def _collect(
     first: inference_pb2.GenerateResponse,
     rest: AsyncIterator[inference_pb2.GenerateResponse],
     decode: Callable[[int], str],
+    prefix: str = "",
 ) -> web.Response:
+    """The whole answer, once every choice has ended; `prefix` (echo) starts each choice's text."""
     by_choice: list[list[inference_pb2.GenerateResponse]] = [[] for _ in range(parsed.n)]
     by_choice[first.index].append(first)
     try:
@@ -162,7 +172,7 @@ async def _collect(
     except RouterError as exc:
         return _router_error(exc, parsed.chat)
     choices = [
-        Choice("".join(c.text for c in chunks), chunks[-1].finish_reason, _chunk_logprobs(parsed, chunks, decode))
+        Choice(prefix + "".join(c.text for c in chunks), chunks[-1].finish_reason, _chunk_logprobs(parsed, chunks, decode))
         for chunks in by_choice
     ]
     u = total_usage([chunks[-1].usage for chunks in by_choice])
@@ -175,7 +185,9 @@ async def _stream(
     first: inference_pb2.GenerateResponse,
     rest: AsyncIterator[inference_pb2.GenerateResponse],
     decode: Callable[[int], str],
+    prefix: str = "",
 ) -> web.StreamResponse:
+    """Server-sent events as the choices' messages come; `prefix` (echo) starts each choice's first."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     chunk = first
@@ -189,7 +201,8 @@ async def _stream(
         while True:
             i = chunk.index
             logprobs = _chunk_logprobs(parsed, [chunk], decode, offsets[i])
-            await resp.write(_sse(events.chunk(chunk.text, chunk.finish_reason, not started[i], logprobs, i)))
+            text = chunk.text if started[i] else prefix + chunk.text
+            await resp.write(_sse(events.chunk(text, chunk.finish_reason, not started[i], logprobs, i)))
             started[i] = True
             offsets[i] += len(chunk.text)
             if chunk.finish_reason:

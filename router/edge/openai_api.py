@@ -12,6 +12,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -89,6 +90,7 @@ class ParsedRequest:
     include_usage: bool
     fill_context: bool = False  # no max_tokens in a chat request: generate up to the end of the context
     n: int = 1  # choices, each its own `index` in the answer
+    echo: bool = False  # completions: each choice's text starts with the prompt's
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -283,13 +285,26 @@ def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields
     req.sampling_params.CopyFrom(_sampling(body, chat))
     if n is not None and n > 1:
         req.sampling_params.n = n
+    echo = bool(_typed(body, "echo", (bool,), "a boolean"))  # a field of completions only (openai_fields)
+    if echo and req.sampling_params.logprobs:
+        raise _bad("echo", "not with logprobs: they would need the prompt's logprobs, which this server does not compute")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req.request_id = rid
     fill_context = chat and not req.sampling_params.HasField("max_tokens")
-    return ParsedRequest(req, rid, served_model, chat, stream, include_usage, fill_context, n or 1)
+    return ParsedRequest(req, rid, served_model, chat, stream, include_usage, fill_context, n or 1, echo)
 
 
 # ----- responses ------------------------------------------------------------------------------
+
+
+def echoed_prompt(p: ParsedRequest, decode: Callable[[list[int]], str] | None) -> str:
+    """What `echo` puts before each choice's text: the prompt as sent, or a prompt of token ids
+    as `decode` writes it (ApiError naming `echo` when there is no tokenizer to)."""
+    if p.request.prompt:
+        return p.request.prompt
+    if decode is None:
+        raise _bad("echo", "this model has no tokenizer to write a prompt of token ids as text")
+    return decode(list(p.request.prompt_token_ids))
 
 
 def usage(u: inference_pb2.Usage) -> dict[str, Any]:

@@ -87,7 +87,7 @@ FIELDS: Mapping[str, Field] = MappingProxyType({
     "logprobs": _served(BOTH, "chat: a boolean; completions: N, the top N too, N in [0, 20]"),
     "top_logprobs": _served(CHAT, "[0, 20]; with logprobs: true"),
     "prompt_logprobs": _refused(BOTH, "log probabilities are not returned yet"),
-    "echo": _refused(COMPLETIONS, "the prompt is not returned", False),
+    "echo": _served(COMPLETIONS, "the prompt's text before each choice's; not with logprobs"),
     "suffix": _refused(COMPLETIONS, "no insertion", ""),
     # Structured output, tools and other kinds of output.
     "response_format": _served(BOTH, "text, json_object, json_schema: the output is held to it by a grammar"),

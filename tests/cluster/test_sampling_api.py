@@ -236,3 +236,20 @@ def test_n_out_of_range_is_refused_naming_it(client, channel):
         list(pbg.InferenceStub(channel).Generate(
             pb.GenerateRequest(prompt="hi", sampling_params=pb.SamplingParams(n=0)), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params.n" in err.value.details()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_before_each_choice(client, offline, stream):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.0, n=2, echo=True, stream=stream)
+    texts = ["", ""]
+    for c in out if stream else [out]:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    expected, _ = offline_text(offline, PROMPT, max_tokens=6, temperature=0.0)
+    assert texts == [PROMPT + expected] * 2
+    ids = offline.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0.0, echo=True)
+    assert by_ids.choices[0].text == offline.tokenizer.decode(ids) + expected
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+    assert info.value.body["param"] == "echo"

@@ -130,3 +130,37 @@ def test_a_request_field_holding_the_text_marker_still_gets_its_own_json():
     p = dataclasses.replace(p, id="cmpl-\x00text\x00")  # the id now holds the marker: no template
     for text in ("x", "\x00text\x00"):
         assert StreamEvents(p).chunk(text, "", False) == json.dumps(stream_chunk(p, text, "", False), separators=(",", ":"))
+
+
+def test_echo_puts_the_prompt_before_each_choice_and_refuses_logprobs():
+    from pdserve.router.edge.openai_api import echoed_prompt
+
+    p = parse({"prompt": "Once upon", "echo": True, "n": 2})
+    assert p.echo and p.n == 2 and echoed_prompt(p, None) == "Once upon"
+    ids = parse({"prompt": [5, 6], "echo": True})
+    assert echoed_prompt(ids, lambda t: "|".join(map(str, t))) == "5|6"
+    with pytest.raises(ApiError) as err:
+        echoed_prompt(ids, None)  # token ids and no tokenizer to write them
+    assert err.value.param == "echo"
+    with pytest.raises(ApiError) as err:
+        parse({"prompt": "hi", "echo": True, "logprobs": 1})
+    assert err.value.param == "echo" and "logprobs" in err.value.message
+    assert not parse({"prompt": "hi", "echo": False}).echo
+    with pytest.raises(ApiError) as err:
+        parse({"prompt": "hi", "echo": "yes"})
+    assert err.value.param == "echo"
+
+
+def test_several_choices_answer_in_index_order_with_the_prompt_counted_once():
+    from pdserve.router.edge.openai_api import Choice, completion_of, total_usage
+
+    p = parse({"prompt": "hi", "n": 2})
+    from pdserve_proto import inference_pb2
+
+    u = total_usage([inference_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1),
+                     inference_pb2.Usage(prompt_tokens=3, completion_tokens=5, cached_prompt_tokens=2)])
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens) == (3, 7, 1)
+    out = completion_of(p, [Choice("a", "stop"), Choice("b", "length")], u)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]] == [(0, "a", "stop"), (1, "b", "length")]
+    assert out["usage"]["total_tokens"] == 10
+    assert stream_chunk(p, "x", "", first=False, index=1)["choices"][0]["index"] == 1

@@ -48,11 +48,12 @@ SERVED_SAMPLES: dict[str, Any] = {
     "guided_regex": "a+",
     "guided_choice": ["a", "b"],
     "guided_grammar": 'root ::= "x"',
+    "echo": True,
 }
 # A value of each refused field that asks for something.
 REFUSED_SAMPLES: dict[str, Any] = {
     "min_p": 0.1, "best_of": 3, "use_beam_search": True,
-    "prompt_logprobs": 1, "echo": True, "suffix": "end",
+    "prompt_logprobs": 1, "suffix": "end",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "parallel_tool_calls": "yes",
     "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",
@@ -76,7 +77,7 @@ def _parse(body: dict[str, Any], api: Api, allow_unknown: bool = False) -> Parse
 def _what(p: ParsedRequest) -> tuple[Any, ...]:
     """What a parse asks of the router and the answer's shape (its random id and time left out)."""
     p.request.request_id = ""
-    return p.request.SerializeToString(deterministic=True), p.stream, p.include_usage, p.fill_context
+    return p.request.SerializeToString(deterministic=True), p.stream, p.include_usage, p.fill_context, p.echo
 
 
 def test_every_field_of_the_table_has_a_sample():
