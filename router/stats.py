@@ -71,6 +71,9 @@ class StreamMetrics:
 
     def chunk(self, chunk: inference_pb2.GenerateResponse) -> None:
         m, now, n = self.m, time.monotonic(), len(chunk.token_ids)
+        if chunk.index:  # a later choice of `n`: its tokens count; the latencies are the first choice's
+            m.generation_tokens.inc(n)
+            return
         if self.first:
             self.first = False
             self.first_at = now

@@ -126,3 +126,27 @@ def test_a_first_choice_that_ends_before_decoding_lets_the_others_place_freely()
     out = asyncio.run(_collect(fan_out(choices.serve, _request(2), 2)))
     assert sorted(o.index for o in out) == [0, 1]
     assert choices.calls[1] == ("r-1", None, 0)
+
+
+def test_stream_metrics_take_latencies_from_the_first_choice_and_count_every_token():
+    from opentelemetry import trace
+
+    from pdserve.router.stats import StreamMetrics
+    from pdserve.telemetry.metrics import RouterMetrics
+
+    class Window:
+        def __init__(self) -> None:
+            self.samples: list[tuple[float, float | None]] = []
+
+        def add(self, now: float, ttft: float, itl: float | None) -> None:
+            self.samples.append((ttft, itl))
+
+    metrics, window = RouterMetrics(), Window()
+    observed = StreamMetrics(metrics, trace.NoOpTracer().start_span("r"), window)  # type: ignore[arg-type]
+    for index, tokens, reason in [(0, 1, ""), (0, 1, ""), (1, 1, ""), (1, 2, "length"), (0, 1, "stop")]:
+        observed.chunk(pb.GenerateResponse(index=index, token_ids=[5] * tokens, finish_reason=reason))
+    value = lambda name: metrics.registry.get_sample_value(name)  # noqa: E731
+    assert value("pdserve_generation_tokens_total") == 6
+    assert value("pdserve_time_to_first_token_seconds_count") == 1
+    assert value("pdserve_inter_token_latency_seconds_count") == 2  # choice 0's two gaps only
+    assert len(window.samples) == 1 and observed.outcome == "stop"
