@@ -253,3 +253,15 @@ def test_echo_puts_the_prompt_before_each_choice(client, offline, stream):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
     assert info.value.body["param"] == "echo"
+
+
+def test_cancelling_n_choices_mid_stream_frees_every_block(channel, wait_until, blocks_free):
+    sp = pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, n=3)
+    call = pbg.InferenceStub(channel).Generate(pb.GenerateRequest(prompt=PROMPT, sampling_params=sp), timeout=120)
+    seen = set()
+    for c in call:
+        seen.add(c.index)
+        if len(seen) == 3:  # every choice is decoding
+            break
+    call.cancel()
+    wait_until(blocks_free(channel), 15, "every KV block to be freed after cancelling n=3")
