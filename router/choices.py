@@ -36,9 +36,6 @@ class ChoiceAnchor:
             self.worker = worker
             self._event.set()
 
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
     async def wait(self) -> str | None:
         await self._event.wait()
         return self.worker
