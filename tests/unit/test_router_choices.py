@@ -145,8 +145,35 @@ def test_stream_metrics_take_latencies_from_the_first_choice_and_count_every_tok
     observed = StreamMetrics(metrics, trace.NoOpTracer().start_span("r"), window)  # type: ignore[arg-type]
     for index, tokens, reason in [(0, 1, ""), (0, 1, ""), (1, 1, ""), (1, 2, "length"), (0, 1, "stop")]:
         observed.chunk(pb.GenerateResponse(index=index, token_ids=[5] * tokens, finish_reason=reason))
-    value = lambda name: metrics.registry.get_sample_value(name)  # noqa: E731
+    value = lambda name: metrics.registry.get_sample_value(name)
     assert value("pdserve_generation_tokens_total") == 6
     assert value("pdserve_time_to_first_token_seconds_count") == 1
     assert value("pdserve_inter_token_latency_seconds_count") == 2  # choice 0's two gaps only
     assert len(window.samples) == 1 and observed.outcome == "stop"
+
+
+def test_n_choices_through_the_http_edge_over_worker_doubles():
+    import json
+
+    import aiohttp
+
+    from tests.unit.edge_server import OnePollDecode, served
+
+    async def run() -> tuple[dict, list[dict], list[str]]:
+        async with served(decode=OnePollDecode()) as s, aiohttp.ClientSession() as http:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4, "n": 3}
+            async with http.post(f"{s.http}/v1/completions", json=body) as r:
+                whole = await r.json()
+            stream = body | {"stream": True, "stream_options": {"include_usage": True}}
+            async with http.post(f"{s.http}/v1/completions", json=stream) as r:
+                events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+            return whole, [json.loads(e) for e in events[:-1]], events[-1:]
+
+    whole, events, done = asyncio.run(run())
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert {c["finish_reason"] for c in whole["choices"]} == {"length"}
+    assert whole["usage"]["completion_tokens"] == 12 and whole["usage"]["prompt_tokens"] == 3
+    per_choice = {i: [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i] for i in range(3)}
+    for chunks in per_choice.values():
+        assert [bool(c["finish_reason"]) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert events[-1]["usage"]["completion_tokens"] == 12 and done == ["[DONE]"]
