@@ -13,7 +13,7 @@ from opentelemetry import trace
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.decode_worker.decoder import DecodeConfig, DecodeWorker
 from pdserve.engine.args import engine_options
-from pdserve.engine.config import EngineConfig, ModelConfig, Role
+from pdserve.engine.config import EngineConfig, ModelConfig, Role, worker_detokenizes
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.hashing import HASH_VERSION
 from pdserve.kv_transfer.agent import KvTransferAgent
@@ -61,7 +61,7 @@ def engine_config(cfg: ServeConfig, role: Role, model_dir: Path, device: str, dt
         role=role,
         workers_on_host=cfg.num_prefill + cfg.num_decode,  # they share the host's memory, as its cores
         tensor_parallel_size=cfg.prefill_tensor_parallel_size if role == "prefill" else cfg.decode_tensor_parallel_size,
-        detokenize=role != "decode",  # the router turns decode tokens into text
+        detokenize=worker_detokenizes(role),
     )
 
 

@@ -175,6 +175,14 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+def worker_detokenizes(role: Role) -> bool:
+    """Whether a serving worker's engine turns tokens into text: only a prefill worker's, whose
+    first token may already end the answer at a stop string. For decode and colocated workers
+    the router turns the tokens into text and cuts at stop strings; doing it in the engine too
+    would cost two tokenizer decodes a sequence, every step, on the engine's thread."""
+    return role == "prefill"
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig(EngineArgs):
     """How an engine instance runs: the server-wide `EngineArgs` plus what this instance adds.
@@ -201,13 +209,13 @@ class EngineConfig(EngineArgs):
     cuda_graph_max_batch: int = 512  # decode batches up to this run as CUDA graphs (capped by max_num_seqs)
     # Mixed steps (a prompt chunk beside running decodes): the one-query rows attend through the
     # Triton split-KV decode kernel, the rest through flash-attn (kernels/mixed_attention.py).
-    # False (the default): off, since on an H200 it was no faster (docs/benchmarks.md); None: on
-    # where flash-attn is the backend and the Triton decode kernels import (CUDA) and are not
-    # turned off (`triton_decode_kernels=False`); True: required (an error naming what is
-    # missing; any backend).
-    mixed_decode_attention: bool | None = False
+    # None (the default): where flash-attn is the backend and the Triton decode kernels import
+    # (CUDA) and are not turned off (`triton_decode_kernels=False`), for mixed steps of at least
+    # `SPLIT_MIN_DECODES` decodes, where it is faster; True: every mixed step (an error naming
+    # what is missing; any backend); False: off.
+    mixed_decode_attention: bool | None = None
     seed: int = 0
-    detokenize: bool = True  # False where another process turns tokens into text (decode workers)
+    detokenize: bool = True  # False where another process turns tokens into text (`worker_detokenizes`)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
     # Ranks the model is split over, one process each (pdserve/engine/parallel/); CPU (gloo) only so far.
     tensor_parallel_size: int = 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pdserve.engine import handover
 from pdserve.engine.block_manager import BlockManager, BlockStats
-from pdserve.engine.config import EngineConfig, ModelConfig, Role
+from pdserve.engine.config import EngineConfig, ModelConfig, Role, worker_detokenizes
 from pdserve.engine.detokenizer import load_tokenizer
 from pdserve.engine.grammar import GrammarMasks
 from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
@@ -176,7 +176,7 @@ class LLMEngine:
         held = self.holds_requests()
         if held:
             raise RuntimeError(f"switch_role: the engine still holds {held} requests; drain it first")
-        self.cfg = replace(self.cfg, role=role, detokenize=role != "decode")
+        self.cfg = replace(self.cfg, role=role, detokenize=worker_detokenizes(role))
         self.scheduler.limits = replace(self.scheduler.limits, role=role)
         self._overlap = self._overlaps(role)
 

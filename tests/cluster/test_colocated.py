@@ -96,6 +96,26 @@ def test_openai_http_api_on_a_colocated_cluster(cluster, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
 
 
+def test_a_stop_string_cuts_a_colocated_answer_and_frees_its_blocks(cluster, channel, offline, wait_until, blocks_free):
+    """The colocated worker's engine does not turn tokens into text (the router does): the
+    router cuts the answer at the stop string, as the offline engine does, and the request's
+    blocks are freed."""
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    prompt = offline.chat_prompt(messages)
+    free = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    stop = free.text[len(free.text) // 2 :][:3]
+    assert stop.strip(), f"no text to stop at in {free.text!r}"
+    expected = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)))[0]
+    assert expected.finish_reason == "stop"
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert answer.choices[0].message.content == expected.text and answer.choices[0].finish_reason == "stop"
+    wait_until(blocks_free(channel), 15, "every KV block to be freed")
+
+
 def test_a_colocated_cluster_grows_a_prefill_pool_and_shrinks_back(
     loop_thread, cluster, channel, offline, wait_until, blocks_free, greedy
 ):

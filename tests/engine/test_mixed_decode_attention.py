@@ -19,7 +19,7 @@ import torch
 
 from pdserve import LLM
 from pdserve.engine.kernels.attention import TorchAttention
-from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
+from pdserve.engine.kernels.mixed_attention import SPLIT_MIN_DECODES, MixedDecodeAttention, mixed_step_backend
 from pdserve.engine.kernels.row_split import split_rows
 from tests.engine.greedy_reference import assert_same, mixed_prompts
 from tests.engine.mixed_attention_cases import BLOCK_SIZES, HEADS, LAYOUTS, TorchDecodes, check, paged_case, reference
@@ -65,6 +65,22 @@ def test_steps_that_are_not_mixed_reach_the_wrapped_backend_unchanged(seqs):
     assert len(spy.calls) == 1 and spy.calls[0][0] is q and spy.calls[0][1] is meta
     assert torch.equal(out, TorchAttention().attend(q, k_cache, v_cache, meta, 0.25))
     assert split.mixed_steps == 0
+
+
+def test_mixed_steps_with_fewer_decodes_than_the_threshold_attend_whole():
+    """By default (`min_decodes`) a mixed step's decodes attend apart only where there are enough
+    of them to gain: with fewer the step reaches the wrapped backend unchanged."""
+    seqs = [(15, 1), (100, 1), (0, 37), (30, 1)]  # three decodes beside one chunk
+    q, k_cache, v_cache, meta = paged_case(seqs, 16, 4, 2, 16, seed=3)
+    spy = _Spy()
+    whole = MixedDecodeAttention(spy, _never, min_decodes=4)
+    out = whole.attend(q, k_cache, v_cache, meta, 0.25)
+    assert len(spy.calls) == 1 and spy.calls[0][0] is q and whole.mixed_steps == 0
+    assert torch.equal(out, TorchAttention().attend(q, k_cache, v_cache, meta, 0.25))
+    split = MixedDecodeAttention(TorchAttention(), TorchDecodes(), min_decodes=3)
+    got = split.attend(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta, 0.25).float(), rtol=1e-5, atol=1e-5)
+    assert split.mixed_steps == 1
 
 
 def test_a_new_step_gets_a_new_plan():
@@ -157,9 +173,11 @@ def test_which_backend_prefill_and_mixed_steps_get():
     assert mixed_step_backend(_FLASH, cuda, None, None) is _FLASH
     split = mixed_step_backend(_FLASH, cuda, _KERNELS, None)  # the default on a GPU with flash-attn
     assert isinstance(split, MixedDecodeAttention) and split.prefill is _FLASH
+    assert split.min_decodes == SPLIT_MIN_DECODES  # by default only where the split gains
     assert mixed_step_backend(_FLASH, cuda, _KERNELS, False) is _FLASH
     assert mixed_step_backend(torch_backend, cuda, _KERNELS, None) is torch_backend  # only asked for
-    assert isinstance(mixed_step_backend(torch_backend, cuda, _KERNELS, True), MixedDecodeAttention)
+    required = mixed_step_backend(torch_backend, cuda, _KERNELS, True)
+    assert isinstance(required, MixedDecodeAttention) and required.min_decodes == 1  # every mixed step
 
 
 def test_cpu_engines_attend_as_before(tiny_model_factory):

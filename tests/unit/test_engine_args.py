@@ -98,7 +98,7 @@ def test_a_workers_engine_config_carries_the_servers_engine_settings(role, tmp_p
     assert engine_options(ec) == expected
     assert (ec.model, ec.device, ec.dtype, ec.role) == (str(tmp_path), "cpu", torch.bfloat16, role)
     assert ec.workers_on_host == 5
-    assert ec.detokenize is (role != "decode")  # the router turns decode tokens into text
+    assert ec.detokenize is (role == "prefill")  # the router turns decode and colocated tokens into text
 
 
 def test_batch_limits_come_from_the_device_when_unset():
