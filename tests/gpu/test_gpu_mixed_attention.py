@@ -147,15 +147,20 @@ def test_split_mixed_steps_do_not_change_tokens(step_graphs, tiny_model_factory,
         assert identical >= len(prompts) - 2
 
 
-def test_the_split_is_off_by_default_and_follows_triton_decode_when_auto(tiny_model_factory):
+def test_the_split_is_on_by_default_for_large_mixed_steps_and_follows_triton_decode(tiny_model_factory):
+    """By default (None) mixed steps of SPLIT_MIN_DECODES decodes or more split, where the Triton
+    decode kernels are on; True splits every mixed step; False none."""
     from pdserve import LLM
-    from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
+    from pdserve.engine.kernels.mixed_attention import SPLIT_MIN_DECODES, MixedDecodeAttention
 
     _flash(), _decodes()
     model_dir, _ = tiny_model_factory("llama")
-    for options, split in [({}, False), ({"mixed_decode_attention": None}, True),
-                           ({"mixed_decode_attention": None, "triton_decode_kernels": False}, False),
-                           ({"triton_decode_kernels": False, "mixed_decode_attention": True}, True)]:  # fmt: skip
+    for options, split in [({}, SPLIT_MIN_DECODES), ({"mixed_decode_attention": None}, SPLIT_MIN_DECODES),
+                           ({"mixed_decode_attention": False}, None),
+                           ({"mixed_decode_attention": None, "triton_decode_kernels": False}, None),
+                           ({"triton_decode_kernels": False, "mixed_decode_attention": True}, 1)]:  # fmt: skip
         llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=64, use_cuda_graphs=False, **options)
-        assert isinstance(llm.engine.runner.step_backend, MixedDecodeAttention) == split, options
+        backend = llm.engine.runner.step_backend
+        assert isinstance(backend, MixedDecodeAttention) == (split is not None), options
+        assert split is None or backend.min_decodes == split, options
         del llm
