@@ -16,6 +16,7 @@ import torch
 import pdserve.kv_transfer.agent as agent_mod
 from bench.read_gil import polling_mode
 from pdserve.kv_transfer.agent import KvTransferAgent
+from pdserve.kv_transfer.shards import whole_pool
 
 POLLS = 5
 
@@ -55,6 +56,8 @@ def stub_agent() -> KvTransferAgent:
     agent._remotes = {
         "peer": SimpleNamespace(num_blocks=8, pool_address=1 << 20, device_id=0, memory_type="DRAM"),
     }
+    agent.shards = whole_pool(1, agent.block_bytes)  # one rank each side: a direct READ
+    agent._peers = {"peer": (agent.shards, None)}
     return agent
 
 
