@@ -323,9 +323,11 @@ def channel(cluster: Any) -> Iterator[grpc.Channel]:
         yield ch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def offline() -> Any:
-    """The same model run offline in this process, for token-for-token comparisons."""
+    """The same model run offline in this process, for token-for-token comparisons: one for
+    every module (loading it per module cost seconds each on the 2-core host; its prefix cache
+    changes no token)."""
     from pdserve import LLM
 
     return LLM(device="cpu", dtype="float32", num_kv_blocks=512)

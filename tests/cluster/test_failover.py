@@ -29,11 +29,6 @@ def failovers(c: Any, stage: str) -> float:
     return c.router.metrics.registry.get_sample_value("pdserve_failovers_total", {"stage": stage}) or 0.0
 
 
-@pytest.fixture(scope="module")
-def offline(model_dir: Any) -> LLM:
-    return LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256)
-
-
 def _expected(offline: LLM, ids: list[int], n: int, **kw: Any) -> list[int]:
     return offline.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True, **kw))[0].token_ids
 

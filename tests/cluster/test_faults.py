@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.workers import build_decode, build_prefill
 from pdserve.engine.args import EngineArgs
@@ -29,8 +29,7 @@ def greedy(max_tokens: int) -> pb.SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir: Any) -> list[int]:
-    offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+def expected(offline: Any) -> list[int]:
     return offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve_proto import inference_pb2 as pb
 
 pytestmark = pytest.mark.cluster
@@ -27,8 +27,7 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir: Any) -> list[list[int]]:
-    offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=512)
+def expected(offline: Any) -> list[list[int]]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in offline.generate(_prompts(), params)]
 

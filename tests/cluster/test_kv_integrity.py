@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.kv_transfer.checksum import block_checksums
@@ -26,8 +26,7 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir: Any) -> dict[str, list[int]]:
-    offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+def expected(offline: Any) -> dict[str, list[int]]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = offline.generate([PROMPT, SHARED], params)
     return {"prompt": out[0].token_ids, "shared": out[1].token_ids}

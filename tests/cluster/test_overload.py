@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 
@@ -29,8 +29,7 @@ REFUSED_WITHIN_S = 10.0  # a refusal comes at once, far before any deadline
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir: Any) -> list[int]:
-    offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+def expected(offline: Any) -> list[int]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return offline.generate([PROMPT], params)[0].token_ids
 

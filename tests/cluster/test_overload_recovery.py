@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.engine.args import EngineArgs
 from pdserve_proto import inference_pb2 as pb
@@ -47,8 +47,7 @@ NORMAL = [prompt(100), prompt(101)]
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir: Any) -> list[list[int]]:
-    offline = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+def expected(offline: Any) -> list[list[int]]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in offline.generate(NORMAL, params)]
 

@@ -21,11 +21,6 @@ pytestmark = pytest.mark.cluster
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def offline(model_dir: Any) -> LLM:
-    return LLM(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256)
-
-
 @pytest.fixture
 def two_routers(start_in_process: Any, loop_thread: Any, model_dir: Any) -> Iterator[tuple[Any, Any]]:
     """An in-process cluster (its router is "router-a") and a second router, "router-b", over

@@ -59,12 +59,10 @@ def _reader(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
-def test_two_router_processes_share_the_ports_and_both_serve_exact_tokens():
-    from pdserve import LLM, SamplingParams
+def test_two_router_processes_share_the_ports_and_both_serve_exact_tokens(offline):
+    from pdserve import SamplingParams
 
-    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
-    expected = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
-    del llm
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
 
     argv = [sys.executable, "-m", "pdserve.cli", "serve", *SMALL, "--prefill", "0", "--decode", "1", "--routers", "2",
             "--port", "0", "--http-port", "0", "--metrics-port", "0"]

@@ -33,11 +33,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def offline(model_dir: Any) -> LLM:
-    return LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256)
-
-
 def test_a_decode_worker_dying_mid_json_is_resumed_with_its_grammar(start_in_process: Any, offline: LLM, wait_until: Any):
     c = start_in_process(
         num_prefill=1, num_decode=2, serve=False, router_overrides={"membership": FAST, "decode_start_timeout_s": 20.0}
