@@ -109,6 +109,7 @@ class DecodeWorker(WorkerBase):
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
                         "pdserve.prompt_tokens": len(prompt_token_ids)},
         ) as span:
+            self.engine.prepare(params)  # its grammar compiles here, not under the loop's lock
             with self.loop.lock:
                 self.loop.check()
                 self._early_aborts.refuse(request_id)

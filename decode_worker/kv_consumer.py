@@ -92,6 +92,7 @@ class KvConsumer:
         the prompt if the pull keeps failing) and decode on after its first token."""
         handle = prefilled.handle
         check_handle(handle, self.agent.compat_hash)  # before a block is allocated or a byte read
+        self.engine.prepare(params)  # its grammar compiles here, not under the loop's lock
         margin = handle.lease_deadline - time.time()
         if margin < self.config.transfer_timeout_s:
             raise TimeoutError(f"lease_deadline: only {margin:.1f}s left on the KV lease of {request_id}")
@@ -120,6 +121,7 @@ class KvConsumer:
         """Allocate the blocks of a prompt still being prefilled and READ those announced as
         final on a thread of its own until `start` takes over. Returns at once."""
         hashes = block_hashes(list(prompt_token_ids), self.engine.cfg.block_size)  # the handle's are checked at start
+        self.engine.prepare(params)
         with self.loop.lock:
             self.loop.check()
             self._early_aborts.refuse(request_id)

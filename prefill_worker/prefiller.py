@@ -134,6 +134,7 @@ class PrefillWorker(WorkerBase):
         """The prompt's pinned KV once prefilled, and the seconds it waited in the queue."""
         fut: Future[PinnedKv] = Future()
         traced = span.is_recording()
+        self.engine.prepare(params)  # its grammar compiles here, not under the loop's lock
         with self.loop.lock:
             self.loop.check()
             if self._early_releases.take(request_id):

@@ -123,6 +123,12 @@ class LLMEngine:
     def return_blocks(self, block_ids: list[int]) -> None:
         self.blocks.release(block_ids)
 
+    def prepare(self, params: SamplingParams) -> None:
+        """What admitting a request with `params` needs and no engine state: its grammar,
+        compiled (ValueError naming the field where it cannot be). Callable from any thread
+        without the lock that guards `add_request` and `begin_import`, which then find it."""
+        self.grammar.check(params.structured_output)
+
     def begin_import(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, block_hashes: list[int]
     ) -> ImportPlan:

@@ -10,6 +10,7 @@ tokens lazily, before each mask; the grammar ends the output by allowing only EO
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class GrammarMasks:
         self._compiler: Any = None
         self._batch: Any = None
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        # Compiles run on the callers' threads, outside the engine's lock (`LLMEngine.prepare`),
+        # one at a time: the engine steps on while a large schema compiles.
+        self._compile_lock = threading.Lock()
         self._states: dict[int, MatcherState] = {}  # id(Sequence) -> state; pruned to the step's rows
         self._bitmask: torch.Tensor | None = None
         self._eos_mask: torch.Tensor | None = None
@@ -58,7 +62,12 @@ class GrammarMasks:
             self.compiled(spec)
 
     def compiled(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar of `spec`, from the cache when it was compiled before."""
+        """The compiled grammar of `spec`, from the cache when it was compiled before. Safe
+        from any thread."""
+        with self._compile_lock:
+            return self._compiled_locked(spec)
+
+    def _compiled_locked(self, spec: StructuredOutput) -> Any:
         hit = self._compiled.get(spec)
         if hit is not None:
             self._compiled.move_to_end(spec)

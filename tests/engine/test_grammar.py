@@ -117,3 +117,39 @@ def test_grammar_rows_never_take_the_blind_overlapped_path():
     guided = Sequence("b", [1, 2, 3], SamplingParams(temperature=0.0, structured_output=StructuredOutput(regex="x+")), 1)
     assert overlappable([ScheduledSeq(plain, 1, True)])
     assert not overlappable([ScheduledSeq(plain, 1, True), ScheduledSeq(guided, 1, True)])
+
+
+def test_prepare_compiles_a_grammar_on_the_callers_thread_and_admission_finds_it(llm: LLM):
+    """Workers call `LLMEngine.prepare` before taking their loop's lock: the compile happens
+    there, on any thread, and admitting the request under the lock compiles nothing. A spec the
+    vocabulary cannot serve is refused by `prepare` already, naming the field."""
+    import threading
+
+    engine = llm.engine
+    grammar = engine.grammar
+    schema = dict(SCHEMA, properties=dict(SCHEMA["properties"], city={"type": "string", "maxLength": 9}))
+    so = StructuredOutput(json_schema=json.dumps(schema))
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_output=so)
+    compiles: list[str] = []
+    real = grammar._compiled_locked
+
+    def counted(spec):
+        if spec not in grammar._compiled:
+            compiles.append(threading.current_thread().name)
+        return real(spec)
+
+    grammar._compiled_locked = counted
+    try:
+        worker = threading.Thread(target=engine.prepare, args=(params,), name="a caller")
+        worker.start()
+        worker.join(60)
+        assert compiles == ["a caller"]
+        rid = engine.add_request(llm.tokenizer.encode("Hi"), params)
+        assert compiles == ["a caller"]  # admission found it compiled
+        engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        grammar._compiled_locked = real
+    with pytest.raises(ValueError, match=r"^structured_output\.regex"):
+        engine.prepare(SamplingParams(structured_output=StructuredOutput(regex="(unclosed")))
