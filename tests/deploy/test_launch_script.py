@@ -4,7 +4,9 @@ loopback), a Ray head labelled as the prefill pool in one and a second Ray node 
 decode pool in the other; `serve` refuses while no node offers the decode pool, then places each
 pool's worker on its node (read back from Ray's state API), answers through the gRPC API exactly
 as the offline engine does, a second router (`launch.sh router`) serves the same and leaves the
-workers' series to the first router's /metrics, and `down` leaves no process behind. No traffic reaches this machine's
+workers' series to the first router's /metrics; `kill -9` of the first router while a stream runs
+through the second leaves that stream exact and the workers serving, and a restarted `serve`
+adopts them; `down` leaves no process behind. No traffic reaches this machine's
 own addresses: the test talks to the head's namespace over the bridge. Creating namespaces needs
 root (or the right capabilities); elsewhere the test is skipped, saying so."""
 
@@ -41,6 +43,7 @@ SCRIPT = ROOT / "deploy" / "ray" / "launch.sh"
 SMALL = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512"]
 PROMPT = "The three primary colours are"
 MAX_TOKENS = 12
+LONG_TOKENS = 64  # long enough on CPU to be mid-stream when the first router is killed
 
 # Ask the state API, in a process of its own: it needs the cluster's token in its environment.
 PLACEMENT = """
@@ -223,10 +226,10 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
     sessions = {head.pid("head"), worker.pid("worker")}
     assert None not in sessions
 
+    serve_command = head.command(str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1",
+                                 "--host", ip, "--port", "0", "--metrics-port", "0", *SMALL)
     serve = subprocess.Popen(
-        head.command(str(SCRIPT), "serve", "--address", address, "--prefill", "1", "--decode", "1", "--host", ip,
-                     "--port", "0", "--metrics-port", "0", *SMALL),
-        env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        serve_command, env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )
     out: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(serve.stdout, out), daemon=True).start()
@@ -286,6 +289,48 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
             assert 'pdserve_worker_up{role="decode",worker="decode-0"} 1.0' in first, first
             assert "pdserve_worker_up" not in second and "pdserve_kv_blocks" not in second, second
             assert "pdserve_placed_requests" in second  # its own placement figures stay
+
+            # kill -9 of the first router while a stream runs through the second, on the other
+            # host: the stream ends with the offline tokens, and a restarted `serve` adopts the
+            # running workers (no model loaded again) and answers as before.
+            longer = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+            long_expected = offline.generate([PROMPT], longer)[0].token_ids
+            first_chunk, streamed = threading.Event(), queue.Queue()
+
+            def stream_through_second() -> None:
+                try:
+                    with grpc.insecure_channel(router_address) as ch:
+                        got: list[int] = []
+                        for c in pbg.InferenceStub(ch).Generate(pb.GenerateRequest(
+                            prompt=PROMPT, sampling_params=pb.SamplingParams(
+                                max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)), timeout=120):
+                            got += c.token_ids
+                            first_chunk.set()
+                        streamed.put(got)
+                except grpc.RpcError as exc:
+                    first_chunk.set()
+                    streamed.put(exc)
+
+            streamer = threading.Thread(target=stream_through_second, daemon=True)
+            streamer.start()
+            assert first_chunk.wait(120), "the stream through the second router never started"
+            serve.kill()
+            assert serve.wait(30) == -signal.SIGKILL
+            streamer.join(120)
+            assert streamed.get(timeout=1) == long_expected
+            serve = subprocess.Popen(serve_command, env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=ROOT)
+            out = queue.Queue()
+            threading.Thread(target=_lines, args=(serve.stdout, out), daemon=True).start()
+            seen = []
+            assert _until(serve, out, seen, r"adopted running workers (.*)$").group(1) == "decode-0, prefill-0"
+            grpc_address = _until(serve, out, seen, r" serving .* on (\S+:\d+) ").group(1)
+            with grpc.insecure_channel(grpc_address) as channel:
+                again = list(pbg.InferenceStub(channel).Generate(
+                    pb.GenerateRequest(prompt=PROMPT, sampling_params=params), timeout=120
+                ))
+            assert [t for c in again for t in c.token_ids] == expected.token_ids
+
             router.send_signal(signal.SIGTERM)
             assert router.wait(60) == 0, "\n".join(said)
         finally:
