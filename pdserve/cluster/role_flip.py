@@ -44,6 +44,17 @@ class FlipConfig:
     min_prefill: int = 0  # 0: the cluster may become colocated
     min_decode: int = 1
     history: int = 50  # flips kept for Admin.GetController
+    # The pools' tensor-parallel widths: a worker keeps its width when it flips, so a flip is
+    # made only between pools of one width (a pool counts workers of its own width).
+    prefill_width: int = 1
+    decode_width: int = 1
+
+    def width_refusal(self) -> str | None:
+        """Why no worker may flip between these pools, or None."""
+        if self.prefill_width == self.decode_width:
+            return None
+        return (f"role: the prefill pool's workers span {self.prefill_width} ranks and the decode pool's "
+                f"{self.decode_width}; a worker keeps its width, so it cannot serve the other pool")
 
 
 class FlipHosts(Protocol):
@@ -84,7 +95,7 @@ class RoleFlipper:
         """The donor pool's worker with the fewest requests (the cheapest to drain), if the pool
         may lose one."""
         pool = self._pool(donor.value)
-        if len(pool) <= self._minimum(donor.value):
+        if len(pool) <= self._minimum(donor.value) or self.cfg.width_refusal() is not None:
             return None
         busy = self.router.pools.busy
         return min(pool, key=lambda w: (busy(w), w), default=None)
@@ -110,6 +121,8 @@ class RoleFlipper:
             source = self._role_of(worker_id)
             if source == role:
                 raise FlipRefused(f"role: {worker_id} is already a {role} worker")
+            if (refusal := self.cfg.width_refusal()) is not None:
+                raise FlipRefused(refusal)
             if len(self._pool(source)) <= self._minimum(source):
                 raise FlipRefused(
                     f"worker_id: {worker_id} is the last {source} worker the cluster may keep "

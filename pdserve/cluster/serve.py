@@ -79,7 +79,8 @@ class Cluster:
         self.telemetry = telemetry if telemetry is not None else RouterTelemetry.create(ServeConfig())
         self.control = ClusterControl(router)  # Admin.SetRole / GetController (`attach_control`)
         # Role flips (Admin.SetRole, the P:D controller): this cluster hosts the workers.
-        self.flipper = RoleFlipper(router, self, FlipConfig(), self.telemetry.tracing.tracer, self._flipped)
+        widths = FlipConfig(prefill_width=cfg.prefill_tensor_parallel_size, decode_width=cfg.decode_tensor_parallel_size)
+        self.flipper = RoleFlipper(router, self, widths, self.telemetry.tracing.tracer, self._flipped)
 
     @property
     def address(self) -> str:
