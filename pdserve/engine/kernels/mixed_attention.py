@@ -52,8 +52,8 @@ class _Prefills:
 
 
 # A mixed step's decodes attend apart from this many on where the choice is the engine's: below it
-# flash-attn alone, one call, was as fast or faster; at 192-320 decodes beside a 2,048-token chunk
-# the split step was 9-14 % shorter (bench/mixed_step.py --mixed-decodes ab).
+# flash-attn alone, in one call, measured as fast or faster; above it the split step was shorter
+# (docs/benchmarks.md, "Prefill and mixed steps").
 SPLIT_MIN_DECODES = 128
 
 
