@@ -136,6 +136,23 @@ def measure(
     return row
 
 
+def host_profile(llm: LLM, steps: int, top: int = 14) -> str:
+    """Where the host spends a synchronized decode-only step (cProfile, by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        timed_step(llm, llm.engine.runner.device.type)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    body = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
+    return f"host profile of {steps} decode-only steps (own time, s):\n" + "\n".join(body)
+
+
 def profile_mixed(llm: LLM, batch: int, chunk: int, context: int, rng: random.Random) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -144,15 +161,21 @@ def profile_mixed(llm: LLM, batch: int, chunk: int, context: int, rng: random.Ra
     one = SamplingParams(max_tokens=1, temperature=0.0)
     out = []
     ids = start_decodes(llm, batch, context, rng)
+    # The decode-only step alone: wall against kernel time says whether the host or the
+    # device sets its pace; cProfile then names the host's share.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = sum(timed_step(llm, llm.engine.runner.device.type)[0] for _ in range(3))
+    out.append(_kernel_breakdown(prof, 3, f"decode-only step: {batch} decodes", wall, 8))
+    out.append(host_profile(llm, 5))
     rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall, _ = timed_step(llm, "cuda")
+        wall, _ = timed_step(llm, llm.engine.runner.device.type)
     engine.release(rid)
     out.append(_kernel_breakdown(prof, 1, f"mixed step: chunk {chunk} + {batch} decodes", wall, 12))
     stop(llm, ids)
     rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall, _ = timed_step(llm, "cuda")
+        wall, _ = timed_step(llm, llm.engine.runner.device.type)
     engine.release(rid)
     out.append(_kernel_breakdown(prof, 1, f"prefill-only step: chunk {chunk}", wall, 12))
     return "\n".join(out)
