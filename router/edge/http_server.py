@@ -3,7 +3,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (server-sent events when `stream` is
 true, ending with `data: [DONE]`), GET /v1/models, GET /health. The translation to and from the
-OpenAI shapes is `router/edge/openai_api.py`; this module only moves bytes.
+OpenAI shapes is `router/edge/openai_api.py` and `openai_responses.py`; this module only moves bytes.
 """
 
 from __future__ import annotations
@@ -23,20 +23,17 @@ from pdserve.router.edge.health import unserviceable
 from pdserve.router.edge.http_conn import TimedTCPSite, timed_requests
 from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits, check_request
-from pdserve.router.edge.openai_api import (
-    ApiError,
+from pdserve.router.edge.openai_api import ApiError, ParsedRequest, from_router_error, parse_request
+from pdserve.router.edge.openai_logprobs import choice_logprobs
+from pdserve.router.edge.openai_responses import (
     Choice,
-    ParsedRequest,
     StreamEvents,
     completion_of,
     echoed_prompt,
-    from_router_error,
     models,
-    parse_request,
     total_usage,
     usage_chunk,
 )
-from pdserve.router.edge.openai_logprobs import choice_logprobs
 from pdserve.router.edge.tls import CertificateFiles, ReloadingSSLContext
 from pdserve.router.handles import RouterError
 from pdserve.router.router import Router

@@ -8,15 +8,8 @@ import json
 import grpc
 import pytest
 
-from pdserve.router.edge.openai_api import (
-    ApiError,
-    StreamEvents,
-    completion,
-    from_router_error,
-    parse_request,
-    stream_chunk,
-    usage_chunk,
-)
+from pdserve.router.edge.openai_api import ApiError, from_router_error, parse_request
+from pdserve.router.edge.openai_responses import StreamEvents, completion, stream_chunk, usage_chunk
 from pdserve.router.handles import RouterError
 
 MODEL = "m"
@@ -133,7 +126,7 @@ def test_a_request_field_holding_the_text_marker_still_gets_its_own_json():
 
 
 def test_echo_puts_the_prompt_before_each_choice_and_refuses_logprobs():
-    from pdserve.router.edge.openai_api import echoed_prompt
+    from pdserve.router.edge.openai_responses import echoed_prompt
 
     p = parse({"prompt": "Once upon", "echo": True, "n": 2})
     assert p.echo and p.n == 2 and echoed_prompt(p, None) == "Once upon"
@@ -152,7 +145,7 @@ def test_echo_puts_the_prompt_before_each_choice_and_refuses_logprobs():
 
 
 def test_several_choices_answer_in_index_order_with_the_prompt_counted_once():
-    from pdserve.router.edge.openai_api import Choice, completion_of, total_usage
+    from pdserve.router.edge.openai_responses import Choice, completion_of, total_usage
 
     p = parse({"prompt": "hi", "n": 2})
     from pdserve_proto import inference_pb2
