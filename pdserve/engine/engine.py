@@ -7,7 +7,7 @@ over `handover`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdserve.engine import handover
@@ -24,21 +24,7 @@ from pdserve.engine.runner import DecodeLaunch, SampledToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import SeqStatus
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort"; None while running or when only prefilled
-    num_cached_tokens: int = 0
-    logprobs: list[float] | None = None  # of each generated token, where asked
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, logprob), best first
-    new_token_ids: list[int] = field(default_factory=list)  # generated in this step
-    new_text: str = ""  # text that became final in this step
+from pdserve.engine.step_outputs import RequestOutput, step_outputs
 
 
 @dataclass(frozen=True)
@@ -236,43 +222,7 @@ class LLMEngine:
     def _finish_step(
         self, scheduled: list[ScheduledSeq], sampled: dict[str, SampledToken]
     ) -> list[RequestOutput]:
-        tokens = {rid: s.token for rid, s in sampled.items()}
-        produced = self.scheduler.update(scheduled, tokens)
-        outputs: list[RequestOutput] = []
-        for seq in produced:
-            rid = seq.request_id
-            draw = sampled[rid]
-            token = draw.token
-            if seq.params.logprobs and draw.logprob is not None:
-                seq.logprobs.append(draw.logprob)
-                if seq.params.top_logprobs:
-                    seq.top_logprobs.append(draw.top_logprobs or [])
-            detok = self.requests.detok[rid]
-            matched = detok.add([token])
-            if matched is not None and seq.status is SeqStatus.PINNED:
-                # Prefill role: the KV stays pinned for its hand-over; the stop is the answer's end.
-                seq.finish_reason = "stop"
-            elif matched is not None and seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq, "stop")
-            finished = seq.status in (SeqStatus.FINISHED, SeqStatus.PINNED)
-            outputs.append(
-                RequestOutput(
-                    request_id=rid,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    token_ids=seq.output_token_ids,
-                    text=detok.text,
-                    finished=finished,
-                    finish_reason=seq.finish_reason,
-                    num_cached_tokens=seq.num_cached_tokens,
-                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-                    top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
-                    new_token_ids=[token],
-                    new_text=detok.stream_delta(finished),
-                )
-            )
-            if seq.status is SeqStatus.FINISHED:
-                self.requests.forget(rid)
-        return outputs
+        return step_outputs(self.scheduler, self.requests, scheduled, sampled)
 
     # ----- introspection -------------------------------------------------------------------
 
