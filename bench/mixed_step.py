@@ -153,6 +153,52 @@ def host_profile(llm: LLM, steps: int, top: int = 14) -> str:
     return f"host profile of {steps} decode-only steps (own time, s):\n" + "\n".join(body)
 
 
+def gap_report(trace: dict, top: int = 8) -> str:
+    """Where the device waits for the host inside a profiled step: the idle gaps between kernels,
+    largest first, each with the CUDA runtime calls and the innermost Python frames then running
+    on the host (a chrome trace recorded with stacks)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not kernels:
+        return "no kernels in the trace"
+    gaps, end = [], kernels[0][1]
+    for start, stop in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, end, start))
+        end = max(end, stop)
+    span = end - kernels[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    first = min(e["ts"] for e in events)
+    last = max(e["ts"] + e["dur"] for e in events)
+    over = sum(1 for g in gaps if g[0] > 20)
+    head = (
+        f"host alone before the first kernel {(kernels[0][0] - first) / 1e3:.2f} ms and after the last "
+        f"{(last - end) / 1e3:.2f} ms; device span {span / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms in {len(gaps)} gaps "
+        f"({over} over 20 us)"
+    )
+    lines = [head]
+    host = [e for e in events if e.get("cat") in ("python_function", "cuda_runtime", "cuda_driver")]
+    for length, a, b in sorted(gaps, reverse=True)[:top]:
+        mid = (a + b) / 2
+        active = [e for e in host if e["ts"] <= mid <= e["ts"] + e["dur"]]
+        runtime = sorted({e["name"] for e in active if e.get("cat") != "python_function"})
+        frames = sorted((e for e in active if e.get("cat") == "python_function"), key=lambda e: e["dur"])
+        inner = [f["name"].split("/")[-1][:60] for f in frames if "pdserve" in f["name"] or "flash_attn" in f["name"]][:3]
+        lines.append(f"  gap {length:8.1f} us: runtime {runtime[:3]}; frames {inner}")
+    return "\n".join(lines)
+
+
+def traced(llm: LLM) -> tuple[float, dict]:
+    """One synchronized step under the profiler with Python stacks: (wall s, chrome trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        wall, _ = timed_step(llm, llm.engine.runner.device.type)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return wall, json.loads(Path(f.name).read_text())
+
+
 def profile_mixed(llm: LLM, batch: int, chunk: int, context: int, rng: random.Random) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -172,12 +218,20 @@ def profile_mixed(llm: LLM, batch: int, chunk: int, context: int, rng: random.Ra
         wall, _ = timed_step(llm, llm.engine.runner.device.type)
     engine.release(rid)
     out.append(_kernel_breakdown(prof, 1, f"mixed step: chunk {chunk} + {batch} decodes", wall, 12))
+    rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
+    wall, trace = traced(llm)
+    engine.release(rid)
+    out.append(f"mixed step, traced (wall {wall * 1e3:.2f} ms): " + gap_report(trace))
     stop(llm, ids)
     rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall, _ = timed_step(llm, llm.engine.runner.device.type)
     engine.release(rid)
     out.append(_kernel_breakdown(prof, 1, f"prefill-only step: chunk {chunk}", wall, 12))
+    rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
+    wall, trace = traced(llm)
+    engine.release(rid)
+    out.append(f"prefill-only step, traced (wall {wall * 1e3:.2f} ms): " + gap_report(trace))
     return "\n".join(out)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from itertools import chain
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -114,42 +115,45 @@ class ModelRunner:
         computed tokens, whose input tokens are still on the device (left as 0 here)."""
         bs = self.block_size
         b = len(scheduled)
-        t = sum(item.num_new_tokens for item in scheduled)
+        seqs = [item.seq for item in scheduled]
+        query_lens = [item.num_new_tokens for item in scheduled]
+        starts = [seq.num_computed_tokens + ahead for seq in seqs]
+        seq_lens_host = [s + n for s, n in zip(starts, query_lens)]
+        t = sum(query_lens)
+        sample = np.fromiter((item.sample for item in scheduled), dtype=bool, count=b)
         sampled = [item for item in scheduled if item.sample]
-        width = max(len(item.seq.block_ids) for item in scheduled)
-        # Filled in numpy, not Python lists: a 2,048-token chunk is then a few array operations
-        # instead of several thousand list appends.
-        longs = np.empty(4 * t + len(sampled), dtype=np.int64)  # ids, positions, slot block, offset, logits rows
+        num_sampled = len(sampled)
+        blocks = [seq.block_array() for seq in seqs]
+        width = max(len(row) for row in blocks)
+        # Whole-array operations, not per-token or per-row Python: a 2,048-token chunk or a few
+        # hundred decode rows would otherwise cost milliseconds of the step.
+        longs = np.empty(4 * t + num_sampled, dtype=np.int64)  # ids, positions, slot block, offset, logits rows
         ints = np.zeros(2 * b + 1 + b * width, dtype=np.int32)  # cu_seqlens_q, seq_lens, block tables
         ids, pos, slot_block, slot_offset = (longs[k * t : (k + 1) * t] for k in range(4))
         cu, seq_lens, tables = ints[: b + 1], ints[b + 1 : 2 * b + 1], ints[2 * b + 1 :].reshape(b, width)
-        query_lens: list[int] = []
-        seq_lens_host: list[int] = []
-        logits_idx: list[int] = []
-        at = 0
-        for i, item in enumerate(scheduled):
-            seq, start, n = item.seq, item.seq.num_computed_tokens + ahead, item.num_new_tokens
-            blocks = seq.block_ids
-            if n == 1:
-                ids[at] = 0 if ahead else seq.token_ids[start]
-                pos[at] = start
-                slot_block[at] = blocks[start // bs]
-                slot_offset[at] = start % bs
-            else:
-                where = np.arange(start, start + n)
-                ids[at : at + n] = 0 if ahead else seq.token_ids[start : start + n]
-                pos[at : at + n] = where
-                slot_block[at : at + n] = np.asarray(blocks)[where // bs]
-                slot_offset[at : at + n] = where % bs
-            at += n
-            cu[i + 1] = at
-            query_lens.append(n)
-            seq_lens_host.append(start + n)
-            tables[i, : len(blocks)] = blocks
-            if item.sample:
-                logits_idx.append(at - 1)
-        longs[4 * t :] = logits_idx
+        for i, row in enumerate(blocks):
+            tables[i, : len(row)] = row
+        np.cumsum(query_lens, out=cu[1:])
         seq_lens[:] = seq_lens_host
+        if t == b:  # one token a row: a decode step
+            pos[:] = starts
+            row_of = np.arange(b)
+            if not ahead:
+                ids[:] = [seq.token_ids[s] for seq, s in zip(seqs, starts)]
+        else:
+            row_of = np.repeat(np.arange(b), query_lens)
+            first = cu[:-1].astype(np.int64)
+            pos[:] = np.arange(t) + np.repeat(np.asarray(starts, dtype=np.int64) - first, query_lens)
+            if not ahead:
+                ids[:] = np.fromiter(
+                    chain.from_iterable(seq.token_ids[s : s + n] for seq, s, n in zip(seqs, starts, query_lens)),
+                    dtype=np.int64, count=t,
+                )  # fmt: skip
+        if ahead:
+            ids[:] = 0
+        slot_block[:] = tables[row_of, pos // bs]
+        np.remainder(pos, bs, out=slot_offset)
+        longs[4 * t :] = cu[1:][sample] - 1
         longs_dev = self._to_device(longs)
         ints_dev = self._to_device(ints)
         meta = AttentionMetadata(

@@ -38,6 +38,9 @@ class Sequence:
     num_preemptions: int = 0
     _token_buf: np.ndarray | None = None  # token_ids as an array, for penalties (see token_array)
     _token_buf_len: int = 0  # how many of token_ids it holds
+    _block_buf: np.ndarray | None = None  # block_ids as an int32 array (see block_array)
+    _block_src: list[int] | None = None  # the block_ids list it mirrors
+    _block_buf_len: int = 0
     _hashes: list[int] = field(default_factory=list)
     _num_registered: int = 0  # blocks whose hash is registered in the prefix cache
 
@@ -73,6 +76,24 @@ class Sequence:
         if have < n:
             buf[have:n] = self.token_ids[have:n]
             self._token_buf_len = n
+        return buf[:n]
+
+    def block_array(self) -> np.ndarray:
+        """`block_ids` as an int32 array, kept in step as blocks are appended, so that a step's
+        block tables are filled by array copies instead of converting every list every step. A
+        list replaced or shortened (admission with cache hits, preemption, finish) is copied anew."""
+        ids, n = self.block_ids, len(self.block_ids)
+        buf, have = self._block_buf, self._block_buf_len
+        if self._block_src is not ids or n < have:
+            buf, have, self._block_src = None, 0, ids
+        if buf is None or len(buf) < n:
+            grown = np.empty(max(2 * n, 16), dtype=np.int32)
+            if buf is not None:
+                grown[:have] = buf[:have]
+            buf = self._block_buf = grown
+        if have < n:
+            buf[have:n] = ids[have:n]
+        self._block_buf_len = n
         return buf[:n]
 
     def full_block_hashes(self, block_size: int) -> list[int]:
