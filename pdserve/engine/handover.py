@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hashing import block_hashes
+from pdserve.engine.prompt_logprobs import PromptLogprob, prompt_logprobs_of
 from pdserve.engine.scheduler import Scheduler, admissible_prefix
 from pdserve.engine.sequence import SeqStatus, Sequence
 
@@ -30,6 +31,7 @@ class PinnedKv:
     finish_reason: str | None
     first_logprob: float | None = None  # where the request asked for logprobs
     first_top_logprobs: list[tuple[int, float]] | None = None  # where it asked for top_logprobs
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # where it asked for prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ def pinned_kv(scheduler: Scheduler, request_id: str, block_size: int) -> PinnedK
         finish_reason=seq.finish_reason,
         first_logprob=seq.logprobs[0] if seq.logprobs else None,
         first_top_logprobs=seq.top_logprobs[0] if seq.top_logprobs else None,
+        prompt_logprobs=prompt_logprobs_of(seq),
     )
 
 

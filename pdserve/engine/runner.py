@@ -26,6 +26,7 @@ from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
 from pdserve.engine.logits_processing import RowTokens
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
+from pdserve.engine.prompt_logprobs import score_step
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.step_graphs import StepGraphs, capture_step_graphs
@@ -251,6 +252,9 @@ class ModelRunner:
         else:
             ctx = ForwardContext(inputs.meta, self.kv_pool, self.step_backend, layer_caches=self._layer_caches)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if not ahead and (inputs.meta.max_query_len > 1 or len(inputs.sampled) < len(scheduled)):
+            # A step with prompt rows (one of a decode-only step scores nothing): prompt_logprobs.
+            score_step(scheduled, inputs.meta.query_lens, hidden, self.model.compute_logits)
         if not inputs.sampled:
             return [], None, None
         return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None

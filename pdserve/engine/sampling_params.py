@@ -34,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: this many most likely tokens per position, with theirs
+    # vLLM's: each prompt token's logprob given those before it, with this many most likely
+    # tokens at its position (pdserve.engine.prompt_logprobs); None: not computed.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0  # subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # divides (or, if negative, multiplies) logits of prompt and output tokens
@@ -119,6 +122,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens: must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        pl = self.prompt_logprobs
+        if pl is not None and (not _is_int(pl) or not 0 <= pl <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {pl!r}")
 
     def after(self, generated: int) -> SamplingParams:
         """The params that go on with this request after `generated` of its tokens were made
@@ -133,6 +139,8 @@ class SamplingParams:
             max_tokens=self.max_tokens - generated,
             min_tokens=max(0, self.min_tokens - generated),
             output_offset=self.output_offset + generated,
+            # The prompt's scores came with the first token; a longer prompt is not the client's.
+            prompt_logprobs=self.prompt_logprobs if generated == 0 else None,
         )
 
     @property

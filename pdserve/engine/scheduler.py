@@ -122,10 +122,13 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
-        """Take prefix-cache hits and allocate blocks for the first chunk; False if it can't fit."""
+        """Take prefix-cache hits and allocate blocks for the first chunk; False if it can't fit.
+        A request whose prompt tokens still need their prompt_logprobs takes no hits: a cached
+        token has no logits to score it (vLLM does the same)."""
         bs = self.blocks.block_size
         hits: list[int] = []
-        if seq.num_computed_tokens == 0:
+        scored = seq.prompt_logprobs is None or len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1
+        if seq.num_computed_tokens == 0 and scored:
             hits = self.blocks.match_prefix(admissible_prefix(seq.full_block_hashes(bs), seq.num_tokens, bs))
         computed = max(seq.num_computed_tokens, len(hits) * bs)
         n = min(seq.num_tokens - computed, budget)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.engine.hashing import ROOT_HASH, hash_block
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.prompt_logprobs import PromptLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +38,8 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With params.prompt_logprobs: the score of prompt token i + 1 at index i, as computed so far.
+    prompt_logprobs: list[PromptLogprob] | None = field(init=False, default=None)
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     _token_buf: np.ndarray | None = None  # token_ids as an array, for penalties (see token_array)
@@ -46,6 +52,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:

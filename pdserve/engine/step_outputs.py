@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.prompt_logprobs import PromptLogprob, prompt_logprobs_of
 from pdserve.engine.request_table import RequestTable
 from pdserve.engine.runner import SampledToken
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
@@ -28,6 +29,9 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, logprob), best first
     new_token_ids: list[int] = field(default_factory=list)  # generated in this step
     new_text: str = ""  # text that became final in this step
+    # With params.prompt_logprobs, on the request's first output and its last: None for the
+    # first prompt token, then each token's score (pdserve.engine.prompt_logprobs).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 def step_outputs(
@@ -67,6 +71,7 @@ def step_outputs(
                 top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
                 new_token_ids=[token],
                 new_text=detok.stream_delta(finished),
+                prompt_logprobs=prompt_logprobs_of(seq) if seq.num_output_tokens == 1 or finished else None,
             )
         )
         if seq.status is SeqStatus.FINISHED:
