@@ -26,6 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.transport import KvTransport
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve.worker.base import WorkerBase
+from pdserve.worker.prompt_scores import prompt_logprobs_msg
 from pdserve_proto import inference_pb2, worker_pb2
 
 __all__ = ["DecodeConfig", "DecodeWorker"]
@@ -113,7 +114,8 @@ class DecodeWorker(WorkerBase):
             with self.loop.lock:
                 self.loop.check()
                 self._early_aborts.refuse(request_id)
-                cached = self.engine.cached_prompt_tokens(prompt_token_ids)
+                # A prompt scored for prompt_logprobs takes no cache hits (each token needs its logits).
+                cached = 0 if params.prompt_logprobs is not None else self.engine.cached_prompt_tokens(prompt_token_ids)
                 self.engine.add_request(list(prompt_token_ids), params, request_id)
                 self._register(router_id, request_id)
                 self.local_prefills += 1
@@ -208,6 +210,8 @@ class DecodeWorker(WorkerBase):
                 u.logprobs.extend(o.logprobs[-n:])
                 for top in (o.top_logprobs or [])[-n:]:
                     u.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+            if o.prompt_logprobs is not None and len(o.token_ids) == len(o.new_token_ids):  # the first update
+                u.prompt_logprobs.CopyFrom(prompt_logprobs_msg(o.prompt_logprobs))
         with self._outbox_ready:
             if self._outboxes.deliver(updates):
                 self._outbox_ready.notify_all()

@@ -32,6 +32,7 @@ from pdserve.prefill_worker.leases import LeaseTable
 from pdserve.prefill_worker.progress_book import ProgressBook
 from pdserve.telemetry.context import TraceCarrier, context_of
 from pdserve.worker.base import WorkerBase
+from pdserve.worker.prompt_scores import prompt_logprobs_msg
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class PrefillWorker(WorkerBase):
             top = pinned.first_top_logprobs or []
             result.first_top_logprobs.token_ids.extend(t for t, _ in top)
             result.first_top_logprobs.logprobs.extend(lp for _, lp in top)
+        if pinned.prompt_logprobs is not None:
+            result.prompt_logprobs.CopyFrom(prompt_logprobs_msg(pinned.prompt_logprobs))
         return result
 
     def _run_prefill(

@@ -132,6 +132,7 @@ def worker_params(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=params.seed, stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
         logprobs=params.logprobs, output_offset=params.output_offset, top_logprobs=params.top_logprobs,
+        prompt_logprobs=params.prompt_logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
         structured_output=None if params.structured_output is None else structured_output_msg(params.structured_output),

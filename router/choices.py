@@ -72,12 +72,14 @@ def serve_choices(request: inference_pb2.GenerateRequest, serve_one: ServeOne) -
 
 def choice_request(request: inference_pb2.GenerateRequest, index: int) -> inference_pb2.GenerateRequest:
     """The request choice `index` is served as: n cleared, its own request id (choice 0 keeps
-    the request's), and a seeded request's seed moved on by `index`."""
+    the request's), a seeded request's seed moved on by `index`, and prompt_logprobs left to
+    choice 0."""
     sub = inference_pb2.GenerateRequest()
     sub.CopyFrom(request)
     sub.sampling_params.ClearField("n")
     if index:
         sub.request_id = f"{request.request_id}-{index}"
+        sub.sampling_params.ClearField("prompt_logprobs")  # choice 0's answer carries them; prefix hits for the rest
         if request.sampling_params.HasField("seed"):
             sub.sampling_params.seed = (request.sampling_params.seed + index) % (MAX_SEED + 1)
     return sub

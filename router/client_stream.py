@@ -119,8 +119,11 @@ class ClientStream:
 
 
 def take_first_token(r: InFlight, handle: worker_pb2.PrefillResult) -> None:
-    """Count the prefill worker's first token; its logprobs, where asked, came back with it."""
+    """Count the prefill worker's first token; its logprobs and the prompt's, where asked, came
+    back with it."""
     r.completion = 1
+    if handle.HasField("prompt_logprobs"):
+        r.prompt_logprobs = handle.prompt_logprobs
     if handle.HasField("first_logprob"):
         r.logprobs.append(handle.first_logprob)
         if r.params.top_logprobs:
@@ -128,11 +131,13 @@ def take_first_token(r: InFlight, handle: worker_pb2.PrefillResult) -> None:
 
 
 def take_logprobs(r: InFlight, item: tuple) -> None:
-    """Keep the logprobs that came with a relayed item (tokens, reason[, logprobs, top]) until
-    its tokens go out in a chunk."""
+    """Keep the logprobs that came with a relayed item (tokens, reason[, logprobs, top[,
+    prompt logprobs]]) until its tokens go out in a chunk."""
     if len(item) > 2:
         r.logprobs += item[2]
         r.top_logprobs += item[3]
+    if len(item) > 4 and not r.generated:  # a stream resumed elsewhere sent them already
+        r.prompt_logprobs = item[4]
 
 
 def chunk(r: InFlight, tokens: list[int], reason: str) -> inference_pb2.GenerateResponse:
@@ -141,6 +146,10 @@ def chunk(r: InFlight, tokens: list[int], reason: str) -> inference_pb2.Generate
     resp = inference_pb2.GenerateResponse(
         request_id=r.rid, token_ids=tokens, text=r.detok.stream_delta(finished=bool(reason)), finish_reason=reason
     )
+    if r.prompt_logprobs is not None:
+        resp.prompt_logprobs.CopyFrom(r.prompt_logprobs)
+        resp.prompt_logprobs.token_ids[:] = r.ids
+        r.prompt_logprobs = None
     if r.params.logprobs:
         # One per token; a stop string may cut the chunk's tokens short of those received.
         resp.logprobs.extend(r.logprobs[: len(tokens)])

@@ -92,6 +92,7 @@ class InFlight:
         # Logprobs of tokens received and not yet in a chunk (with sampling_params.logprobs).
         self.logprobs: list[float] = []
         self.top_logprobs: list[inference_pb2.TopLogprobs] = []
+        self.prompt_logprobs: inference_pb2.PromptLogprobs | None = None  # received, not yet in a chunk
         self.cached = 0  # prompt tokens served from a prefix cache
         self.tried: set[str] = set()  # workers that failed it
         self.open_spans: list[trace.Span] = []

@@ -82,7 +82,10 @@ class TokenRelay:
                     acked = u.seq
                 stream = self.streams.get(u.request_id)
                 if stream is not None and stream.worker == decode.worker_id:
-                    if u.logprobs:  # asked for: they travel beside the tokens
+                    if u.HasField("prompt_logprobs"):  # with the first tokens of a prompt prefilled there
+                        stream.queue.put_nowait((list(u.token_ids), u.finish_reason, list(u.logprobs),
+                                                 list(u.top_logprobs), u.prompt_logprobs))
+                    elif u.logprobs:  # asked for: they travel beside the tokens
                         stream.queue.put_nowait((list(u.token_ids), u.finish_reason, list(u.logprobs), list(u.top_logprobs)))
                     else:
                         stream.queue.put_nowait((list(u.token_ids), u.finish_reason))

@@ -77,6 +77,7 @@ def sampling_params_of(msg: worker_pb2.WorkerSamplingParams) -> SamplingParams:
             ignore_eos=msg.ignore_eos,
             logprobs=msg.logprobs,
             top_logprobs=msg.top_logprobs,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty,
             repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,

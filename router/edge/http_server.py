@@ -25,6 +25,7 @@ from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits, check_request
 from pdserve.router.edge.openai_api import ApiError, ParsedRequest, from_router_error, parse_request
 from pdserve.router.edge.openai_logprobs import choice_logprobs
+from pdserve.router.edge.openai_prompt_logprobs import FirstEventScores, PromptScores, echoed_choices
 from pdserve.router.edge.openai_responses import (
     Choice,
     StreamEvents,
@@ -172,8 +173,12 @@ async def _collect(
         Choice(prefix + "".join(c.text for c in chunks), chunks[-1].finish_reason, _chunk_logprobs(parsed, chunks, decode))
         for chunks in by_choice
     ]
+    sp = parsed.request.sampling_params  # prompt_logprobs: choice 0's first message has them
+    scores = PromptScores.of(sp, parsed.echo, parsed.chat, (c for chunks in by_choice for c in chunks), decode)
+    choices = echoed_choices(scores, choices, len(prefix))
     u = total_usage([chunks[-1].usage for chunks in by_choice])
-    return web.json_response(completion_of(parsed, choices, u))
+    answer = completion_of(parsed, choices, u)
+    return web.json_response(answer if scores is None else scores.into_answer(answer))
 
 
 async def _stream(
@@ -188,16 +193,19 @@ async def _stream(
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     chunk = first
-    events = StreamEvents(parsed)
+    scores = PromptScores.of(parsed.request.sampling_params, parsed.echo, parsed.chat, [first], decode)
+    events = FirstEventScores(StreamEvents(parsed), scores)  # the first event carries prompt_logprobs
     # Per choice: completions' text_offset (where the chunk's text starts in the choice's whole
     # text), and the usage of its last message (None while it runs).
-    offsets = [0] * parsed.n
+    offsets = [len(prefix)] * parsed.n  # the echoed prompt comes first
     usages: list[inference_pb2.Usage | None] = [None] * parsed.n
     started = [False] * parsed.n
     try:
         while True:
             i = chunk.index
             logprobs = _chunk_logprobs(parsed, [chunk], decode, offsets[i])
+            if scores is not None and not started[i]:  # echo with logprobs: the prompt's tokens lead
+                logprobs = scores.echoed(logprobs)
             text = chunk.text if started[i] else prefix + chunk.text
             await resp.write(_sse(events.chunk(text, chunk.finish_reason, not started[i], logprobs, i)))
             started[i] = True

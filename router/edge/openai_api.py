@@ -20,7 +20,7 @@ import grpc
 from pdserve.engine.sampling_params import MAX_N, MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
 from pdserve.router.edge.grammar_fields import PARAM_OF_KIND, GrammarFieldError, openai_structured_output
 from pdserve.router.edge.openai_fields import Api, FieldError, check_fields
-from pdserve.router.edge.openai_logprobs import LogprobsFieldError, parse_logprobs
+from pdserve.router.edge.openai_logprobs import LogprobsFieldError, echo_logprobs, parse_logprobs
 from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
 
@@ -284,8 +284,8 @@ def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields
     if n is not None and n > 1:
         req.sampling_params.n = n
     echo = bool(_typed(body, "echo", (bool,), "a boolean"))  # a field of completions only (openai_fields)
-    if echo and req.sampling_params.logprobs:
-        raise _bad("echo", "not with logprobs: they would need the prompt's logprobs, which this server does not compute")
+    if echo:
+        echo_logprobs(req.sampling_params)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req.request_id = rid
     fill_context = chat and not req.sampling_params.HasField("max_tokens")

@@ -86,8 +86,8 @@ FIELDS: Mapping[str, Field] = MappingProxyType({
     "use_beam_search": _refused(BOTH, "no beam search", False),
     "logprobs": _served(BOTH, "chat: a boolean; completions: N, the top N too, N in [0, 20]"),
     "top_logprobs": _served(CHAT, "[0, 20]; with logprobs: true"),
-    "prompt_logprobs": _refused(BOTH, "log probabilities are not returned yet"),
-    "echo": _served(COMPLETIONS, "the prompt's text before each choice's; not with logprobs"),
+    "prompt_logprobs": _served(BOTH, "vLLM's; N in [0, 20]; the prompt's tokens scored, with the top N"),
+    "echo": _served(COMPLETIONS, "the prompt's text before each choice's; with logprobs, its tokens' too"),
     "suffix": _refused(COMPLETIONS, "no insertion", ""),
     # Structured output, tools and other kinds of output.
     "response_format": _served(BOTH, "text, json_object, json_schema: the output is held to it by a grammar"),

@@ -30,7 +30,8 @@ def _count(name: str, value: Any) -> int:
 
 
 def parse_logprobs(body: dict[str, Any], chat: bool, sp: inference_pb2.SamplingParams) -> None:
-    """Set `sp.logprobs` and `sp.top_logprobs` from `body` (LogprobsFieldError naming the field)."""
+    """Set `sp.logprobs`, `sp.top_logprobs` and `sp.prompt_logprobs` from `body`
+    (LogprobsFieldError naming the field)."""
     value = body.get("logprobs")
     if chat:
         if value is not None and not isinstance(value, bool):
@@ -44,6 +45,16 @@ def parse_logprobs(body: dict[str, Any], chat: bool, sp: inference_pb2.SamplingP
     elif value is not None:
         sp.top_logprobs = _count("logprobs", value)
         sp.logprobs = True
+    prompt = body.get("prompt_logprobs")
+    if prompt is not None:
+        sp.prompt_logprobs = _count("prompt_logprobs", prompt)
+
+
+def echo_logprobs(sp: inference_pb2.SamplingParams) -> None:
+    """Completions' `echo` with `logprobs: N`: the prompt's tokens are scored too, with N most
+    likely tokens each unless `prompt_logprobs` says how many (vLLM's rule)."""
+    if sp.logprobs and not sp.HasField("prompt_logprobs"):
+        sp.prompt_logprobs = sp.top_logprobs
 
 
 def _entry(decode: Callable[[int], str], token: int, logprob: float) -> dict[str, Any]:

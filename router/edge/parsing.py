@@ -149,6 +149,7 @@ def sampling_params_of(sp: inference_pb2.SamplingParams) -> SamplingParams:
             min_tokens=sp.min_tokens,
             logprobs=sp.logprobs,
             top_logprobs=sp.top_logprobs,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
             structured_output=structured_output_of(sp.structured_output) if sp.HasField("structured_output") else None,
         )
     except ValueError as exc:

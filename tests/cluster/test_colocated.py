@@ -2,7 +2,7 @@
 
 A colocated cluster (`pdserve serve --prefill 0`: Ray, decode actors that prefill their own
 requests, no KV links) streams exactly what offline `LLM.generate` does, frees every block when
-a client cancels, serves the OpenAI HTTP API, and can grow a prefill pool while serving. With a
+a client cancels, serves the OpenAI HTTP API and prompt_logprobs, and can grow a prefill pool while serving. With a
 prefill pool and `max_local_prefill_tokens`, short prompts (or prompts the decode worker mostly
 holds already) are prefilled on the decode worker, long ones on the prefill worker, with the
 same tokens either way."""
@@ -94,6 +94,23 @@ def test_openai_http_api_on_a_colocated_cluster(cluster, offline):
     ))
     expected = offline.generate([offline.chat_prompt(messages)], SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+
+
+def test_prompt_logprobs_of_a_colocated_worker_equal_offline_with_its_prefix_cached(cluster, channel, offline):
+    """The decode worker prefills and scores the prompt itself; its blocks already in that
+    worker's prefix cache are computed again for their logits (no cache hits for such a request)."""
+    prompt = SYSTEM + " Which planet is the largest?"
+    sp = pb.SamplingParams(max_tokens=3, temperature=0.0)
+    stream(channel, pb.GenerateRequest(prompt=prompt, sampling_params=sp))  # leaves the prompt's blocks cached
+    sp.prompt_logprobs = 2
+    chunks = stream(channel, pb.GenerateRequest(prompt=prompt, sampling_params=sp))
+    expected = offline.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))[0]
+    assert [c.HasField("prompt_logprobs") for c in chunks] == [True] + [False] * (len(chunks) - 1)
+    pl = chunks[0].prompt_logprobs
+    assert list(pl.token_ids) == expected.prompt_token_ids and chunks[-1].usage.cached_prompt_tokens == 0
+    for lp, rank, top, want in zip(pl.logprobs, pl.ranks, pl.top_logprobs, expected.prompt_logprobs[1:], strict=True):
+        assert abs(lp - want.logprob) < 1e-4 and rank == want.rank and list(top.token_ids) == [t for t, _ in want.top]
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
 
 
 def test_a_stop_string_cuts_a_colocated_answer_and_frees_its_blocks(cluster, channel, offline, wait_until, blocks_free):

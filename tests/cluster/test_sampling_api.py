@@ -1,8 +1,8 @@
 """The sampling fields users expect, through a real `pdserve serve` (Ray, 1 prefill + 1 decode,
 so the first token is sampled on the prefill worker and the rest on the decode worker), spoken
 to by the official `openai` client and over gRPC, each checked against the offline engine with
-the same settings: penalties, logit_bias, min_tokens, seeds, logprobs, and `n` choices of one
-prefill (seen in /metrics)."""
+the same settings: penalties, logit_bias, min_tokens, seeds, logprobs, prompt_logprobs (scored
+on the prefill worker; echo with logprobs), and `n` choices of one prefill (seen in /metrics)."""
 
 from __future__ import annotations
 
@@ -250,9 +250,6 @@ def test_echo_puts_the_prompt_before_each_choice(client, offline, stream):
     ids = offline.tokenizer.encode(PROMPT)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0.0, echo=True)
     assert by_ids.choices[0].text == offline.tokenizer.decode(ids) + expected
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
-    assert info.value.body["param"] == "echo"
 
 
 def test_cancelling_n_choices_mid_stream_frees_every_block(channel, wait_until, blocks_free):
@@ -265,3 +262,113 @@ def test_cancelling_n_choices_mid_stream_frees_every_block(channel, wait_until, 
             break
     call.cancel()
     wait_until(blocks_free(channel), 15, "every KV block to be freed after cancelling n=3")
+
+
+# ----- prompt_logprobs -----------------------------------------------------------------------------
+
+# A prompt no other test sends, so no prefix cache holds it: the scores are the prefill worker's own.
+SCORED_PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+
+
+def _scored_offline(offline, prompt, n: int, **kw):
+    return offline.generate([prompt], SamplingParams(temperature=0.0, prompt_logprobs=n, **kw))[0]
+
+
+def _check_listed(listed, expected, decode, n: int) -> None:
+    """vLLM's prompt_logprobs list against the offline engine's, to 1e-4."""
+    assert listed[0] is None and len(listed) == len(expected)
+    for got, want in zip(listed[1:], expected[1:]):
+        keys = {int(k): v for k, v in got.items()}
+        mine = [k for k, v in keys.items() if abs(v["logprob"] - want.logprob) < 1e-4 and v["rank"] == want.rank]
+        assert mine, (got, want)
+        for rank, (t, lp) in enumerate(want.top, 1):
+            assert abs(keys[t]["logprob"] - lp) < 1e-4 and keys[t]["rank"] == rank
+            assert keys[t]["decoded_token"] == decode(t)
+        assert len(keys) <= n + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_over_http_equal_offline(client, offline, stream):
+    """Prefilled on the prefill worker, the prompt's scores come back with its first token."""
+    decode = lambda t: offline.tokenizer.decode([t])
+    ids = offline.tokenizer.encode(SCORED_PROMPT)
+    expected = _scored_offline(offline, ids, 3, max_tokens=4)
+    out = client.completions.create(model=MODEL, prompt=SCORED_PROMPT, max_tokens=4, temperature=0.0, stream=stream,
+                                    extra_body={"prompt_logprobs": 3})  # fmt: skip
+    events = list(out) if stream else [out]
+    listed = events[0].model_extra["prompt_logprobs"]
+    assert all("prompt_logprobs" not in e.model_extra for e in events[1:])
+    _check_listed(listed, expected.prompt_logprobs, decode, 3)
+    for i, tok in enumerate(ids[1:], 1):  # each entry holds the prompt's own token with its logprob
+        assert abs(listed[i][str(tok)]["logprob"] - expected.prompt_logprobs[i].logprob) < 1e-4
+    assert "".join(c.text for e in events for c in e.choices) == expected.text
+    if not stream:
+        assert out.choices[0].model_extra["prompt_logprobs"] == listed  # completions: in the choice too, as vLLM
+
+
+def test_prompt_logprobs_on_chat_equal_offline(client, offline):
+    messages = [{"role": "user", "content": "Which is the largest ocean on Earth?"}]
+    prompt = offline.chat_prompt(messages)
+    expected = _scored_offline(offline, prompt, 0, max_tokens=3)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0.0,
+                                         extra_body={"prompt_logprobs": 0})  # fmt: skip
+    listed = out.model_extra["prompt_logprobs"]
+    _check_listed(listed, expected.prompt_logprobs, lambda t: offline.tokenizer.decode([t]), 0)
+    assert all(len(e) == 1 for e in listed[1:])  # N = 0: the prompt's own token only
+    assert out.choices[0].message.content == expected.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_then_the_output(client, offline, stream):
+    decode = lambda t: offline.tokenizer.decode([t])
+    ids = offline.tokenizer.encode(SCORED_PROMPT)
+    expected = offline.generate([ids], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=2,
+                                                      prompt_logprobs=2))[0]  # fmt: skip
+    out = client.completions.create(model=MODEL, prompt=SCORED_PROMPT, max_tokens=5, temperature=0.0, echo=True,
+                                    logprobs=2, stream=stream)  # fmt: skip
+    choices = [c for e in out for c in e.choices] if stream else out.choices
+    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in choices:
+        for k in lp:
+            lp[k] += getattr(c.logprobs, k)
+    assert "".join(c.text for c in choices) == SCORED_PROMPT + expected.text
+    assert lp["tokens"] == [decode(t) for t in ids + expected.token_ids]
+    want = [None] + [e.logprob for e in expected.prompt_logprobs[1:]] + expected.logprobs
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp["token_logprobs"][1:], want[1:], strict=True))
+    for got, entry in zip(lp["top_logprobs"][1 : len(ids)], expected.prompt_logprobs[1:]):
+        assert all(abs(got[decode(t)] - v) < 1e-4 for t, v in entry.top)
+    assert lp["text_offset"][len(ids)] == len(SCORED_PROMPT)  # the output's text starts after the echoed prompt
+
+
+def test_prompt_logprobs_over_grpc_equal_offline(channel, offline):
+    ids = offline.tokenizer.encode(SCORED_PROMPT)
+    sp = pb.SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    chunks = list(pbg.InferenceStub(channel).Generate(pb.GenerateRequest(prompt=SCORED_PROMPT, sampling_params=sp),
+                                                      timeout=120))  # fmt: skip
+    expected = _scored_offline(offline, ids, 2, max_tokens=3)
+    scored = [c for c in chunks if c.HasField("prompt_logprobs")]
+    assert len(scored) == 1 and scored[0] is chunks[0]
+    pl = chunks[0].prompt_logprobs
+    assert list(pl.token_ids) == ids and len(pl.logprobs) == len(ids) - 1
+    for lp, rank, top, want in zip(pl.logprobs, pl.ranks, pl.top_logprobs, expected.prompt_logprobs[1:], strict=True):
+        assert abs(lp - want.logprob) < 1e-4 and rank == want.rank
+        assert list(top.token_ids) == [t for t, _ in want.top]
+        assert all(abs(a - b) < 1e-4 for a, (_, b) in zip(top.logprobs, want.top))
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+
+
+@pytest.mark.parametrize("bad", [-1, 21, "x"])
+def test_bad_prompt_logprobs_are_refused_naming_the_field(client, channel, bad):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"prompt_logprobs": bad})
+    assert info.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"prompt_logprobs": bad})  # fmt: skip
+    assert info.value.body["param"] == "prompt_logprobs"
+    if bad == 21:  # the proto's field is unsigned: only a too-large count reaches the router
+        with pytest.raises(grpc.RpcError) as err:
+            list(pbg.InferenceStub(channel).Generate(
+                pb.GenerateRequest(prompt="hi", sampling_params=pb.SamplingParams(prompt_logprobs=bad)), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in err.value.details()

@@ -125,7 +125,7 @@ def test_a_request_field_holding_the_text_marker_still_gets_its_own_json():
         assert StreamEvents(p).chunk(text, "", False) == json.dumps(stream_chunk(p, text, "", False), separators=(",", ":"))
 
 
-def test_echo_puts_the_prompt_before_each_choice_and_refuses_logprobs():
+def test_echo_puts_the_prompt_before_each_choice_and_scores_it_with_logprobs():
     from pdserve.router.edge.openai_responses import echoed_prompt
 
     p = parse({"prompt": "Once upon", "echo": True, "n": 2})
@@ -135,9 +135,11 @@ def test_echo_puts_the_prompt_before_each_choice_and_refuses_logprobs():
     with pytest.raises(ApiError) as err:
         echoed_prompt(ids, None)  # token ids and no tokenizer to write them
     assert err.value.param == "echo"
-    with pytest.raises(ApiError) as err:
-        parse({"prompt": "hi", "echo": True, "logprobs": 1})
-    assert err.value.param == "echo" and "logprobs" in err.value.message
+    # With logprobs: N, the prompt's tokens are scored with N each, unless prompt_logprobs says (vLLM's rule).
+    assert parse({"prompt": "hi", "echo": True, "logprobs": 1}).request.sampling_params.prompt_logprobs == 1
+    assert parse({"prompt": "hi", "echo": True, "logprobs": 1, "prompt_logprobs": 4}).request.sampling_params.prompt_logprobs == 4
+    assert not parse({"prompt": "hi", "echo": True}).request.sampling_params.HasField("prompt_logprobs")
+    assert not parse({"prompt": "hi", "logprobs": 1}).request.sampling_params.HasField("prompt_logprobs")
     assert not parse({"prompt": "hi", "echo": False}).echo
     with pytest.raises(ApiError) as err:
         parse({"prompt": "hi", "echo": "yes"})

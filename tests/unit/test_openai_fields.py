@@ -49,11 +49,12 @@ SERVED_SAMPLES: dict[str, Any] = {
     "guided_choice": ["a", "b"],
     "guided_grammar": 'root ::= "x"',
     "echo": True,
+    "prompt_logprobs": 1,
 }
 # A value of each refused field that asks for something.
 REFUSED_SAMPLES: dict[str, Any] = {
     "min_p": 0.1, "best_of": 3, "use_beam_search": True,
-    "prompt_logprobs": 1, "suffix": "end",
+    "suffix": "end",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "parallel_tool_calls": "yes",
     "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",

@@ -44,11 +44,12 @@ def test_public_field_names():
         "SamplingParams": {
             "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
-            "top_logprobs", "structured_output", "n",
+            "top_logprobs", "structured_output", "n", "prompt_logprobs",
         },
         "ChatMessage": {"role", "content"},
         "GenerateResponse": {
             "request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "top_logprobs", "index",
+            "prompt_logprobs",
         },
         "Usage": {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"},
     }
