@@ -8,6 +8,7 @@ import argparse
 from pdserve.engine.args import ATTENTION_BACKENDS, CPU_LIMITS, LARGE_GPU_LIMITS, SMALL_GPU_LIMITS, EngineArgs
 from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits
+from pdserve.router.edge.tool_parsers import PARSERS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +168,17 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
         help="ignore request fields the OpenAI API and this server do not define (such as other servers' "
         "extensions) instead of refusing them with 400, and gRPC fields the messages do not define instead of "
         "refusing them with INVALID_ARGUMENT; fields known and not served are still refused",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='serve tool_choice "auto" (the default when a chat request has tools): the model decides whether to '
+        "call a tool, and its answer is read for calls with --tool-call-parser; without it such requests are "
+        'refused with 400 (tool_choice "none", "required" and a named function work either way)',
+    )
+    p.add_argument(
+        "--tool-call-parser", choices=PARSERS, default=None,
+        help="how tool calls are read from the model's answer under --enable-auto-tool-choice: hermes "
+        "(<tool_call>{...}</tool_call>: Qwen2.5, Hermes) or llama3_json (a JSON call: Llama 3.1 to 3.3)",
     )
     p.add_argument(
         "--allow-special-tokens-in-prompt", action="store_true",

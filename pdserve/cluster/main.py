@@ -101,6 +101,8 @@ def edge_from_args(args: argparse.Namespace) -> dict[str, Any]:
             header_s=args.http_header_timeout,
             body_s=args.http_body_timeout,
             allow_unknown_fields=args.allow_unknown_fields,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
         ),
         "allow_special_tokens_in_prompt": args.allow_special_tokens_in_prompt,
         "tracing": TracingConfig.from_env().overridden(args.trace_exporter, args.trace_endpoint, args.trace_sample_ratio),

@@ -34,8 +34,10 @@ from pdserve.router.edge.openai_responses import (
     models,
     total_usage,
     usage_chunk,
+    with_tool_calls,
 )
 from pdserve.router.edge.tls import CertificateFiles, ReloadingSSLContext
+from pdserve.router.edge.tool_output import ToolCallStream
 from pdserve.router.handles import RouterError
 from pdserve.router.router import Router
 from pdserve_proto import inference_pb2
@@ -105,7 +107,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         limit = request.app[_LIMITS].max_request_bytes
         return _error(ApiError(413, f"body: larger than {limit} bytes", "body"))
     try:
-        parsed = parse_request(body, chat, router.config.model_id, options.allow_unknown_fields)
+        parsed = parse_request(body, chat, router.config.model_id, options.allow_unknown_fields,
+                               options.auto_tool_parser)
         check_request(parsed.request, request.app[_LIMITS])
         prefix = echoed_prompt(parsed, _prompt_text(router)) if parsed.echo else ""
     except ApiError as exc:
@@ -173,6 +176,8 @@ async def _collect(
         Choice(prefix + "".join(c.text for c in chunks), chunks[-1].finish_reason, _chunk_logprobs(parsed, chunks, decode))
         for chunks in by_choice
     ]
+    if parsed.tools.reads_calls:  # tool_choice other than none: the text becomes calls (tool_output.py)
+        choices = [with_tool_calls(parsed.tools, c) for c in choices]
     sp = parsed.request.sampling_params  # prompt_logprobs: choice 0's first message has them
     scores = PromptScores.of(sp, parsed.echo, parsed.chat, (c for chunks in by_choice for c in chunks), decode)
     choices = echoed_choices(scores, choices, len(prefix))
@@ -200,6 +205,7 @@ async def _stream(
     offsets = [len(prefix)] * parsed.n  # the echoed prompt comes first
     usages: list[inference_pb2.Usage | None] = [None] * parsed.n
     started = [False] * parsed.n
+    tools = [ToolCallStream(parsed.tools) for _ in range(parsed.n)] if parsed.tools.reads_calls else None
     try:
         while True:
             i = chunk.index
@@ -207,7 +213,12 @@ async def _stream(
             if scores is not None and not started[i]:  # echo with logprobs: the prompt's tokens lead
                 logprobs = scores.echoed(logprobs)
             text = chunk.text if started[i] else prefix + chunk.text
-            await resp.write(_sse(events.chunk(text, chunk.finish_reason, not started[i], logprobs, i)))
+            if tools is None:
+                event = events.chunk(text, chunk.finish_reason, not started[i], logprobs, i)
+            else:  # the text read for tool calls: content, call deltas and the finish reason they make
+                step = tools[i].step(text, chunk.finish_reason, not started[i])
+                event = events.chunk(step.content, step.finish_reason, not started[i], logprobs, i, step.tool_calls)
+            await resp.write(_sse(event))
             started[i] = True
             offsets[i] += len(chunk.text)
             if chunk.finish_reason:

@@ -21,6 +21,7 @@ from pdserve.engine.sampling_params import MAX_N, MAX_SEED, MAX_TEMPERATURE, MAX
 from pdserve.router.edge.grammar_fields import PARAM_OF_KIND, GrammarFieldError, openai_structured_output
 from pdserve.router.edge.openai_fields import Api, FieldError, check_fields
 from pdserve.router.edge.openai_logprobs import LogprobsFieldError, echo_logprobs, parse_logprobs
+from pdserve.router.edge.tool_fields import ToolFieldError, ToolPlan, apply_tools, message_tool_fields
 from pdserve.router.handles import RouterError
 from pdserve_proto import inference_pb2
 
@@ -89,6 +90,7 @@ class ParsedRequest:
     fill_context: bool = False  # no max_tokens in a chat request: generate up to the end of the context
     n: int = 1  # choices, each its own `index` in the answer
     echo: bool = False  # completions: each choice's text starts with the prompt's
+    tools: ToolPlan = ToolPlan("none")  # chat: how the answer's text becomes tool calls (tool_fields.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -242,9 +244,12 @@ def _prompt(body: dict[str, Any], req: inference_pb2.GenerateRequest) -> None:
         raise _bad("prompt", "must be a string, a list of token ids, or a list of one of those (batches are not supported)")
 
 
-def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields: bool = False) -> ParsedRequest:
+def parse_request(
+    body: Any, chat: bool, served_model: str, allow_unknown_fields: bool = False, auto_tool_parser: str | None = None
+) -> ParsedRequest:
     """Validate an OpenAI completions (chat=False) or chat completions body (ApiError otherwise).
-    Every field is served, refused or ignored as `router/edge/openai_fields.py` says."""
+    Every field is served, refused or ignored as `router/edge/openai_fields.py` says.
+    `auto_tool_parser`: the tool call parser of tool_choice "auto", None where it is off."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "body: must be a JSON object")
     try:
@@ -277,10 +282,18 @@ def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise _bad(f"messages[{i}]", "must be an object with a string role")
             role = _unicode(f"messages[{i}].role", m["role"])
-            req.messages.add(role=role, content=_message_text(i, m.get("content")))
+            added = req.messages.add(role=role, content=_message_text(i, m.get("content")))
+            try:
+                message_tool_fields(i, m, added)
+            except ToolFieldError as exc:
+                raise _bad(exc.param, exc.reason) from None
     else:
         _prompt(body, req)
     req.sampling_params.CopyFrom(_sampling(body, chat))
+    try:
+        tools = apply_tools(body, req, auto_tool_parser) if chat else ToolPlan("none")
+    except ToolFieldError as exc:
+        raise _bad(exc.param, exc.reason) from None
     if n is not None and n > 1:
         req.sampling_params.n = n
     echo = bool(_typed(body, "echo", (bool,), "a boolean"))  # a field of completions only (openai_fields)
@@ -289,4 +302,4 @@ def parse_request(body: Any, chat: bool, served_model: str, allow_unknown_fields
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req.request_id = rid
     fill_context = chat and not req.sampling_params.HasField("max_tokens")
-    return ParsedRequest(req, rid, served_model, chat, stream, include_usage, fill_context, n or 1, echo)
+    return ParsedRequest(req, rid, served_model, chat, stream, include_usage, fill_context, n or 1, echo, tools)

@@ -56,13 +56,14 @@ def _ignored(apis: frozenset[Api], note: str) -> Field:
 
 
 _SAMPLER = "not in the sampler yet"
-_TOOLS = "tool calling is not served"
+_FUNCTIONS = "deprecated by OpenAI; use tools and tool_choice"
 
 FIELDS: Mapping[str, Field] = MappingProxyType({
     # The request itself.
     "model": _served(BOTH, "must be the served model (404 otherwise)"),
     "prompt": _served(COMPLETIONS, "text, token ids, or a batch of one of those"),
-    "messages": _served(CHAT, "text content (string or text parts); roles system, user, assistant, tool"),
+    "messages": _served(CHAT, "text content (string or text parts); roles system, user, assistant (with "
+                        "tool_calls), tool (with tool_call_id)"),
     "stream": _served(BOTH, "server-sent events"),
     "stream_options": _served(BOTH, "include_usage"),
     # Sampling.
@@ -95,11 +96,12 @@ FIELDS: Mapping[str, Field] = MappingProxyType({
     "guided_regex": _served(BOTH, "vLLM's; a regular expression"),
     "guided_choice": _served(BOTH, "vLLM's; a list of strings"),
     "guided_grammar": _served(BOTH, "vLLM's; an EBNF grammar (xgrammar's dialect)"),
-    "tools": _refused(CHAT, _TOOLS, []),
-    "tool_choice": _refused(CHAT, _TOOLS, "none"),
-    "parallel_tool_calls": _refused(CHAT, _TOOLS, True, False),
-    "functions": _refused(CHAT, _TOOLS, []),
-    "function_call": _refused(CHAT, _TOOLS, "none"),
+    "tools": _served(CHAT, "functions, rendered by the model's chat template (400 if it renders no tools)"),
+    "tool_choice": _served(CHAT, "none; auto (with --enable-auto-tool-choice and --tool-call-parser); required "
+                           "or a named function (held to a valid call by a grammar)"),
+    "parallel_tool_calls": _served(CHAT, "false: at most one call"),
+    "functions": _refused(CHAT, _FUNCTIONS, []),
+    "function_call": _refused(CHAT, _FUNCTIONS, "none"),
     "audio": _refused(CHAT, "text only"),
     "modalities": _refused(CHAT, "text only", ["text"]),
     "prediction": _refused(CHAT, "no predicted outputs"),

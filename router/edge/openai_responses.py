@@ -11,6 +11,8 @@ from http import HTTPStatus
 from typing import Any
 
 from pdserve.router.edge.openai_api import ApiError, ParsedRequest
+from pdserve.router.edge.tool_fields import ToolPlan
+from pdserve.router.edge.tool_output import tool_answer, tool_call
 from pdserve_proto import inference_pb2
 
 
@@ -39,14 +41,17 @@ def _envelope(p: ParsedRequest, stream: bool) -> dict[str, Any]:
 
 
 def stream_chunk(
-    p: ParsedRequest, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None, index: int = 0
+    p: ParsedRequest, text: str | None, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None,
+    index: int = 0, tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One SSE event for a router response of choice `index` (text delta; finish reason on the
-    choice's last; `first`: the choice's first)."""
+    choice's last; `first`: the choice's first; `tool_calls`: chat's tool call deltas)."""
     choice: dict[str, Any] = {"index": index}
     if p.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
         choice["logprobs"] = logprobs
     else:
@@ -74,11 +79,13 @@ class StreamEvents:
         self._parts = doc.split(marker) if doc.count(marker) == 1 else None
 
     def chunk(
-        self, text: str, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None, index: int = 0
+        self, text: str | None, finish_reason: str, first: bool, logprobs: dict[str, Any] | None = None,
+        index: int = 0, tool_calls: list[dict[str, Any]] | None = None,
     ) -> str:
         """One event's JSON; `logprobs`: the choice's logprobs object, where the request asked."""
-        if first or finish_reason or self._parts is None or logprobs is not None or index:
-            return _json(stream_chunk(self.p, text, finish_reason, first, logprobs, index))
+        if (first or finish_reason or self._parts is None or logprobs is not None or index or text is None
+                or tool_calls is not None):
+            return _json(stream_chunk(self.p, text, finish_reason, first, logprobs, index, tool_calls))
         head, tail = self._parts
         return head + json.dumps(text) + tail
 
@@ -98,6 +105,7 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: dict[str, Any] | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()  # chat: the calls read from the text (its content is the rest)
 
 
 def completion(
@@ -112,8 +120,10 @@ def completion_of(p: ParsedRequest, choices: list[Choice], u: inference_pb2.Usag
     out = []
     for i, c in enumerate(choices):
         if p.chat:
-            out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
-                        "finish_reason": c.finish_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message |= {"content": c.text or None, "tool_calls": list(c.tool_calls)}
+            out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
         else:
             out.append({"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
     return _envelope(p, stream=False) | {"choices": out, "usage": usage(u)}
@@ -132,3 +142,13 @@ def models(model_id: str, max_model_len: int, created: int) -> dict[str, Any]:
         "object": "list",
         "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "pdserve", "max_model_len": max_model_len}],
     }
+
+
+def with_tool_calls(plan: ToolPlan, c: Choice) -> Choice:
+    """`c` read for calls as `plan` says: its calls, and as its text the content left (the text
+    as written when it holds no call)."""
+    answer = tool_answer(plan, c.text, c.finish_reason)
+    if not answer.calls:
+        return c
+    calls = tuple(tool_call(call) for call in answer.calls)
+    return Choice(answer.content or "", answer.finish_reason, c.logprobs, calls)

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.edge.chat_tools import renders_tools, template_messages, template_tools
 from pdserve.router.edge.grammar_fields import structured_output_of
 from pdserve.router.edge.special_tokens import TemplateAltersContent, encode_chat, encode_user_text
 from pdserve.router.handles import RouterError
@@ -67,7 +68,8 @@ def _lower_priority() -> None:
 
 def request_size(request: inference_pb2.GenerateRequest) -> int:
     """What parsing `request` costs, roughly: its characters of text and its token ids."""
-    return len(request.prompt) + len(request.prompt_token_ids) + sum(len(m.content) for m in request.messages)
+    return (len(request.prompt) + len(request.prompt_token_ids) + sum(len(m.content) for m in request.messages)
+            + sum(len(t.parameters) + len(t.description) for t in request.tools))
 
 
 def parse_request(
@@ -91,9 +93,11 @@ def parse_request(
         raise RouterError(
             _INVALID, f"prompt: set only one of prompt, prompt_token_ids or messages (got {', '.join(given)})"
         )
+    if request.tools and not request.messages:
+        raise RouterError(_INVALID, "tools: only with messages (the chat template renders them)")
     split = not config.allow_special_tokens_in_prompt  # a special token's text typed by a user stays text
     if request.messages:
-        ids = _render_chat(tokenizer, request.messages, split)
+        ids = _render_chat(tokenizer, request, split)
     elif request.prompt:
         ids = _encode(tokenizer, request.prompt, split)
     else:
@@ -165,17 +169,23 @@ def _encode(tokenizer: Any, text: str, split_special: bool = False) -> list[int]
         raise RouterError(_INVALID, f"prompt: the tokenizer refused it ({exc})") from None
 
 
-def _render_chat(tokenizer: Any, messages: Any, split_special: bool = False) -> list[int]:
+def _render_chat(tokenizer: Any, request: inference_pb2.GenerateRequest, split_special: bool = False) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RouterError(_INVALID, "messages: this model has no chat template; send prompt or prompt_token_ids")
-    for i, m in enumerate(messages):
+    for i, m in enumerate(request.messages):
         if m.role not in _ROLES:
             raise RouterError(_INVALID, f"messages[{i}].role: unknown role {m.role!r}")
-    chat = [{"role": m.role, "content": m.content} for m in messages]
+    chat = template_messages(request.messages)
+    try:
+        tools = template_tools(request.tools) if request.tools else None  # chat_tools.py: the template's shapes
+    except ValueError as exc:
+        raise RouterError(_INVALID, str(exc)) from None
+    if tools and not renders_tools(tokenizer, tools):
+        raise RouterError(_INVALID, "tools: this model's chat template does not render tools")
 
-    def render(chat: list[dict[str, str]]) -> str:
+    def render(chat: list[dict[str, Any]]) -> str:
         try:
-            return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template refuses what it cannot render (roles out of order, ...) by raising
             raise RouterError(_INVALID, f"messages: the chat template refused them ({exc})") from None
 

@@ -50,12 +50,14 @@ SERVED_SAMPLES: dict[str, Any] = {
     "guided_grammar": 'root ::= "x"',
     "echo": True,
     "prompt_logprobs": 1,
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
 }
 # A value of each refused field that asks for something.
 REFUSED_SAMPLES: dict[str, Any] = {
     "min_p": 0.1, "best_of": 3, "use_beam_search": True,
     "suffix": "end",
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "parallel_tool_calls": "yes",
     "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",
     "verbosity": "low", "chat_template": "{{ x }}", "chat_template_kwargs": {"a": 1}, "add_generation_prompt": False,

@@ -40,13 +40,13 @@ def test_public_field_names():
     names = {m: set(getattr(inference_pb2, m).DESCRIPTOR.fields_by_name) for m in (
         "GenerateRequest", "SamplingParams", "ChatMessage", "GenerateResponse", "Usage")}
     assert names == {
-        "GenerateRequest": {"request_id", "prompt", "prompt_token_ids", "messages", "sampling_params", "model"},
+        "GenerateRequest": {"request_id", "prompt", "prompt_token_ids", "messages", "sampling_params", "model", "tools"},
         "SamplingParams": {
             "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
             "top_logprobs", "structured_output", "n", "prompt_logprobs",
         },
-        "ChatMessage": {"role", "content"},
+        "ChatMessage": {"role", "content", "tool_calls", "tool_call_id"},
         "GenerateResponse": {
             "request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "top_logprobs", "index",
             "prompt_logprobs",

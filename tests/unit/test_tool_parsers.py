@@ -1,0 +1,203 @@
+"""Tool calls read from a model's text (router/edge/tool_parsers.py), the request's tool fields
+(tool_fields.py) and the answer's calls, whole and streamed (tool_output.py): on strings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.router.edge.tool_fields import AUTO_NEEDS_FLAGS, ToolFieldError, ToolPlan, parse_tools
+from pdserve.router.edge.tool_output import ToolCallStream, tool_answer
+from pdserve.router.edge.tool_parsers import ParsedCall, parse_tool_calls, streamable
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time"}}]
+
+
+def _args(call: ParsedCall) -> dict:
+    return json.loads(call.arguments)
+
+
+# ----- hermes ---------------------------------------------------------------------------------
+
+
+def test_hermes_reads_several_calls_and_keeps_the_text_around_them():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.')
+    out = parse_tool_calls("hermes", text)
+    assert [c.name for c in out.calls] == ["get_weather", "get_time"]
+    assert _args(out.calls[0]) == {"city": "Paris"} and _args(out.calls[1]) == {}
+    assert out.content == "Let me look.\n\n Done."
+
+
+def test_hermes_leaves_malformed_json_as_text():
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    good = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    out = parse_tool_calls("hermes", f"a {bad} b {good}")
+    assert [c.name for c in out.calls] == ["get_time"]
+    assert out.content == f"a {bad} b"
+    # JSON that is not a call (no name) is text too
+    out = parse_tool_calls("hermes", '<tool_call>{"arguments": {}}</tool_call>')
+    assert out.calls == () and out.content == '<tool_call>{"arguments": {}}</tool_call>'
+
+
+def test_hermes_without_calls_is_all_content_and_an_unclosed_last_call_counts():
+    assert parse_tool_calls("hermes", " just text ").content == "just text"
+    assert parse_tool_calls("hermes", "just text").calls == ()
+    out = parse_tool_calls("hermes", '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}')
+    assert [(c.name, _args(c)) for c in out.calls] == [("get_time", {"tz": "UTC"})] and out.content is None
+
+
+def test_hermes_arguments_written_as_a_json_string_are_read():
+    out = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert _args(out.calls[0]) == {"x": 1}
+
+
+# ----- llama3_json ----------------------------------------------------------------------------
+
+
+def test_llama3_json_reads_one_call_with_or_without_the_python_tag():
+    for text in ('{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+                 '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+                 '  \n{"name": "get_weather", "arguments": {"city": "Oslo"}}'):
+        out = parse_tool_calls("llama3_json", text)
+        assert [(c.name, _args(c)) for c in out.calls] == [("get_weather", {"city": "Oslo"})], text
+        assert out.content is None
+
+
+def test_llama3_json_reads_calls_separated_by_semicolons():
+    out = parse_tool_calls("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": 2}}')
+    assert [(c.name, _args(c)) for c in out.calls] == [("a", {}), ("b", {"k": 2})]
+
+
+def test_llama3_json_text_that_is_not_a_call_is_content():
+    for text in ("The weather is fine.", '{"name": "a", "parameters": ', '{"not": "a call"}', "{}"):
+        out = parse_tool_calls("llama3_json", text)
+        assert out.calls == () and out.content == text.strip(), text
+
+
+def test_an_unknown_parser_is_refused_by_name():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        parse_tool_calls("mistral", "x")
+
+
+# ----- streaming ------------------------------------------------------------------------------
+
+
+def test_streamable_holds_back_only_what_could_start_a_call():
+    assert streamable("hermes", "Hello <tool") == len("Hello ")
+    assert streamable("hermes", "Hello <tool_call>{") == len("Hello ")
+    assert streamable("hermes", "a < b") == len("a < b")
+    assert streamable("llama3_json", "  ") == 0
+    assert streamable("llama3_json", ' {"name"') == 0
+    assert streamable("llama3_json", "<|python") == 0
+    assert streamable("llama3_json", "Sure") == 4
+
+
+def _stream(plan: ToolPlan, pieces: list[str], finish: str = "stop") -> list:
+    s = ToolCallStream(plan)
+    return [s.step(p, finish if i == len(pieces) - 1 else "", i == 0) for i, p in enumerate(pieces)]
+
+
+def test_auto_streams_content_then_sends_each_call_whole_at_the_end():
+    pieces = ["Let me ", "check. <tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>']
+    steps = _stream(ToolPlan("auto", parser="hermes"), pieces)
+    assert "".join(s.content or "" for s in steps) == "Let me check. "
+    assert all(s.tool_calls is None for s in steps[:-1])
+    (call,) = steps[-1].tool_calls
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {} and steps[-1].finish_reason == "tool_calls"
+
+
+def test_auto_text_without_calls_streams_whole_and_keeps_its_finish_reason():
+    steps = _stream(ToolPlan("auto", parser="hermes"), ["a <", "b", " c "], finish="length")
+    assert "".join(s.content or "" for s in steps) == "a <b c "
+    assert steps[-1].tool_calls is None and steps[-1].finish_reason == "length"
+
+
+def test_named_sends_id_and_name_first_then_argument_fragments():
+    steps = _stream(ToolPlan("named", name="get_weather", parallel=False), ['{"city"', ': "Rome"', "}"])
+    first = steps[0].tool_calls[0]
+    assert first["id"].startswith("call_") and first["function"]["name"] == "get_weather"
+    assert all("id" not in s.tool_calls[0] for s in steps[1:])
+    assert "".join(s.tool_calls[0]["function"]["arguments"] for s in steps) == '{"city": "Rome"}'
+    assert all(s.content is None for s in steps) and steps[-1].finish_reason == "tool_calls"
+
+
+def test_required_reads_the_grammars_array_of_calls():
+    text = '[{"name": "get_weather", "parameters": {"city": "Lima"}}, {"name": "get_time", "parameters": {}}]'
+    answer = tool_answer(ToolPlan("required"), text, "stop")
+    assert [(c.name, _args(c)) for c in answer.calls] == [("get_weather", {"city": "Lima"}), ("get_time", {})]
+    assert answer.content is None and answer.finish_reason == "tool_calls"
+    one = tool_answer(ToolPlan("required", parallel=False), text, "stop")
+    assert [c.name for c in one.calls] == ["get_weather"]
+    cut = tool_answer(ToolPlan("required"), text[:20], "length")
+    assert cut.calls == () and cut.content == text[:20] and cut.finish_reason == "length"
+
+
+# ----- request fields -------------------------------------------------------------------------
+
+
+def test_auto_needs_the_flags_and_is_refused_naming_tools():
+    with pytest.raises(ToolFieldError) as err:
+        parse_tools({"tools": TOOLS}, None)
+    assert err.value.param == "tools" and err.value.reason == AUTO_NEEDS_FLAGS
+    tools, plan, grammar = parse_tools({"tools": TOOLS}, "hermes")
+    assert [t.name for t in tools] == ["get_weather", "get_time"] and plan == ToolPlan("auto", parser="hermes")
+    assert grammar is None
+    _, plan, grammar = parse_tools({"tools": TOOLS, "tool_choice": "none"}, None)
+    assert plan == ToolPlan("none") and grammar is None
+
+
+def test_named_and_required_choices_hold_the_output_to_a_schema():
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    _, plan, grammar = parse_tools({"tools": TOOLS, "tool_choice": choice}, None)
+    assert plan.mode == "named" and plan.name == "get_weather" and json.loads(grammar.json_schema) == WEATHER
+    _, plan, grammar = parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, None)
+    schema = json.loads(grammar.json_schema)
+    assert plan == ToolPlan("required", parallel=False) and schema["maxItems"] == 1 and schema["minItems"] == 1
+    names = [item["properties"]["name"]["const"] for item in schema["items"]["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": {"name": "f"}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}, "tools[0].function.extra"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name"),
+])
+def test_bad_tool_fields_are_refused_by_name(body: dict, param: str):
+    with pytest.raises(ToolFieldError) as err:
+        parse_tools(body, "hermes")
+    assert err.value.param == param
+
+
+# ----- flags ----------------------------------------------------------------------------------
+
+
+def test_the_tool_flags_reach_serve_and_router_configs():
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.main import config_from_args, router_config_from_args
+    from pdserve.router.edge.http_options import HttpOptions
+
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    for command, build in (("serve", config_from_args), ("router", router_config_from_args)):
+        extra = ["--address", "127.0.0.1:6379"] if command == "router" else []
+        cfg = build(_build_parser().parse_args([command, *extra, *flags]))
+        assert cfg.http_options.auto_tool_parser == "llama3_json"
+        assert build(_build_parser().parse_args([command, *extra])).http_options.auto_tool_parser is None
+        with pytest.raises(ValueError, match="--tool-call-parser"):
+            build(_build_parser().parse_args([command, *extra, "--enable-auto-tool-choice"]))
+    # A parser alone reads nothing: "auto" stays off, as in vLLM.
+    assert HttpOptions(tool_call_parser="hermes").auto_tool_parser is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        HttpOptions(tool_call_parser="mistral")
