@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -179,22 +180,26 @@ class DecodeGraphs:
         return min(s for s in self.graphs if s >= n)
 
     def replay(
-        self, scheduled: list[ScheduledSeq], ahead: int, previous_tokens: torch.Tensor | None
+        self,
+        scheduled: list[ScheduledSeq],
+        ahead: int | list[int],
+        feed: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a decode step through its graph: (logits, greedy tokens), one row per sequence.
-        With `previous_tokens` (on the device) they are the step's input tokens."""
+        `feed`, given the step's input tokens on the device, writes those still in flight."""
         n = len(scheduled)
         self._fill_inputs(scheduled, ahead)
         io = self.io
-        if previous_tokens is not None:
-            io["input_ids"][:n].copy_(previous_tokens)
+        if feed is not None:
+            feed(io["input_ids"][:n])
         self.graphs[self.size_for(n)].replay()
         return io["logits"][:n], io["argmax"][:n]
 
-    def _fill_inputs(self, scheduled: list[ScheduledSeq], ahead: int) -> None:
+    def _fill_inputs(self, scheduled: list[ScheduledSeq], ahead: int | list[int]) -> None:
         """Write the step's inputs into a pinned mirror and copy it to the graph's buffers.
         Rows n..b-1 of the padded batch write their (garbage) K/V to the scratch block.
-        `ahead=1`: positions one past the computed tokens; input tokens left for the caller."""
+        `ahead` (all rows, or per row): positions that far past the computed tokens; an input
+        token not on the host yet is left as 0 for the caller to feed."""
         n = len(scheduled)
         b = self.size_for(n)
         bs = self.block_size
@@ -207,13 +212,14 @@ class DecodeGraphs:
         # Row by row only what must be (each table's own blocks, by array copy); the rest as
         # whole-array operations: at a few hundred rows a per-row Python loop is milliseconds.
         seqs = [item.seq for item in scheduled]
-        pos_list = [seq.num_computed_tokens + ahead for seq in seqs]
+        offsets = [ahead] * n if isinstance(ahead, int) else ahead
+        pos_list = [seq.num_computed_tokens + m for seq, m in zip(seqs, offsets)]
         tables.fill(self.scratch_block)
         for i, seq in enumerate(seqs):
             blocks = seq.block_array()
             tables[i, : len(blocks)] = blocks
         pos = np.asarray(pos_list, dtype=np.int64)
-        longs[:n] = 0 if ahead else [seq.token_ids[p] for seq, p in zip(seqs, pos_list)]
+        longs[:n] = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, pos_list)]
         longs[ls : ls + n] = pos
         longs[2 * ls : 2 * ls + n] = tables[np.arange(n), pos // bs]
         longs[3 * ls : 3 * ls + n] = pos % bs

@@ -30,7 +30,7 @@ from pdserve.engine.step_outputs import RequestOutput, step_outputs
 
 @dataclass(frozen=True)
 class _InFlight:
-    """A greedy decode step running on the device, its outputs not yet taken."""
+    """A greedy step (decode, prompt or mixed) running on the device, its outputs not yet taken."""
 
     scheduled: list[ScheduledSeq]
     launch: DecodeLaunch
@@ -186,12 +186,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return what it produced.
 
-        Overlapped decode (on with CUDA graphs): while every running sequence decodes greedily
-        and nothing waits, step n+1 is launched with step n's tokens as its inputs, on the
-        device, before step n's tokens are read back; the host's bookkeeping for step n then
-        runs while the device computes step n+1. A sequence that stops at step n had one more
-        token computed in step n+1; it is dropped. Outputs of a launched step come with the
-        next call."""
+        Overlapped steps (on with CUDA graphs): while every row that samples takes a greedy
+        token, step n+1 is planned and launched before step n's tokens are read back, its
+        sampled rows fed step n's tokens on the device (`overlap_plan`); the host's bookkeeping
+        for step n then runs while the device computes step n+1. Decode, prompt and mixed steps
+        alike. A sequence that stops at step n had one more token computed in step n+1; it is
+        dropped. Outputs of a launched step come with the next call."""
         if self._inflight is not None:
             return self._step_overlapped(self._inflight)
         self.last_step_decodes = self.last_step_prefills = 0
@@ -199,28 +199,33 @@ class LLMEngine:
         if not scheduled:
             return []
         if self._overlap and overlappable(scheduled):
-            self._inflight = _InFlight(scheduled, self.runner.launch_greedy_decode(scheduled))
+            self._inflight = _InFlight(scheduled, self.runner.launch_greedy(scheduled))
             return []
         sampled = self.runner.execute(scheduled, self.eos_token_ids)
+        self._count_rows(scheduled)
+        return self._finish_step(scheduled, sampled)
+
+    def _count_rows(self, scheduled: list[ScheduledSeq]) -> None:
         # A decode row computes one token past its prompt; a row still in its prompt is prefill.
         decodes = sum(
             1 for item in scheduled if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
         )
         self.last_step_decodes, self.last_step_prefills = decodes, len(scheduled) - decodes
-        return self._finish_step(scheduled, sampled)
 
     def _step_overlapped(self, current: _InFlight) -> list[RequestOutput]:
         following = plan_following(self.scheduler, current.scheduled, self.max_model_len)
         launch = None
-        if following:
-            launch = self.runner.launch_greedy_decode(following, current.launch)
+        if following is not None:
+            launch = self.runner.launch_greedy(following.scheduled, following.ahead, current.launch, following.feed)
             self.num_overlapped_steps += 1
-        tokens = self.runner.collect(current.launch)
-        self.last_step_decodes, self.last_step_prefills = len(current.scheduled), 0
+        tokens = iter(self.runner.collect(current.launch))
+        drawn = {id(item.seq): next(tokens) for item in current.scheduled if item.sample}
+        self._count_rows(current.scheduled)
         # Aborted while in flight: its token is dropped (its blocks were freed in stream order).
-        live = [(item, t) for item, t in zip(current.scheduled, tokens) if item.seq.status is SeqStatus.RUNNING]
-        outputs = self._finish_step([item for item, _ in live], {item.seq.request_id: SampledToken(t) for item, t in live})
-        self._inflight = _InFlight(following, launch) if following and launch is not None else None
+        live = [item for item in current.scheduled if item.seq.status is SeqStatus.RUNNING]
+        sampled = {item.seq.request_id: SampledToken(drawn[id(item.seq)]) for item in live if item.sample}
+        outputs = self._finish_step(live, sampled)
+        self._inflight = _InFlight(following.scheduled, launch) if launch is not None else None
         return outputs
 
     def _finish_step(

@@ -1,41 +1,95 @@
-"""Overlapped decode's plan: which steps may be launched before the previous one's tokens are
-read back. A step qualifies when every row decodes one greedy token without logprobs and without
-logits processing (penalties, logit bias, min_tokens: a plain argmax is what the launch takes); the step
-after it is launched blind only while nothing waits, the running set is unchanged, no sequence
-is sure to stop, and every sequence has the KV block its next token needs."""
+"""Overlapped steps' plan: which steps may be launched before the previous one's tokens are read
+back, and the step after a launched one. A step qualifies when every row that samples takes a
+plain greedy argmax (no logprobs, logits processing or grammar) and no row scores its prompt;
+rows that only advance a prompt chunk may be beside them. The step after is planned blind, as
+`Scheduler.schedule` would plan it: each running sequence one position past what is in flight (a
+sampled row fed the token still on the device), sequences sure to stop left out, imported and
+waiting requests admitted with the budget left; not launched (None) where a KV block is missing,
+since only `schedule` preempts. docs/engine.md, "Overlapped steps"."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Following:
+    """A step planned while the one before it runs. `ahead[i]`: tokens of row i's sequence in
+    the step in flight, not yet counted as computed (its positions start that much further).
+    `feed`: (input row, index among the step in flight's sampled rows) for each row whose input
+    token is that step's draw, still on the device."""
+
+    scheduled: list[ScheduledSeq]
+    ahead: list[int]
+    feed: list[tuple[int, int]]
+
+    @property
+    def feeds_every_row_in_order(self) -> bool:
+        """Each row one token, fed from the same row of the step before: a decode step that
+        follows a decode step of the same sequences."""
+        return len(self.feed) == len(self.scheduled) and all(r == k for r, k in self.feed) and all(
+            item.num_new_tokens == 1 for item in self.scheduled
+        )
+
+
+def greedy_row(seq: Sequence) -> bool:
+    """Whether a row of `seq` that samples may be launched blind (see the module's docstring)."""
+    p = seq.params
+    return p.greedy and not p.logprobs and not p.processes_logits and p.structured_output is None
 
 
 def overlappable(scheduled: list[ScheduledSeq]) -> bool:
     """Whether `scheduled` may be launched without waiting (see the module's docstring)."""
     return all(
-        item.num_new_tokens == 1
-        and item.sample
-        and item.seq.params.greedy
-        and not item.seq.params.logprobs
-        and not item.seq.params.processes_logits
-        and item.seq.params.structured_output is None  # its grammar masks the logits before the argmax
-        for item in scheduled
+        item.seq.params.prompt_logprobs is None and (not item.sample or greedy_row(item.seq)) for item in scheduled
     )
 
 
-def plan_following(sched: Scheduler, scheduled: list[ScheduledSeq], max_model_len: int) -> list[ScheduledSeq] | None:
-    """The step after `scheduled` (same sequences, one token further), or None when it
-    cannot be launched blind: requests are waiting, the running set changed, a sequence
-    is sure to stop at `scheduled` (length), or a KV block is missing."""
-    if sched.waiting or sched.ready or len(sched.running) != len(scheduled):
+def _sure_to_stop(seq: Sequence, max_model_len: int) -> bool:
+    """After the token in flight: its length limit or the context's end is reached."""
+    return seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len
+
+
+def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len: int) -> Following | None:
+    """The step after `current` (in flight), or None when it cannot be launched blind."""
+    if sched.limits.role == "prefill":
         return None
-    if any(a is not item.seq for a, item in zip(sched.running, scheduled)):
-        return None
-    for item in scheduled:
-        seq = item.seq
-        # After `scheduled`: num_tokens + 1 tokens, of which num_output_tokens + 1 generated.
-        if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len:
+    in_flight = {id(item.seq): item for item in current}
+    sampled_at = {id(item.seq): k for k, item in enumerate(i for i in current if i.sample)}
+    budget = sched.limits.max_num_batched_tokens
+    out: list[ScheduledSeq] = []
+    ahead: list[int] = []
+    feed: list[tuple[int, int]] = []
+    rows = 0
+    for seq in sched.running:
+        if budget <= 0:
+            break
+        item = in_flight.get(id(seq))
+        m = 0 if item is None else item.num_new_tokens
+        fed = item is not None and item.sample
+        if fed and _sure_to_stop(seq, max_model_len):
+            continue  # it finishes when `current`'s tokens are in
+        computed, total = seq.num_computed_tokens + m, seq.num_tokens + fed
+        n = min(total - computed, budget)
+        if n <= 0:
+            continue
+        sample = computed + n == total
+        if sample and not greedy_row(seq) or seq.params.prompt_logprobs is not None:
             return None
-    for item in scheduled:
-        if not sched.reserve(item.seq, item.seq.num_computed_tokens + 2):
+        if not sched.reserve(seq, computed + n):
             return None  # blocks taken so far stay with their sequences: the next step uses them
-    return [ScheduledSeq(item.seq, 1, True) for item in scheduled]
+        if fed:
+            feed.append((rows, sampled_at[id(seq)]))
+        out.append(ScheduledSeq(seq, n, sample))
+        ahead.append(m)
+        rows += n
+        budget -= n
+    for seq, n in sched.admit_ahead(budget):
+        if not greedy_row(seq) or seq.params.prompt_logprobs is not None:
+            break  # admitted all the same: the next `schedule` runs it
+        out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+        ahead.append(0)
+    return Following(out, ahead, feed) if out else None

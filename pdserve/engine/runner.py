@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from itertools import chain
 from collections.abc import Collection
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.prompt_logprobs import score_step
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_graphs import StepGraphs, capture_step_graphs
 
 log = logging.getLogger(__name__)
@@ -109,16 +110,18 @@ class ModelRunner:
 
     # ----- inputs --------------------------------------------------------------------------
 
-    def prepare(self, scheduled: list[ScheduledSeq], ahead: int = 0) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledSeq], ahead: int | list[int] = 0) -> StepInputs:
         """Flatten the step into device tensors with two host-to-device copies (one int64
         buffer, one int32 buffer) instead of one per tensor: decode steps are short enough
-        that each copy's fixed cost shows. `ahead=1`: a decode step one position past the
-        computed tokens, whose input tokens are still on the device (left as 0 here)."""
+        that each copy's fixed cost shows. `ahead` (one for every row, or per row): rows start
+        that many positions past their computed tokens, behind a step still in flight; an input
+        token not known on the host yet (that step's draw, still on the device) is left as 0."""
         bs = self.block_size
         b = len(scheduled)
         seqs = [item.seq for item in scheduled]
         query_lens = [item.num_new_tokens for item in scheduled]
-        starts = [seq.num_computed_tokens + ahead for seq in seqs]
+        offsets = [ahead] * b if isinstance(ahead, int) else ahead
+        starts = [seq.num_computed_tokens + m for seq, m in zip(seqs, offsets)]
         seq_lens_host = [s + n for s, n in zip(starts, query_lens)]
         t = sum(query_lens)
         sample = np.fromiter((item.sample for item in scheduled), dtype=bool, count=b)
@@ -139,19 +142,15 @@ class ModelRunner:
         if t == b:  # one token a row: a decode step
             pos[:] = starts
             row_of = np.arange(b)
-            if not ahead:
-                ids[:] = [seq.token_ids[s] for seq, s in zip(seqs, starts)]
+            ids[:] = [known_token(seq, s) for seq, s in zip(seqs, starts)]
         else:
             row_of = np.repeat(np.arange(b), query_lens)
             first = cu[:-1].astype(np.int64)
             pos[:] = np.arange(t) + np.repeat(np.asarray(starts, dtype=np.int64) - first, query_lens)
-            if not ahead:
-                ids[:] = np.fromiter(
-                    chain.from_iterable(seq.token_ids[s : s + n] for seq, s, n in zip(seqs, starts, query_lens)),
-                    dtype=np.int64, count=t,
-                )  # fmt: skip
-        if ahead:
-            ids[:] = 0
+            ids[:] = np.fromiter(
+                chain.from_iterable(known_tokens(seq, s, n) for seq, s, n in zip(seqs, starts, query_lens)),
+                dtype=np.int64, count=t,
+            )  # fmt: skip
         slot_block[:] = tables[row_of, pos // bs]
         np.remainder(pos, bs, out=slot_offset)
         longs[4 * t :] = cu[1:][sample] - 1
@@ -211,17 +210,28 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def launch_greedy_decode(self, scheduled: list[ScheduledSeq], previous: DecodeLaunch | None = None) -> DecodeLaunch:
-        """Start a greedy decode step (one token per sequence) and return without waiting for it.
+    def launch_greedy(
+        self,
+        scheduled: list[ScheduledSeq],
+        ahead: int | list[int] = 0,
+        previous: DecodeLaunch | None = None,
+        feed: list[tuple[int, int]] | tuple = (),
+    ) -> DecodeLaunch:
+        """Start a step whose sampling rows all take the argmax, and return without waiting for
+        it: decode rows, prompt chunks, or both. The host never waits between two such steps, so
+        it does the bookkeeping of one while the device runs the next.
 
-        With `previous`, the step still running for the same sequences in the same order, this
-        one is a step further: each sequence's input is the token `previous` produces, taken on
-        the device, at the position after it. The host never waits between the two steps, so it
-        can do the bookkeeping of one while the device runs the next."""
-        _, logits, argmax = self._forward(scheduled, None if previous is None else previous.tokens)
-        tokens = argmax if argmax is not None else logits.argmax(dim=-1)
-        n = len(scheduled)
-        host = self._token_mirrors[self._token_turn][:n]
+        Behind `previous` (the step still running): row i starts `ahead[i]` positions past its
+        computed tokens, and each (row, k) of `feed` takes as its input token the k-th draw of
+        `previous`, on the device."""
+        _, logits, argmax = self._forward(scheduled, ahead, previous, feed)
+        if argmax is not None:
+            tokens = argmax
+        elif logits is not None:
+            tokens = logits.argmax(dim=-1)
+        else:  # prompt chunks only: nothing sampled
+            tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
+        host = self._token_mirrors[self._token_turn][: tokens.shape[0]]
         self._token_turn ^= 1  # the previous step's mirror may not have been read yet
         host.copy_(tokens, non_blocking=self.device.type == "cuda")
         done = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -230,34 +240,49 @@ class ModelRunner:
         return DecodeLaunch(tokens, host, done)
 
     def _forward(
-        self, scheduled: list[ScheduledSeq], previous_tokens: torch.Tensor | None = None
+        self,
+        scheduled: list[ScheduledSeq],
+        ahead: int | list[int] = 0,
+        previous: DecodeLaunch | None = None,
+        feed: list[tuple[int, int]] | tuple = (),
     ) -> tuple[list[ScheduledSeq], torch.Tensor | None, torch.Tensor | None]:
         """Run the model for a step: (the items that sample, their logits, their greedy tokens
-        when the decode graph computed them). With `previous_tokens` (one per item, on the
-        device) it is a decode step one position past the computed tokens, fed those tokens."""
+        when the decode graph computed them). `ahead`, `previous`, `feed`: see `launch_greedy`."""
         if self.device.type == "cuda" and self.device.index is not None:
             # Engine loops run on their own threads, whose current device is not ours by default.
             # (A bare "cuda" has no index: torch.cuda.set_device rejects it; nothing to set then.)
             torch.cuda.set_device(self.device)
-        ahead = 0 if previous_tokens is None else 1
+
+        def fed(input_ids: torch.Tensor) -> None:
+            if previous is not None and feed:
+                self._feed(input_ids, previous.tokens, feed)
+
         if self.graphs is not None and self.graphs.fits(scheduled):
             # Decode-only: every row samples, and the graph already holds logits and argmax.
-            logits, argmax = self.graphs.replay(scheduled, ahead, previous_tokens)
+            logits, argmax = self.graphs.replay(scheduled, ahead, fed)
             return scheduled, logits, argmax
         inputs = self.prepare(scheduled, ahead)
-        if previous_tokens is not None:
-            inputs.input_ids.copy_(previous_tokens)
+        fed(inputs.input_ids)
         if self.step_graphs is not None and self.step_graphs.fits(inputs.input_ids.shape[0]):
             hidden = self.step_graphs.forward(inputs.token_rows, inputs.meta)
         else:
             ctx = ForwardContext(inputs.meta, self.kv_pool, self.step_backend, layer_caches=self._layer_caches)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        if not ahead and (inputs.meta.max_query_len > 1 or len(inputs.sampled) < len(scheduled)):
+        if previous is None and (inputs.meta.max_query_len > 1 or len(inputs.sampled) < len(scheduled)):
             # A step with prompt rows (one of a decode-only step scores nothing): prompt_logprobs.
             score_step(scheduled, inputs.meta.query_lens, hidden, self.model.compute_logits)
         if not inputs.sampled:
             return [], None, None
         return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None
+
+    def _feed(self, input_ids: torch.Tensor, tokens: torch.Tensor, feed: list[tuple[int, int]] | tuple) -> None:
+        """input_ids[row] = tokens[k] for each (row, k) of `feed`, on the device."""
+        n = len(feed)
+        if n == tokens.shape[0] and all(r == i and k == i for i, (r, k) in enumerate(feed)):
+            input_ids[:n].copy_(tokens)  # a decode step behind one of the same rows
+            return
+        index = self._to_device(np.asarray(feed, dtype=np.int64).T.copy())
+        input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     def collect(self, launch: DecodeLaunch) -> list[int]:
         """Wait for a launched step and return its tokens."""
@@ -311,3 +336,14 @@ class ModelRunner:
 
 def _mix_seed(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+
+def known_token(seq: Sequence, position: int) -> int:
+    """The input token at `position`, or 0 where it is not on the host yet (a draw in flight)."""
+    return seq.token_ids[position] if position < len(seq.token_ids) else 0
+
+
+def known_tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """`known_token` for positions start .. start + n - 1."""
+    have = seq.token_ids[start : start + n]
+    return have if len(have) == n else have + [0] * (n - len(have))

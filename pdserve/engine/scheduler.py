@@ -10,6 +10,7 @@ docs/engine.md, "Scheduling"."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocksError
@@ -105,6 +106,29 @@ class Scheduler:
             out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return out
+
+    def admit_ahead(self, budget: int) -> Iterator[tuple[Sequence, int]]:
+        """Admissions into a step planned while another runs (`overlap_plan`), as `schedule`
+        makes them but without preempting: imported sequences, then waiting prompts. Yields
+        each admitted sequence with its tokens in that step; stop iterating to admit no more."""
+        while self.ready and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.ready[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + n):
+                return
+            self.running.append(self.ready.popleft())
+            yield seq, n
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                return
+            self.waiting.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            yield seq, n
+            budget -= n
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for `num_tokens` tokens of a running sequence without preempting anyone

@@ -90,3 +90,52 @@ def test_sampled_requests_are_not_overlapped(tiny_model_factory):
     sp = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
     assert [o.token_ids for o in on.generate(prompts, sp)] == [o.token_ids for o in off.generate(prompts, sp)]
     assert on.engine.num_overlapped_steps == 0
+
+
+def test_mixed_steps_overlap_with_arrivals_chunks_stops_and_aborts(tiny_model_factory, check_blocks_freed):
+    """Requests arrive while others decode, prompts take several chunks, the batch is capped:
+    prompt, mixed and decode steps are all launched blind, and every request still gets the
+    tokens it gets alone."""
+    model_dir, hf_model = tiny_model_factory("llama")
+    limits = {"num_kv_blocks": 256, "max_num_batched_tokens": 24, "max_num_seqs": 3}
+    on, off = _pair(model_dir, **limits)
+    check_blocks_freed(on.engine)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=41, lengths=(5, 30, 11, 47, 3, 26, 60, 9))
+    base = [SamplingParams(max_tokens=14 + i, temperature=0.0) for i in range(len(prompts))]
+    ref = off.generate(prompts, base)
+    # Request 2 stops on a token it makes part-way; request 5 is aborted while a step is in flight.
+    params = list(base)
+    params[2] = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=(ref[2].token_ids[6],))
+    want = {str(i): o.token_ids for i, o in enumerate(off.generate(prompts, params))}
+    engine = on.engine
+    mixed_launches = []
+    launch = engine.runner.launch_greedy
+
+    def record(scheduled, *rest):
+        if any(item.num_new_tokens > 1 for item in scheduled) and any(item.sample for item in scheduled):
+            mixed_launches.append(len(scheduled))
+        return launch(scheduled, *rest)
+
+    engine.runner.launch_greedy = record
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    steps = aborted = 0
+    while pending or engine.has_unfinished():
+        if pending and steps % 2 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(p, params[i], str(i))
+        for out in engine.step():
+            got[out.request_id] = out.token_ids
+        steps += 1
+        if not aborted and engine._inflight is not None and len(got.get("5", [])) >= 3:
+            assert engine.abort("5")
+            aborted = True
+    assert aborted
+    for rid, tokens in want.items():
+        if rid == "5":
+            assert got[rid] == tokens[: len(got[rid])] and len(got[rid]) < len(tokens)
+        else:
+            assert got[rid] == tokens, f"request {rid}"
+    assert len(got["2"]) == 7  # stopped on its stop token
+    assert mixed_launches, "no step with a prompt chunk and a sampled row was launched blind"
+    assert engine.num_overlapped_steps > 20
