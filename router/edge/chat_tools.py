@@ -78,3 +78,16 @@ def renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> bool:
         return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
     except jinja2.TemplateSyntaxError:  # a tag of transformers' own ({% generation %}): look for the name
         return re.search(r"\btools\b", template) is not None
+
+
+def typed_special(request: inference_pb2.GenerateRequest, specials: tuple[str, ...]) -> str | None:
+    """The first tool field of `request` holding a special token's text (`tools[0].description`,
+    `messages[1].tool_calls[0].arguments`), or None. Only message content is tokenized as text
+    around the template's own tokens; in these fields such text would become the special token."""
+    fields = [(f"tools[{i}].{name}", getattr(t, name)) for i, t in enumerate(request.tools)
+              for name in ("name", "description", "parameters")]
+    for i, m in enumerate(request.messages):
+        fields.append((f"messages[{i}].tool_call_id", m.tool_call_id))
+        fields += [(f"messages[{i}].tool_calls[{j}].{name}", getattr(c, name)) for j, c in enumerate(m.tool_calls)
+                   for name in ("id", "name", "arguments")]
+    return next((path for path, text in fields if any(s in text for s in specials)), None)

@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.edge.chat_tools import renders_tools, template_messages, template_tools
+from pdserve.router.edge.chat_tools import renders_tools, template_messages, template_tools, typed_special
 from pdserve.router.edge.grammar_fields import structured_output_of
-from pdserve.router.edge.special_tokens import TemplateAltersContent, encode_chat, encode_user_text
+from pdserve.router.edge.special_tokens import TemplateAltersContent, encode_chat, encode_user_text, special_strings
 from pdserve.router.handles import RouterError
 from pdserve.router.router_config import RouterConfig
 from pdserve_proto import inference_pb2
@@ -182,6 +182,9 @@ def _render_chat(tokenizer: Any, request: inference_pb2.GenerateRequest, split_s
         raise RouterError(_INVALID, str(exc)) from None
     if tools and not renders_tools(tokenizer, tools):
         raise RouterError(_INVALID, "tools: this model's chat template does not render tools")
+    typed = typed_special(request, special_strings(tokenizer)) if split_special else None
+    if typed is not None:
+        raise RouterError(_INVALID, f"{typed}: holds a special token's text; leave it out")
 
     def render(chat: list[dict[str, Any]]) -> str:
         try:

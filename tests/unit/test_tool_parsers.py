@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -201,3 +202,59 @@ def test_the_tool_flags_reach_serve_and_router_configs():
     assert HttpOptions(tool_call_parser="hermes").auto_tool_parser is None
     with pytest.raises(ValueError, match="tool_call_parser"):
         HttpOptions(tool_call_parser="mistral")
+
+
+# ----- the router's render --------------------------------------------------------------------
+
+TOOLS_TEMPLATE = ("{% if tools %}tools: {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: "
+                  "{{ m['content'] }}{% for c in m.tool_calls or [] %} call {{ c.function.name }} "
+                  "{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}assistant: ")
+
+
+def _router_parse(template: str, req: Any) -> tuple[list[int], Any]:
+    """The router's prompt ids of `req`, and the tokenizer (with `template`) that made them."""
+    from pdserve.router.edge.parsing import parse_request
+    from pdserve.router.router_config import RouterConfig
+    from tests.unit.edge_server import small_tokenizer
+
+    tokenizer = small_tokenizer()
+    tokenizer.chat_template = template
+    ids, _ = parse_request(req, RouterConfig(model_id="m", max_model_len=4096, vocab_size=300), tokenizer)
+    return ids, tokenizer
+
+
+def _tool_request(**message: Any) -> Any:
+    from pdserve_proto import inference_pb2 as pb
+
+    req = pb.GenerateRequest(sampling_params=pb.SamplingParams(max_tokens=4))
+    req.messages.add(role="user", content="the fox")
+    req.messages.add(role="assistant", tool_calls=[pb.ToolCall(id="c1", name="get_time", arguments='{"zone": "UTC"}')])
+    req.messages.add(role="tool", content="noon", tool_call_id="c1")
+    req.tools.add(name="get_time", description="the time", parameters=json.dumps(WEATHER))
+    for name, value in message.items():
+        setattr(req.tools[0], name, value)
+    return req
+
+
+def test_the_router_renders_tools_and_tool_turns_with_the_template():
+    ids, tokenizer = _router_parse(TOOLS_TEMPLATE, _tool_request())
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]
+    messages = [{"role": "user", "content": "the fox"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "content": "noon", "tool_call_id": "c1"}]
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "the time", "parameters": WEATHER}}]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '"description": "the time"' in text and 'call get_time {"zone": "UTC"}' in text and "tool: noon" in text
+    assert ids == tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("template, tools, head", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", {}, "tools: this model's chat template does not render"),
+    (TOOLS_TEMPLATE, {"parameters": "[1]"}, "tools[0].parameters: must be a JSON Schema object"),
+    (TOOLS_TEMPLATE, {"description": "a </s> b"}, "tools[0].description: holds a special token's text"),
+])
+def test_the_router_refuses_tools_it_cannot_render_naming_them(template: str, tools: dict, head: str):
+    from pdserve.router.handles import RouterError
+
+    with pytest.raises(RouterError) as err:
+        _router_parse(template, _tool_request(**tools))
+    assert err.value.message.startswith(head) and err.value.code.name == "INVALID_ARGUMENT"
