@@ -119,3 +119,27 @@ def test_slices_give_the_same_scores(tiny, monkeypatch):
     prompt = mixed_prompts(hf.config.vocab_size, seed=9, lengths=(40,))[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=4))[0]
     check_against(reference(hf, prompt), prompt, out.prompt_logprobs, 4)
+
+
+def test_overlapped_steps_leave_scored_prompts_to_plain_steps(tiny):
+    """With overlapped steps on, a request scoring its prompt arriving while others run
+    launched ahead still gets every prompt token scored, and the others' tokens are unchanged."""
+    model_dir, hf = tiny
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+              overlap_decode=True)  # fmt: skip
+    plain, scored = mixed_prompts(hf.config.vocab_size, seed=11, lengths=(12, 45))
+    engine = llm.engine
+    engine.add_request(plain, SamplingParams(max_tokens=12, temperature=0.0), "plain")
+    for _ in range(3):
+        engine.step()
+    engine.add_request(scored, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3), "scored")
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.num_overlapped_steps > 0  # the chain did run around the scored request
+    check_against(reference(hf, scored), scored, done["scored"].prompt_logprobs, 3)
+    alone = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64).generate(
+        [plain], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert done["plain"].token_ids == alone.token_ids
