@@ -122,13 +122,17 @@ def _tools(value: Any) -> list[inference_pb2.Tool]:
         description = fn.get("description", "")
         if not isinstance(description, str):
             raise ToolFieldError(f"{where}.function.description", "must be a string")
+        _utf8(f"{where}.function.description", description)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ToolFieldError(f"{where}.function.parameters", "must be a JSON Schema object")
         if not isinstance(fn.get("strict", False), bool):
             raise ToolFieldError(f"{where}.function.strict", "must be a boolean")
-        out.append(inference_pb2.Tool(name=name, description=description,
-                                      parameters="" if params is None else json.dumps(params, separators=(",", ":"))))
+        try:
+            schema = "" if params is None else json.dumps(params, separators=(",", ":"), allow_nan=False)
+        except ValueError:
+            raise ToolFieldError(f"{where}.function.parameters", "must be JSON (no NaN or Infinity)") from None
+        out.append(inference_pb2.Tool(name=name, description=description, parameters=schema))
     return out
 
 
@@ -171,12 +175,14 @@ def message_tool_fields(i: int, message: dict[str, Any], out: inference_pb2.Chat
             call_id = call.get("id", "")
             if not isinstance(call_id, str):
                 raise ToolFieldError(f"{where}.id", "must be a string")
+            for name, text in (("id", call_id), ("function.name", fn["name"]), ("function.arguments", arguments)):
+                _utf8(f"{where}.{name}", text)
             out.tool_calls.add(id=call_id, name=fn["name"], arguments=arguments)
     call_id = message.get("tool_call_id")
     if message.get("role") == "tool":
         if not isinstance(call_id, str) or not call_id:
             raise ToolFieldError(f"messages[{i}].tool_call_id", "required in a tool message, a string")
-        out.tool_call_id = call_id
+        out.tool_call_id = _utf8(f"messages[{i}].tool_call_id", call_id)
     elif call_id is not None:
         raise ToolFieldError(f"messages[{i}].tool_call_id", "only in a tool message")
 
@@ -192,3 +198,12 @@ def apply_tools(body: dict[str, Any], req: inference_pb2.GenerateRequest, auto_p
                                  "leave out response_format and guided_*")
         req.sampling_params.structured_output.CopyFrom(grammar)
     return plan
+
+
+def _utf8(param: str, text: str) -> str:
+    """`text` if it is valid Unicode; a lone surrogate (JSON's "\\ud800" escape) names `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ToolFieldError(param, f"not valid Unicode (a lone surrogate at index {exc.start})") from None
+    return text

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -258,3 +259,49 @@ def test_the_router_refuses_tools_it_cannot_render_naming_them(template: str, to
     with pytest.raises(RouterError) as err:
         _router_parse(template, _tool_request(**tools))
     assert err.value.message.startswith(head) and err.value.code.name == "INVALID_ARGUMENT"
+
+
+# ----- hostile input --------------------------------------------------------------------------
+
+_NASTY: list[Any] = [None, True, 0, -1, 1.5, float("nan"), "", "f", "a\ud800", "<tool_call>", "{", "none", "auto",
+                     "required", "function", [], {}, [1], {"name": "f"}]
+
+
+def _nasty(rng: random.Random, depth: int = 0) -> Any:
+    if depth > 2 or rng.random() < 0.5:
+        return rng.choice(_NASTY)
+    if rng.random() < 0.5:
+        return [_nasty(rng, depth + 1) for _ in range(rng.randrange(0, 3))]
+    keys = ["type", "function", "name", "arguments", "parameters", "description", "id", "strict", "x"]
+    return {rng.choice(keys): _nasty(rng, depth + 1) for _ in range(rng.randrange(0, 4))}
+
+
+def test_hostile_tool_fields_are_400s_naming_a_field_never_crashes():
+    from pdserve.router.edge.openai_api import ApiError, parse_request
+
+    rng = random.Random(20261128)
+    good = TOOLS[0]
+    for _ in range(3000):
+        body: dict[str, Any] = {"messages": [{"role": rng.choice(["user", "assistant", "tool"]), "content": "hi"}]}
+        for name in rng.sample(["tools", "tool_choice", "parallel_tool_calls"], rng.randrange(1, 4)):
+            body[name] = rng.choice([[good], [good, _nasty(rng)], _nasty(rng)])
+        if rng.random() < 0.5:
+            body["messages"][0] |= {rng.choice(["tool_calls", "tool_call_id"]): _nasty(rng)}
+        try:
+            parsed = parse_request(body, True, "m", auto_tool_parser=rng.choice([None, "hermes"]))
+        except ApiError as exc:
+            assert exc.status == 400 and exc.param, exc.message
+            continue
+        parsed.request.SerializeToString()  # every accepted string is valid UTF-8 for the router
+
+
+def test_parsers_read_any_text_without_raising():
+    rng = random.Random(7)
+    pieces = ["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"f"', ",", '"arguments"', '"parameters"',
+              "<|python_tag|>", ";", " ", "text", "[", "]", "\\", '"']
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 30)))
+        for parser in ("hermes", "llama3_json"):
+            out = parse_tool_calls(parser, text)
+            assert all(isinstance(json.loads(c.arguments), dict) for c in out.calls)
+            assert 0 <= streamable(parser, text) <= len(text)
