@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router.edge.grammar_fields import structured_output_of
 from pdserve.router.edge.tool_parsers import PARSERS
 from pdserve_proto import inference_pb2
 
@@ -193,6 +194,12 @@ def apply_tools(body: dict[str, Any], req: inference_pb2.GenerateRequest, auto_p
     tools, plan, grammar = parse_tools(body, auto_parser)
     req.tools.extend(tools)
     if grammar is not None:
+        try:  # a schema the grammar library refuses is the tools' fault, not response_format's
+            structured_output_of(grammar)
+        except ValueError as exc:
+            at = next((i for i, t in enumerate(tools) if t.name == plan.name), None)
+            param = "tools" if at is None else f"tools[{at}].function.parameters"
+            raise ToolFieldError(param, str(exc).partition(": ")[2] or str(exc)) from None
         if req.sampling_params.HasField("structured_output"):
             raise ToolFieldError("tool_choice", "a required or named tool call holds the output to JSON already; "
                                  "leave out response_format and guided_*")

@@ -183,6 +183,18 @@ def test_bad_tool_fields_are_refused_by_name(body: dict, param: str):
     assert err.value.param == param
 
 
+def test_a_schema_the_grammar_refuses_is_the_tools_fault():
+    from pdserve.router.edge.openai_api import ApiError, parse_request
+
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}}}]
+    for choice, param in (({"type": "function", "function": {"name": "f"}}, "tools[0].function.parameters"),
+                          ("required", "tools")):
+        with pytest.raises(ApiError) as err:
+            parse_request({"messages": [{"role": "user", "content": "x"}], "tools": bad, "tool_choice": choice}, True, "m")
+        assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
 # ----- flags ----------------------------------------------------------------------------------
 
 
