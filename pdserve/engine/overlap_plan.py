@@ -26,14 +26,6 @@ class Following:
     ahead: list[int]
     feed: list[tuple[int, int]]
 
-    @property
-    def feeds_every_row_in_order(self) -> bool:
-        """Each row one token, fed from the same row of the step before: a decode step that
-        follows a decode step of the same sequences."""
-        return len(self.feed) == len(self.scheduled) and all(r == k for r, k in self.feed) and all(
-            item.num_new_tokens == 1 for item in self.scheduled
-        )
-
 
 def greedy_row(seq: Sequence) -> bool:
     """Whether a row of `seq` that samples may be launched blind (see the module's docstring)."""
@@ -57,6 +49,8 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
     """The step after `current` (in flight), or None when it cannot be launched blind."""
     if sched.limits.role == "prefill":
         return None
+    if _same_decodes(sched, current):
+        return _following_decodes(sched, current, max_model_len)
     in_flight = {id(item.seq): item for item in current}
     sampled_at = {id(item.seq): k for k, item in enumerate(i for i in current if i.sample)}
     budget = sched.limits.max_num_batched_tokens
@@ -93,3 +87,28 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
         out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
         ahead.append(0)
     return Following(out, ahead, feed) if out else None
+
+
+def _same_decodes(sched: Scheduler, current: list[ScheduledSeq]) -> bool:
+    """The common case, planned on a shorter path: a decode step of exactly the running
+    sequences, nothing waiting to join."""
+    running = sched.running
+    if sched.waiting or sched.ready or len(running) != len(current):
+        return False
+    return all(a is item.seq and item.num_new_tokens == 1 for a, item in zip(running, current))
+
+
+def _following_decodes(sched: Scheduler, current: list[ScheduledSeq], max_model_len: int) -> Following | None:
+    """`plan_following` where `_same_decodes` holds: every row sampled (greedy, checked when
+    it was launched), so each continuing row is fed its own draw."""
+    out: list[ScheduledSeq] = []
+    feed: list[tuple[int, int]] = []
+    for k, item in enumerate(current):
+        seq = item.seq
+        if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len:
+            continue  # sure to stop: it finishes when `current`'s tokens are in
+        if not sched.reserve(seq, seq.num_computed_tokens + 2):
+            return None
+        feed.append((len(out), k))
+        out.append(ScheduledSeq(seq, 1, True))
+    return Following(out, [1] * len(out), feed) if out else None

@@ -106,6 +106,10 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_turn = 0
+        # Feed indices (input row, draw) of a step launched behind another: staged through
+        # pinned buffers made once, since allocating pinned memory mid-loop can stall the host.
+        self._feed_mirrors = [torch.zeros(2 * cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._feed_turn = 0
         log.info("attention backend %s", self.step_backend.name)
 
     # ----- inputs --------------------------------------------------------------------------
@@ -281,7 +285,10 @@ class ModelRunner:
         if n == tokens.shape[0] and all(r == i and k == i for i, (r, k) in enumerate(feed)):
             input_ids[:n].copy_(tokens)  # a decode step behind one of the same rows
             return
-        index = self._to_device(np.asarray(feed, dtype=np.int64).T.copy())
+        host = self._feed_mirrors[self._feed_turn][: 2 * n].view(2, n)  # contiguous: copied as it is
+        self._feed_turn ^= 1  # the other one may still feed the step in flight
+        host.numpy()[:] = np.asarray(feed, dtype=np.int64).T
+        index = host.to(self.device, non_blocking=self.device.type == "cuda")
         input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     def collect(self, launch: DecodeLaunch) -> list[int]:
