@@ -5,7 +5,7 @@ format decodes exactly into float32), ``generation_config.json`` and the tokeniz
 the GGUF carries a tokenizer, and puts the directory in place. llama.cpp interleaves each head's
 rotary pairs in ``q_proj``/``k_proj``; ``gguf_weights.unpermute_rope`` undoes it. The metadata is
 ``gguf_fields``', the tensors ``gguf_weights``', the tokenizer ``gguf_tokenizer``'s.
-docs/engine.md, "GGUF conversion"."""
+docs/models.md, "GGUF conversion"."""
 
 from __future__ import annotations
 
