@@ -113,7 +113,8 @@ def _configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def remote_class(num_gpus: float) -> Any:
+def remote_class(num_gpus: float = 0) -> Any:
+    """The worker actor's Ray class; each actor's own GPUs come with `actor_options`."""
     return ray.remote(
         max_concurrency=ACTOR_CONCURRENCY, concurrency_groups={"health": 2}, num_gpus=num_gpus, num_cpus=0
     )(WorkerActor)
@@ -124,11 +125,15 @@ def actor_name(worker_id: str) -> str:
     return f"pdserve-{worker_id}"
 
 
-def actor_options(worker_id: str, resources: dict[str, float]) -> dict[str, Any]:
+def actor_options(worker_id: str, resources: dict[str, float], num_gpus: float = 0) -> dict[str, Any]:
     """A worker actor's Ray options: named in the cluster's namespace and detached, so it belongs
     to the cluster and outlives the router process that started it (a stop of the cluster kills
-    it; a crash of the router does not). Ray does not restart it: the pool reconciler replaces it."""
-    return {"name": actor_name(worker_id), "namespace": NAMESPACE, "lifetime": "detached", "resources": resources}
+    it; a crash of the router does not). Ray does not restart it: the pool reconciler replaces it.
+    num_gpus: the worker's GPUs, one per rank (`node_pools.worker_gpus`), all on one node."""
+    return {
+        "name": actor_name(worker_id), "namespace": NAMESPACE, "lifetime": "detached", "resources": resources,
+        "num_gpus": num_gpus,
+    }
 
 
 class RayWorker:

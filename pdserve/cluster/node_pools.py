@@ -60,11 +60,30 @@ def actor_resources(pool: str, nodes: Sequence[NodeOffer]) -> dict[str, float]:
     return {pool_resource(pool): POOL_SHARE} if labelled(nodes) else {}
 
 
-def unplaceable(nodes: Sequence[NodeOffer], workers: Mapping[str, int], gpus_per_worker: float) -> str | None:
+def width_flag(pool: str) -> str:
+    """The `pdserve serve` flag that sets a pool's tensor-parallel width."""
+    return f"--{pool}-tensor-parallel-size"
+
+
+def worker_gpus(device: str, width: int) -> int:
+    """GPUs Ray reserves for one worker: one per rank on CUDA, all on one node (a worker's ranks
+    share its host's memory); none on CPU, where the ranks are processes on the worker's cores."""
+    if width < 1:
+        raise ValueError(f"width: a worker spans at least one rank, not {width}")
+    return width if device.startswith("cuda") else 0
+
+
+def unplaceable(
+    nodes: Sequence[NodeOffer], workers: Mapping[str, int], gpus_per_worker: float,
+    widths: Mapping[str, int] | None = None,
+) -> str | None:
     """One line naming the first pool the cluster cannot host and what it lacks; None if all fit.
-    Counts the nodes' GPUs, not the free ones: workers that merely wait for a GPU in use are left
-    to the start-up deadline."""
+    A worker of a pool whose width (`widths`, default 1) is N takes N x `gpus_per_worker` GPUs of
+    one node. Counts the nodes' GPUs, not the free ones: workers that merely wait for a GPU in use
+    are left to the start-up deadline. Refuses only what cannot fit (too few GPUs in a pool or in
+    all, or too few nodes holding a whole worker), never a packing it did not find."""
     lab = labelled(nodes)
+    need: dict[str, float] = {}
     for pool, count in workers.items():
         if count == 0:
             continue
@@ -75,17 +94,32 @@ def unplaceable(nodes: Sequence[NodeOffer], workers: Mapping[str, int], gpus_per
                 f"no Ray node offers the {pool} pool (resource {pool_resource(pool)}): "
                 f"start one with `deploy/ray/launch.sh worker --pool {pool}`; nodes: {others or 'none'}"
             )
+        width = (widths or {}).get(pool, 1)
+        each = gpus_per_worker * width
+        need[pool] = count * each
+        if not each:
+            continue
         have = sum(n.gpus for n in hosts)
-        if gpus_per_worker and have < count * gpus_per_worker:
-            where = f"the nodes offering the {pool} pool have" if lab else "the cluster has"
-            return f"{count} {pool} workers need {count * gpus_per_worker:g} GPUs; {where} {have:g}"
+        where = f"the nodes offering the {pool} pool have" if lab else "the cluster has"
+        if width == 1:
+            if have < need[pool]:
+                return f"{count} {pool} workers need {need[pool]:g} GPUs; {where} {have:g}"
+            continue
+        # A worker's ranks share one node: count the whole workers each node holds.
+        fits = sum(int(n.gpus // each) for n in hosts)
+        if fits < count:
+            per_node = ", ".join(f"{n.gpus:g}" for n in hosts)
+            return (
+                f"{count} {pool} workers of {width} ranks ({width_flag(pool)} {width}) need {each:g} GPUs "
+                f"on one node each, {need[pool]:g} in all; {where} room for {fits} (GPUs per node: {per_node})"
+            )
     if gpus_per_worker:
         # Nodes of both pools share their GPUs between the two.
         hosts = [n for n in nodes if n.pools] if lab else list(nodes)
-        need = sum(workers.values()) * gpus_per_worker
+        total = sum(need.values())
         have = sum(n.gpus for n in hosts)
-        if have < need:
-            return f"{sum(workers.values())} workers need {need:g} GPUs; the pools' nodes have {have:g} in all"
+        if have < total:
+            return f"{sum(workers.values())} workers need {total:g} GPUs; the pools' nodes have {have:g} in all"
     return None
 
 

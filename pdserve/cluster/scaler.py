@@ -2,7 +2,8 @@
 --max-workers N`). Mechanism only: the policy (`pdserve.control.scaling.Scaling`) decides when
 and where; this starts and stops actors (docs/controller.md, "Adding and removing workers").
 
-An add starts an actor only where `ray.available_resources()` has room: a GPU on CUDA; on CPU
+An add starts an actor only where `ray.available_resources()` has room: its GPUs on CUDA (one
+per rank of its pool's width; the free GPUs counted cluster-wide, not per node); on CPU
 its torch threads as CPUs (workers take no Ray CPU, so this counts the cores Ray sees). A
 removal drains the worker as a flip does, then stops the actor; on CUDA its GPU counts as free
 only once its process has exited (a killed actor's process may hold its memory a while). Each
@@ -57,10 +58,12 @@ class ScaleHosts(Protocol):
         """Forget the worker and kill its actor; returns the actor's handle."""
 
 
-def room_for(available: Mapping[str, float], gpu: bool, cpus: float, reserved: int = 0) -> str | None:
-    """None if Ray's free resources hold one more worker besides `reserved` already being
-    started; otherwise what is missing, in words."""
-    need, what = (1.0, "GPU") if gpu else (cpus, "CPU")
+def room_for(
+    available: Mapping[str, float], gpu: bool, cpus: float, reserved: int = 0, gpus: float = 1.0
+) -> str | None:
+    """None if Ray's free resources hold one more worker besides `reserved` like it already being
+    started; otherwise what is missing, in words. gpus: a worker's GPUs on CUDA (its width)."""
+    need, what = (gpus, "GPU") if gpu else (cpus, "CPU")
     have = available.get(what, 0.0) - reserved * need
     if have + 1e-9 >= need:
         return None
@@ -133,7 +136,9 @@ class WorkerScaler:
         cfg: ScaleConfig = ScaleConfig(),
         free: Callable[[], Mapping[str, float]] = ray_free,
         exited: Callable[[Any, float], Any] = actor_exited,
+        widths: Mapping[str, int] | None = None,
     ) -> None:
+        """widths: ranks per worker of each pool (default 1), each a GPU on CUDA."""
         self.router = router
         self.hosts = hosts
         self.gpu = gpu
@@ -141,6 +146,7 @@ class WorkerScaler:
         self.cfg = cfg
         self._free = free
         self._exited = exited
+        self.widths = dict(widths or {})
         self.changes: list[ScaleChange] = []  # the last `cfg.history`
         self.recorded = 0  # every change recorded, so a reader can tell which are new
         self._tasks: set[asyncio.Task] = set()
@@ -158,14 +164,17 @@ class WorkerScaler:
     def add(self, counts: Mapping[Role, int]) -> tuple[list[str], str | None]:
         """Start the workers asked for (pool -> how many), as far as Ray has room; returns the
         pools of those started (in order) and, if some were not, why."""
-        free = self._free()
+        free = dict(self._free())
         started: list[str] = []
         why = None
+        what = "GPU" if self.gpu else "CPU"
         for role, n in counts.items():
+            gpus = float(self.widths.get(role.value, 1))
             for _ in range(n):
-                why = room_for(free, self.gpu, self.cpus_per_worker, reserved=len(started))
+                why = room_for(free, self.gpu, self.cpus_per_worker, gpus=gpus)
                 if why is not None:
                     break
+                free[what] = free.get(what, 0.0) - (gpus if self.gpu else self.cpus_per_worker)
                 started.append(role.value)
         self._starting += len(started)  # held from now, not from when each task first runs
         for role in started:

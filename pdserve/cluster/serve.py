@@ -22,7 +22,15 @@ from pdserve.cluster.actors import NAMESPACE, RayWorker, actor_options, remote_c
 from pdserve.cluster.admin_control import ClusterControl, build_control_loop
 from pdserve.cluster.adoption import agent_infos, bring_up
 from pdserve.cluster.listeners import kv_net_devices
-from pdserve.cluster.node_pools import PlacementError, actor_resources, cluster_device, cluster_nodes, unplaceable
+from pdserve.cluster.node_pools import (
+    NodeOffer,
+    PlacementError,
+    actor_resources,
+    cluster_device,
+    cluster_nodes,
+    unplaceable,
+    worker_gpus,
+)
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.pool_reconciler import PoolReconciler
 from pdserve.cluster.ports import PortInUseError, check_ports
@@ -119,20 +127,19 @@ class Cluster:
             device = cluster_device(cfg.device, nodes)
             cfg = replace(cfg, device=device)
         progress(workers_line(cfg.num_prefill, cfg.num_decode, device) + f", model {model_dir.name}")
-        num_gpus = 1 if device.startswith("cuda") else 0
         # Refused in one line now rather than actors pending for a node that never comes.
-        problem = unplaceable(nodes, {"prefill": cfg.num_prefill, "decode": cfg.num_decode}, num_gpus)
+        problem = unplaceable(nodes, {"prefill": cfg.num_prefill, "decode": cfg.num_decode}, worker_gpus(device, 1),
+                              cfg.tensor_parallel_sizes())  # fmt: skip
         if problem is not None:
             if owns_ray:
                 ray.shutdown()
             raise PlacementError(problem)
-        actor_cls = remote_class(num_gpus=num_gpus)
-        # Ray assigns each actor its own GPU; inside the actor it is cuda:0.
+        actor_cls = remote_class()
+        # Ray assigns each actor its own GPUs, one per rank; inside the actor the first is cuda:0.
         worker_cfg = _worker_config(cfg, device="cuda" if device.startswith("cuda") else device)
 
         def start_actor(role: str, worker_id: str) -> Any:
-            options = actor_options(worker_id, actor_resources(role, nodes))
-            return actor_cls.options(**options).remote(role, worker_id, worker_cfg)
+            return actor_cls.options(**_actor_options(cfg, role, worker_id, nodes)).remote(role, worker_id, worker_cfg)
 
         # Workers belong to the cluster: those already running in it (this command started
         # before and was killed) are adopted, and only what the pools lack is started.
@@ -212,12 +219,12 @@ class Cluster:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: {role!r} is neither prefill nor decode")
         gpu = self.cfg.device.startswith("cuda")
-        actor_cls = remote_class(num_gpus=1 if gpu else 0)
+        actor_cls = remote_class()
         taken = {int(w.rsplit("-", 1)[1]) for w in (*self._workers, *self._retired) if w.startswith(role + "-")}
         worker_id = f"{role}-{max(taken, default=-1) + 1}"
         worker_cfg = _worker_config(self.cfg, device="cuda" if gpu else self.cfg.device)
-        resources = actor_resources(role, cluster_nodes())
-        actor = actor_cls.options(**actor_options(worker_id, resources)).remote(role, worker_id, worker_cfg)
+        options = _actor_options(self.cfg, role, worker_id, cluster_nodes())
+        actor = actor_cls.options(**options).remote(role, worker_id, worker_cfg)
         try:
             info = (await agent_infos({worker_id: actor}, self.cfg.startup_timeout_s))[worker_id]
             peers = [(a, i) for r, a, i in self._workers.values() if r != role]
@@ -305,7 +312,8 @@ class Cluster:
             if settings.max_workers is not None and settings.max_workers > len(self._workers):
                 gpu = self.cfg.device.startswith("cuda")
                 threads = cpu_threads_per_worker(self.cfg, os.cpu_count() or 1)
-                scaler = WorkerScaler(self.router, self, gpu, 0 if gpu else threads)
+                widths = self.cfg.tensor_parallel_sizes()
+                scaler = WorkerScaler(self.router, self, gpu, 0 if gpu else threads, widths=widths)
             control.loop = build_control_loop(
                 settings, self.router, control.flipper, len(self._workers), self.cfg.device,
                 self.telemetry.metrics, self.telemetry.tracing.tracer, scaler,
@@ -374,6 +382,12 @@ async def start_edge(
             cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop(), cfg.export_worker_metrics
         )
     return server, port, http
+
+
+def _actor_options(cfg: ServeConfig, role: str, worker_id: str, nodes: list[NodeOffer]) -> dict[str, Any]:
+    """A worker actor's Ray options: its pool's resource and one GPU per rank of its pool's width on CUDA."""
+    gpus = worker_gpus(cfg.device, cfg.tensor_parallel_size(role))
+    return actor_options(worker_id, actor_resources(role, nodes), gpus)
 
 
 def _worker_config(cfg: ServeConfig, device: str) -> ServeConfig:

@@ -101,6 +101,16 @@ class ServeConfig:
     # `pdserve serve` to adopt (False: its stop stops the pools' workers, adopted ones included).
     keep_workers: bool = False
 
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks per worker of the pool `role` (prefill or decode)."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role: {role!r} is neither prefill nor decode")
+        return self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
+
+    def tensor_parallel_sizes(self) -> dict[str, int]:
+        """Ranks per worker of each pool, by pool name."""
+        return {"prefill": self.prefill_tensor_parallel_size, "decode": self.decode_tensor_parallel_size}
+
     def __post_init__(self) -> None:
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill: {self.num_prefill} workers; use 0 for a colocated cluster")
