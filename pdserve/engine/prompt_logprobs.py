@@ -18,21 +18,11 @@ import torch
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import PromptLogprob, Sequence
 
 # Rows scored per pass through the LM head: [SLICE_ROWS, vocab] float32 is the peak (for a
 # 152k vocabulary, 310 MB), whatever the chunk's length.
 SLICE_ROWS = 512
-
-
-@dataclass(frozen=True)
-class PromptLogprob:
-    """One prompt token's score: its logprob, its rank (1: the most likely token), and the
-    request's N most likely tokens at its position as (token, logprob), best first."""
-
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,8 +11,16 @@ import torch
 from pdserve.engine.hashing import ROOT_HASH, hash_block
 from pdserve.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.prompt_logprobs import PromptLogprob
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's score (`prompt_logprobs`): its logprob, its rank (1: the most likely token), and the
+    request's N most likely tokens at its position as (token, logprob), best first."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
 
 
 class SeqStatus(enum.Enum):
