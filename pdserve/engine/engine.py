@@ -199,7 +199,7 @@ class LLMEngine:
         if not scheduled:
             return []
         if self._overlap and overlappable(scheduled):
-            self._inflight = _InFlight(scheduled, self.runner.launch_greedy(scheduled))
+            self._inflight = _InFlight(scheduled, self.runner.launch_greedy(scheduled, eos_token_ids=self.eos_token_ids))
             return []
         sampled = self.runner.execute(scheduled, self.eos_token_ids)
         self._count_rows(scheduled)
@@ -216,7 +216,9 @@ class LLMEngine:
         following = plan_following(self.scheduler, current.scheduled, self.max_model_len)
         launch = None
         if following is not None:
-            launch = self.runner.launch_greedy(following.scheduled, following.ahead, current.launch, following.feed)
+            launch = self.runner.launch_greedy(
+                following.scheduled, following.ahead, current.launch, following.feed, self.eos_token_ids
+            )
             self.num_overlapped_steps += 1
         tokens = iter(self.runner.collect(current.launch))
         drawn = {id(item.seq): next(tokens) for item in current.scheduled if item.sample}

@@ -26,6 +26,9 @@ class RowTokens:
 
     token_ids: Sequence[int] | np.ndarray
     num_output: int
+    # Output tokens drawn but not in `token_ids` yet: a step launched behind the one that draws
+    # its input (0 or 1; the token itself is on the device, `process_logits`' `pending`).
+    pending: int = 0
 
 
 def process_logits(
@@ -33,9 +36,12 @@ def process_logits(
     params: Sequence[SamplingParams],
     rows: Sequence[RowTokens] | None,
     eos_token_ids: Sequence[int],
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`logits` [B, vocab] as the rows' params change them: the same tensor when no row asks
-    for anything, else a processed copy (the raw logits stay for logprobs)."""
+    for anything, else a processed copy (the raw logits stay for logprobs). `pending` [B] (on
+    the device): each row's output token not in its `RowTokens` yet, or `vocab` for none; it
+    counts as the penalties' last output token without the host waiting for it."""
     wanted = [i for i, p in enumerate(params) if p.processes_logits]
     if not wanted:
         return logits
@@ -53,7 +59,7 @@ def process_logits(
         bias_at += [i * vocab + t for t, _ in p.logit_bias if t < vocab]
         bias += [b for t, b in p.logit_bias if t < vocab]
         # min_tokens counts this worker's share: SamplingParams.after lowers it on a resume.
-        if p.min_tokens and rows is not None and rows[i].num_output - p.output_offset < p.min_tokens:
+        if p.min_tokens and rows is not None and rows[i].num_output + rows[i].pending - p.output_offset < p.min_tokens:
             stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
             banned += [i * vocab + t for t in sorted(stops) if t < vocab]
     pen = [i for i in wanted if params[i].penalized]
@@ -68,8 +74,8 @@ def process_logits(
     floats = np.asarray(bias + [x for p in pen_params for x in (p.repetition_penalty, p.frequency_penalty,
                                                                  p.presence_penalty)], dtype=np.float32)  # fmt: skip
     dev = logits.device
-    ints_dev = torch.from_numpy(ints).to(dev)
-    floats_dev = torch.from_numpy(floats).to(dev, logits.dtype)
+    ints_dev = _upload(ints, dev)
+    floats_dev = _upload(floats, dev).to(logits.dtype)
     out = logits.clone()
     flat = out.view(-1)
     nb, nx, npen = len(bias_at), len(banned), len(pen)
@@ -83,13 +89,15 @@ def process_logits(
         knobs = floats_dev[nb:].view(npen, 3)
         every_row = npen == out.shape[0]  # then in place: no gather and scatter of the rows
         sub = out if every_row else out.index_select(0, index)
+        # The rows' pending tokens as flat indices like `_flat_index`'s (none: the dropped column).
+        extra = None if pending is None else torch.arange(npen, device=dev) * (vocab + 1) + pending[index]
         if use_rep:
-            present = _counts(ints_dev[at : at + len(seen)], npen, vocab) > 0
+            present = _counts(_with(ints_dev[at : at + len(seen)], extra), npen, vocab) > 0
             rep = knobs[:, 0:1]
             # As vLLM and transformers do: a positive logit is divided, a negative one multiplied.
             sub.copy_(torch.where(present, torch.where(sub > 0, sub / rep, sub * rep), sub))
         if use_counts:
-            counts = _counts(ints_dev[at + len(seen) :], npen, vocab).to(sub.dtype)
+            counts = _counts(_with(ints_dev[at + len(seen) :], extra), npen, vocab).to(sub.dtype)
             sub.addcmul_(counts, knobs[:, 1:2], value=-1.0)
             sub.addcmul_(counts.clamp_(max=1.0), knobs[:, 2:3], value=-1.0)
         if not every_row:
@@ -105,6 +113,19 @@ def _flat_index(token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
         return np.empty(0, np.int64)
     flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     return np.repeat(np.arange(len(token_lists), dtype=np.int64) * (vocab + 1), lengths) + np.minimum(flat, vocab)
+
+
+def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`values` on `device` without the host waiting for the device: a copy from pageable memory
+    would first wait for everything queued, a step launched ahead included."""
+    host = torch.from_numpy(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _with(flat_index: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    return flat_index if extra is None else torch.cat([flat_index, extra])
 
 
 def _counts(flat_index: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:

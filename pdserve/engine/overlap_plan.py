@@ -1,6 +1,6 @@
 """Overlapped steps' plan: which steps may be launched before the previous one's tokens are read
 back, and the step after a launched one. A step qualifies when every row that samples takes a
-plain greedy argmax (no logprobs, logits processing or grammar) and no row scores its prompt;
+greedy argmax (logit bias, min_tokens and penalties included; no logprobs, no grammar) and no row scores its prompt;
 rows that only advance a prompt chunk may be beside them. The step after is planned blind, as
 `Scheduler.schedule` would plan it: each running sequence one position past what is in flight (a
 sampled row fed the token still on the device), sequences sure to stop left out, imported and
@@ -30,7 +30,7 @@ class Following:
 def greedy_row(seq: Sequence) -> bool:
     """Whether a row of `seq` that samples may be launched blind (see the module's docstring)."""
     p = seq.params
-    return p.greedy and not p.logprobs and not p.processes_logits and p.structured_output is None
+    return p.greedy and not p.logprobs and p.structured_output is None
 
 
 def overlappable(scheduled: list[ScheduledSeq]) -> bool:

@@ -13,7 +13,6 @@ import math
 import mmap
 from collections.abc import Collection
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -21,28 +20,17 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs, decode_kernels_for
 from pdserve.engine.grammar import GrammarMasks
-from pdserve.engine.kernels.attention import AttentionMetadata
 from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
-from pdserve.engine.logits_processing import RowTokens
+from pdserve.engine.logits_processing import RowTokens, process_logits
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.prompt_logprobs import score_step
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_graphs import StepGraphs, capture_step_graphs
+from pdserve.engine.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampled: list[ScheduledSeq]
-    token_rows: torch.Tensor  # [4, T]: input_ids, positions, slot_block, slot_offset (one buffer)
 
 
 @dataclass(frozen=True)
@@ -115,66 +103,8 @@ class ModelRunner:
     # ----- inputs --------------------------------------------------------------------------
 
     def prepare(self, scheduled: list[ScheduledSeq], ahead: int | list[int] = 0) -> StepInputs:
-        """Flatten the step into device tensors with two host-to-device copies (one int64
-        buffer, one int32 buffer) instead of one per tensor: decode steps are short enough
-        that each copy's fixed cost shows. `ahead` (one for every row, or per row): rows start
-        that many positions past their computed tokens, behind a step still in flight; an input
-        token not known on the host yet (that step's draw, still on the device) is left as 0."""
-        bs = self.block_size
-        b = len(scheduled)
-        seqs = [item.seq for item in scheduled]
-        query_lens = [item.num_new_tokens for item in scheduled]
-        offsets = [ahead] * b if isinstance(ahead, int) else ahead
-        starts = [seq.num_computed_tokens + m for seq, m in zip(seqs, offsets)]
-        seq_lens_host = [s + n for s, n in zip(starts, query_lens)]
-        t = sum(query_lens)
-        sample = np.fromiter((item.sample for item in scheduled), dtype=bool, count=b)
-        sampled = [item for item in scheduled if item.sample]
-        num_sampled = len(sampled)
-        blocks = [seq.block_array() for seq in seqs]
-        width = max(len(row) for row in blocks)
-        # Whole-array operations, not per-token or per-row Python: a 2,048-token chunk or a few
-        # hundred decode rows would otherwise cost milliseconds of the step.
-        longs = np.empty(4 * t + num_sampled, dtype=np.int64)  # ids, positions, slot block, offset, logits rows
-        ints = np.zeros(2 * b + 1 + b * width, dtype=np.int32)  # cu_seqlens_q, seq_lens, block tables
-        ids, pos, slot_block, slot_offset = (longs[k * t : (k + 1) * t] for k in range(4))
-        cu, seq_lens, tables = ints[: b + 1], ints[b + 1 : 2 * b + 1], ints[2 * b + 1 :].reshape(b, width)
-        for i, row in enumerate(blocks):
-            tables[i, : len(row)] = row
-        np.cumsum(query_lens, out=cu[1:])
-        seq_lens[:] = seq_lens_host
-        if t == b:  # one token a row: a decode step
-            pos[:] = starts
-            row_of = np.arange(b)
-            ids[:] = [known_token(seq, s) for seq, s in zip(seqs, starts)]
-        else:
-            row_of = np.repeat(np.arange(b), query_lens)
-            first = cu[:-1].astype(np.int64)
-            pos[:] = np.arange(t) + np.repeat(np.asarray(starts, dtype=np.int64) - first, query_lens)
-            ids[:] = np.fromiter(
-                chain.from_iterable(known_tokens(seq, s, n) for seq, s, n in zip(seqs, starts, query_lens)),
-                dtype=np.int64, count=t,
-            )  # fmt: skip
-        slot_block[:] = tables[row_of, pos // bs]
-        np.remainder(pos, bs, out=slot_offset)
-        longs[4 * t :] = cu[1:][sample] - 1
-        longs_dev = self._to_device(longs)
-        ints_dev = self._to_device(ints)
-        meta = AttentionMetadata(
-            slot_block=longs_dev[2 * t : 3 * t],
-            slot_offset=longs_dev[3 * t : 4 * t],
-            cu_seqlens_q=ints_dev[: b + 1],
-            seq_lens=ints_dev[b + 1 : 2 * b + 1],
-            block_tables=ints_dev[2 * b + 1 :].view(b, width),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens_host),
-            query_lens=query_lens,
-            seq_lens_host=seq_lens_host,
-        )
-        return StepInputs(
-            input_ids=longs_dev[:t], positions=longs_dev[t : 2 * t], meta=meta, logits_indices=longs_dev[4 * t :],
-            sampled=sampled, token_rows=longs_dev[: 4 * t].view(4, t),
-        )
+        """The step's inputs on the device (`step_inputs.build_step_inputs`)."""
+        return build_step_inputs(scheduled, ahead, self.block_size, self._to_device)
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(values)
@@ -220,6 +150,7 @@ class ModelRunner:
         ahead: int | list[int] = 0,
         previous: DecodeLaunch | None = None,
         feed: list[tuple[int, int]] | tuple = (),
+        eos_token_ids: Collection[int] = (),
     ) -> DecodeLaunch:
         """Start a step whose sampling rows all take the argmax, and return without waiting for
         it: decode rows, prompt chunks, or both. The host never waits between two such steps, so
@@ -227,8 +158,13 @@ class ModelRunner:
 
         Behind `previous` (the step still running): row i starts `ahead[i]` positions past its
         computed tokens, and each (row, k) of `feed` takes as its input token the k-th draw of
-        `previous`, on the device."""
-        _, logits, argmax = self._forward(scheduled, ahead, previous, feed)
+        `previous`, on the device. Rows with logit bias, min_tokens or penalties are processed
+        first, a fed row's draw counting as its last output token (`eos_token_ids`: what
+        min_tokens holds back)."""
+        sampled, logits, argmax = self._forward(scheduled, ahead, previous, feed)
+        if logits is not None and any(item.seq.params.processes_logits for item in sampled):
+            logits = self._process(scheduled, sampled, logits, previous, feed, tuple(eos_token_ids))
+            argmax = None
         if argmax is not None:
             tokens = argmax
         elif logits is not None:
@@ -278,6 +214,37 @@ class ModelRunner:
         if not inputs.sampled:
             return [], None, None
         return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None
+
+    def _process(
+        self,
+        scheduled: list[ScheduledSeq],
+        sampled: list[ScheduledSeq],
+        logits: torch.Tensor,
+        previous: DecodeLaunch | None,
+        feed: list[tuple[int, int]] | tuple,
+        eos_token_ids: tuple[int, ...],
+    ) -> torch.Tensor:
+        """`process_logits` for a launched step: a fed row's input token, still on the device,
+        is its pending output token."""
+        row_end, sampled_at, at = {}, 0, 0
+        for item in scheduled:
+            at += item.num_new_tokens
+            if item.sample:
+                row_end[at - 1] = sampled_at
+                sampled_at += 1
+        pending_rows = {row_end[r]: k for r, k in feed} if previous is not None else {}
+        rows = [
+            RowTokens(
+                s.seq.token_array(), s.seq.params.output_offset + s.seq.num_output_tokens, int(j in pending_rows)
+            )
+            for j, s in enumerate(sampled)
+        ]
+        pending = None
+        if pending_rows:
+            pending = torch.full((len(sampled),), logits.shape[-1], dtype=torch.int64, device=logits.device)
+            index = self._to_device(np.asarray(list(pending_rows.items()), dtype=np.int64).T.copy())
+            pending.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
+        return process_logits(logits, [s.seq.params for s in sampled], rows, eos_token_ids, pending)
 
     def _feed(self, input_ids: torch.Tensor, tokens: torch.Tensor, feed: list[tuple[int, int]] | tuple) -> None:
         """input_ids[row] = tokens[k] for each (row, k) of `feed`, on the device."""
@@ -344,13 +311,3 @@ class ModelRunner:
 def _mix_seed(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 63)
 
-
-def known_token(seq: Sequence, position: int) -> int:
-    """The input token at `position`, or 0 where it is not on the host yet (a draw in flight)."""
-    return seq.token_ids[position] if position < len(seq.token_ids) else 0
-
-
-def known_tokens(seq: Sequence, start: int, n: int) -> list[int]:
-    """`known_token` for positions start .. start + n - 1."""
-    have = seq.token_ids[start : start + n]
-    return have if len(have) == n else have + [0] * (n - len(have))

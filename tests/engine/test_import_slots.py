@@ -35,7 +35,7 @@ def test_imports_past_max_num_seqs_wait_for_a_place_and_decode_exactly(tiny_mode
     widths: list[int] = []
     execute, launch = decoder.runner.execute, decoder.runner.launch_greedy
     decoder.runner.execute = lambda scheduled, *rest: (widths.append(len(scheduled)), execute(scheduled, *rest))[1]
-    decoder.runner.launch_greedy = lambda scheduled, *a: (widths.append(len(scheduled)), launch(scheduled, *a))[1]
+    decoder.runner.launch_greedy = lambda scheduled, *a, **k: (widths.append(len(scheduled)), launch(scheduled, *a, **k))[1]
 
     tokens: dict[str, list[int]] = {}
     for i, ids in enumerate(prompts):  # all five handed over before the decoder takes a step

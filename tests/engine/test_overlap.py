@@ -111,10 +111,10 @@ def test_mixed_steps_overlap_with_arrivals_chunks_stops_and_aborts(tiny_model_fa
     mixed_launches = []
     launch = engine.runner.launch_greedy
 
-    def record(scheduled, *rest):
+    def record(scheduled, *rest, **options):
         if any(item.num_new_tokens > 1 for item in scheduled) and any(item.sample for item in scheduled):
             mixed_launches.append(len(scheduled))
-        return launch(scheduled, *rest)
+        return launch(scheduled, *rest, **options)
 
     engine.runner.launch_greedy = record
     got: dict[str, list[int]] = {}
@@ -139,3 +139,44 @@ def test_mixed_steps_overlap_with_arrivals_chunks_stops_and_aborts(tiny_model_fa
     assert len(got["2"]) == 7  # stopped on its stop token
     assert mixed_launches, "no step with a prompt chunk and a sampled row was launched blind"
     assert engine.num_overlapped_steps > 20
+
+
+def test_penalized_greedy_rows_overlap_exactly(tiny_model_factory, check_blocks_freed):
+    """Greedy rows with penalties, logit bias and min_tokens are launched blind too: a row fed the
+    draw still on the device counts it as its last output token. Tokens equal stepping one at a
+    time, with arrivals while others decode and prompts in chunks."""
+    model_dir, hf_model = tiny_model_factory("llama")
+    vocab = hf_model.config.vocab_size
+    limits = {"num_kv_blocks": 256, "max_num_batched_tokens": 24, "max_num_seqs": 4}
+    on, off = _pair(model_dir, **limits)
+    check_blocks_freed(on.engine)
+    prompts = mixed_prompts(vocab, seed=43, lengths=(6, 29, 12, 40, 4, 21))
+    stop = 7  # min_tokens holds stop tokens back as it does EOS
+    params = [
+        SamplingParams(max_tokens=18, temperature=0.0, repetition_penalty=1.6),
+        SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=1.2, presence_penalty=0.7),
+        SamplingParams(max_tokens=20, temperature=0.0, logit_bias={prompts[2][0]: 4.0}),
+        SamplingParams(max_tokens=14, temperature=0.0, min_tokens=10, stop_token_ids=(stop,), logit_bias={stop: 50.0}),
+        SamplingParams(max_tokens=15, temperature=0.0),
+        SamplingParams(max_tokens=17, temperature=0.0, repetition_penalty=0.7, frequency_penalty=-0.5),
+    ]
+    plain = [o.token_ids for o in off.generate(prompts, SamplingParams(max_tokens=18, temperature=0.0))]
+    engine = on.engine
+    runs = {}
+    for name, llm in (("off", off), ("on", on)):
+        e = llm.engine
+        got: dict[str, list[int]] = {}
+        pending, steps = list(enumerate(prompts)), 0
+        while pending or e.has_unfinished():
+            if pending and steps % 2 == 0:
+                i, p = pending.pop(0)
+                e.add_request(p, params[i], str(i))
+            for out in e.step():
+                got[out.request_id] = out.token_ids
+            steps += 1
+        runs[name] = [got[str(i)] for i in range(len(prompts))]
+    assert runs["on"] == runs["off"]
+    assert engine.num_overlapped_steps > 20
+    assert runs["on"][0] != plain[0][: len(runs["on"][0])]  # the penalty changed the tokens
+    # min_tokens held the stop token back for 10 tokens, then the bias made it the next one.
+    assert len(runs["on"][3]) == 11 and runs["on"][3][-1] == stop and stop not in runs["on"][3][:10]

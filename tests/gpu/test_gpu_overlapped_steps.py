@@ -27,10 +27,10 @@ def _run(llm, prompts, params) -> tuple[list[list[int]], int]:
     mixed = 0
     launch = engine.runner.launch_greedy
 
-    def record(scheduled, *rest):
+    def record(scheduled, *rest, **options):
         nonlocal mixed
         mixed += any(i.num_new_tokens > 1 for i in scheduled) and any(i.sample for i in scheduled)
-        return launch(scheduled, *rest)
+        return launch(scheduled, *rest, **options)
 
     engine.runner.launch_greedy = record
     got: dict[str, list[int]] = {}
@@ -45,13 +45,20 @@ def _run(llm, prompts, params) -> tuple[list[list[int]], int]:
     return [got[str(i)] for i in range(len(prompts))], mixed
 
 
-def test_overlapped_mixed_steps_do_not_change_tokens(tiny_model_factory, check_blocks_freed):
+@pytest.mark.parametrize("penalized", [False, True])
+def test_overlapped_mixed_steps_do_not_change_tokens(penalized, tiny_model_factory, check_blocks_freed):
+    """With `penalized`, every other request has a repetition, frequency or presence penalty or a
+    logit bias: those rows are launched blind too, their draw in flight counted on the device."""
     from pdserve import LLM, SamplingParams
     from tests.gpu.greedy_checks import identical_or_near_ties, random_prompts
 
     model_dir, hf_cpu = tiny_model_factory("llama")
     prompts = random_prompts(hf_cpu.config.vocab_size, seed=500, lengths=(3, 90, 17, 230, 64, 5, 333, 41, 150, 9))
-    params = [SamplingParams(max_tokens=MAX_NEW - i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    knobs = [{"repetition_penalty": 1.5}, {"frequency_penalty": 1.0, "presence_penalty": 0.5}, {"logit_bias": {5: 3.0}}]
+    params = [
+        SamplingParams(max_tokens=MAX_NEW - i, temperature=0.0, ignore_eos=True, **(knobs[i % 3] if penalized and i % 2 else {}))
+        for i in range(len(prompts))
+    ]
     results, launches = {}, {}
     for overlap in (False, True):
         llm = LLM(
