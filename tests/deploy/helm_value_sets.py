@@ -122,6 +122,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "router": {"probes": {"timeoutSeconds": 3, "startupFailureThreshold": 60, "periodSeconds": 15},
                    "progressDeadlineSeconds": 1000},
     },
+    # Tensor-parallel pools of different widths (test_helm_tensor_parallel.py): prefill TP2 with one
+    # worker a pod, decode TP1; and prefill TP1, decode TP2 with two workers in each 4-GPU pod.
+    "tp_2_1": {"prefill": {"tensorParallelSize": 2}, "decode": {"replicas": 2, "tensorParallelSize": 1}},
+    "tp_1_2": {"prefill": {"replicas": 2}, "decode": {"replicas": 3, "tensorParallelSize": 2, "gpus": 4}},
     "colocated": {
         "prefill": {"replicas": 0},
         "decode": {"replicas": 2, "gpus": 2},

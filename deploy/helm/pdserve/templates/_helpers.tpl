@@ -156,10 +156,35 @@ securityContext:
 {{- end }}
 {{- end -}}
 
+{{/*
+GPUs of one pod of a pool: its `gpus`, or (null) its tensorParallelSize, one worker a pod. A pod
+holds whole workers, each of tensorParallelSize GPUs (a worker's ranks share one node).
+args: dict "root" $ "role" "prefill"|"decode".
+*/}}
+{{- define "pdserve.podGpus" -}}
+{{- $pool := index .root.Values .role -}}
+{{- $tp := int $pool.tensorParallelSize -}}
+{{- $gpus := $tp -}}
+{{- if not (kindIs "invalid" $pool.gpus) -}}
+{{- $gpus = int $pool.gpus -}}
+{{- end -}}
+{{- if ne (mod $gpus $tp) 0 -}}
+{{- fail (printf "%s.gpus: %d GPUs a pod do not hold whole workers of %s.tensorParallelSize %d GPUs; make gpus a multiple of %d (null: one worker a pod)" .role $gpus .role $tp $tp) -}}
+{{- end -}}
+{{- $gpus -}}
+{{- end -}}
+
+{{/* The pool's pdserve workers (`--prefill` / `--decode`): replicas x workers a pod. args: as pdserve.podGpus. */}}
+{{- define "pdserve.poolWorkers" -}}
+{{- $pool := index .root.Values .role -}}
+{{- mul (int $pool.replicas) (div (int (include "pdserve.podGpus" .)) (int $pool.tensorParallelSize)) -}}
+{{- end -}}
+
 {{/* A worker group's pod template; args: dict "root" $ "role" "prefill"|"decode" "pool" .Values.<role>. */}}
 {{- define "pdserve.poolTemplate" -}}
 {{- $root := .root -}}
 {{- $pool := .pool -}}
+{{- $gpus := include "pdserve.podGpus" (dict "root" $root "role" .role) -}}
 {{- /* The user's container securityContext, with IPC_LOCK added: NIXL/UCX pin the KV pool's memory for RDMA registration. */ -}}
 {{- $sc := deepCopy ($pool.securityContext | default dict) -}}
 {{- if $root.Values.kv.ipcLock -}}
@@ -192,14 +217,14 @@ spec:
         requests:
           cpu: {{ $pool.cpu | quote }}
           memory: {{ $pool.memory | quote }}
-          {{ $root.Values.gpuResourceName }}: {{ $pool.gpus | quote }}
+          {{ $root.Values.gpuResourceName }}: {{ $gpus | quote }}
           {{- if $root.Values.rdma.enabled }}
           {{ $root.Values.rdma.resourceName }}: {{ $root.Values.rdma.count | quote }}
           {{- end }}
         limits:
           cpu: {{ $pool.cpu | quote }}
           memory: {{ $pool.memory | quote }}
-          {{ $root.Values.gpuResourceName }}: {{ $pool.gpus | quote }}
+          {{ $root.Values.gpuResourceName }}: {{ $gpus | quote }}
           {{- if $root.Values.rdma.enabled }}
           {{ $root.Values.rdma.resourceName }}: {{ $root.Values.rdma.count | quote }}
           {{- end }}
