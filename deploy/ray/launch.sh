@@ -4,7 +4,7 @@
 #
 #   launch.sh head   [--port 6379] [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
 #   launch.sh worker --address HEAD:PORT [--node-ip-address IP] [--pool prefill|decode|any] [--gpus N] [-- ARGS]
-#   launch.sh serve  --address HEAD:PORT [pdserve serve flags: --prefill N --decode M --port P ...]
+#   launch.sh serve  --address HEAD:PORT [--prefill-tp N] [--decode-tp M] [pdserve serve flags: --prefill N ...]
 #   launch.sh router --address HEAD:PORT [pdserve router flags: --host H --port P ...]
 #   launch.sh status [--address HEAD:PORT]
 #   launch.sh down
@@ -16,7 +16,9 @@
 # workers on its nodes. Ray's token authentication is on: `head` writes the token to
 # $PDSERVE_RAY_DIR/auth_token, and `worker`, `serve`, `router` and `status` read it from the same
 # path on their machine. `down` stops, by the PIDs it recorded, what this script started on this
-# machine.
+# machine. `serve --prefill-tp N --decode-tp M` are each pool's worker width (pdserve's
+# --prefill/--decode-tensor-parallel-size; -tp N sets both): on CUDA a worker of width N takes N
+# GPUs of one node, which `serve` checks against the nodes' GPUs before it starts any worker.
 #
 # Environment: PDSERVE_RAY_DIR (state: token, PIDs, logs; default ~/.pdserve/ray), PDSERVE_PYTHON
 # (the Python with pdserve and Ray installed; default python3), PDSERVE_START_TIMEOUT (seconds to
@@ -45,7 +47,7 @@ usage() {
   case $only in
     head) echo "Start this machine's Ray head (token in $TOKEN_FILE), offering --pool's resources; ARGS after -- go to 'ray start'." ;;
     worker) echo "Join this machine to the head's Ray cluster in --pool (copy the head's token here first); ARGS after -- go to 'ray start'." ;;
-    serve) echo "Start the worker pools and the first router on the cluster ('pdserve serve --address')." ;;
+    serve) echo "Start the worker pools and the first router on the cluster ('pdserve serve --address'); --prefill-tp N / --decode-tp M: ranks per prefill / decode worker (on CUDA a GPU each, all on one node)." ;;
     router) echo "Another router in front of the running pools ('pdserve router --address --no-export-worker-metrics': the first router exports the workers' series), e.g. on a second machine." ;;
     status) echo "The cluster's nodes, their pools and where each pdserve worker runs (run it on the head)." ;;
     down) echo "Stop, by the PIDs recorded in $STATE_DIR, what this script started on this machine." ;;
@@ -102,6 +104,11 @@ pool_resources() {
     any) echo "{\"pdserve_prefill\": $units, \"pdserve_decode\": $units}" ;;
     none) echo "{}" ;;
   esac
+}
+
+# A worker's width: a whole number of ranks (GPUs on CUDA), 1 or more.
+check_width() {
+  case $2 in [1-9]|[1-9][0-9]) ;; *) die "$1: '$2' is not a worker width (a whole number of ranks, 1 or more)" ;; esac
 }
 
 check_args() {
@@ -220,6 +227,10 @@ run_pdserve() {
   while [ $# -gt 0 ]; do
     case $1 in
       --address) address=${2:?--address needs a value}; shift 2 ;;
+      --prefill-tp|--decode-tp)
+        [ "$cmd" = serve ] || die "$1: only 'serve' starts workers"
+        check_width "$1" "${2:-}"
+        rest+=("${1%-tp}-tensor-parallel-size" "$2"); shift 2 ;;
       -h|--help)
         usage "$cmd"
         echo "Other flags go to 'pdserve $cmd' (see 'pdserve $cmd --help'); runs in the foreground until Ctrl-C / SIGTERM."
