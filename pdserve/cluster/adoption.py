@@ -105,6 +105,23 @@ def version_problem(infos: Mapping[str, kv_pb2.KvAgentInfo], protocol_version: i
     return None
 
 
+def ranks(info: kv_pb2.KvAgentInfo) -> int:
+    """A worker's tensor-parallel width, read from its KV agent info: one shard per rank."""
+    return max(1, len(info.shards))
+
+
+def width_problem(running: Mapping[str, Worker], widths: Mapping[str, int]) -> str | None:
+    """One line naming the running workers whose width is not their pool's (`widths`, by pool),
+    or None: a pool's workers are all of its width (role flips and placement count on it)."""
+    wrong = [f"{w} ({r.role}, {ranks(r.info)} ranks)" for w, r in sorted(running.items())
+             if ranks(r.info) != widths.get(r.role, 1)]  # fmt: skip
+    if not wrong:
+        return None
+    want = ", ".join(f"--{pool}-tensor-parallel-size {n}" for pool, n in sorted(widths.items(), reverse=True))
+    return (f"running workers of another width than {want}: {', '.join(wrong)}; "
+            "serve with their widths, or stop them first")  # fmt: skip
+
+
 async def version_skew(actors: Mapping[str, Any], timeout_s: float) -> str | None:
     """Why these worker actors cannot serve beside this router (`version_problem` of their KV
     agent infos), or None; a router refuses then rather than move KV between them."""
@@ -141,15 +158,20 @@ async def bring_up(
     start_actor: Callable[[str, str], Any],
     timeout_s: float,
     taken: Iterable[str] = (),
+    widths: Mapping[str, int] | None = None,
 ) -> Fleet:
     """Adopt the running workers, refuse them if they cannot serve beside this router
-    (`VersionSkew`), and start what each pool of `want` lacks with `start_actor(role, worker_id)`.
+    (`VersionSkew`) or, given `widths` (ranks per worker by pool), are of another width than
+    their pool's (`PlacementError`), and start what each pool of `want` lacks with
+    `start_actor(role, worker_id)`.
     Returns once every started worker has loaded its model; on any failure the workers started
     here are killed (the adopted ones keep running)."""
     running, named = await adopt_running(timeout_s)
     problem = version_problem({w: r.info for w, r in running.items()}, compat.PROTOCOL_VERSION)
     if problem is not None:
         raise VersionSkew(problem)
+    if widths is not None and (problem := width_problem(running, widths)) is not None:
+        raise PlacementError(problem)
     if running:
         log.info("adopting running workers: %s", ", ".join(sorted(running)))
     used = named | set(taken)

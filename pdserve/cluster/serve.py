@@ -145,7 +145,7 @@ class Cluster:
         # before and was killed) are adopted, and only what the pools lack is started.
         try:
             fleet = await bring_up({"prefill": cfg.num_prefill, "decode": cfg.num_decode}, start_actor,
-                                   cfg.startup_timeout_s)  # fmt: skip
+                                   cfg.startup_timeout_s, widths=cfg.tensor_parallel_sizes())  # fmt: skip
         except BaseException:
             if owns_ray:
                 ray.shutdown()

@@ -1,13 +1,16 @@
 """`Cluster.start` on a real Ray instance whose one node declares 2 GPUs (Ray takes the count as
 given; no GPU is used): pools whose widths need more GPUs than that, or more on one node, are
-refused with one line naming the width's flag before any worker actor starts. Run in a process
-of its own so that the declared GPUs do not leak into other tests' Ray instance."""
+refused with one line naming the width's flag before any worker actor starts. And on CPU, workers
+kept running (--keep-workers) by a cluster of widths 2/1 are refused by a `serve` of widths 1/2,
+naming each worker's width as its KV agent reports it, and adopted by one of widths 2/1. Each
+runs in a process of its own so that its Ray instance does not meet other tests'."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +50,62 @@ def test_wide_pools_are_refused_when_the_cluster_lacks_their_gpus() -> None:
     # 1D (TP4): no node holds 4 GPUs.
     assert out["p1d4"].startswith("1 decode workers of 4 ranks (--decode-tensor-parallel-size 4) need 4 GPUs on one node")
     assert out["actors"] == []  # refused before any worker actor started
+
+
+ADOPT = r"""
+import asyncio, json, logging, sys
+from dataclasses import replace
+import ray
+from pdserve.cluster.actors import NAMESPACE
+from pdserve.cluster.node_pools import PlacementError
+from pdserve.cluster.serve import Cluster
+from pdserve.cluster.serve_config import ServeConfig
+from pdserve.engine.args import EngineArgs
+
+ray.init(namespace=NAMESPACE, num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
+cfg = ServeConfig(model=sys.argv[1], device="cpu", dtype="float32", port=0, engine=EngineArgs(num_kv_blocks=32),
+                  ray_address=ray.get_runtime_context().gcs_address, keep_workers=True, cpu_threads_per_worker=1,
+                  prefill_tensor_parallel_size=2, decode_tensor_parallel_size=1)
+
+async def main():
+    out = {}
+    first = await asyncio.wait_for(Cluster.start(cfg), 180)
+    out["started"] = sorted(first._workers)
+    await first.stop()  # --keep-workers: the workers serve on
+    swapped = replace(cfg, prefill_tensor_parallel_size=1, decode_tensor_parallel_size=2)
+    try:
+        await asyncio.wait_for(Cluster.start(swapped), 120)
+        out["swapped"] = "started"
+    except PlacementError as exc:
+        out["swapped"] = str(exc)
+    again = await asyncio.wait_for(Cluster.start(replace(cfg, keep_workers=False)), 120)
+    out["adopted"] = sorted(again._workers)
+    await again.stop()  # and the workers with it
+    return out
+
+out = asyncio.run(main())
+out["actors"] = ray.util.list_named_actors(all_namespaces=True)
+ray.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_running_workers_of_another_width_are_refused_and_of_the_same_adopted(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    from tests.tiny_models import TINY_COMMON
+
+    config = transformers.Qwen2Config(**TINY_COMMON)  # 2 KV heads: one a rank at width 2
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).eval().save_pretrained(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", ADOPT, str(tmp_path)], capture_output=True, text=True, timeout=420,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["started"] == ["decode-0", "prefill-0"]
+    assert out["swapped"] == (
+        "running workers of another width than --prefill-tensor-parallel-size 1, --decode-tensor-parallel-size 2: "
+        "decode-0 (decode, 1 ranks), prefill-0 (prefill, 2 ranks); serve with their widths, or stop them first"
+    )
+    assert out["adopted"] == ["decode-0", "prefill-0"] and out["actors"] == []

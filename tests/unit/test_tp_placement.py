@@ -1,7 +1,7 @@
 """Workers wider than one rank on Ray, without Ray: the GPUs a worker of width N reserves, the
 placement pre-check counting N GPUs of one node per worker of that pool (naming the flag), the
-actor options that carry the reservation, and the scaler's room check by width (Ray's free
-resources given as a plain mapping)."""
+actor options that carry the reservation, the scaler's room check by width (Ray's free
+resources given as a plain mapping), and adoption refusing running workers of another width."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import asyncio
 import pytest
 
 from pdserve.cluster.actors import actor_options
+from pdserve.cluster.adoption import Worker, ranks, width_problem
 from pdserve.cluster.node_pools import NodeOffer, unplaceable, worker_gpus
 from pdserve.cluster.scaler import WorkerScaler, room_for
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.control.signals import Role
+from pdserve_proto import kv_pb2
 
 
 def node(address: str, gpus: float = 0, pools: tuple[str, ...] = ()) -> NodeOffer:
@@ -114,3 +116,19 @@ def test_the_scaler_adds_only_what_the_free_gpus_hold_by_width():
     # The prefill worker takes 4 of the 5 free GPUs; the decode worker's 2 are not there.
     assert started == ["prefill"] and added == ["prefill"]
     assert why == "Ray has 1 free GPU for a worker needing 2"
+
+
+def _worker(worker_id: str, role: str, shards: int) -> Worker:
+    info = kv_pb2.KvAgentInfo(worker_id=worker_id, shards=[kv_pb2.KvShard(kv_heads=[i]) for i in range(shards)])
+    return Worker(worker_id, role, actor=None, info=info)
+
+
+def test_adopted_workers_must_be_of_their_pools_width():
+    assert ranks(_worker("a", "decode", 0).info) == 1 and ranks(_worker("a", "decode", 2).info) == 2
+    running = {"prefill-0": _worker("prefill-0", "prefill", 2), "decode-0": _worker("decode-0", "decode", 0)}
+    assert width_problem(running, {"prefill": 2, "decode": 1}) is None
+    # Served again with the widths swapped: both running workers are named, with their widths.
+    assert width_problem(running, {"prefill": 1, "decode": 2}) == (
+        "running workers of another width than --prefill-tensor-parallel-size 1, --decode-tensor-parallel-size 2: "
+        "decode-0 (decode, 1 ranks), prefill-0 (prefill, 2 ranks); serve with their widths, or stop them first"
+    )
