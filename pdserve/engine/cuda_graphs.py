@@ -21,6 +21,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.model.model import CausalLM, ForwardContext
 from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.step_inputs import known_token
 
 # The decode kernels launch as programmatic dependents (`launch_pdl`, `gdc_wait`), which Triton
 # has had since 3.4.
@@ -219,7 +220,7 @@ class DecodeGraphs:
             blocks = seq.block_array()
             tables[i, : len(blocks)] = blocks
         pos = np.asarray(pos_list, dtype=np.int64)
-        longs[:n] = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, pos_list)]
+        longs[:n] = [known_token(seq, p) for seq, p in zip(seqs, pos_list)]
         longs[ls : ls + n] = pos
         longs[2 * ls : 2 * ls + n] = tables[np.arange(n), pos // bs]
         longs[3 * ls : 3 * ls + n] = pos % bs

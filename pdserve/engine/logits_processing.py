@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_inputs import to_device
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ def process_logits(
     floats = np.asarray(bias + [x for p in pen_params for x in (p.repetition_penalty, p.frequency_penalty,
                                                                  p.presence_penalty)], dtype=np.float32)  # fmt: skip
     dev = logits.device
-    ints_dev = _upload(ints, dev)
-    floats_dev = _upload(floats, dev).to(logits.dtype)
+    ints_dev = to_device(ints, dev)
+    floats_dev = to_device(floats, dev).to(logits.dtype)
     out = logits.clone()
     flat = out.view(-1)
     nb, nx, npen = len(bias_at), len(banned), len(pen)
@@ -113,15 +114,6 @@ def _flat_index(token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
         return np.empty(0, np.int64)
     flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
     return np.repeat(np.arange(len(token_lists), dtype=np.int64) * (vocab + 1), lengths) + np.minimum(flat, vocab)
-
-
-def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`values` on `device` without the host waiting for the device: a copy from pageable memory
-    would first wait for everything queued, a step launched ahead included."""
-    host = torch.from_numpy(values)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _with(flat_index: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:

@@ -27,17 +27,16 @@ class Following:
     feed: list[tuple[int, int]]
 
 
-def greedy_row(seq: Sequence) -> bool:
-    """Whether a row of `seq` that samples may be launched blind (see the module's docstring)."""
+def _launchable(seq: Sequence, sample: bool) -> bool:
+    """Whether a row of `seq` (that samples, or not) may be in a step launched blind (see the
+    module's docstring)."""
     p = seq.params
-    return p.greedy and not p.logprobs and p.structured_output is None
+    return p.prompt_logprobs is None and (not sample or (p.greedy and not p.logprobs and p.structured_output is None))
 
 
 def overlappable(scheduled: list[ScheduledSeq]) -> bool:
     """Whether `scheduled` may be launched without waiting (see the module's docstring)."""
-    return all(
-        item.seq.params.prompt_logprobs is None and (not item.sample or greedy_row(item.seq)) for item in scheduled
-    )
+    return all(_launchable(item.seq, item.sample) for item in scheduled)
 
 
 def _sure_to_stop(seq: Sequence, max_model_len: int) -> bool:
@@ -71,7 +70,7 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
         if n <= 0:
             continue
         sample = computed + n == total
-        if sample and not greedy_row(seq) or seq.params.prompt_logprobs is not None:
+        if not _launchable(seq, sample):
             return None
         if not sched.reserve(seq, computed + n):
             return None  # blocks taken so far stay with their sequences: the next step uses them
@@ -82,7 +81,7 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
         rows += n
         budget -= n
     for seq, n in sched.admit_ahead(budget):
-        if not greedy_row(seq) or seq.params.prompt_logprobs is not None:
+        if not _launchable(seq, sample=True):
             break  # admitted all the same: the next `schedule` runs it
         out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
         ahead.append(0)
@@ -105,8 +104,8 @@ def _following_decodes(sched: Scheduler, current: list[ScheduledSeq], max_model_
     feed: list[tuple[int, int]] = []
     for k, item in enumerate(current):
         seq = item.seq
-        if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len:
-            continue  # sure to stop: it finishes when `current`'s tokens are in
+        if _sure_to_stop(seq, max_model_len):
+            continue  # it finishes when `current`'s tokens are in
         if not sched.reserve(seq, seq.num_computed_tokens + 2):
             return None
         feed.append((len(out), k))

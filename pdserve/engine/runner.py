@@ -28,7 +28,7 @@ from pdserve.engine.prompt_logprobs import score_step
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.step_graphs import StepGraphs, capture_step_graphs
-from pdserve.engine.step_inputs import StepInputs, build_step_inputs
+from pdserve.engine.step_inputs import StepInputs, build_step_inputs, to_device
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +104,7 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSeq], ahead: int | list[int] = 0) -> StepInputs:
         """The step's inputs on the device (`step_inputs.build_step_inputs`)."""
-        return build_step_inputs(scheduled, ahead, self.block_size, self._to_device)
-
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(values)
-        if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host
+        return build_step_inputs(scheduled, ahead, self.block_size, self.device)
 
     # ----- execution -----------------------------------------------------------------------
 
@@ -242,7 +236,7 @@ class ModelRunner:
         pending = None
         if pending_rows:
             pending = torch.full((len(sampled),), logits.shape[-1], dtype=torch.int64, device=logits.device)
-            index = self._to_device(np.asarray(list(pending_rows.items()), dtype=np.int64).T.copy())
+            index = to_device(np.asarray(list(pending_rows.items()), dtype=np.int64).T.copy(), self.device)
             pending.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
         return process_logits(logits, [s.seq.params for s in sampled], rows, eos_token_ids, pending)
 

@@ -5,7 +5,6 @@ that each copy's fixed cost shows."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -33,7 +32,7 @@ def build_step_inputs(
     scheduled: list[ScheduledSeq],
     ahead: int | list[int],
     block_size: int,
-    to_device: Callable[[np.ndarray], torch.Tensor],
+    device: torch.device,
 ) -> StepInputs:
     """The inputs of `scheduled`. `ahead` (one for every row, or per row): rows start that many
     positions past their computed tokens, behind a step still in flight; an input token not known
@@ -76,8 +75,8 @@ def build_step_inputs(
     slot_block[:] = tables[row_of, pos // bs]
     np.remainder(pos, bs, out=slot_offset)
     longs[4 * t :] = cu[1:][sample] - 1
-    longs_dev = to_device(longs)
-    ints_dev = to_device(ints)
+    longs_dev = to_device(longs, device)
+    ints_dev = to_device(ints, device)
     meta = AttentionMetadata(
         slot_block=longs_dev[2 * t : 3 * t],
         slot_offset=longs_dev[3 * t : 4 * t],
@@ -97,6 +96,15 @@ def build_step_inputs(
         sampled=sampled,
         token_rows=longs_dev[: 4 * t].view(4, t),
     )
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`values` on `device` without the host waiting for the device: from pinned memory, since a
+    copy from pageable memory first waits for everything queued, a step launched ahead included."""
+    host = torch.from_numpy(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def known_token(seq: Sequence, position: int) -> int:

@@ -37,3 +37,21 @@ def assert_same(llm: LLM, hf_model, prompts: list[list[int]], max_new: int = MAX
 
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def step_with_arrivals(engine, prompts: list[list[int]], params: list[SamplingParams], after_step=None) -> dict[str, list[int]]:
+    """Step `engine` until every request is done, adding request i (id "i") every other step, so
+    requests arrive while others decode. Returns each request's tokens; `after_step(got)` runs
+    after every step."""
+    got: dict[str, list[int]] = {}
+    pending, steps = list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished():
+        if pending and steps % 2 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(p, params[i], str(i))
+        for out in engine.step():
+            got[out.request_id] = out.token_ids
+        steps += 1
+        if after_step is not None:
+            after_step(got)
+    return got

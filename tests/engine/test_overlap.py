@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.engine.greedy_reference import assert_same, mixed_prompts
+from tests.engine.greedy_reference import assert_same, mixed_prompts, step_with_arrivals
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -117,19 +117,14 @@ def test_mixed_steps_overlap_with_arrivals_chunks_stops_and_aborts(tiny_model_fa
         return launch(scheduled, *rest, **options)
 
     engine.runner.launch_greedy = record
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    steps = aborted = 0
-    while pending or engine.has_unfinished():
-        if pending and steps % 2 == 0:
-            i, p = pending.pop(0)
-            engine.add_request(p, params[i], str(i))
-        for out in engine.step():
-            got[out.request_id] = out.token_ids
-        steps += 1
+    aborted = []
+
+    def abort_in_flight(got: dict[str, list[int]]) -> None:
         if not aborted and engine._inflight is not None and len(got.get("5", [])) >= 3:
             assert engine.abort("5")
-            aborted = True
+            aborted.append("5")
+
+    got = step_with_arrivals(engine, prompts, params, abort_in_flight)
     assert aborted
     for rid, tokens in want.items():
         if rid == "5":
@@ -164,16 +159,7 @@ def test_penalized_greedy_rows_overlap_exactly(tiny_model_factory, check_blocks_
     engine = on.engine
     runs = {}
     for name, llm in (("off", off), ("on", on)):
-        e = llm.engine
-        got: dict[str, list[int]] = {}
-        pending, steps = list(enumerate(prompts)), 0
-        while pending or e.has_unfinished():
-            if pending and steps % 2 == 0:
-                i, p = pending.pop(0)
-                e.add_request(p, params[i], str(i))
-            for out in e.step():
-                got[out.request_id] = out.token_ids
-            steps += 1
+        got = step_with_arrivals(llm.engine, prompts, params)
         runs[name] = [got[str(i)] for i in range(len(prompts))]
     assert runs["on"] == runs["off"]
     assert engine.num_overlapped_steps > 20

@@ -23,6 +23,8 @@ MAX_NEW = 24
 def _run(llm, prompts, params) -> tuple[list[list[int]], int]:
     """Add a request every other step; (each request's tokens, launches with a prompt chunk and a
     sampled row)."""
+    from tests.engine.greedy_reference import step_with_arrivals
+
     engine = llm.engine
     mixed = 0
     launch = engine.runner.launch_greedy
@@ -33,15 +35,7 @@ def _run(llm, prompts, params) -> tuple[list[list[int]], int]:
         return launch(scheduled, *rest, **options)
 
     engine.runner.launch_greedy = record
-    got: dict[str, list[int]] = {}
-    pending, steps = list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished():
-        if pending and steps % 2 == 0:
-            i, p = pending.pop(0)
-            engine.add_request(p, params[i], str(i))
-        for out in engine.step():
-            got[out.request_id] = out.token_ids
-        steps += 1
+    got = step_with_arrivals(engine, prompts, params)
     return [got[str(i)] for i in range(len(prompts))], mixed
 
 
