@@ -279,10 +279,14 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """Record the decode forward where CUDA graphs are on (see `cuda_graphs`), and the
-        prefill and mixed steps' pieces around attention (see `step_graphs`). Where mixed steps
-        split their decodes off, the decode kernel is compiled for them here too."""
+        prefill and mixed steps' pieces around attention (see `step_graphs`). The eager attention
+        kernel, and where mixed steps split their decodes off the decode kernel, are compiled
+        here too, so no step in serving waits for a compile."""
+        k_cache, v_cache = self._layer_caches[0]
+        warm_eager = getattr(self.backend, "warm_up", None)
+        if warm_eager is not None:
+            warm_eager(k_cache, v_cache, self.model.cfg.num_heads, self.scratch_block)
         if isinstance(self.step_backend, MixedDecodeAttention):
-            k_cache, v_cache = self._layer_caches[0]
             self.step_backend.warm_up(k_cache, v_cache, self.model.cfg.num_heads, self.cfg.max_num_seqs)
         self.graphs = capture_decode_graphs(
             self.model, self.kv_pool, self.backend, self.cfg, self.max_model_len, self.scratch_block

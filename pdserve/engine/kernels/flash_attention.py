@@ -72,6 +72,30 @@ class FlashAttention:
             return self._attend_fa4(q, k_cache, v_cache, meta, scale)
         return self._attend_fa2(q, k_cache, v_cache, meta, scale)
 
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block: int) -> None:
+        """Compile flash-attn-4's kernel now, not inside the first step that runs eagerly
+        (a decode batch past the graphs, a prompt): the compile takes seconds, and every
+        sequence of that step would wait for it. A decode-shaped and a prompt-shaped call on
+        contexts inside `block`; their outputs are dropped."""
+        if self.api != "fa4":
+            return
+        dev, block_size = k_cache.device, k_cache.shape[1]
+        for q_len in sorted({1, block_size}):
+            q = torch.zeros((q_len, num_heads, k_cache.shape[3]), dtype=k_cache.dtype, device=dev)
+            one = torch.tensor([q_len], dtype=torch.int32, device=dev)
+            meta = AttentionMetadata(
+                slot_block=torch.full((q_len,), block, dtype=torch.int64, device=dev),
+                slot_offset=torch.arange(q_len, dtype=torch.int64, device=dev),
+                cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+                seq_lens=one,
+                block_tables=torch.full((1, 1), block, dtype=torch.int32, device=dev),
+                max_query_len=q_len,
+                max_seq_len=q_len,
+                query_lens=[q_len],
+                seq_lens_host=[q_len],
+            )
+            self._attend_fa4(q, k_cache, v_cache, meta, 1.0)
+
     # ----- flash-attn-4 -------------------------------------------------------------------
 
     def _attend_fa4(
