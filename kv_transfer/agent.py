@@ -1,7 +1,8 @@
 """A worker's NIXL agent, the `KvTransport` of every real worker: its KV pool registered once,
 READs of block lists from other workers.
 
-The pool is registered as one region at start-up. A read turns block ids into descriptors of
+The pool is registered at start-up: one region, or one per rank where a tensor-parallel
+worker's ranks keep their pools on their own GPUs. A read turns block ids into descriptors of
 contiguous runs (one per run of consecutive ids on both sides), shares them out to a few NIXL
 READs of about equal bytes that are in flight together, waits for all of them with one deadline,
 and then the producer gets one notification. Host
@@ -86,7 +87,7 @@ class KvTransferAgent:
     def __init__(
         self,
         worker_id: str,
-        pool: torch.Tensor,
+        pool: torch.Tensor | None,
         layout: KvLayout,
         progress_thread: bool = False,
         net_devices: str | None = None,
@@ -99,7 +100,9 @@ class KvTransferAgent:
         this process, which hosts one worker. reads_in_flight: how many NIXL READs one block list
         is shared out to (1: a single READ of all its descriptors). shards: a tensor-parallel
         worker's pools, (the model's KV head in each slot, pool) per rank, all inside `pool`, the
-        region registered; None: `pool` is the worker's one pool."""
+        region registered, or, with `pool` None, each registered where it lies (ranks on their own
+        GPUs; the descriptors then carry each shard's address and device); None: `pool` is the
+        worker's one pool."""
         if isinstance(reads_in_flight, bool) or not isinstance(reads_in_flight, int) or reads_in_flight < 1:
             raise ValueError(f"reads_in_flight: must be an integer >= 1, got {reads_in_flight!r}")
         if net_devices is not None:
@@ -112,30 +115,23 @@ class KvTransferAgent:
         self.layout = layout
         self.reads_in_flight = reads_in_flight
         self.compat_hash = layout.compat_hash()
-        self.pool = pool
+        if pool is None and not shards:
+            raise ValueError("pool: None needs shards, each rank's pool")
+        # Shards of their own: rank 0's pool stands for the worker (device, memory type, staging).
+        self.pool = pool if pool is not None else shards[0][1]
+        self._base = 0 if pool is None else pool.data_ptr()  # what shard offsets count from
         self._slot_bytes = layout.block_bytes // layout.num_kv_heads  # one KV head of a block
-        self._pools = (pool,) if shards is None else tuple(t for _, t in shards)
-        if shards is None:
-            self.block_bytes = pool[0].numel() * pool.element_size()
-            if self.block_bytes != layout.block_bytes:
-                raise ValueError(f"KV pool blocks are {self.block_bytes} bytes, layout says {layout.block_bytes}")
-            self.shards = whole_pool(layout.num_kv_heads, self.block_bytes)
-        else:
-            self.shards = tuple(
-                ShardSpec(tuple(heads), t.data_ptr() - pool.data_ptr(), t[0].numel() * t.element_size()) for heads, t in shards
-            )
-            for heads, t in shards:
-                if t[0].numel() * t.element_size() != self._slot_bytes * len(heads):
-                    raise ValueError(f"a KV shard of {len(heads)} heads has blocks of {t[0].numel() * t.element_size()} bytes")
-            self.block_bytes = sum(s.block_bytes for s in self.shards)
+        self._pools = (self.pool,) if shards is None else tuple(t for _, t in shards)
+        self.shards = _local_shards(self.pool, shards, layout, pool is None)
+        self.block_bytes = sum(s.block_bytes for s in self.shards)
         self._sharded = shards is not None
         self._weights: list[torch.Tensor] | None = None  # of the sharded checksum, made on first use
         # Per peer: its shards, and the slot runs of a staged READ (None: same split, direct).
         self._peers: dict[str, tuple[tuple[ShardSpec, ...], list[SlotRun] | None]] = {}
         self._staging: tuple[torch.Tensor, object] | None = None  # area and its registration
         self._staging_lock = threading.Lock()  # one staged READ at a time: they share the area
-        self.memory_type = "VRAM" if pool.is_cuda else "DRAM"
-        self.device_id = (pool.device.index or 0) if pool.is_cuda else 0
+        self.memory_type = "VRAM" if self.pool.is_cuda else "DRAM"
+        self.device_id = (self.pool.device.index or 0) if self.pool.is_cuda else 0
         # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, and
         # slower READs on GPU and CPU alike (bench/kv_transfer.py; docs/benchmarks.md). So by
         # default the callers drive progress: `read()` polls while it waits, and workers call
@@ -146,9 +142,12 @@ class KvTransferAgent:
         )
         # Concurrent READs come from several request threads; NIXL calls are serialized.
         self._lock = threading.Lock()
-        self._registration = self._agent.register_memory(pool)
+        regions = [(t.data_ptr(), t.numel() * t.element_size(), max(t.get_device(), 0), "") for t in
+                   ([pool] if pool is not None else self._pools)]  # DRAM is device 0 to NIXL
+        self._registration = self._agent.register_memory(regions, self.memory_type)
         self._remotes: dict[str, kv_pb2.KvAgentInfo] = {}
-        log.info("NIXL agent %s registered %.1f MiB of %s", self.name, pool.numel() * pool.element_size() / 2**20, self.memory_type)
+        log.info("NIXL agent %s registered %.1f MiB of %s in %d region(s)", self.name,
+                 sum(r[1] for r in regions) / 2**20, self.memory_type, len(regions))
 
     # ----- handshake -----------------------------------------------------------------------
 
@@ -159,7 +158,7 @@ class KvTransferAgent:
             agent_name=self.name,
             agent_metadata=self._metadata(),
             compat_hash=self.compat_hash,
-            pool_address=self.pool.data_ptr(),
+            pool_address=self._base,
             block_bytes=self.block_bytes,
             num_blocks=self._pools[0].shape[0],
             device_id=self.device_id,
@@ -207,7 +206,7 @@ class KvTransferAgent:
         if runs is not None:
             return self._staged_read(remote_agent, remote_ids, local_ids, notify, timeout_s)
         groups = self.plan(remote_ids, local_ids)
-        bases, devices = (self.pool.data_ptr(), remote.pool_address), (self.device_id, remote.device_id)
+        bases, devices = (self._base, remote.pool_address), (self.device_id, remote.device_id)
         reads = [direct_descriptors(g, self.shards, specs, bases, devices) for g in groups]
         start = time.perf_counter()
         self._run_reads(remote_agent, reads, notify, f"READ of {len(remote_ids)} blocks from {remote_agent}", start, timeout_s)
@@ -370,6 +369,29 @@ class KvTransferAgent:
                 agent.deregister_memory(self._staging[1])
                 self._staging = None
             del self._registration, agent
+
+
+def _local_shards(
+    pool: torch.Tensor, shards: Sequence[tuple[tuple[int, ...], torch.Tensor]] | None, layout: KvLayout, own_regions: bool
+) -> tuple[ShardSpec, ...]:
+    """The agent's own shards: `pool` whole (`shards` None), else each rank's pool, at its offset
+    in `pool` or, with `own_regions`, at its own address on its own device; checked against the
+    layout's block bytes."""
+    if shards is None:
+        block_bytes = pool[0].numel() * pool.element_size()
+        if block_bytes != layout.block_bytes:
+            raise ValueError(f"KV pool blocks are {block_bytes} bytes, layout says {layout.block_bytes}")
+        return whole_pool(layout.num_kv_heads, block_bytes)
+    slot_bytes = layout.block_bytes // layout.num_kv_heads
+    base = 0 if own_regions else pool.data_ptr()
+    specs = []
+    for heads, t in shards:
+        block_bytes = t[0].numel() * t.element_size()
+        if block_bytes != slot_bytes * len(heads):
+            raise ValueError(f"a KV shard of {len(heads)} heads has blocks of {block_bytes} bytes")
+        # NIXL calls host memory device 0.
+        specs.append(ShardSpec(tuple(heads), t.data_ptr() - base, block_bytes, max(t.get_device(), 0) if own_regions else None))
+    return tuple(specs)
 
 
 class _Closed:

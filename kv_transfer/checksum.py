@@ -116,5 +116,6 @@ def sharded_block_checksums(
             for first, count in _runs(block_ids)
         ]
         part = torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=words.device)
-        total = part if total is None else total + part  # int64 wraps: modulo 2^64
+        # int64 wraps: modulo 2^64. Ranks on their own GPUs: summed on the first one's.
+        total = part if total is None else total + part.to(total.device)
     return as_fixed64(total) if total is not None else []

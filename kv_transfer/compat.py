@@ -12,8 +12,9 @@ from pathlib import Path
 from pdserve_proto import kv_pb2
 
 # Bumped whenever the handle, the pool layout or the block hash changes meaning (3: a pool may
-# be sharded over tensor-parallel ranks, `KvAgentInfo.shards`).
-PROTOCOL_VERSION = 3
+# be sharded over tensor-parallel ranks, `KvAgentInfo.shards`; 4: a shard may be a region of its
+# own on its own GPU, `KvShard.device_id`).
+PROTOCOL_VERSION = 4
 POOL_LAYOUT = "block-major[block,layer,kv,token,head,dim]"
 
 

@@ -2,7 +2,7 @@
 workers of different widths copies where (pure: numbers only, no NIXL, no tensors).
 
 A shard is one rank's pool, ``[blocks, layers, K/V, tokens, slots, head_dim]``, at a byte offset
-in the region the worker registers; slot j holds the model's KV head ``kv_heads[j]`` (a head
+in the region the worker registers (or, with ranks on their own GPUs, a region of its own); slot j holds the model's KV head ``kv_heads[j]`` (a head
 may sit in several slots and on several ranks: `pdserve.engine.model.tp_layout`). A single-process
 worker is one shard of every head in order. Block ids mean the same block in every shard.
 Between two workers whose shards hold the same heads, rank r's blocks are read into rank r's
@@ -27,6 +27,9 @@ class ShardSpec:
     kv_heads: tuple[int, ...]
     offset: int
     block_bytes: int
+    # The GPU of a shard that is a region of its own (`offset` then its address); None: the
+    # shard lies in the worker's one region, on its device.
+    device: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,10 @@ def specs_of_info(info: kv_pb2.KvAgentInfo, num_kv_heads: int, slot_bytes: int) 
     if not info.shards:
         specs = whole_pool(num_kv_heads, info.block_bytes)
     else:
-        specs = tuple(ShardSpec(tuple(s.kv_heads), s.offset, s.block_bytes) for s in info.shards)
+        specs = tuple(
+            ShardSpec(tuple(s.kv_heads), s.offset, s.block_bytes, s.device_id if s.HasField("device_id") else None)
+            for s in info.shards
+        )
     who = f"worker {info.worker_id!r}"
     for rank, spec in enumerate(specs):
         if not spec.kv_heads or not all(0 <= h < num_kv_heads for h in spec.kv_heads):
@@ -113,4 +119,7 @@ def primary_slots(specs: Sequence[ShardSpec]) -> list[tuple[bool, ...]]:
 
 def info_shards(specs: Sequence[ShardSpec]) -> list[kv_pb2.KvShard]:
     """`specs` as `KvAgentInfo.shards`."""
-    return [kv_pb2.KvShard(kv_heads=s.kv_heads, offset=s.offset, block_bytes=s.block_bytes) for s in specs]
+    return [
+        kv_pb2.KvShard(kv_heads=s.kv_heads, offset=s.offset, block_bytes=s.block_bytes, device_id=s.device)
+        for s in specs
+    ]

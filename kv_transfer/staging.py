@@ -32,14 +32,21 @@ def direct_descriptors(
     devices: tuple[int, int],
 ) -> tuple[list[Desc], list[Desc]]:
     """Local and remote descriptors of `runs` (remote start, local start, blocks) between two
-    pools of the same split: shard r to shard r. `bases` and `devices`: (local, remote)."""
+    pools of the same split: shard r to shard r. `bases` and `devices`: (local, remote), the
+device of the shards that name none."""
     loc_out: list[Desc] = []
     rem_out: list[Desc] = []
     for ls, rs in zip(local, remote):
+        loc_dev, rem_dev = _device(ls, devices[0]), _device(rs, devices[1])
         for r, loc, n in runs:
-            loc_out.append((bases[0] + ls.offset + loc * ls.block_bytes, n * ls.block_bytes, devices[0]))
-            rem_out.append((bases[1] + rs.offset + r * rs.block_bytes, n * rs.block_bytes, devices[1]))
+            loc_out.append((bases[0] + ls.offset + loc * ls.block_bytes, n * ls.block_bytes, loc_dev))
+            rem_out.append((bases[1] + rs.offset + r * rs.block_bytes, n * rs.block_bytes, rem_dev))
     return loc_out, rem_out
+
+
+def _device(spec: ShardSpec, default: int) -> int:
+    """The device id of a shard's descriptors: its own GPU, else its worker's region's."""
+    return default if spec.device is None else spec.device
 
 
 def staged_descriptors(
@@ -59,7 +66,7 @@ def staged_descriptors(
         spec, areas[p] = remote[p], at
         for r, k, n in coalesce(remote_ids, range(len(remote_ids))):
             loc_out.append((bases[0] + at + k * spec.block_bytes, n * spec.block_bytes, devices[0]))
-            rem_out.append((bases[1] + spec.offset + r * spec.block_bytes, n * spec.block_bytes, devices[1]))
+            rem_out.append((bases[1] + spec.offset + r * spec.block_bytes, n * spec.block_bytes, _device(spec, devices[1])))
         at += len(remote_ids) * spec.block_bytes
     return loc_out, rem_out, areas
 

@@ -43,7 +43,7 @@ def _build_parser() -> argparse.ArgumentParser:
     flags.add_engine_args(gen)
     gen.add_argument(
         "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1, metavar="N",
-        help="split the model over N ranks, one process each (CPU only so far; default: 1)",
+        help="split the model over N ranks, one process each (on CUDA one GPU each, run without CUDA graphs; default: 1)",
     )
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     gen.add_argument(
@@ -84,7 +84,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     srv.add_argument(
         "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1, metavar="N",
-        help="ranks per worker of both pools, one process each (CPU only so far); the KV moves between any two "
+        help="ranks per worker of both pools, one process each (on CUDA one GPU each); the KV moves between any two "
         "widths (default: 1)",
     )
     for role in ("prefill", "decode"):

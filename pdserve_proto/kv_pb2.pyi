@@ -69,11 +69,13 @@ class KvAgentInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., pool_address: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
 
 class KvShard(_message.Message):
-    __slots__ = ("kv_heads", "offset", "block_bytes")
+    __slots__ = ("kv_heads", "offset", "block_bytes", "device_id")
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     kv_heads: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     block_bytes: int
-    def __init__(self, kv_heads: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    device_id: int
+    def __init__(self, kv_heads: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., block_bytes: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...

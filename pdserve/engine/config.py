@@ -217,7 +217,7 @@ class EngineConfig(EngineArgs):
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (`worker_detokenizes`)
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
-    # Ranks the model is split over, one process each (pdserve/engine/parallel/); CPU (gloo) only so far.
+    # Ranks the model is split over, one process each (pdserve/engine/parallel/): gloo on CPU, one GPU a rank over NCCL on CUDA.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -230,8 +230,8 @@ class EngineConfig(EngineArgs):
             raise ValueError("workers_on_host: must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, not {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and torch.device(self.device).type != "cpu":
-            raise ValueError(f"tensor_parallel_size: more than 1 rank runs on CPU (gloo) only so far, not on {self.device}")
+        if self.tensor_parallel_size > 1 and torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor_parallel_size: more than 1 rank runs on CPU (gloo) or CUDA (NCCL), not on {self.device}")
         if self.tensor_parallel_size > 1 and self.overlap_decode:
             raise ValueError("overlap_decode: not available with tensor_parallel_size > 1")
         if self.load_format not in ("auto", "dummy"):

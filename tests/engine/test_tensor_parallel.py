@@ -12,6 +12,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, ModelConfig, RopeConfig
 from pdserve.engine.model.tp_layout import shard_layout, split_range
+from pdserve.engine.parallel.rank_worker import rank_config, rank_device
 from tests.engine.greedy_reference import mixed_prompts
 from tests.tiny_models import TINY_COMMON
 
@@ -59,7 +60,11 @@ def test_more_ranks_than_heads_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model="unused", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model="unused", device="cuda", tensor_parallel_size=2)
+        EngineConfig(model="unused", device="mps", tensor_parallel_size=2)
+    # CUDA ranks run eagerly: overlapped steps are refused there as on CPU.
+    assert EngineConfig(model="unused", device="cuda", tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="overlap_decode"):
+        EngineConfig(model="unused", device="cuda", tensor_parallel_size=2, overlap_decode=True)
 
 
 def _uneven_model(out_dir: Path) -> None:
@@ -157,3 +162,15 @@ def test_each_rank_reads_only_its_slices(tmp_path) -> None:
     assert torch.equal(got[down], tensors[down][:, 4:7])
     assert torch.equal(got["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"][6:11])
     assert torch.equal(got["model.norm.weight"], tensors["model.norm.weight"])
+
+
+def test_each_cuda_rank_takes_the_next_gpu_of_the_worker() -> None:
+    """Rank r of a worker on CUDA runs on the worker's r-th GPU (its first the one it names, 0
+    when it names none); CPU ranks all run on the CPU, their config unchanged."""
+    assert [rank_device("cuda", r) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert [rank_device("cuda:2", r) for r in range(2)] == ["cuda:2", "cuda:3"]
+    assert rank_device("cpu", 1) == "cpu"
+    cfg = EngineConfig(model="unused", device="cuda", tensor_parallel_size=2)
+    assert rank_config(cfg, 1).device == "cuda:1" and rank_config(cfg, 1).tensor_parallel_size == 2
+    cpu = EngineConfig(model="unused", tensor_parallel_size=2)
+    assert rank_config(cpu, 1) is cpu

@@ -18,7 +18,8 @@ from pdserve.kv_transfer import agent as agent_mod
 from pdserve.kv_transfer.agent import KvTransferAgent
 from pdserve.kv_transfer.checksum import block_checksums, shard_weights, sharded_block_checksums
 from pdserve.kv_transfer.compat import KvCompatError, KvLayout
-from pdserve.kv_transfer.shards import ShardSpec, primary_slots, slot_runs, specs_of_info, whole_pool
+from pdserve.kv_transfer.shards import ShardSpec, info_shards, primary_slots, slot_runs, specs_of_info, whole_pool
+from pdserve.kv_transfer.staging import direct_descriptors, staged_descriptors
 from pdserve_proto import kv_pb2
 
 LAYERS, BLOCK, HEAD_DIM, BLOCKS = 2, 4, 8, 12
@@ -105,10 +106,17 @@ def test_a_peer_whose_shards_do_not_fit_the_model_is_refused_naming_the_field() 
         specs_of_info(info([([0], slot), ([1], slot)], 3 * slot), 2, slot)
 
 
-def _agent(name: str, kv_heads: int, pool: torch.Tensor, heads: list[tuple[int, ...]] | None) -> KvTransferAgent:
+def _agent(
+    name: str, kv_heads: int, pool: torch.Tensor, heads: list[tuple[int, ...]] | None, own_regions: bool = False
+) -> KvTransferAgent:
+    """own_regions: each rank's pool a tensor of its own, registered where it lies (as ranks on
+    their own GPUs keep them), instead of shards of one region."""
     layout = KvLayout("m", "float32", LAYERS, kv_heads, HEAD_DIM, BLOCK, hash_version=1)
     if heads is None:
         return KvTransferAgent(name, pool, layout, net_devices="lo")
+    if own_regions:
+        parts = [pool[:, :, :, :, list(h)].contiguous() for h in heads]
+        return KvTransferAgent(name, None, layout, net_devices="lo", shards=list(zip(heads, parts)))
     region, shards = _region(pool, heads)
     return KvTransferAgent(name, region, layout, net_devices="lo", shards=list(zip(heads, shards)))
 
@@ -122,16 +130,23 @@ def _whole(agent: KvTransferAgent, kv_heads: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "widths"), [(6, 3, (2, 1)), (6, 3, (1, 2)), (4, 2, (2, 2)), (4, 1, (1, 2))])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "widths", "own_regions"),
+    [
+        (6, 3, (2, 1), False), (6, 3, (1, 2), False), (4, 2, (2, 2), False), (4, 1, (1, 2), False),
+        # Each rank's pool a region of its own, as on CUDA: descriptors carry each shard's address.
+        (6, 3, (2, 1), True), (6, 3, (1, 2), True), (4, 2, (2, 2), True),
+    ],
+)
 def test_nixl_reads_between_widths_land_every_head_in_place(
-    heads: int, kv_heads: int, widths: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+    heads: int, kv_heads: int, widths: tuple[int, int], own_regions: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(agent_mod, "STAGING_BLOCKS", 3)  # a staged read of 4 blocks goes in two turns
     producer_w, consumer_w = widths
     source = _canonical(kv_heads, seed=1)
     layouts = {w: None if w == 1 else _heads(heads, kv_heads, w) for w in widths}
-    producer = _agent("p", kv_heads, source, layouts[producer_w])
-    consumer = _agent("d", kv_heads, torch.zeros_like(source), layouts[consumer_w])
+    producer = _agent("p", kv_heads, source, layouts[producer_w], own_regions)
+    consumer = _agent("d", kv_heads, torch.zeros_like(source), layouts[consumer_w], own_regions)
     notes: list[bytes] = []
     stop = threading.Event()
 
@@ -164,3 +179,21 @@ def test_nixl_reads_between_widths_land_every_head_in_place(
         poller.join(5)
         consumer.close()
         producer.close()
+
+
+def test_shards_of_their_own_carry_their_address_and_device() -> None:
+    """Ranks' pools on their own GPUs: each shard's descriptors take its own address (offset from
+    0) and device; shards of one region take the region's base and device, as before."""
+    slot = LAYERS * 2 * BLOCK * HEAD_DIM * 4
+    own = [ShardSpec((0,), 0x7000_0000, slot, 0), ShardSpec((1,), 0x9000_0000, slot, 1)]
+    one = [ShardSpec((0,), 0, slot), ShardSpec((1,), slot * BLOCKS, slot)]
+    info = kv_pb2.KvAgentInfo(
+        worker_id="p0", block_bytes=2 * slot, pool_address=0, shards=info_shards(own)
+    )
+    assert specs_of_info(info, 2, slot) == tuple(own)
+    assert not info_shards(one)[0].HasField("device_id")  # one region: the agent's device
+    loc, rem = direct_descriptors([(3, 5, 2)], one, own, (0x1000, 0), (4, 7))
+    assert loc == [(0x1000 + 5 * slot, 2 * slot, 4), (0x1000 + slot * BLOCKS + 5 * slot, 2 * slot, 4)]
+    assert rem == [(0x7000_0000 + 3 * slot, 2 * slot, 0), (0x9000_0000 + 3 * slot, 2 * slot, 1)]
+    local, remote, areas = staged_descriptors([3, 4], own, [1], (0x2000, 0), (4, 7))
+    assert local == [(0x2000, 2 * slot, 4)] and remote == [(0x9000_0000 + 3 * slot, 2 * slot, 1)] and areas == {1: 0}

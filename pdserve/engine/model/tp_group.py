@@ -1,9 +1,10 @@
 """The process group of a tensor-parallel worker and the collectives the model runs over it.
 
 `ParallelContext` is what the model's layers take: at width 1 (the default) every collective
-is the identity, so a single-process engine runs exactly the code it ran before. The group is a
-gloo group of the ranks on this host, opened on loopback over a `TCPStore` that rank 0 serves:
-nothing global is set (no `init_process_group`), so an engine's group is its own.
+is the identity, so a single-process engine runs exactly the code it ran before. The group is
+one of the ranks on this host, opened over a `TCPStore` on loopback that rank 0 serves: gloo on
+CPU, NCCL on CUDA (one GPU a rank). Nothing global is set (no `init_process_group`), so an
+engine's group is its own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class ParallelContext:
 
     rank: int = 0
     size: int = 1
-    group: Any = None  # dist.ProcessGroupGloo
+    group: Any = None  # dist.ProcessGroupGloo on CPU, dist.ProcessGroupNCCL on CUDA
 
     def layout(self, mc: ModelConfig) -> ShardLayout:
         return shard_layout(mc, self.rank, self.size)
@@ -59,7 +60,7 @@ class ParallelContext:
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's slice of the logits [T, vocab_part] put together into [T, vocab_size]
-        on every rank (slices padded to one width: gloo gathers equal sizes)."""
+        on every rank (slices padded to one width: gloo and NCCL gather equal sizes)."""
         if self.group is None:
             return logits
         width = math.ceil(vocab_size / self.size)
@@ -71,10 +72,35 @@ class ParallelContext:
         return torch.cat([p[:, :n] for p, n in zip(parts, counts)], dim=-1)
 
 
-def open_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
-    """The gloo group of `size` ranks meeting at `store`, its sockets on loopback; each
-    collective fails after `timeout` rather than waiting for a rank that is gone."""
+def open_group(store: dist.Store, rank: int, size: int, timeout: timedelta, device: str = "cpu") -> Any:
+    """The group of `size` ranks meeting at `store` for tensors on `device`: gloo with its sockets
+    on loopback on CPU, NCCL on CUDA; each collective fails after `timeout` rather than waiting
+    for a rank that is gone."""
+    if torch.device(device).type == "cuda":
+        return open_nccl_group(store, rank, size, timeout)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), rank, size, options)
+
+
+def open_nccl_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+    """The NCCL group of `size` ranks meeting at `store` (each rank's tensors on its own GPU,
+    the current device when the first collective runs). Its watchdog ends a collective that
+    waits past `timeout` for a rank that is gone."""
+    if not dist.is_nccl_available():
+        raise RuntimeError("tensor_parallel_size: this torch build has no NCCL; ranks on CUDA need it")
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    group = dist.ProcessGroupNCCL(dist.PrefixStore("tp-nccl/", store), rank, size, options)
+    group._set_sequence_number_for_group()  # as torch does for the groups it makes itself
+    return group
+
+
+def close_group(group: Any) -> None:
+    """Release an NCCL group's communicators now, without waiting for the other ranks (they have
+    stopped, or are gone): left to the interpreter's exit, their teardown may wait on a peer that
+    will never answer. Gloo groups need nothing."""
+    if dist.is_nccl_available() and isinstance(group, dist.ProcessGroupNCCL):
+        group.abort()

@@ -45,8 +45,9 @@ def encode_step(
     return header.tobytes() + longs.astype(np.int64).tobytes() + ints.astype(np.int32).tobytes()
 
 
-def decode_step(payload: bytes) -> RankStep | None:
-    """`encode_step`'s step back, None for the stop message."""
+def decode_step(payload: bytes, device: torch.device | None = None) -> RankStep | None:
+    """`encode_step`'s step back, its tensors on `device` (None: the host), None for the stop
+    message."""
     header = np.frombuffer(payload, dtype=np.int64, count=_HEADER)
     kind, t, b, width, n_logits, max_q, max_seq = (int(v) for v in header)
     if kind == _STOP:
@@ -57,6 +58,11 @@ def decode_step(payload: bytes) -> RankStep | None:
     ints = torch.from_numpy(np.frombuffer(payload, dtype=np.int32, count=2 * b + 1 + b * width, offset=at).copy())
     cu, seq_lens = ints[: b + 1], ints[b + 1 : 2 * b + 1]
     seq_lens_host = seq_lens.tolist()
+    query_lens = (cu[1:] - cu[:-1]).tolist()
+    if device is not None and device.type != "cpu":
+        # Two copies a step, the lists above read on the host first.
+        longs, ints = longs.to(device), ints.to(device)
+        cu, seq_lens = ints[: b + 1], ints[b + 1 : 2 * b + 1]
     meta = AttentionMetadata(
         slot_block=longs[2 * t : 3 * t],
         slot_offset=longs[3 * t : 4 * t],
@@ -65,7 +71,7 @@ def decode_step(payload: bytes) -> RankStep | None:
         block_tables=ints[2 * b + 1 :].view(b, width),
         max_query_len=max_q,
         max_seq_len=max_seq,
-        query_lens=(cu[1:] - cu[:-1]).tolist(),
+        query_lens=query_lens,
         seq_lens_host=seq_lens_host,
     )
     return RankStep(longs[:t], longs[t : 2 * t], meta, longs[4 * t :])
@@ -86,9 +92,9 @@ class StepSender:
             pipe.send_bytes(payload)
 
 
-def receive_step(pipe: Connection) -> RankStep | None:
-    """A non-zero rank's next step; None once rank 0 stops, or is gone (its end closed)."""
+def receive_step(pipe: Connection, device: torch.device | None = None) -> RankStep | None:
+    """A non-zero rank's next step, on `device`; None once rank 0 stops, or is gone (its end closed)."""
     try:
-        return decode_step(pipe.recv_bytes())
+        return decode_step(pipe.recv_bytes(), device)
     except (EOFError, OSError):
         return None

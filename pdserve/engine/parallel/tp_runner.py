@@ -1,7 +1,8 @@
 """Rank 0 of a tensor-parallel worker: starts the other ranks (one process each), loads its own
 part, and runs the engine's runner, which sends every step it prepares to the other ranks
 before running it itself. `start_runner` is what an engine calls for any width; at width 1 it
-builds the single-process runner exactly as before."""
+builds the single-process runner exactly as before. On CUDA rank r runs on the worker's r-th
+GPU, eagerly (`eager_cuda_config`), and rank 0 allocates every rank's KV pool on its GPU."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import torch.multiprocessing as mp
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_memory import kv_pool_blocks
 from pdserve.engine.model.model import CausalLM, layer_caches
-from pdserve.engine.model.tp_group import LOOPBACK
-from pdserve.engine.model.tp_layout import check_tensor_parallel, shard_layout
+from pdserve.engine.model.tp_group import LOOPBACK, close_group
+from pdserve.engine.model.tp_layout import check_tensor_parallel, shard_config, shard_layout
 from pdserve.engine.model_loading import build_model
-from pdserve.engine.parallel.rank_worker import RankSpec, join_group, rank_main
+from pdserve.engine.parallel.rank_worker import RankSpec, join_group, rank_config, rank_device, rank_main
 from pdserve.engine.parallel.shared_pools import PoolsPlan, SharedPools, plan_pools
 from pdserve.engine.parallel.step_channel import StepSender, encode_step, stop_message
 from pdserve.engine.runner import ModelRunner, StepInputs
@@ -51,20 +52,49 @@ def start_runner(cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> Mode
         # Sized after the weights are on the device: on CUDA the pool takes what they leave.
         num_blocks = kv_pool_blocks(cfg, mc, max_model_len, torch.device(cfg.device))
         return ModelRunner(model, cfg, num_blocks, max_model_len)
-    check_tensor_parallel(mc, cfg.tensor_parallel_size)
+    size = cfg.tensor_parallel_size
+    check_tensor_parallel(mc, size)
+    on_cuda = torch.device(cfg.device).type == "cuda"
+    if on_cuda:
+        cfg = eager_cuda_config(cfg)
     ranks = RankProcesses(cfg, max_model_len)
     try:
         model = build_model(cfg, mc, max_model_len, ranks.parallel)
         ranks.wait_ready()
+        kv_heads = tuple(shard_layout(mc, r, size).kv_heads for r in range(size))
+        if on_cuda:
+            # Each rank's pool on its own GPU: as many blocks as the fullest of them leaves room for.
+            num_blocks = min(
+                kv_pool_blocks(cfg, shard_config(mc, shard_layout(mc, r, size)), max_model_len, torch.device(rank_device(cfg.device, r)))
+                for r in range(size)
+            )
+            return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks, kv_heads, None)
         # Every rank's pool lives on this host: each sizes for its share of the memory.
-        sizing = replace(cfg, workers_on_host=cfg.workers_on_host * cfg.tensor_parallel_size)
+        sizing = replace(cfg, workers_on_host=cfg.workers_on_host * size)
         num_blocks = kv_pool_blocks(sizing, model.shard_cfg, max_model_len, torch.device(cfg.device))
-        kv_heads = tuple(shard_layout(mc, r, cfg.tensor_parallel_size).kv_heads for r in range(cfg.tensor_parallel_size))
         pools = ranks.share_pools(pools_plan(cfg, mc, num_blocks, kv_heads))
-        return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks, pools, kv_heads)
+        return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks, kv_heads, pools)
     except BaseException:
         ranks.close()
         raise
+
+
+def eager_cuda_config(cfg: EngineConfig) -> EngineConfig:
+    """Rank 0's settings on CUDA: on the worker's first GPU (as an index, so that every thread
+    steps there), with the ranks' GPUs checked to be there, and no CUDA graphs: a graph would have
+    to hold the collectives, captured by every rank at the same sizes in the same order, which is
+    not built yet; without graphs no step is overlapped either."""
+    size = cfg.tensor_parallel_size
+    last = torch.device(rank_device(cfg.device, size - 1)).index
+    if last is None or last >= torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size: {size} ranks on {cfg.device} need GPUs up to cuda:{last}; "
+            f"this process sees {torch.cuda.device_count()}"
+        )
+    log.info("tensor_parallel_size %d on CUDA: steps run eagerly (no CUDA graphs, no overlapped steps)", size)
+    cfg = replace(rank_config(cfg, 0), use_cuda_graphs=False)
+    torch.cuda.set_device(torch.device(cfg.device))
+    return cfg
 
 
 class RankProcesses:
@@ -131,6 +161,18 @@ class RankProcesses:
             pools.unlink()
         return pools
 
+    def send_device_pools(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, devices: list[str]) -> list[torch.Tensor]:
+        """CUDA: allocate ranks 1..N-1's KV pools (`shapes`, in rank order) on their GPUs, here,
+        and send each to its rank, which gets a tensor over the same device memory (CUDA IPC).
+        Allocated in this process so that its KV agent registers memory of its own; they are
+        freed when this process lets them go and the ranks have exited."""
+        pools = [torch.zeros(shape, dtype=dtype, device=device) for shape, device in zip(shapes, devices)]
+        for pipe, pool in zip(self.pipes, pools):
+            pipe.send(("pools", pool))
+        for rank in range(1, len(self.procs) + 1):
+            self._expect(rank, "mapped")
+        return pools
+
     def close(self) -> None:
         """Stop the ranks: the stop message, then a bounded wait, then termination."""
         if self._closed:
@@ -149,6 +191,9 @@ class RankProcesses:
                 proc.join(STOP_TIMEOUT_S)
         for pipe in self.pipes:
             pipe.close()
+        parallel = getattr(self, "parallel", None)  # not there when joining the group failed
+        if parallel is not None:
+            close_group(parallel.group)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -161,23 +206,35 @@ class TensorParallelRunner(ModelRunner):
         num_blocks: int,
         max_model_len: int,
         ranks: RankProcesses,
-        pools: SharedPools,
         kv_heads: tuple[tuple[int, ...], ...],
+        shared: SharedPools | None,
     ) -> None:
-        """kv_heads: the model's KV head in each KV slot of each rank (its pool's fifth dimension)."""
+        """kv_heads: the model's KV head in each KV slot of each rank (its pool's fifth dimension).
+        shared: the ranks' pools in one host mapping (CPU); None on CUDA, where each rank's pool
+        is allocated on its GPU here."""
         super().__init__(model, cfg, num_blocks, max_model_len)
-        # Rank 0's pool is its part of the shared mapping (the one the base class allocated is
-        # never written, so it takes no memory): the KV agent registers the mapping, every rank's
-        # KV heads in one region (`kv_region`, `kv_shards`).
-        self.kv_pool = pools.pools[0]
-        self._layer_caches = layer_caches(self.kv_pool)
-        self.kv_region = pools.region
-        self.kv_shards = tuple(zip(kv_heads, pools.pools))
+        if shared is not None:
+            # Rank 0's pool is its part of the shared mapping (the one the base class allocated
+            # is never written, so it takes no memory): the KV agent registers the mapping, every
+            # rank's KV heads in one region (`kv_region`, `kv_shards`).
+            self.kv_pool = shared.pools[0]
+            self._layer_caches = layer_caches(self.kv_pool)
+            pools = list(shared.pools)
+            self.kv_region: torch.Tensor | None = shared.region
+        else:
+            # Rank 0's pool is the base class's, on its GPU; the others' go to their ranks. The
+            # KV agent registers each where it lies (`kv_region` None).
+            mc = model.cfg
+            shapes = [(num_blocks + 1, mc.num_layers, 2, cfg.block_size, len(h), mc.head_dim) for h in kv_heads[1:]]
+            devices = [rank_device(cfg.device, r) for r in range(1, len(kv_heads))]
+            pools = [self.kv_pool, *ranks.send_device_pools(shapes, cfg.dtype, devices)]
+            self.kv_region = None
+        self.kv_shards = tuple(zip(kv_heads, pools))
         self.ranks = ranks
         # The ranks stop with this runner, or at the latest when the interpreter exits.
         self._finalizer = weakref.finalize(self, ranks.close)
 
-    def prepare(self, scheduled: list[ScheduledSeq], ahead: int = 0) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledSeq], ahead: int | list[int] = 0) -> StepInputs:
         inputs = super().prepare(scheduled, ahead)
         self.ranks.sender.send(encode_step(inputs.token_rows, inputs.logits_indices, inputs.meta))
         return inputs

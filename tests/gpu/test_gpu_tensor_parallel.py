@@ -1,0 +1,153 @@
+"""Tensor parallelism on two GPUs: rank r of a width-2 engine on cuda:r, NCCL between them, each
+rank's KV pool on its own GPU (allocated by rank 0 and opened by rank 1 over CUDA IPC). Steps run
+eagerly at width 2 (no CUDA graphs), so the width-1 references here run eagerly too.
+
+- bf16: greedy tokens of TP2 equal TP1's, or first differ at a near-tie of the fp32 reference
+  (`greedy_checks.identical_or_near_ties`: |logit gap| <= max(0.05, 4 bf16 ulps) in fp32): a
+  row-parallel layer's two partial products are each rounded to bf16 before NCCL sums them.
+- float32 with the torch attention backend: token for token, as on CPU.
+- every KV block free after; the ranks gone once the runner is closed.
+- a TP2 prefill worker hands its KV to a TP1 decode worker through NIXL (VRAM, the two ranks'
+  pools registered where they lie): the decode gives the single-process tokens.
+
+Run on a machine with two CUDA GPUs:
+``python -m pytest tests/gpu/test_gpu_tensor_parallel.py -m gpu -v -s``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+MAX_NEW = 16
+# Eager at both widths; no torch.compile of the elementwise chains (it only costs start-up here).
+EAGER = {"use_cuda_graphs": False, "compile_elementwise": False, "num_kv_blocks": 256, "max_num_batched_tokens": 64}
+
+
+def _tokens(llm, prompts) -> list[list[int]]:
+    from pdserve import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def _tp2(model_dir, dtype: str, check_blocks_freed, **opts):
+    """A width-2 engine on cuda:0 and cuda:1, with its KV blocks checked after the test."""
+    from pdserve import LLM
+
+    llm = LLM(str(model_dir), device="cuda", dtype=dtype, tensor_parallel_size=2, **EAGER, **opts)
+    check_blocks_freed(llm.engine)
+    runner = llm.engine.runner
+    devices = [str(pool.device) for _, pool in runner.kv_shards]
+    assert devices == ["cuda:0", "cuda:1"], f"each rank's KV pool on its own GPU, got {devices}"
+    assert runner.graphs is None and runner.step_graphs is None, "width 2 on CUDA runs eagerly"
+    return llm
+
+
+def _close(llm) -> None:
+    runner = llm.engine.runner
+    runner.close()
+    assert not any(p.is_alive() for p in runner.ranks.procs), "a rank process outlived its runner"
+
+
+def test_tp2_bf16_greedy_equals_tp1_unless_at_a_near_tie(tiny_model_factory, check_blocks_freed):
+    from pdserve import LLM
+    from tests.gpu.greedy_checks import identical_or_near_ties, random_prompts
+
+    model_dir, hf_cpu = tiny_model_factory("llama")  # 4 query heads over 2 KV heads: one KV head a rank
+    prompts = random_prompts(hf_cpu.config.vocab_size, seed=29)
+    single = _tokens(LLM(str(model_dir), device="cuda:0", dtype="bfloat16", **EAGER), prompts)
+    torch.cuda.empty_cache()
+    llm = _tp2(model_dir, "bfloat16", check_blocks_freed)
+    try:
+        got = _tokens(llm, prompts)
+    finally:
+        _close(llm)
+    assert [len(t) for t in got] == [MAX_NEW] * len(prompts)
+    identical = identical_or_near_ties(hf_cpu, prompts, got, single, "TP2 and TP1 (bf16)")
+    print(f"bf16: {identical} of {len(prompts)} prompts token for token, the rest first differ at a near-tie")
+    assert identical >= len(prompts) // 2, f"only {identical} of {len(prompts)} prompts equal TP1's tokens"
+
+
+def test_tp2_float32_greedy_equals_tp1_token_for_token(tiny_model_factory, check_blocks_freed):
+    from pdserve import LLM
+    from tests.gpu.greedy_checks import random_prompts
+
+    model_dir, hf_cpu = tiny_model_factory("llama")
+    prompts = random_prompts(hf_cpu.config.vocab_size, seed=30)
+    opts = {"attention_backend": "torch", "mixed_decode_attention": False}
+    single = _tokens(LLM(str(model_dir), device="cuda:0", dtype="float32", **EAGER, **opts), prompts)
+    torch.cuda.empty_cache()
+    llm = _tp2(model_dir, "float32", check_blocks_freed, **opts)
+    try:
+        got = _tokens(llm, prompts)
+    finally:
+        _close(llm)
+    for i, (a, b) in enumerate(zip(got, single)):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert k is None, f"prompt {i} (len {len(prompts[i])}): TP2 and TP1 differ at token {k}: {a[k]} vs {b[k]}"
+
+
+def test_tp2_prefill_hands_its_kv_to_a_tp1_decode_through_nixl(tiny_model_factory):
+    """Prefill at width 2 (cuda:0 and cuda:1), decode at width 1 on cuda:1: the decode worker READs
+    each KV head from the prefill rank holding it (two VRAM regions on two GPUs) and gives the
+    single-process engine's tokens, with no recompute and every block free on both sides after."""
+    from pdserve.cluster.workers import build_agent
+    from pdserve.decode_worker.decoder import DecodeWorker
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.prefill_worker.prefiller import PrefillWorker
+    from tests.gpu.greedy_checks import random_prompts
+    from tests.gpu.random_llama import one_at_a_time
+
+    model_dir, hf_cpu = tiny_model_factory("llama")
+    prompts = random_prompts(hf_cpu.config.vocab_size, seed=31, lengths=(5, 40, 90, 200))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    opts = dict(EAGER, attention_backend="torch", mixed_decode_attention=False)
+
+    def engine(device: str, role: str, width: int = 1) -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            model=str(model_dir), device=device, dtype=torch.float32, role=role, tensor_parallel_size=width, **opts
+        ))  # fmt: skip
+
+    expected = one_at_a_time(engine("cuda:0", "both"), prompts, params)
+    torch.cuda.empty_cache()
+    pe, de = engine("cuda", "prefill", width=2), engine("cuda:1", "decode")
+    prefill = PrefillWorker("p0", pe, build_agent("p0", pe))
+    decode = DecodeWorker("d0", de, build_agent("d0", de))
+    try:
+        info = prefill.agent.info()
+        assert info.memory_type == "VRAM" and [s.device_id for s in info.shards] == [0, 1], info.shards
+        decode.agent.connect(info)
+        prefill.agent.connect(decode.agent.info())
+        for i, p in enumerate(prompts):
+            rid = f"r{i}"
+            prefilled = prefill.prefill(p, params, rid, timeout_s=60)
+            start = decode.start(p, params, rid, prefilled)
+            assert not start.recomputed, f"request {i}: the READ failed and the decode recomputed"
+            tokens, done = [prefilled.first_token], False
+            deadline = time.monotonic() + 60
+            while not done and time.monotonic() < deadline:
+                for u in decode.poll(0.5).updates:
+                    tokens += u.token_ids
+                    done = done or bool(u.finish_reason)
+            assert done, f"request {i} did not finish"
+            k = next((j for j, (a, b) in enumerate(zip(tokens, expected[i])) if a != b), None)
+            assert k is None, f"request {i} (len {len(p)}): differs from the single process at token {k}"
+        deadline = time.monotonic() + 10
+        while prefill.stats().kv_blocks_in_use and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill.stats().kv_blocks_in_use == 0 and decode.stats().kv_blocks_in_use == 0
+    finally:
+        prefill.close()
+        decode.close()
+        pe.runner.close()
+    assert not any(proc.is_alive() for proc in pe.runner.ranks.procs)
