@@ -144,7 +144,12 @@ class KvTransferAgent:
         self._lock = threading.Lock()
         regions = [(t.data_ptr(), t.numel() * t.element_size(), max(t.get_device(), 0), "") for t in
                    ([pool] if pool is not None else self._pools)]  # DRAM is device 0 to NIXL
+        # NIXL makes the context of each GPU it registers memory on current in this thread: the
+        # thread's device is put back after (pools on several GPUs would leave the last one's).
+        device = torch.cuda.current_device() if self.pool.is_cuda else None
         self._registration = self._agent.register_memory(regions, self.memory_type)
+        if device is not None:
+            torch.cuda.set_device(device)
         self._remotes: dict[str, kv_pb2.KvAgentInfo] = {}
         log.info("NIXL agent %s registered %.1f MiB of %s in %d region(s)", self.name,
                  sum(r[1] for r in regions) / 2**20, self.memory_type, len(regions))
