@@ -72,29 +72,53 @@ class FlashAttention:
             return self._attend_fa4(q, k_cache, v_cache, meta, scale)
         return self._attend_fa2(q, k_cache, v_cache, meta, scale)
 
-    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block: int) -> None:
-        """Compile flash-attn-4's kernel now, not inside the first step that runs eagerly
-        (a decode batch past the graphs, a prompt): the compile takes seconds, and every
-        sequence of that step would wait for it. A decode-shaped and a prompt-shaped call on
-        contexts inside `block`; their outputs are dropped."""
+    def warm_up(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block: int, max_batch: int, max_len: int
+    ) -> None:
+        """Compile flash-attn-4's kernels now, not inside the step that first needs one (a decode
+        batch past the graphs, a prompt, a mixed step): a compile takes seconds, and every
+        sequence of that step would wait for it. Its variants follow the batch size (a lookup
+        aid past a few hundred sequences), whether a query spans more than one tile, and the
+        context length, so this calls it at every power-of-two batch up to `max_batch`, with
+        one-token queries and with a long first query, and once at a `max_len` context: every
+        context reads `block`, outputs are dropped."""
         if self.api != "fa4":
             return
-        dev, block_size = k_cache.device, k_cache.shape[1]
-        for q_len in sorted({1, block_size}):
-            q = torch.zeros((q_len, num_heads, k_cache.shape[3]), dtype=k_cache.dtype, device=dev)
-            one = torch.tensor([q_len], dtype=torch.int32, device=dev)
-            meta = AttentionMetadata(
-                slot_block=torch.full((q_len,), block, dtype=torch.int64, device=dev),
-                slot_offset=torch.arange(q_len, dtype=torch.int64, device=dev),
-                cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
-                seq_lens=one,
-                block_tables=torch.full((1, 1), block, dtype=torch.int32, device=dev),
-                max_query_len=q_len,
-                max_seq_len=q_len,
-                query_lens=[q_len],
-                seq_lens_host=[q_len],
-            )
-            self._attend_fa4(q, k_cache, v_cache, meta, 1.0)
+        batches = sorted({1 << k for k in range(max(1, max_batch).bit_length())} | {max(1, max_batch)})
+        long_q = min(256, max_len)
+        for b in batches:
+            for first in sorted({1, long_q}):
+                q, meta = self._warm_call(k_cache, num_heads, block, [first] + [1] * (b - 1), first)
+                self._attend_fa4(q, k_cache, v_cache, meta, 1.0)
+        q, meta = self._warm_call(k_cache, num_heads, block, [1], max_len)
+        self._attend_fa4(q, k_cache, v_cache, meta, 1.0)
+
+    @staticmethod
+    def _warm_call(
+        cache: torch.Tensor, num_heads: int, block: int, query_lens: list[int], max_len: int
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Queries of `query_lens` tokens over contexts of (at least) `max_len` for the first
+        sequence and one token for the rest, every block of every table being `block`."""
+        dev, block_size = cache.device, cache.shape[1]
+        total = sum(query_lens)
+        lens = [max(q, max_len if i == 0 else 1) for i, q in enumerate(query_lens)]
+        width = -(-max(lens) // block_size)
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        meta = AttentionMetadata(
+            slot_block=torch.full((total,), block, dtype=torch.int64, device=dev),
+            slot_offset=torch.zeros(total, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.full((len(query_lens), width), block, dtype=torch.int32, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(lens),
+            query_lens=list(query_lens),
+            seq_lens_host=lens,
+        )
+        q = torch.zeros((total, num_heads, cache.shape[3]), dtype=cache.dtype, device=dev)
+        return q, meta
 
     # ----- flash-attn-4 -------------------------------------------------------------------
 
