@@ -174,3 +174,51 @@ def test_each_cuda_rank_takes_the_next_gpu_of_the_worker() -> None:
     assert rank_config(cfg, 1).device == "cuda:1" and rank_config(cfg, 1).tensor_parallel_size == 2
     cpu = EngineConfig(model="unused", tensor_parallel_size=2)
     assert rank_config(cpu, 1) is cpu
+
+
+def test_pools_sent_to_each_rank_hold_what_the_ranks_write(tiny_model_factory, check_blocks_freed, monkeypatch) -> None:
+    """How CUDA ranks get their KV pools, on CPU: rank 0 allocates each other rank's pool and sends
+    it down the rank's pipe (torch.multiprocessing: shared memory here, CUDA IPC on GPUs). The
+    tokens are the single process's, rank 1 writes its KV heads into the very memory rank 0 holds
+    (what rank 0's KV agent registers, one region per pool), and nothing is left running."""
+    from functools import partial
+
+    from pdserve.cluster.workers import build_agent
+    from pdserve.engine import engine as engine_mod
+    from pdserve.engine.parallel.tp_runner import start_runner
+
+    model_dir = tiny_model_factory("llama")[0]
+    mc = ModelConfig.from_dir(model_dir)
+    prompts = mixed_prompts(mc.vocab_size, seed=11, lengths=(3, 40))
+    opts = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 16}
+    single = _tokens(LLM(str(model_dir), **opts), prompts)
+    monkeypatch.setattr(engine_mod, "start_runner", partial(start_runner, pools_per_rank=True))
+    tp = LLM(str(model_dir), tensor_parallel_size=2, **opts)
+    runner = tp.engine.runner
+    try:
+        check_blocks_freed(tp.engine)
+        assert runner.kv_region is None
+        pools = [pool for _, pool in runner.kv_shards]
+        assert pools[0] is runner.kv_pool and [p.shape[4] for p in pools] == [1, 1]  # one KV head each
+        assert not pools[1].any()
+        assert _tokens(tp, prompts) == single
+        assert pools[1].any(), "rank 1's KV writes are not in the pool rank 0 holds"
+        agent = build_agent("p0", tp.engine, "lo")
+        try:
+            info = agent.info()
+            assert info.pool_address == 0
+            assert [(s.offset, s.device_id) for s in info.shards] == [(p.data_ptr(), 0) for p in pools]
+        finally:
+            agent.close()
+    finally:
+        runner.close()
+    assert not any(p.is_alive() for p in runner.ranks.procs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="a machine with two GPUs has what width 2 needs")
+def test_too_few_gpus_for_the_ranks_is_refused_naming_the_field() -> None:
+    from pdserve.engine.parallel.tp_runner import eager_cuda_config
+
+    cfg = EngineConfig(model="unused", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: 2 ranks on cuda need GPUs up to cuda:1; this process sees"):
+        eager_cuda_config(cfg)

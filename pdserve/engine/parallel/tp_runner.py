@@ -44,9 +44,13 @@ def pools_plan(cfg: EngineConfig, mc: ModelConfig, num_blocks: int, kv_heads: tu
     return plan_pools(shapes, cfg.dtype)
 
 
-def start_runner(cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> ModelRunner:
+def start_runner(
+    cfg: EngineConfig, mc: ModelConfig, max_model_len: int, pools_per_rank: bool | None = None
+) -> ModelRunner:
     """The runner of an engine of `cfg`: single-process at `tensor_parallel_size` 1, else rank 0
-    of a group whose other ranks this starts."""
+    of a group whose other ranks this starts. pools_per_rank: each rank's KV pool a tensor of its
+    own, allocated here on the rank's device and sent to it; None: so on CUDA (each on its GPU),
+    while CPU ranks share one mapping (`shared_pools`)."""
     if cfg.tensor_parallel_size == 1:
         model = build_model(cfg, mc, max_model_len)
         # Sized after the weights are on the device: on CUDA the pool takes what they leave.
@@ -57,20 +61,20 @@ def start_runner(cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> Mode
     on_cuda = torch.device(cfg.device).type == "cuda"
     if on_cuda:
         cfg = eager_cuda_config(cfg)
+    # On CPU every rank's pool lives on this host: each sizes for its share of the memory.
+    sizing = cfg if on_cuda else replace(cfg, workers_on_host=cfg.workers_on_host * size)
     ranks = RankProcesses(cfg, max_model_len)
     try:
         model = build_model(cfg, mc, max_model_len, ranks.parallel)
         ranks.wait_ready()
         kv_heads = tuple(shard_layout(mc, r, size).kv_heads for r in range(size))
-        if on_cuda:
-            # Each rank's pool on its own GPU: as many blocks as the fullest of them leaves room for.
+        if on_cuda if pools_per_rank is None else pools_per_rank:
+            # As many blocks as the fullest of the ranks' devices leaves room for.
             num_blocks = min(
-                kv_pool_blocks(cfg, shard_config(mc, shard_layout(mc, r, size)), max_model_len, torch.device(rank_device(cfg.device, r)))
+                kv_pool_blocks(sizing, shard_config(mc, shard_layout(mc, r, size)), max_model_len, torch.device(rank_device(cfg.device, r)))
                 for r in range(size)
             )
             return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks, kv_heads, None)
-        # Every rank's pool lives on this host: each sizes for its share of the memory.
-        sizing = replace(cfg, workers_on_host=cfg.workers_on_host * size)
         num_blocks = kv_pool_blocks(sizing, model.shard_cfg, max_model_len, torch.device(cfg.device))
         pools = ranks.share_pools(pools_plan(cfg, mc, num_blocks, kv_heads))
         return TensorParallelRunner(model, cfg, num_blocks, max_model_len, ranks, kv_heads, pools)
@@ -162,10 +166,10 @@ class RankProcesses:
         return pools
 
     def send_device_pools(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, devices: list[str]) -> list[torch.Tensor]:
-        """CUDA: allocate ranks 1..N-1's KV pools (`shapes`, in rank order) on their GPUs, here,
-        and send each to its rank, which gets a tensor over the same device memory (CUDA IPC).
-        Allocated in this process so that its KV agent registers memory of its own; they are
-        freed when this process lets them go and the ranks have exited."""
+        """Allocate ranks 1..N-1's KV pools (`shapes`, in rank order) on their devices, here, and
+        send each to its rank, which gets a tensor over the same memory (CUDA IPC on GPUs, shared
+        memory on CPU). Allocated in this process so that its KV agent registers memory of its
+        own; they are freed when this process lets them go and the ranks have exited."""
         pools = [torch.zeros(shape, dtype=dtype, device=device) for shape, device in zip(shapes, devices)]
         for pipe, pool in zip(self.pipes, pools):
             pipe.send(("pools", pool))
@@ -210,8 +214,8 @@ class TensorParallelRunner(ModelRunner):
         shared: SharedPools | None,
     ) -> None:
         """kv_heads: the model's KV head in each KV slot of each rank (its pool's fifth dimension).
-        shared: the ranks' pools in one host mapping (CPU); None on CUDA, where each rank's pool
-        is allocated on its GPU here."""
+        shared: the ranks' pools in one host mapping (CPU); None: each rank's pool allocated
+        here on its device and sent to it (CUDA)."""
         super().__init__(model, cfg, num_blocks, max_model_len)
         if shared is not None:
             # Rank 0's pool is its part of the shared mapping (the one the base class allocated
@@ -222,8 +226,8 @@ class TensorParallelRunner(ModelRunner):
             pools = list(shared.pools)
             self.kv_region: torch.Tensor | None = shared.region
         else:
-            # Rank 0's pool is the base class's, on its GPU; the others' go to their ranks. The
-            # KV agent registers each where it lies (`kv_region` None).
+            # Rank 0's pool is the base class's, on its device; the others' go to their ranks.
+            # The KV agent registers each where it lies (`kv_region` None).
             mc = model.cfg
             shapes = [(num_blocks + 1, mc.num_layers, 2, cfg.block_size, len(h), mc.head_dim) for h in kv_heads[1:]]
             devices = [rank_device(cfg.device, r) for r in range(1, len(kv_heads))]
