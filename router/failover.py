@@ -68,7 +68,8 @@ class Failover:
                 if tried >= cfg.max_prefill_attempts:
                     raise _unavailable(f"prefill: {tried} prefill workers failed; last: {exc.message}") from exc
                 p_at = pools.prefill_policy.place(
-                    block_hashes(r.ids, cfg.block_size), len(r.ids), time.monotonic(), cfg.max_inflight_per_prefill
+                    block_hashes(r.ids, cfg.block_size), len(r.ids), time.monotonic(), cfg.max_inflight_per_prefill,
+                    reuse=r.params.prompt_logprobs is None,
                 )
                 if p_at is None:
                     why = f"prefill: no other prefill worker after {failed} failed: {exc.message}"

@@ -263,14 +263,17 @@ class Router:
             raise _full("decode", pools.decode_policy.workers, self.queues["decode"])
         r = InFlight(self._books, rid, ids, params, ctx, IncrementalDetokenizer(self.tokenizer, params.stop), d_at)
         try:
-            local = d_at.worker == decode_on or pools.decode_policy.prefill_here(d_at, bool(pools.prefill_policy.workers))
+            reuse = params.prompt_logprobs is None  # a scored prompt takes no prefix-cache hits
+            local = d_at.worker == decode_on or pools.decode_policy.prefill_here(
+                d_at, bool(pools.prefill_policy.workers), reuse)
             overflow = False
             if not local:
                 refusal = self.queues["prefill"].refusal()
                 if refusal is not None:
                     route.end()
                     raise _refused(refusal)
-                p_at = pools.prefill_policy.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill)
+                p_at = pools.prefill_policy.place(
+                    hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill, reuse=reuse)
                 if p_at is not None:
                     r.place_prefill(p_at)
                 # Every prefill worker at its cap: the decode worker prefills rather than refuse.

@@ -211,11 +211,14 @@ class PrefillPolicy(_Pool):
         return self.placement.home(key)
 
     def place(
-        self, block_hashes: Sequence[int], num_tokens: int, now: float, capacity: int = 1 << 30
+        self, block_hashes: Sequence[int], num_tokens: int, now: float, capacity: int = 1 << 30, reuse: bool = True
     ) -> Placement | None:
         """Pick a worker for a prompt of `num_tokens` tokens with these full-block hashes at
         time `now` (seconds, any monotonic origin) and count it in flight there until `finish`.
-        None when every worker already has `capacity` requests in flight."""
+        None when every worker already has `capacity` requests in flight. `reuse` False: the
+        prompt takes no prefix-cache hits (it is scored for prompt_logprobs, which needs every
+        position's logits), so what a worker caches of it counts for nothing; its ring key still
+        places it, keeping its blocks where later prompts look for them."""
         cfg = self.cfg
         open_ = self._open(capacity)
         if not open_:
@@ -223,7 +226,7 @@ class PrefillPolicy(_Pool):
         key = ring_key(block_hashes, cfg.prefix_blocks)
         self._remember(key)
         home = self.home(key)
-        matched = self.index.match(block_hashes) if self.placement.uses_index else {}
+        matched = self.index.match(block_hashes) if self.placement.uses_index and reuse else {}
         cost = {w: float(prefill_cost(num_tokens, matched.get(w, 0), self.block_size)) for w in open_}
         w = self.placement.place(PlacementRequest(num_tokens, key, tuple(open_), cost, matched, home, now))[0]
         self.recent.add(w, cost[w], now)
@@ -276,9 +279,12 @@ class DecodePolicy(_Pool):
         matched = self.index.match(block_hashes)
         return self._placed(Placement(worker, matched.get(worker, 0), None, 1.0, num_tokens))
 
-    def prefill_here(self, p: Placement, has_prefill_workers: bool) -> bool:
-        """Whether the decode worker of placement `p` prefills its prompt itself (the strategy's hook)."""
-        return self.placement.prefill_here(p.num_tokens, p.matched_blocks * self.block_size, has_prefill_workers)
+    def prefill_here(self, p: Placement, has_prefill_workers: bool, reuse: bool = True) -> bool:
+        """Whether the decode worker of placement `p` prefills its prompt itself (the strategy's
+        hook). `reuse` False: the prompt takes no prefix-cache hits (prompt_logprobs), so the
+        worker would compute all of it whatever it holds."""
+        matched = p.matched_blocks * self.block_size if reuse else 0
+        return self.placement.prefill_here(p.num_tokens, matched, has_prefill_workers)
 
     def prefilled_here(self, p: Placement, cached_tokens: int) -> None:
         """The placed request's prompt was prefilled on its decode worker, `cached_tokens` of it

@@ -197,3 +197,31 @@ def test_short_prompts_stay_local_and_long_ones_disaggregate_with_the_same_token
     assert value("pdserve_prefills_total", {"location": "local"}) == 2
     assert value("pdserve_prefills_total", {"location": "remote"}) == 1
     wait_until(blocks_free(c.channel), 15, "every KV block to be freed")
+
+
+def test_a_scored_prompt_is_prefilled_on_the_prefill_worker_whatever_its_decode_worker_holds(
+    conditional, offline, wait_until, blocks_free, greedy
+):
+    """prompt_logprobs take no prefix-cache hits, so a prompt the decode worker mostly holds is
+    no cheaper to prefill there: scored, it goes to the prefill worker, its scores those of the
+    offline engine; unscored, the same prompt stays local."""
+    c = conditional
+    prompt = list(range(5000, 5100))  # 100 tokens, above the threshold of 32
+    follow_up = prompt + list(range(80, 90))
+    stream(c.channel, pb.GenerateRequest(prompt_token_ids=prompt, sampling_params=greedy(2)))  # remote
+    hashes = block_hashes(prompt, 16)
+    wait_until(lambda: c.router.decode_policy.index.match(hashes).get("decode-0", 0) == len(hashes), 10,
+               "the decode worker's blocks of the prompt to reach the router's index")
+    before = c.router.placement_stats()["prefills"]
+    sp = greedy(3)
+    sp.prompt_logprobs = 1
+    scored = stream(c.channel, pb.GenerateRequest(prompt_token_ids=follow_up, sampling_params=sp))
+    after = c.router.placement_stats()["prefills"]
+    assert (after["remote"] - before["remote"], after["local"] - before["local"]) == (1, 0)
+    expected = offline.generate([follow_up], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1))[0]
+    pl = scored[0].prompt_logprobs
+    assert all(abs(lp - want.logprob) < 1e-4 for lp, want in zip(pl.logprobs, expected.prompt_logprobs[1:], strict=True))
+    assert [t for ch in scored for t in ch.token_ids] == expected.token_ids
+    stream(c.channel, pb.GenerateRequest(prompt_token_ids=follow_up, sampling_params=greedy(2)))
+    assert c.router.placement_stats()["prefills"]["local"] == after["local"] + 1  # unscored: local
+    wait_until(blocks_free(c.channel), 15, "every KV block to be freed")

@@ -306,6 +306,27 @@ def test_prompt_logprobs_over_http_equal_offline(client, offline, stream):
         assert out.choices[0].model_extra["prompt_logprobs"] == listed  # completions: in the choice too, as vLLM
 
 
+# A prompt of its own, sent twice: the second time the prefill worker's prefix cache holds it.
+TWICE_PROMPT = ("Scored twice: a prompt long enough to fill several blocks of the key-value cache, so that a "
+                "prefix cache could serve most of it the second time it is sent.")
+
+
+def test_a_cached_prompt_is_scored_again_with_the_same_prompt_logprobs(client, offline):
+    """prompt_logprobs need every prompt position's logits: a prompt the prefill worker holds in
+    its prefix cache is computed again, and its scores are those of the first time."""
+    ids = offline.tokenizer.encode(TWICE_PROMPT)
+    expected = _scored_offline(offline, ids, 2, max_tokens=3)
+    first, again = (client.completions.create(model=MODEL, prompt=TWICE_PROMPT, max_tokens=3, temperature=0.0,
+                                              extra_body={"prompt_logprobs": 2}) for _ in range(2))  # fmt: skip
+    plain = client.completions.create(model=MODEL, prompt=TWICE_PROMPT, max_tokens=3, temperature=0.0)
+    assert len(ids) > 2 * BLOCK and plain.usage.prompt_tokens_details.cached_tokens >= BLOCK  # it is cached
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # ... and was not taken from the cache
+    assert again.model_extra["prompt_logprobs"] == first.model_extra["prompt_logprobs"]
+    _check_listed(again.model_extra["prompt_logprobs"], expected.prompt_logprobs,
+                  lambda t: offline.tokenizer.decode([t]), 2)  # fmt: skip
+    assert again.choices[0].text == first.choices[0].text == expected.text
+
+
 def test_prompt_logprobs_on_chat_equal_offline(client, offline):
     messages = [{"role": "user", "content": "Which is the largest ocean on Earth?"}]
     prompt = offline.chat_prompt(messages)

@@ -109,6 +109,35 @@ def test_prefill_policy_follows_the_index_and_learns_the_real_cost():
     assert stats.inflight == {"p0": 0, "p1": 0, "p2": 0}
 
 
+def test_a_prompt_scored_for_its_logprobs_counts_no_cached_prefix():
+    """prompt_logprobs need every prompt position's logits, so the engine takes no prefix-cache
+    hits for such a prompt: placement must not send it after a copy it cannot use, nor cost it
+    as if cached. Its ring key still places it (its blocks join the cache at home)."""
+    policy = PrefillPolicy(PlacementConfig(), ["p0", "p1", "p2"])
+    prompt = list(range(2000, 2000 + 160))
+    hs = block_hashes(prompt, 16)
+    home = policy.ring.owner(ring_key(hs, 16))
+    holder = next(w for w in ("p0", "p1", "p2") if w != home)
+    assert policy.apply_events(holder, KvEventBatch(seq=1, stored=hs))
+    plain = policy.place(hs, len(prompt), now=0.0)
+    assert (plain.worker, plain.matched_blocks, plain.cost) == (holder, 10, 1)
+    policy.finish(plain)
+    scored = policy.place(hs, len(prompt), now=0.0, reuse=False)
+    assert (scored.worker, scored.matched_blocks, scored.cost) == (home, 0, 10)
+    assert policy.stats(now=0.0).predicted_cached_tokens == 160  # the plain prompt's only
+
+
+def test_a_scored_prompt_is_not_prefilled_on_a_decode_worker_for_a_prefix_it_cannot_use():
+    policy = DecodePolicy(PlacementConfig(max_local_prefill_tokens=32), ["d0"])
+    prompt = list(range(700, 700 + 120))
+    hs = block_hashes(prompt, 16)
+    policy.apply_events("d0", KvEventBatch(seq=1, stored=hs, num_available=100, num_blocks=100))
+    p = policy.place(hs, len(prompt))
+    assert p.matched_blocks == 7  # its pull is still shorter: an imported prompt takes hits
+    assert policy.prefill_here(p, has_prefill_workers=True)  # 8 tokens to compute: local
+    assert not policy.prefill_here(p, has_prefill_workers=True, reuse=False)  # all 120: the prefill pool's
+
+
 def test_prefill_policy_refuses_only_at_hard_capacity():
     policy = PrefillPolicy(PlacementConfig(), ["p0", "p1"])
     hs = block_hashes(list(range(64)), 16)
