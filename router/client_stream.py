@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import grpc
 from opentelemetry import trace
 from prometheus_client import Histogram
 
@@ -120,10 +121,12 @@ class ClientStream:
 
 def take_first_token(r: InFlight, handle: worker_pb2.PrefillResult) -> None:
     """Count the prefill worker's first token; its logprobs and the prompt's, where asked, came
-    back with it."""
+    back with it (a worker that returned no prompt_logprobs asked for is refused, `unscored`)."""
     r.completion = 1
     if handle.HasField("prompt_logprobs"):
         r.prompt_logprobs = handle.prompt_logprobs
+    elif r.params.prompt_logprobs is not None:
+        raise unscored(handle.handle.worker_id or (r.p_at.worker if r.p_at else "?"), "prefill")
     if handle.HasField("first_logprob"):
         r.logprobs.append(handle.first_logprob)
         if r.params.top_logprobs:
@@ -138,6 +141,18 @@ def take_logprobs(r: InFlight, item: tuple) -> None:
         r.top_logprobs += item[3]
     if len(item) > 4 and not r.generated:  # a stream resumed elsewhere sent them already
         r.prompt_logprobs = item[4]
+    elif item[0] and not r.generated and r.params.prompt_logprobs is not None:  # its first tokens, unscored
+        raise unscored(r.d_at.worker, "decode")
+
+
+def unscored(worker: str, role: str) -> RouterError:
+    """A worker that prefilled a prompt asked for its prompt_logprobs and sent none: one of an
+    older version (a rolling upgrade; the field is additive, so it ignored it). The request
+    fails naming the field rather than answer without them."""
+    return RouterError(grpc.StatusCode.UNIMPLEMENTED,
+                       f"prompt_logprobs: {role} worker {worker} prefilled the prompt without scoring it "
+                       "(it runs a version that does not serve prompt_logprobs); retry once every worker "
+                       "is upgraded, or leave prompt_logprobs out")
 
 
 def chunk(r: InFlight, tokens: list[int], reason: str) -> inference_pb2.GenerateResponse:

@@ -33,6 +33,7 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),  # a field a worker of an older version cannot serve
 }
 
 # Router error messages start with the proto field they are about; OpenAI names the JSON field.
@@ -70,7 +71,7 @@ def from_router_error(exc: RouterError, chat: bool) -> ApiError:
     status, type_ = _STATUS.get(exc.code, (500, "server_error"))
     param = None
     head, sep, _ = exc.message.partition(": ")
-    if sep and status == 400 and " " not in head:
+    if sep and status in (400, 501) and " " not in head:
         param = _PARAM_OF_FIELD.get(head, head.removeprefix("sampling_params."))
         if chat and param == "prompt":
             param = "messages"

@@ -101,6 +101,55 @@ def test_decode_refuses_a_handle_of_another_protocol_or_layout_before_reading(
         c.close()
 
 
+class OlderWorker:
+    """Fault injection: the router's client of a worker of a version that predates
+    prompt_logprobs (a rolling upgrade: the field is additive, so such a worker ignores it and
+    its prefill result and first token update come back without the prompt's scores)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.worker_id = client.worker_id
+
+    async def prefill(self, *args: Any, **kwargs: Any) -> Any:
+        result = await self.client.prefill(*args, **kwargs)
+        result.ClearField("prompt_logprobs")
+        return result
+
+    async def poll(self, *args: Any, **kwargs: Any) -> Any:
+        updates = await self.client.poll(*args, **kwargs)
+        for u in updates.updates:
+            u.ClearField("prompt_logprobs")
+        return updates
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def test_a_worker_that_cannot_score_a_prompt_fails_the_request_naming_prompt_logprobs(
+    start_in_process, wait_until, expected
+):
+    """Never an answer without the prompt_logprobs asked for: prefilled on the prefill worker or
+    (a short prompt, `max_local_prefill_tokens`) on the decode worker, the request fails naming
+    the field and the worker, and every block is freed; requests without them are served."""
+    from pdserve.router.placement.placement_config import PlacementConfig
+
+    c = start_in_process(wrap_client=lambda client, role: OlderWorker(client),
+                         router_overrides={"placement": PlacementConfig(max_local_prefill_tokens=32)})
+    try:
+        stub = pbg.InferenceStub(c.channel)
+        scored = pb.SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+        for ids, where in ((PROMPT, "prefill worker prefill-0"), (PROMPT[:20], "decode worker decode-0")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling_params=scored), timeout=60))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert err.value.details().startswith(f"prompt_logprobs: {where} prefilled"), err.value.details()
+        assert c.router.placement_stats()["prefills"] == {"local": 1, "remote": 1}
+        assert generate(c.channel, PROMPT, 12) == expected
+        wait_until(lambda: c.blocks_in_use() == 0, 15, "every block freed after the refused requests")
+    finally:
+        c.close()
+
+
 def test_full_cluster_answers_resource_exhausted(start_in_process, wait_until):
     c = start_in_process(router_overrides={"max_inflight_per_decode": 1})
     try:

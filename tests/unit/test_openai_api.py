@@ -88,6 +88,14 @@ def test_router_field_names_become_openai_param_names():
     assert param("messages[0].role: unknown role 'x'", chat=True) == "messages[0].role"
 
 
+def test_a_field_an_older_worker_cannot_serve_is_a_501_naming_it():
+    from pdserve.router.client_stream import unscored
+
+    err = from_router_error(unscored("prefill-0", "prefill"), chat=True)
+    assert (err.status, err.type, err.param) == (501, "server_error", "prompt_logprobs")
+    assert err.body()["error"]["code"] == "unimplemented" and "prefill worker prefill-0" in err.message
+
+
 def test_stream_chunks_and_usage_have_the_openai_shape():
     from pdserve_proto import inference_pb2
 
