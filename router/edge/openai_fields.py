@@ -96,7 +96,8 @@ FIELDS: Mapping[str, Field] = MappingProxyType({
     "guided_regex": _served(BOTH, "vLLM's; a regular expression"),
     "guided_choice": _served(BOTH, "vLLM's; a list of strings"),
     "guided_grammar": _served(BOTH, "vLLM's; an EBNF grammar (xgrammar's dialect)"),
-    "tools": _served(CHAT, "functions, rendered by the model's chat template (400 if it renders no tools)"),
+    "tools": _served(CHAT, "functions, rendered by the model's chat template (400 if it renders no tools); "
+                     "strict held by a grammar, under auto too"),
     "tool_choice": _served(CHAT, "none; auto (with --enable-auto-tool-choice and --tool-call-parser); required "
                            "or a named function (held to a valid call by a grammar)"),
     "parallel_tool_calls": _served(CHAT, "false: at most one call"),

@@ -3,7 +3,8 @@
 and the conversation's own tool turns (an assistant's `tool_calls`, a `tool` message's
 `tool_call_id`) into `ChatMessage` fields. tool_choice "required" or a named function holds the
 output to JSON with the structured-output grammar (a named function's `parameters`, or an array
-of calls of the tools), so that the answer is a valid call whatever the model writes. Pure."""
+of calls of the tools), so that the answer is a valid call whatever the model writes; under
+"auto" a `strict` tool's calls are held once begun (router/edge/tool_grammar.py). Pure."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.edge.grammar_fields import structured_output_of
+from pdserve.router.edge.tool_grammar import strict_auto_grammar
 from pdserve.router.edge.tool_parsers import PARSERS
 from pdserve_proto import inference_pb2
 
@@ -74,7 +76,7 @@ def parse_tools(
             raise ToolFieldError("tools", AUTO_NEEDS_FLAGS)
         if auto_parser not in PARSERS:
             raise ToolFieldError("tools", f"unknown tool call parser {auto_parser!r}")
-        return tools, ToolPlan("auto", parser=auto_parser, parallel=parallel), None
+        return tools, ToolPlan("auto", parser=auto_parser, parallel=parallel), _strict_grammar(body, tools, auto_parser)
     if choice == "required":
         schema = _calls_schema(tools, parallel)
         return tools, ToolPlan("required", parallel=parallel), inference_pb2.StructuredOutput(json_schema=schema)
@@ -84,6 +86,29 @@ def parse_tools(
         raise ToolFieldError("tool_choice.function.name", f"{name!r} is not one of the tools")
     schema = tool.parameters or json.dumps(_NO_PARAMETERS)
     return tools, ToolPlan("named", name=name, parallel=False), inference_pb2.StructuredOutput(json_schema=schema)
+
+
+def _strict_grammar(
+    body: dict[str, Any], tools: list[inference_pb2.Tool], parser: str
+) -> inference_pb2.StructuredOutput | None:
+    """tool_choice "auto" with a `strict` tool: the grammar that holds each call's arguments to
+    its schema once the model starts one (router/edge/tool_grammar.py); None without one."""
+    strict = [t["function"].get("strict") is True for t in body["tools"]]
+    try:
+        ebnf = strict_auto_grammar(tools, strict, parser)
+    except ValueError as exc:
+        at = next((i for i, held in enumerate(strict) if held and _refused_schema(tools[i], parser)), None)
+        raise ToolFieldError("tools" if at is None else f"tools[{at}].function.parameters", str(exc)) from None
+    return None if ebnf is None else inference_pb2.StructuredOutput(grammar=ebnf)
+
+
+def _refused_schema(tool: inference_pb2.Tool, parser: str) -> bool:
+    """Does xgrammar refuse this one tool's schema (to name the tool that made the grammar fail)?"""
+    try:
+        strict_auto_grammar([tool], [True], parser)
+    except ValueError:
+        return True
+    return False
 
 
 def _named(choice: Any) -> str:
@@ -199,8 +224,15 @@ def apply_tools(body: dict[str, Any], req: inference_pb2.GenerateRequest, auto_p
         except ValueError as exc:
             at = next((i for i, t in enumerate(tools) if t.name == plan.name), None)
             param = "tools" if at is None else f"tools[{at}].function.parameters"
-            raise ToolFieldError(param, str(exc).partition(": ")[2] or str(exc)) from None
+            reason = str(exc).partition(": ")[2] or str(exc)
+            if plan.mode == "auto":  # the grammar of every strict tool's calls, too long to compile
+                reason = f"the strict tools' grammar {reason.removeprefix('must be ')}: fewer or smaller strict tools"
+            raise ToolFieldError(param, reason) from None
         if req.sampling_params.HasField("structured_output"):
+            if plan.mode == "auto":
+                at = next(i for i, t in enumerate(body["tools"]) if t["function"].get("strict") is True)
+                raise ToolFieldError(f"tools[{at}].function.strict", "a strict tool under tool_choice auto holds "
+                                     "its calls with a grammar already; leave out response_format and guided_*")
             raise ToolFieldError("tool_choice", "a required or named tool call holds the output to JSON already; "
                                  "leave out response_format and guided_*")
         req.sampling_params.structured_output.CopyFrom(grammar)

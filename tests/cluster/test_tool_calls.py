@@ -178,6 +178,45 @@ def test_auto_reads_the_models_hermes_calls(client, model):
     assert plain.message.content.startswith("Checking. <tool_call>")
 
 
+def _repeat(city: str) -> str:
+    call = {"name": "get_weather", "arguments": {"city": city, "unit": "kelvin"}}
+    return f"Checking. <tool_call>{json.dumps(call)}</tool_call>"
+
+
+# The model copies a call it was shown, "kelvin" and all (not one of the schema's units).
+COPY = [m for c in ("Berlin", "Rome", "Oslo") for m in (
+    {"role": "user", "content": "Repeat exactly: " + _repeat(c)}, {"role": "assistant", "content": _repeat(c)})]
+COPY.append({"role": "user", "content": "Repeat exactly: " + _repeat("Paris")})
+
+
+def test_auto_holds_a_strict_tools_call_to_its_schema_once_begun(client, model, tokenizer, offline):
+    """OpenAI's `strict` under tool_choice "auto": the text before the call is the model's own,
+    and the call it starts is held to the tool's schema (vLLM would return the invalid call)."""
+    from pdserve.router.edge.tool_fields import parse_tools
+    from pdserve.router.edge.tool_parsers import parse_tool_calls
+
+    kw: dict[str, Any] = {"model": model, "messages": COPY, "max_tokens": MAX_TOKENS, "temperature": 0}
+    loose = client.chat.completions.create(tools=TOOLS, **kw).choices[0]
+    assert loose.finish_reason == "tool_calls"
+    assert json.loads(loose.message.tool_calls[0].function.arguments)["unit"] == "kelvin"
+    strict_tools = [{"type": "function", "function": TOOLS[0]["function"] | {"strict": True}}, TOOLS[1]]
+    held = client.chat.completions.create(tools=strict_tools, **kw).choices[0]
+    assert held.finish_reason == "tool_calls" and held.message.content == "Checking."
+    _check_calls(held.message, {"get_weather"})
+    _, _, grammar = parse_tools({"tools": strict_tools}, "hermes")
+    want = offline.generate([_prompt_ids(tokenizer, COPY)], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, structured_output=StructuredOutput(grammar=grammar.grammar)))[0]
+    offline_calls = parse_tool_calls("hermes", want.text).calls  # the offline engine under the same grammar
+    assert [(c.name, c.arguments) for c in offline_calls] == [
+        (c.function.name, c.function.arguments) for c in held.message.tool_calls]
+    streamed = _assembled(client.chat.completions.create(tools=strict_tools, stream=True, **kw)).choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content.strip() == "Checking."
+    assert streamed.message.tool_calls[0].function.arguments == held.message.tool_calls[0].function.arguments
+    with pytest.raises(openai.BadRequestError) as err:  # one grammar per request
+        client.chat.completions.create(tools=strict_tools, response_format={"type": "json_object"}, **kw)
+    assert err.value.body["param"] == "tools[0].function.strict"
+
+
 def test_a_conversation_with_a_tool_turn_renders(client, model, tokenizer, offline):
     arguments = '{"city": "Paris", "unit": "celsius"}'
     messages = MESSAGES + [

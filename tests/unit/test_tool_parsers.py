@@ -195,6 +195,53 @@ def test_a_schema_the_grammar_refuses_is_the_tools_fault():
         assert err.value.status == 400 and err.value.param == param, err.value.message
 
 
+def _accepts(ebnf: str, text: str) -> bool:
+    """Does the grammar let a model write `text` and stop there (bytes, no tokenizer)?"""
+    import xgrammar as xgr
+
+    vocab = [chr(c) for c in range(32, 127)] + ["\n", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(ebnf))
+    return matcher.accept_string(text) and matcher.accept_token(len(vocab) - 1)
+
+
+STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER | {
+    "additionalProperties": False}, "strict": True}}, TOOLS[1]]
+
+
+def test_auto_with_a_strict_tool_holds_its_calls_once_begun_and_leaves_text_free():
+    _, plan, grammar = parse_tools({"tools": STRICT}, "hermes")
+    assert plan == ToolPlan("auto", parser="hermes") and grammar.grammar
+    good = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert _accepts(grammar.grammar, good)
+    assert _accepts(grammar.grammar, "Any text at all, {even braces}, and no call.")
+    assert _accepts(grammar.grammar, '<tool_call>{"name": "get_time", "arguments": {"anything": [1]}}</tool_call> ok')
+    wrong = '<tool_call>\n{"name": "get_weather", "arguments": {"town": "P"}}\n</tool_call>'
+    assert not _accepts(grammar.grammar, wrong)
+    assert not _accepts(grammar.grammar, '<tool_call>\n{"name": "get_wether", "arguments": {}}\n</tool_call>')
+    _, _, llama = parse_tools({"tools": STRICT}, "llama3_json")
+    assert _accepts(llama.grammar, '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert not _accepts(llama.grammar, '{"name": "get_weather", "parameters": {"city": 3}}')
+    assert _accepts(llama.grammar, "Plain text.")
+    _, _, none = parse_tools({"tools": TOOLS}, "hermes")  # without strict: free text, as vLLM serves "auto"
+    assert none is None
+
+
+def test_strict_under_auto_refuses_another_grammar_and_a_schema_it_cannot_hold_naming_the_field():
+    from pdserve.router.edge.openai_api import ApiError, parse_request
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "tools": [TOOLS[1], *STRICT[:1]]}
+    with pytest.raises(ApiError) as err:
+        parse_request(chat | {"response_format": {"type": "json_object"}}, True, "m", auto_tool_parser="hermes")
+    assert err.value.status == 400 and err.value.param == "tools[1].function.strict", err.value.message
+    bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}
+    with pytest.raises(ApiError) as err:
+        parse_request(chat | {"tools": [TOOLS[1], bad]}, True, "m", auto_tool_parser="hermes")
+    assert err.value.param == "tools[1].function.parameters" and "strin" in err.value.message
+    assert "[" not in err.value.message.partition(": ")[2][:1]  # no native time prefix
+
+
 # ----- flags ----------------------------------------------------------------------------------
 
 
