@@ -98,6 +98,20 @@ def test_grpc_structured_output_field(channel):
     assert err.value.details().startswith("sampling_params.structured_output.regex: ")
 
 
+def test_grpc_json_schema_with_a_seed_equals_the_offline_engine(channel, offline):
+    """The gRPC API's structured_output crosses the split as the HTTP one's does: seeded draws
+    under the schema's grammar give the offline engine's tokens."""
+    sp = inference_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=21)
+    sp.structured_output.json_schema = json.dumps(SCHEMA)
+    request = inference_pb2.GenerateRequest(sampling_params=sp)
+    request.messages.add(role="user", content=_messages(21)[0]["content"])
+    chunks = list(inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=120))
+    want = offline.generate([offline.chat_prompt(_messages(21))], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=1.0, seed=21, structured_output=StructuredOutput(json_schema=SCHEMA)))[0]
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids and chunks[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), SCHEMA)
+
+
 def test_a_bad_schema_is_a_400_naming_response_format(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
     with pytest.raises(openai.BadRequestError) as err:
