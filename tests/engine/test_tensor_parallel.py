@@ -222,3 +222,33 @@ def test_too_few_gpus_for_the_ranks_is_refused_naming_the_field() -> None:
     cfg = EngineConfig(model="unused", device="cuda", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"^tensor_parallel_size: 2 ranks on cuda need GPUs up to cuda:1; this process sees"):
         eager_cuda_config(cfg)
+
+
+def test_a_rank_warms_its_attention_up_as_rank_0s_runner_does(tiny_model_factory) -> None:
+    """A rank compiles its attention kernels with the same calls as rank 0's runner (on CUDA, a
+    rank that compiles in its first step holds the others at a collective): recorded here on a
+    stand-in warm-up, so a change to the runner's call shows up on CPU."""
+    from pdserve.engine.kernels.backends import make_backend
+    from pdserve.engine.model_loading import build_model
+    from pdserve.engine.parallel.rank_worker import warm_up
+    from pdserve.engine.runner import ModelRunner
+
+    model_dir = tiny_model_factory("llama")[0]
+    mc = ModelConfig.from_dir(model_dir)
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=8, max_num_seqs=5)
+    model = build_model(cfg, mc, 200)
+    calls: dict[str, tuple] = {}
+
+    def recorder(name: str):
+        def warm(k_cache, v_cache, *rest) -> None:
+            assert k_cache.shape[0] == 9  # every block of the pool, the scratch one last
+            calls[name] = rest
+        return warm
+
+    runner = ModelRunner(model, cfg, 8, 200)
+    runner.backend.warm_up = recorder("runner")
+    runner.capture_cuda_graphs()
+    backend = make_backend(cfg.attention_backend, torch.device("cpu"), cfg.dtype)
+    backend.warm_up = recorder("rank")
+    warm_up(backend, runner.kv_pool, model, cfg, 200)
+    assert calls["rank"] == calls["runner"] == (mc.num_heads, 8, 5, 200)

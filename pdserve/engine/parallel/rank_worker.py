@@ -105,7 +105,7 @@ def rank_main(spec: RankSpec, pipe: Connection) -> None:
             return
     pipe.send(("mapped", None))
     try:
-        run_steps(model, cfg, kv_pool, pipe)
+        run_steps(model, cfg, kv_pool, pipe, spec.max_model_len)
     finally:
         close_group(parallel.group)
 
@@ -121,24 +121,27 @@ def step_backend(cfg: EngineConfig, device: torch.device, head_dim: int) -> Atte
     return mixed_step_backend(backend, device, kernels, wanted)
 
 
-def warm_up(backend: AttentionBackend, kv_pool: torch.Tensor, model: CausalLM, cfg: EngineConfig) -> None:
-    """Compile the attention kernels now, as rank 0 does before serving, so that no rank's first
-    step waits for a compile while the others wait for it at a collective."""
+def warm_up(
+    backend: AttentionBackend, kv_pool: torch.Tensor, model: CausalLM, cfg: EngineConfig, max_model_len: int
+) -> None:
+    """Compile the attention kernels now, as rank 0's runner does before serving (the same calls
+    as `ModelRunner.capture_cuda_graphs`), so that no rank's first steps wait for a compile while
+    the others wait for them at a collective."""
     k_cache, v_cache = layer_caches(kv_pool)[0]
     inner = backend.prefill if isinstance(backend, MixedDecodeAttention) else backend
     warm = getattr(inner, "warm_up", None)
-    if warm is not None:
-        warm(k_cache, v_cache, model.shard_cfg.num_heads, kv_pool.shape[0] - 1)
+    if warm is not None:  # the last block is scratch, as in the runner's pool
+        warm(k_cache, v_cache, model.shard_cfg.num_heads, kv_pool.shape[0] - 1, cfg.max_num_seqs, max_model_len)
     if isinstance(backend, MixedDecodeAttention):
         backend.warm_up(k_cache, v_cache, model.shard_cfg.num_heads, cfg.max_num_seqs)
 
 
-def run_steps(model: CausalLM, cfg: EngineConfig, kv_pool: torch.Tensor, pipe: Connection) -> None:
+def run_steps(model: CausalLM, cfg: EngineConfig, kv_pool: torch.Tensor, pipe: Connection, max_model_len: int) -> None:
     """Run every step received over this rank's KV pool (its KV heads only)."""
     device = torch.device(cfg.device)
     caches = layer_caches(kv_pool)
     backend = step_backend(cfg, device, model.cfg.head_dim)
-    warm_up(backend, kv_pool, model, cfg)
+    warm_up(backend, kv_pool, model, cfg, max_model_len)
     with torch.inference_mode():
         while (step := receive_step(pipe, device)) is not None:
             ctx = ForwardContext(step.meta, kv_pool, backend, layer_caches=caches)
