@@ -285,9 +285,10 @@ class ModelRunner:
         k_cache, v_cache = self._layer_caches[0]
         warm_eager = getattr(self.backend, "warm_up", None)
         if warm_eager is not None:
-            warm_eager(k_cache, v_cache, self.model.cfg.num_heads, self.scratch_block, self.cfg.max_num_seqs, self.max_model_len)
+            heads = self.model.shard_cfg.num_heads  # this rank's query heads (all of them at width 1)
+            warm_eager(k_cache, v_cache, heads, self.scratch_block, self.cfg.max_num_seqs, self.max_model_len)
         if isinstance(self.step_backend, MixedDecodeAttention):
-            self.step_backend.warm_up(k_cache, v_cache, self.model.cfg.num_heads, self.cfg.max_num_seqs)
+            self.step_backend.warm_up(k_cache, v_cache, self.model.shard_cfg.num_heads, self.cfg.max_num_seqs)
         self.graphs = capture_decode_graphs(
             self.model, self.kv_pool, self.backend, self.cfg, self.max_model_len, self.scratch_block
         )
