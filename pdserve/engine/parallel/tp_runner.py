@@ -63,13 +63,14 @@ def start_runner(
         cfg = eager_cuda_config(cfg)
     # On CPU every rank's pool lives on this host: each sizes for its share of the memory.
     sizing = cfg if on_cuda else replace(cfg, workers_on_host=cfg.workers_on_host * size)
+    per_rank = on_cuda if pools_per_rank is None else pools_per_rank
     ranks = RankProcesses(cfg, max_model_len)
     try:
         model = build_model(cfg, mc, max_model_len, ranks.parallel)
         ranks.wait_ready()
         kv_heads = tuple(shard_layout(mc, r, size).kv_heads for r in range(size))
-        if on_cuda if pools_per_rank is None else pools_per_rank:
-            # As many blocks as the fullest of the ranks' devices leaves room for.
+        if per_rank:
+            # As many blocks as the ranks' device with the least room left holds.
             num_blocks = min(
                 kv_pool_blocks(sizing, shard_config(mc, shard_layout(mc, r, size)), max_model_len, torch.device(rank_device(cfg.device, r)))
                 for r in range(size)
