@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
 from pdserve_proto import inference_pb2, inference_pb2_grpc
+from tests.cluster.shared_cluster import SharedCluster, group_shared_modules, next_module_shares, uses_shared_cluster
 
 
 class LoopThread:
@@ -302,18 +304,38 @@ def model_dir() -> Any:
     return default_model_dir()
 
 
-# The default-model cluster of `pdserve serve` with no arguments (plus the HTTP front door), one per
-# test module that asks for it: modules that need another shape define their own `cluster`.
-@pytest.fixture(scope="module")
-def cluster(loop_thread: LoopThread) -> Iterator[Any]:
+# The default-model cluster of `pdserve serve` with no arguments (plus the HTTP front door and
+# /metrics), shared by the modules that ask for it (tests/cluster/shared_cluster.py): modules that
+# need another shape define their own `cluster`.
+def _shares_default_cluster(item: pytest.Item) -> bool:
+    return uses_shared_cluster(item, Path(__file__).parent)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules on the shared cluster run one after another, so that it starts once."""
+    group_shared_modules(items, _shares_default_cluster)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(loop_thread: LoopThread) -> Iterator[SharedCluster]:
     from pdserve.cluster.serve import Cluster
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
 
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, engine=EngineArgs(num_kv_blocks=384))
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
+    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, metrics_port=0,
+                      engine=EngineArgs(num_kv_blocks=384))  # fmt: skip
+    shared = SharedCluster(lambda: loop_thread.run(Cluster.start(cfg)), lambda c: loop_thread.run(c.stop()))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> Iterator[Any]:
+    yield shared_cluster.get()
+    if next_module_shares(request, _shares_default_cluster):
+        shared_cluster.hand_on(request.module.__name__)
+    else:
+        shared_cluster.close()
 
 
 @pytest.fixture(scope="module")

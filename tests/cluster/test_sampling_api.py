@@ -7,8 +7,6 @@ on the prefill worker; echo with logprobs), and `n` choices of one prefill (seen
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import openai
@@ -23,19 +21,6 @@ pytestmark = pytest.mark.cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Count: one, two, three, four,"
-
-
-@pytest.fixture(scope="module")
-def cluster(loop_thread) -> Iterator[Any]:
-    """The default cluster of `pdserve serve` (as tests/cluster/conftest.py's), with /metrics."""
-    from pdserve.cluster.serve import Cluster
-    from pdserve.cluster.serve_config import ServeConfig
-    from pdserve.engine.args import EngineArgs
-
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, metrics_port=0, engine=EngineArgs(num_kv_blocks=384))
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
 
 
 @pytest.fixture(scope="module")
