@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A step this long held every running sequence for its whole length: a kernel compiled while
+# serving, a host stall. Said in the log, at most once per interval, with the count so far.
+SLOW_STEP_S = 1.0
+SLOW_STEP_LOG_EVERY_S = 30.0
+
 
 class StepLock:
     """A re-entrant lock that callers take between the loop's steps: `yield_to_waiters`, called
@@ -74,6 +79,7 @@ class EngineLoop:
         handover_wait_s: float = 0.05,
         on_crash: Callable[[BaseException], None] | None = None,
         step_stats: StepStats | None = None,
+        slow_step_s: float = SLOW_STEP_S,
     ) -> None:
         self.engine = engine
         self.name = name
@@ -82,6 +88,9 @@ class EngineLoop:
         self._tick = tick
         self._on_crash = on_crash  # once, on the loop's thread, after the error is recorded
         self._step_stats = step_stats
+        self._slow_step_s = slow_step_s
+        self.slow_steps = 0  # steps of slow_step_s or longer
+        self._slow_logged_at = -SLOW_STEP_LOG_EVERY_S
         self._idle_wait_s = idle_wait_s
         self._handover_wait_s = handover_wait_s  # longest the loop waits for callers between steps
         self._wake = threading.Event()
@@ -138,13 +147,28 @@ class EngineLoop:
             self._crashed(exc)
 
     def _step(self) -> list[RequestOutput]:
-        if self._step_stats is None:
-            return self.engine.step()
         began = time.perf_counter()
         outputs = self.engine.step()
+        took = time.perf_counter() - began
         engine = self.engine
-        self._step_stats.record(engine.last_step_decodes, engine.last_step_prefills, time.perf_counter() - began)
+        if self._step_stats is not None:
+            self._step_stats.record(engine.last_step_decodes, engine.last_step_prefills, took)
+        if took >= self._slow_step_s:
+            self._slow(took)
         return outputs
+
+    def _slow(self, took: float) -> None:
+        self.slow_steps += 1
+        now = time.monotonic()
+        if now - self._slow_logged_at < SLOW_STEP_LOG_EVERY_S:
+            return
+        self._slow_logged_at = now
+        log.warning(
+            "engine loop %s: a step took %.2f s (%s decodes, %s prefill rows; %d steps of %.1f s or more so far); "
+            "every running sequence waited for it (a kernel compiled while serving, or the host stalled)",
+            self.name, took, getattr(self.engine, "last_step_decodes", "?"),
+            getattr(self.engine, "last_step_prefills", "?"), self.slow_steps, self._slow_step_s,
+        )
 
     def _crashed(self, exc: BaseException) -> None:
         """Tell the owner, outside the step lock (its callback takes the locks it needs); a

@@ -116,3 +116,31 @@ def test_step_lock_excludes_other_threads_while_held():
         assert not entered.wait(0.2)  # held here: the other thread waits
     assert entered.wait(5.0)  # released: it gets its turn
     th.join(5.0)
+
+
+def test_a_step_past_the_slow_threshold_is_counted_and_said_once_per_interval(caplog):
+    engine = _BusyEngine(step_s=0.03)
+    loop = EngineLoop(engine, on_step=lambda outputs: None, name="decode-x", slow_step_s=0.02)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="pdserve.worker.engine_loop"):
+        loop.start()
+        try:
+            deadline = time.monotonic() + 5
+            while loop.slow_steps < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            loop.stop()
+    assert loop.slow_steps >= 3
+    said = [r.getMessage() for r in caplog.records if "a step took" in r.getMessage()]
+    assert len(said) == 1, said  # the rest fall inside the interval
+    assert "decode-x" in said[0] and "kernel compiled while serving" in said[0]
+
+
+def test_steps_under_the_threshold_are_not_counted():
+    engine = _BusyEngine(step_s=0.002)
+    loop = EngineLoop(engine, on_step=lambda outputs: None, slow_step_s=0.5)  # type: ignore[arg-type]
+    loop.start()
+    try:
+        time.sleep(0.1)
+    finally:
+        loop.stop()
+    assert engine.steps > 5 and loop.slow_steps == 0
