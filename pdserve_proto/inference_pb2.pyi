@@ -417,7 +417,7 @@ class ControllerDecision(_message.Message):
     def __init__(self, t: _Optional[float] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., flip_from: _Optional[str] = ..., count: _Optional[int] = ..., load_prefill: _Optional[float] = ..., load_decode: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class ControllerState(_message.Message):
-    __slots__ = ("enabled", "prefill", "decode", "target_prefill", "target_decode", "interval_s", "flip_s", "decisions", "changes", "unhealthy", "max_workers", "workers_held", "start_s")
+    __slots__ = ("enabled", "prefill", "decode", "target_prefill", "target_decode", "interval_s", "flip_s", "decisions", "changes", "unhealthy", "max_workers", "workers_held", "start_s", "flips_refused")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +431,7 @@ class ControllerState(_message.Message):
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_HELD_FIELD_NUMBER: _ClassVar[int]
     START_S_FIELD_NUMBER: _ClassVar[int]
+    FLIPS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     prefill: int
     decode: int
@@ -444,4 +445,5 @@ class ControllerState(_message.Message):
     max_workers: int
     workers_held: int
     start_s: float
-    def __init__(self, enabled: _Optional[bool] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., interval_s: _Optional[float] = ..., flip_s: _Optional[float] = ..., decisions: _Optional[_Iterable[_Union[ControllerDecision, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., unhealthy: _Optional[_Iterable[str]] = ..., max_workers: _Optional[int] = ..., workers_held: _Optional[int] = ..., start_s: _Optional[float] = ...) -> None: ...
+    flips_refused: str
+    def __init__(self, enabled: _Optional[bool] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., target_prefill: _Optional[int] = ..., target_decode: _Optional[int] = ..., interval_s: _Optional[float] = ..., flip_s: _Optional[float] = ..., decisions: _Optional[_Iterable[_Union[ControllerDecision, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., unhealthy: _Optional[_Iterable[str]] = ..., max_workers: _Optional[int] = ..., workers_held: _Optional[int] = ..., start_s: _Optional[float] = ..., flips_refused: _Optional[str] = ...) -> None: ...

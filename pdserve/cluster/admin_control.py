@@ -4,6 +4,7 @@ as placement has them and the flips so far, and each pool's workers as the recon
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import grpc
@@ -40,14 +41,17 @@ def build_control_loop(
     metrics: RouterMetrics,
     tracer: trace.Tracer | None = None,
     scaler: Scaler | None = None,
+    widths: Mapping[str, int] | None = None,
 ) -> ControlLoop:
     """The loop `pdserve serve --controller` runs: the budget is `workers` (those started), the
     prior the named performance model (or the device's default), fitted online; with a scaler,
-    workers may be added up to `settings.max_workers`."""
+    workers may be added up to `settings.max_workers`. widths: each pool's tensor-parallel width
+    (default 1): with different widths no worker flips."""
     model = load_perf_model(settings.perf_model or default_perf_model(device))
     cfg = ControllerConfig(
         workers=workers, slo=settings.slo, min_interval_s=settings.min_interval_s,
         max_workers=settings.max_workers if scaler is not None else None,
+        prefill_width=(widths or {}).get("prefill", 1), decode_width=(widths or {}).get("decode", 1),
     )  # fmt: skip
     return ControlLoop(
         Controller(cfg, flip_s=model.flip_s, start_s=model.start_s),

@@ -293,6 +293,9 @@ class ControlLoop:
 
     def start(self) -> None:
         self._observe_flips()  # flips before the start are history, not this loop's to learn from twice
+        if (refusal := self.controller.cfg.flip_refusal) is not None:
+            log.warning("controller: no role flips: %s; the split moves only by adding and removing workers "
+                        "(--max-workers)", refusal)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -321,6 +324,7 @@ class ControlLoop:
         if self.last is not None:
             st.target_prefill, st.target_decode = self.last.target_prefill, self.last.target_decode
         st.max_workers = self.controller.cfg.max_workers or 0
+        st.flips_refused = self.controller.cfg.flip_refusal or ""
         st.start_s = self.controller.start_s
         if self.scaler is not None:
             st.workers_held = self.scaler.held()

@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from pdserve.cluster.worker_client import WorkerClient
 from pdserve.control.signals import Role
+from pdserve.control.widths import flip_refusal
 from pdserve.router.deadline import within
 from pdserve.router.router import Router
 from pdserve_proto import inference_pb2, worker_pb2
@@ -51,10 +52,8 @@ class FlipConfig:
 
     def width_refusal(self) -> str | None:
         """Why no worker may flip between these pools, or None."""
-        if self.prefill_width == self.decode_width:
-            return None
-        return (f"role: the prefill pool's workers span {self.prefill_width} ranks and the decode pool's "
-                f"{self.decode_width}; a worker keeps its width, so it cannot serve the other pool")
+        why = flip_refusal(self.prefill_width, self.decode_width)
+        return None if why is None else f"role: {why}"
 
 
 class FlipHosts(Protocol):

@@ -2,13 +2,12 @@
 --max-workers N`). Mechanism only: the policy (`pdserve.control.scaling.Scaling`) decides when
 and where; this starts and stops actors (docs/controller.md, "Adding and removing workers").
 
-An add starts an actor only where `ray.available_resources()` has room: its GPUs on CUDA (one
-per rank of its pool's width; the free GPUs counted cluster-wide, not per node); on CPU
-its torch threads as CPUs (workers take no Ray CPU, so this counts the cores Ray sees). A
-removal drains the worker as a flip does, then stops the actor; on CUDA its GPU counts as free
-only once its process has exited (a killed actor's process may hold its memory a while). Each
-change is a `ScaleChange`: the control loop feeds an add's start time to the policy.
-"""
+An add starts an actor only where Ray has room: on CUDA a GPU free for each rank of its pool's
+width on one node (`pdserve.control.widths.node_for`); on CPU its torch threads as CPUs (workers
+take no Ray CPU, so this counts the cores Ray sees). A removal drains the worker as a flip does,
+then stops the actor; on CUDA its GPUs count as free only once its process has exited (a killed
+actor's process may hold its memory a while). Each change is a `ScaleChange`: the control loop
+feeds an add's start time to the policy."""
 
 from __future__ import annotations
 
@@ -20,7 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdserve.cluster.node_pools import pool_resource
 from pdserve.control.signals import Role
+from pdserve.control.widths import free_gpus_line, node_for
 from pdserve.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,30 @@ def room_for(
     return f"Ray has {max(0.0, have):g} free {what} for a worker needing {need:g}"
 
 
+def gpu_room(
+    free: Mapping[str, Mapping[str, float]], gpus: float, resource: str | None = None
+) -> tuple[str | None, str | None]:
+    """The node that holds one more worker of `gpus` GPUs (and offers `resource`, a pool's node
+    label), or None and what is missing, in words. Pure; the caller takes the GPUs off that node."""
+    node = node_for(free, gpus, resource)
+    if node is not None:
+        return node, None
+    where = "" if resource is None else f" offering {resource}"
+    nodes = {n: r for n, r in free.items() if resource is None or r.get(resource, 0.0) > 0}
+    return None, f"no Ray node{where} has {gpus:g} free GPUs for one worker ({free_gpus_line(nodes)})"
+
+
 def ray_free() -> dict[str, float]:
     import ray
 
     return dict(ray.available_resources())
+
+
+def ray_free_per_node() -> dict[str, dict[str, float]]:
+    """Ray's free resources of each alive node, by node id."""
+    from ray._private import state
+
+    return {n: dict(r) for n, r in state.available_resources_per_node().items()}
 
 
 async def actor_exited(actor: Any, timeout_s: float, poll_s: float = 0.2) -> bool:
@@ -137,8 +158,12 @@ class WorkerScaler:
         free: Callable[[], Mapping[str, float]] = ray_free,
         exited: Callable[[Any, float], Any] = actor_exited,
         widths: Mapping[str, int] | None = None,
+        free_per_node: Callable[[], Mapping[str, Mapping[str, float]]] = ray_free_per_node,
+        labelled: bool = False,
     ) -> None:
-        """widths: ranks per worker of each pool (default 1), each a GPU on CUDA."""
+        """widths: ranks per worker of each pool (default 1), each a GPU of one node on CUDA;
+        labelled: the nodes offer the pools' resources (`node_pools`), so a worker's node must
+        offer its pool's."""
         self.router = router
         self.hosts = hosts
         self.gpu = gpu
@@ -147,6 +172,8 @@ class WorkerScaler:
         self._free = free
         self._exited = exited
         self.widths = dict(widths or {})
+        self._free_per_node = free_per_node
+        self.labelled = labelled
         self.changes: list[ScaleChange] = []  # the last `cfg.history`
         self.recorded = 0  # every change recorded, so a reader can tell which are new
         self._tasks: set[asyncio.Task] = set()
@@ -164,21 +191,37 @@ class WorkerScaler:
     def add(self, counts: Mapping[Role, int]) -> tuple[list[str], str | None]:
         """Start the workers asked for (pool -> how many), as far as Ray has room; returns the
         pools of those started (in order) and, if some were not, why."""
-        free = dict(self._free())
-        started: list[str] = []
-        why = None
-        what = "GPU" if self.gpu else "CPU"
-        for role, n in counts.items():
-            gpus = float(self.widths.get(role.value, 1))
-            for _ in range(n):
-                why = room_for(free, self.gpu, self.cpus_per_worker, gpus=gpus)
-                if why is not None:
-                    break
-                free[what] = free.get(what, 0.0) - (gpus if self.gpu else self.cpus_per_worker)
-                started.append(role.value)
+        if self.gpu:
+            started, why = self._gpu_adds(counts)
+        else:
+            free = dict(self._free())
+            started, why = [], None
+            for role, n in counts.items():
+                for _ in range(n):
+                    why = room_for(free, False, self.cpus_per_worker)
+                    if why is not None:
+                        break
+                    free["CPU"] = free.get("CPU", 0.0) - self.cpus_per_worker
+                    started.append(role.value)
         self._starting += len(started)  # held from now, not from when each task first runs
         for role in started:
             self._spawn(self._add_one(role))
+        return started, why
+
+    def _gpu_adds(self, counts: Mapping[Role, int]) -> tuple[list[str], str | None]:
+        """The pools of the adds whose GPUs some node has free, each taken off its node in turn."""
+        free = {n: dict(r) for n, r in self._free_per_node().items()}
+        started: list[str] = []
+        why = None
+        for role, n in counts.items():
+            gpus = float(self.widths.get(role.value, 1))
+            resource = pool_resource(role.value) if self.labelled else None
+            for _ in range(n):
+                node, why = gpu_room(free, gpus, resource)
+                if node is None:
+                    break
+                free[node]["GPU"] = free[node].get("GPU", 0.0) - gpus
+                started.append(role.value)
         return started, why
 
     async def _add_one(self, role: str) -> None:

@@ -28,6 +28,7 @@ from pdserve.cluster.node_pools import (
     actor_resources,
     cluster_device,
     cluster_nodes,
+    labelled,
     unplaceable,
     worker_gpus,
 )
@@ -313,10 +314,11 @@ class Cluster:
                 gpu = self.cfg.device.startswith("cuda")
                 threads = cpu_threads_per_worker(self.cfg, os.cpu_count() or 1)
                 widths = self.cfg.tensor_parallel_sizes()
-                scaler = WorkerScaler(self.router, self, gpu, 0 if gpu else threads, widths=widths)
+                scaler = WorkerScaler(self.router, self, gpu, 0 if gpu else threads, widths=widths,
+                                      labelled=gpu and labelled(cluster_nodes()))
             control.loop = build_control_loop(
                 settings, self.router, control.flipper, len(self._workers), self.cfg.device,
-                self.telemetry.metrics, self.telemetry.tracing.tracer, scaler,
+                self.telemetry.metrics, self.telemetry.tracing.tracer, scaler, self.cfg.tensor_parallel_sizes(),
             )  # fmt: skip
         self.control = control
         control.start()

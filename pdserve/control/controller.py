@@ -5,8 +5,9 @@ in the signals and applies (or simulates) the flips.
 Stable by construction (docs/controller.md, "Policy"): a flip must lower the larger predicted load
 by the hysteresis margin (twice that to undo the last one), be proposed `confirm` intervals
 running, wait out the dwell and pay back its drain and switch over the demand's expected rest
-(`pays`); one change is in flight at a time. The reserve for recurring demand (`reserve`) and
-adding and removing workers (`scaling`) have modules of their own."""
+(`pays`); one change is in flight at a time; none between pools of different widths (recorded
+as refused). The reserve (`reserve`) and adding and removing workers (`scaling`) have modules of
+their own."""
 
 from __future__ import annotations
 
@@ -160,7 +161,8 @@ class Controller:
         p, d = s.prefill_workers, s.decode_workers
         tp = base["target_prefill"]
         if tp == p:
-            reserve = self._reserve_flip(s, m, raw, now, base) if c.reserve and not s.change_in_flight else None
+            flips = c.reserve and not s.change_in_flight and c.flip_refusal is None
+            reserve = self._reserve_flip(s, m, raw, now, base) if flips else None
             if reserve is not None:
                 return reserve
             self._streak = (None, 0)
@@ -194,7 +196,7 @@ class Controller:
         self._track_wanting(donor if wanted else None, s.now)
         if s.change_in_flight:
             return hold("a change is in flight", True)
-        if not wanted and c.reserve:
+        if not wanted and c.reserve and c.flip_refusal is None:
             reserve = self._reserve_flip(s, m, raw, now, base)
             if reserve is not None:
                 return reserve
@@ -218,6 +220,10 @@ class Controller:
                 f"(now {now.worst:.2f}): under the {margin:.0%} hysteresis",
                 False,
             )
+        if c.flip_refusal is not None:
+            # Wanted, and no worker can make it: said so (a close hold, recorded), and an add may follow.
+            self._streak = (None, 0)
+            return hold(f"flip {k} {donor.value}->{donor.other.value} refused: {c.flip_refusal}", False)
         if c.weigh_cost:
             donor_over = (now.prefill if donor is Role.PREFILL else now.decode) >= 1.0
             rest = self.expected_rest(donor, s.now, donor_over)

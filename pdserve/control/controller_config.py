@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.control.signals import Slo
+from pdserve.control.widths import flip_refusal
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class ControllerConfig:
     add_above: float = 1.0  # a worker is added only while the larger pool load is over this
     remove_below: float = 0.5  # ...and removed only if both pools stay below this without it
     remove_after_starts: float = 2.0  # ...after a lull of this many start times (a re-add costs one)
+    # The pools' tensor-parallel widths: a worker keeps its width, so with different widths no
+    # worker flips (`flip_refusal`); the split moves only by adding and removing workers.
+    prefill_width: int = 1
+    decode_width: int = 1
 
     def __post_init__(self) -> None:
         if self.min_prefill < 0 or self.min_decode < 1 or self.workers < self.min_prefill + self.min_decode:
@@ -54,7 +59,15 @@ class ControllerConfig:
             raise ValueError("controller: 0 < remove_below < add_above")
         if not 0 < self.reserve_cap < 1 or self.reserve_half_life_s <= 0:
             raise ValueError("controller: 0 < reserve_cap < 1, reserve_half_life_s > 0")
+        if self.prefill_width < 1 or self.decode_width < 1:
+            raise ValueError(f"controller: prefill_width and decode_width must be >= 1, not "
+                             f"{self.prefill_width}, {self.decode_width}")
 
     @property
     def ceiling(self) -> int:
         return self.workers if self.max_workers is None else self.max_workers
+
+    @property
+    def flip_refusal(self) -> str | None:
+        """Why no worker may flip between the pools (their widths differ), or None."""
+        return flip_refusal(self.prefill_width, self.decode_width)

@@ -2,8 +2,10 @@
 given; no GPU is used): pools whose widths need more GPUs than that, or more on one node, are
 refused with one line naming the width's flag before any worker actor starts. And on CPU, workers
 kept running (--keep-workers) by a cluster of widths 2/1 are refused by a `serve` of widths 1/2,
-naming each worker's width as its KV agent reports it, and adopted by one of widths 2/1. Each
-runs in a process of its own so that its Ray instance does not meet other tests'."""
+naming each worker's width as its KV agent reports it, and adopted by one of widths 2/1, where a
+role flip asked over Admin.SetRole is refused naming the widths and Admin.GetController says why
+the controller flips nothing. Each runs in a process of its own so that its Ray instance does not
+meet other tests'."""
 
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ import ray
 from pdserve.cluster.actors import NAMESPACE
 from pdserve.cluster.node_pools import PlacementError
 from pdserve.cluster.serve import Cluster
-from pdserve.cluster.serve_config import ServeConfig
+from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
 from pdserve.engine.args import EngineArgs
+import grpc
+from pdserve_proto import inference_pb2 as pb, inference_pb2_grpc as pbg
 
 ray.init(namespace=NAMESPACE, num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
 cfg = ServeConfig(model=sys.argv[1], device="cpu", dtype="float32", port=0, engine=EngineArgs(num_kv_blocks=32),
@@ -78,8 +82,17 @@ async def main():
         out["swapped"] = "started"
     except PlacementError as exc:
         out["swapped"] = str(exc)
-    again = await asyncio.wait_for(Cluster.start(replace(cfg, keep_workers=False)), 120)
+    again = await asyncio.wait_for(Cluster.start(replace(cfg, keep_workers=False, controller=ControllerSettings())), 120)
     out["adopted"] = sorted(again._workers)
+    async with grpc.aio.insecure_channel(again.address) as ch:
+        admin = pbg.AdminStub(ch)
+        try:
+            await admin.SetRole(pb.SetRoleRequest(worker_id="prefill-0", role="decode"), timeout=30)
+            out["flip"] = "flipped"
+        except grpc.aio.AioRpcError as exc:
+            out["flip"] = [exc.code().name, exc.details()]
+        state = await admin.GetController(pb.GetControllerRequest(), timeout=30)
+        out["flips_refused"], out["pools"] = state.flips_refused, [state.prefill, state.decode]
     await again.stop()  # and the workers with it
     return out
 
@@ -109,3 +122,6 @@ def test_running_workers_of_another_width_are_refused_and_of_the_same_adopted(tm
         "decode-0 (decode, 1 ranks), prefill-0 (prefill, 2 ranks); serve with their widths, or stop them first"
     )
     assert out["adopted"] == ["decode-0", "prefill-0"] and out["actors"] == []
+    refusal = "the prefill pool's workers span 2 ranks and the decode pool's 1; a worker keeps its width"
+    assert out["flip"][0] == "INVALID_ARGUMENT" and out["flip"][1].startswith("role: " + refusal)
+    assert out["flips_refused"].startswith(refusal) and out["pools"] == [1, 1]  # nothing moved

@@ -107,7 +107,7 @@ def test_the_scaler_adds_only_what_the_free_gpus_hold_by_width():
     async def run() -> tuple[list[str], str | None, list[str]]:
         hosts = _Hosts()
         scaler = WorkerScaler(None, hosts, gpu=True, cpus_per_worker=0,  # type: ignore[arg-type]
-                              free=lambda: {"GPU": 5.0}, widths={"prefill": 4, "decode": 2})  # fmt: skip
+                              free_per_node=lambda: {"n1": {"GPU": 5.0}}, widths={"prefill": 4, "decode": 2})  # fmt: skip
         started, why = scaler.add({Role.PREFILL: 1, Role.DECODE: 1})
         await asyncio.wait_for(asyncio.gather(*scaler._tasks), 5)
         return started, why, hosts.added
@@ -115,7 +115,7 @@ def test_the_scaler_adds_only_what_the_free_gpus_hold_by_width():
     started, why, added = asyncio.run(run())
     # The prefill worker takes 4 of the 5 free GPUs; the decode worker's 2 are not there.
     assert started == ["prefill"] and added == ["prefill"]
-    assert why == "Ray has 1 free GPU for a worker needing 2"
+    assert why == "no Ray node has 2 free GPUs for one worker (1 free GPUs in all, 1 by node)"
 
 
 def _worker(worker_id: str, role: str, shards: int) -> Worker:
