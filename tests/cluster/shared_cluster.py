@@ -3,10 +3,10 @@ that use it instead of started once per module: a Ray cluster start-up costs 10-
 2-core CI host, and these modules all start the same one (`pdserve serve`'s defaults, 1 prefill +
 1 decode, the HTTP front door and /metrics).
 
-The modules that use it run one after another (`group_shared_modules`, called at collection),
-and a module hands the cluster on only to a next module that uses it too, after checking that it
-left the cluster as it found it: both workers in their roles, every KV block free
-(`SharedCluster.hand_on`). Otherwise the cluster stops when the module ends, as a module's own
+The modules that use it (in any of their tests) run one after another (`group_shared_modules`,
+called at collection), and a module hands the cluster on only to a next module that uses it too,
+after checking that it left the cluster as it found it: both workers in their roles, every KV
+block free (`SharedCluster.hand_on`). Otherwise the cluster stops when the module ends, as a module's own
 cluster does, so no Ray instance outlives the modules that use it (later modules start their own).
 """
 
@@ -38,23 +38,32 @@ def uses_shared_cluster(item: pytest.Item, folder: Any) -> bool:
     )
 
 
+def _sharing_modules(items: list[pytest.Item], shares: Callable[[pytest.Item], bool]) -> set[Any]:
+    """The modules of which some test (`shares`) runs on the shared cluster."""
+    return {item.module for item in items if shares(item)}
+
+
 def group_shared_modules(items: list[pytest.Item], shares: Callable[[pytest.Item], bool]) -> None:
-    """Reorder `items` in place so that the tests that `shares` are one run, where the first of
-    them was; every other test keeps its place and each module its own order."""
-    shared = [item for item in items if shares(item)]
-    if not shared:
+    """Reorder `items` in place so that the modules with a test that `shares` are one run, where
+    the first of them was; every other test keeps its place and each module its own order."""
+    modules = _sharing_modules(items, shares)
+    if not modules:
         return
-    first = items.index(shared[0])
-    rest = [item for item in items if not shares(item)]
-    items[:] = rest[:first] + shared + rest[first:]
+    moved = [item for item in items if getattr(item, "module", None) in modules]
+    first = items.index(moved[0])
+    rest = [item for item in items if getattr(item, "module", None) not in modules]
+    items[:] = rest[:first] + moved + rest[first:]
 
 
 def next_module_shares(request: pytest.FixtureRequest, shares: Callable[[pytest.Item], bool]) -> bool:
-    """Whether the module that runs after the requesting one uses the shared cluster too."""
+    """Whether the module that runs after the requesting one has a test on the shared cluster."""
     items = request.session.items
     mine = [k for k, item in enumerate(items) if getattr(item, "module", None) is request.module]
     after = mine[-1] + 1 if mine else len(items)
-    return after < len(items) and shares(items[after])
+    if after >= len(items):
+        return False
+    following = items[after].module
+    return any(shares(item) for item in items[after:] if getattr(item, "module", None) is following)
 
 
 def _idle_problem(address: str, roles: dict[str, int]) -> str | None:

@@ -16,9 +16,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.join import JoinedRouter
-from pdserve.cluster.serve import Cluster
-from pdserve.cluster.serve_config import ServeConfig
-from pdserve.engine.args import EngineArgs
 from tests.promtool_path import promtool
 
 pytestmark = pytest.mark.cluster
@@ -29,21 +26,20 @@ WORKER_FAMILIES = ("pdserve_worker_up", "pdserve_workers", "pdserve_kv_blocks", 
 
 
 @pytest.fixture(scope="module")
-def routers(loop_thread: Any) -> Iterator[list[str]]:
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, engine=EngineArgs(num_kv_blocks=128), metrics_port=0)
-    first = loop_thread.run(Cluster.start(cfg))
+def routers(loop_thread: Any, cluster: Any) -> Iterator[list[str]]:
+    """The first router is the conftest's cluster's (1 prefill + 1 decode, with /metrics)."""
+    assert cluster.metrics_address is not None
     joined: list[JoinedRouter] = []
     try:
         for _ in range(2):
-            join_cfg = replace(cfg, model=first.cfg.model, device="cpu", export_worker_metrics=False)
+            join_cfg = replace(cluster.cfg, port=0, http_port=None, metrics_port=0, export_worker_metrics=False)
             joined.append(loop_thread.run(JoinedRouter.start(join_cfg), timeout=120))
-        urls = [f"http://{first.metrics_address}/metrics"]
+        urls = [f"http://{cluster.metrics_address}/metrics"]
         urls += [f"http://127.0.0.1:{j.telemetry.metrics_port}/metrics" for j in joined]
         yield urls
     finally:
         for j in joined:
             loop_thread.run(j.stop(), timeout=60)
-        loop_thread.run(first.stop(), timeout=120)
 
 
 def _scrape(url: str) -> str:

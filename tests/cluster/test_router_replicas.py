@@ -31,22 +31,7 @@ from pdserve_proto import inference_pb2_grpc as pbg
 
 pytestmark = pytest.mark.cluster
 
-ROUTER_LEASE_S = 15.0  # the default
-
-
-@pytest.fixture(scope="module")
-def cluster(loop_thread: Any) -> Iterator[Any]:
-    from pdserve.cluster.serve import Cluster
-    from pdserve.cluster.serve_config import ServeConfig
-    from pdserve.engine.args import EngineArgs
-
-    cfg = ServeConfig(
-        device="cpu", dtype="float32", port=0, num_prefill=1, num_decode=1,
-        engine=EngineArgs(num_kv_blocks=256), router_lease_s=ROUTER_LEASE_S,
-    )
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
+ROUTER_LEASE_S = 15.0  # the default, as the conftest's cluster (1 prefill + 1 decode) has it
 
 
 def _ray_client_env() -> dict[str, str]:
@@ -99,6 +84,7 @@ class RouterProcess:
 def second_router(cluster: Any) -> Iterator[RouterProcess]:
     import ray
 
+    assert cluster.cfg.router_lease_s == ROUTER_LEASE_S, "the lease this module's timings count on"
     r = RouterProcess(ray.get_runtime_context().gcs_address)
     yield r
     r.kill()
