@@ -232,11 +232,12 @@ def _add_control_parsers(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
         help="choose disaggregated or colocated for a trace: every split, the controller and colocated",
-        description="Simulate every static prefill:decode split of --workers, the controller and the same workers "
-        "colocated on a trace; print each, the controller's goodput against the best static split, and which "
-        "to run for this trace and SLO, the best split or colocated.",
+        description="Simulate every static prefill:decode split of a GPU budget (--gpus, workers of each pool's "
+        "tensor-parallel width; or --workers at width 1), the controller and colocated workers on the same GPUs on a "
+        "trace; print each with its goodput per GPU, the controller's goodput against the best static split, and "
+        "which to run for this trace and SLO, the best split or colocated.",
     )
-    control.add_common_arguments(plan)
+    control.add_plan_arguments(plan)
 
 
 def _bench_module(name: str) -> ModuleType | None:

@@ -17,6 +17,7 @@ from pdserve.control.capacity import CapacityModel
 from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.perf_model import load_perf_model
+from pdserve.control.tp_model import PoolWidths, WidthModels
 from pdserve.router.fleet_control import NO_FLIPS
 from pdserve.router.handles import RouterError
 from pdserve.router.router import Router
@@ -46,12 +47,15 @@ def build_control_loop(
     """The loop `pdserve serve --controller` runs: the budget is `workers` (those started), the
     prior the named performance model (or the device's default), fitted online; with a scaler,
     workers may be added up to `settings.max_workers`. widths: each pool's tensor-parallel width
-    (default 1): with different widths no worker flips."""
-    model = load_perf_model(settings.perf_model or default_perf_model(device))
+    (default 1): the prior is the named model's at those widths (`tp_model`), and with different
+    widths no worker flips."""
+    w = widths or {}
+    base = load_perf_model(settings.perf_model or default_perf_model(device))
+    model = PoolWidths(WidthModels(base), prefill=w.get("prefill", 1), decode=w.get("decode", 1)).pair()
     cfg = ControllerConfig(
         workers=workers, slo=settings.slo, min_interval_s=settings.min_interval_s,
         max_workers=settings.max_workers if scaler is not None else None,
-        prefill_width=(widths or {}).get("prefill", 1), decode_width=(widths or {}).get("decode", 1),
+        prefill_width=w.get("prefill", 1), decode_width=w.get("decode", 1),
     )  # fmt: skip
     return ControlLoop(
         Controller(cfg, flip_s=model.flip_s, start_s=model.start_s),

@@ -45,6 +45,10 @@ class SimConfig:
     # With the controller: workers it may add (each after the model's start_s) up to this many, and
     # remove down to `workers` (None: `workers`, a fixed budget).
     max_workers: int | None = None
+    # The pools' tensor-parallel widths, for the controller: with different widths no worker flips.
+    # The perf model given is already the pools' (`tp_model.pool_pair`).
+    prefill_width: int = 1
+    decode_width: int = 1
 
     def __post_init__(self) -> None:
         if self.workers < 2:
@@ -86,7 +90,8 @@ class Simulation:
         self.capacity = CapacityModel(model)
         self.ctrl = None
         if cfg.prefill is None:
-            ccfg = ControllerConfig(workers=cfg.workers, slo=cfg.slo, max_workers=cfg.max_workers)
+            ccfg = ControllerConfig(workers=cfg.workers, slo=cfg.slo, max_workers=cfg.max_workers,
+                                    prefill_width=cfg.prefill_width, decode_width=cfg.decode_width)
             self.ctrl = Controller(ccfg, flip_s=model.flip_s, start_s=model.start_s)
 
     def new_prefill(self, name: str) -> SimPrefill:

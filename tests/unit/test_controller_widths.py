@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
+from pdserve.cluster.admin_control import build_control_loop
 from pdserve.cluster.control_loop import ControlLoop
+from pdserve.cluster.serve_config import ControllerSettings
 from pdserve.control.capacity import CapacityModel
 from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
@@ -103,3 +106,15 @@ def test_the_live_loop_flips_nothing_and_shows_why(caplog):
     assert recorded and all(r.startswith("flip 1 decode->prefill refused: " + REFUSED) for r in recorded)
     assert metrics.controller_decisions.labels("hold")._value.get() == len(recorded)
     assert any("no role flips: " + REFUSED in r.getMessage() for r in caplog.records)
+
+
+def test_the_live_loops_prior_is_the_pools_model_at_their_widths():
+    router = SimpleNamespace(config=SimpleNamespace(control_timeout_s=1.0))
+    settings = ControllerSettings(perf_model="llama3-8b-h100")
+    loop = build_control_loop(settings, router, None, 2, "cuda", RouterMetrics(),  # type: ignore[arg-type]
+                              widths={"prefill": 2, "decode": 1})  # fmt: skip
+    prior = loop.capacity.prior
+    assert prior.name == "llama3-8b-h100 tp2 (assumed) / llama3-8b-h100" and prior.d0 == MODEL.d0
+    assert prior.p1 < MODEL.p1 and loop.controller.cfg.flip_refusal is not None
+    plain = build_control_loop(settings, router, None, 2, "cuda", RouterMetrics())  # type: ignore[arg-type]
+    assert plain.capacity.prior == MODEL and plain.controller.cfg.flip_refusal is None
