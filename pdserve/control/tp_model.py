@@ -73,7 +73,7 @@ def pool_pair(prefill: PerfModel, decode: PerfModel) -> PerfModel:
     """One model for a prefill pool of `prefill`'s workers and a decode pool of `decode`'s: the
     prefill and per-request terms of the first, the decode terms and KV room of the second; a
     flip, a start, a hand-over and a cold start cost the slower of the two."""
-    if prefill is decode:
+    if prefill == decode:  # one width: its model as it is
         return prefill
     return replace(
         decode, name=f"{prefill.name} / {decode.name}", p0=prefill.p0, p1=prefill.p1, p2=prefill.p2,

@@ -91,6 +91,7 @@ def test_two_widths_make_one_pool_pair():
     # The hand-over reads at the narrower side's rate.
     assert pair.handover_token_s == d.handover_token_s and pair.name == f"{p.name} / {d.name}"
     assert pool_pair(H100, H100) is H100
+    assert pool_pair(at_width(H100, 2), at_width(H100, 2)).name == "llama3-8b-h100 tp2 (assumed)"
     assert PoolWidths(WidthModels(H100), prefill=2, decode=1).pair() == pair
 
 
