@@ -1,11 +1,13 @@
 """What changes a step's logits before a token is drawn: logit bias, min_tokens, and the
-repetition, frequency and presence penalties, batched over the rows that ask for them.
+repetition, frequency and presence penalties, batched over the rows that ask for them, in vLLM's
+order (bias, then min_tokens' stops at -inf, then repetition on prompt and output tokens and
+frequency and presence on output tokens).
 
-Applied in vLLM's order: logit bias, then min_tokens (EOS and stop_token_ids at -inf), then the
-penalties (repetition on prompt and output tokens, frequency and presence on output tokens).
-Every piece is rebuilt from the sequence's tokens at each step, so nothing needs to travel
-with a request from the prefill worker to the decode worker, or to another decode worker after
-a failover: the tokens are the state. A step where no row asks pays one Python check per row.
+Everything derives from the tokens (a sequence may keep them counted between steps,
+`PenaltyTokens`), so nothing travels across the prefill/decode split or a failover. The penalties
+touch only the logits of tokens a row holds: one gather, the arithmetic, one scatter; a token a
+row does not hold is unchanged by every penalty (x / 1, x - 0), so this equals the penalties over
+the whole vocabulary bit for bit. A step where no row asks pays one Python check per row.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.engine.penalty_tokens import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_inputs import to_device
 
@@ -30,6 +33,8 @@ class RowTokens:
     # Output tokens drawn but not in `token_ids` yet: a step launched behind the one that draws
     # its input (0 or 1; the token itself is on the device, `process_logits`' `pending`).
     pending: int = 0
+    # The sequence's own `PenaltyTokens`, kept between its steps; None: built for this step.
+    cache: PenaltyTokens | None = None
 
 
 def process_logits(
@@ -38,90 +43,144 @@ def process_logits(
     rows: Sequence[RowTokens] | None,
     eos_token_ids: Sequence[int],
     pending: torch.Tensor | None = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """`logits` [B, vocab] as the rows' params change them: the same tensor when no row asks
-    for anything, else a processed copy (the raw logits stay for logprobs). `pending` [B] (on
-    the device): each row's output token not in its `RowTokens` yet, or `vocab` for none; it
-    counts as the penalties' last output token without the host waiting for it."""
+    for anything, else a processed copy (the raw logits stay for logprobs), or `logits` itself
+    changed with `inplace`. `pending` [B] (on the device): each row's output token not in its
+    `RowTokens` yet, or `vocab` for none (a row with one has `RowTokens.pending` 1); it counts
+    as the penalties' last output token without the host waiting for it."""
     wanted = [i for i, p in enumerate(params) if p.processes_logits]
     if not wanted:
         return logits
     if rows is None and any(params[i].penalized or params[i].min_tokens for i in wanted):
         raise ValueError("rows: the tokens of each row are needed for penalties and min_tokens")
     vocab = logits.shape[-1]
-    # Every index and value of the step goes to the device in one copy each (flat indices into
-    # [B, vocab] and [P, vocab + 1]): a decode step is short enough that each copy's fixed cost shows.
+    # Every index and value of the step goes to the device in one copy each: a decode step is
+    # short enough that each copy's fixed cost shows.
     bias_at: list[int] = []
     bias: list[float] = []
     banned: list[int] = []
     for i in wanted:
         p = params[i]
-        # A token past the model's logits (the engine refuses these) cannot be biased.
-        bias_at += [i * vocab + t for t, _ in p.logit_bias if t < vocab]
-        bias += [b for t, b in p.logit_bias if t < vocab]
+        if p.logit_bias:
+            # A token past the model's logits (the engine refuses these) cannot be biased.
+            bias_at += [i * vocab + t for t, _ in p.logit_bias if t < vocab]
+            bias += [b for t, b in p.logit_bias if t < vocab]
         # min_tokens counts this worker's share: SamplingParams.after lowers it on a resume.
         if p.min_tokens and rows is not None and rows[i].num_output + rows[i].pending - p.output_offset < p.min_tokens:
             stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
             banned += [i * vocab + t for t in sorted(stops) if t < vocab]
     pen = [i for i in wanted if params[i].penalized]
-    pen_rows = [rows[i] for i in pen] if rows is not None else []
-    pen_params = [params[i] for i in pen]
-    use_rep = any(p.repetition_penalty != 1.0 for p in pen_params)
-    use_counts = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in pen_params)
-    seen = _flat_index([r.token_ids for r in pen_rows], vocab) if use_rep else np.empty(0, np.int64)
-    outputs = [r.token_ids[len(r.token_ids) - r.num_output :] if r.num_output else () for r in pen_rows]
-    counted = _flat_index(outputs, vocab) if use_counts else np.empty(0, np.int64)
-    ints = np.concatenate([np.asarray(bias_at + banned + pen, dtype=np.int64), seen, counted])
-    floats = np.asarray(bias + [x for p in pen_params for x in (p.repetition_penalty, p.frequency_penalty,
-                                                                 p.presence_penalty)], dtype=np.float32)  # fmt: skip
+    held = (
+        _Held.of([rows[i] for i in pen], [params[i] for i in pen], pen, len(params), vocab, pending is not None)
+        if rows is not None and pen
+        else None
+    )
+    nb, nx = len(bias_at), len(banned)
+    ints = np.asarray(bias_at + banned, dtype=np.int64)
+    floats = np.asarray(bias, dtype=np.float32)
+    if held is not None:
+        ints = np.concatenate([ints, held.ints])
+        knobs = np.zeros((len(params), 3), dtype=np.float32)  # per batch row: repetition, frequency, presence
+        knobs[pen] = [
+            (params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty) for i in pen
+        ]
+        floats = np.concatenate([floats, knobs.ravel()])
     dev = logits.device
     ints_dev = to_device(ints, dev)
     floats_dev = to_device(floats, dev).to(logits.dtype)
-    out = logits.clone()
+    out = logits if inplace else logits.clone()
     flat = out.view(-1)
-    nb, nx, npen = len(bias_at), len(banned), len(pen)
     if nb:
         flat.index_add_(0, ints_dev[:nb], floats_dev[:nb])
     if nx:
         flat.index_fill_(0, ints_dev[nb : nb + nx], float("-inf"))
-    if npen:
-        at = nb + nx + npen
-        index = ints_dev[nb + nx : at]
-        knobs = floats_dev[nb:].view(npen, 3)
-        every_row = npen == out.shape[0]  # then in place: no gather and scatter of the rows
-        sub = out if every_row else out.index_select(0, index)
-        # The rows' pending tokens as flat indices like `_flat_index`'s (none: the dropped column).
-        extra = None if pending is None else torch.arange(npen, device=dev) * (vocab + 1) + pending[index]
-        if use_rep:
-            present = _counts(_with(ints_dev[at : at + len(seen)], extra), npen, vocab) > 0
-            rep = knobs[:, 0:1]
-            # As vLLM and transformers do: a positive logit is divided, a negative one multiplied.
-            sub.copy_(torch.where(present, torch.where(sub > 0, sub / rep, sub * rep), sub))
-        if use_counts:
-            counts = _counts(_with(ints_dev[at + len(seen) :], extra), npen, vocab).to(sub.dtype)
-            sub.addcmul_(counts, knobs[:, 1:2], value=-1.0)
-            sub.addcmul_(counts.clamp_(max=1.0), knobs[:, 2:3], value=-1.0)
-        if not every_row:
-            out.index_copy_(0, index, sub)
+    if held is not None:
+        held.apply(flat, ints_dev[nb + nx :], floats_dev[nb:].view(len(params), 3), pending)
     return out
 
 
-def _flat_index(token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
-    """Flat indices into [len(token_lists), vocab + 1] of each list's tokens (arrays cost a copy,
-    lists a conversion; a token past the vocabulary lands in the extra column, which is dropped)."""
-    lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
-    if not token_lists:
-        return np.empty(0, np.int64)
-    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])
-    return np.repeat(np.arange(len(token_lists), dtype=np.int64) * (vocab + 1), lengths) + np.minimum(flat, vocab)
+@dataclass(frozen=True)
+class _Held:
+    """The penalized rows' tokens for the device, as one int64 array `ints`: each batch row's
+    first flat index (row * vocab), the k batch rows whose pending token is to be counted, then
+    the entries [3, N + k] (flat index into the logits, batch row, output count), one per
+    distinct token of each row and one more per pending token (filled in on the device)."""
+
+    ints: np.ndarray
+    batch: int
+    num_pending: int
+    use_rep: bool  # some row's repetition penalty is not 1
+    use_counts: bool  # some row's frequency or presence penalty is not 0
+
+    @staticmethod
+    def of(
+        rows: Sequence[RowTokens], params: Sequence[SamplingParams], batch_rows: list[int], batch: int, vocab: int,
+        with_pending: bool,
+    ) -> _Held:  # fmt: skip
+        """The entries of `rows` with `params`, the penalized rows, at `batch_rows` of a batch of `batch`."""
+        held = [(r.cache if r.cache is not None else PenaltyTokens()).update(r.token_ids, r.num_output) for r in rows]
+        lengths = np.fromiter((len(t) for t, _ in held), dtype=np.int64, count=len(held))
+        tokens = np.concatenate([t for t, _ in held])
+        counts = np.concatenate([c for _, c in held])
+        at = np.repeat(np.asarray(batch_rows, dtype=np.int64), lengths)
+        keep = tokens < vocab  # a token past the logits (the engine refuses these) is penalized nowhere
+        if not keep.all():
+            tokens, counts, at = tokens[keep], counts[keep], at[keep]
+        pend = np.asarray([b for b, r in zip(batch_rows, rows) if r.pending] if with_pending else [], dtype=np.int64)
+        k = len(pend)
+        # A pending token's entry: flat index to come, its batch row, a count of 1 to add to.
+        entries = np.stack([np.concatenate([at * vocab + tokens, np.zeros(k, np.int64)]),
+                            np.concatenate([at, pend]), np.concatenate([counts, np.ones(k, np.int64)])])  # fmt: skip
+        ints = np.concatenate([np.arange(batch, dtype=np.int64) * vocab, pend, entries.ravel()])
+        use_rep = any(p.repetition_penalty != 1.0 for p in params)
+        use_counts = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        return _Held(ints, batch, k, use_rep, use_counts)
+
+    def apply(self, flat: torch.Tensor, ints: torch.Tensor, knobs: torch.Tensor, pending: torch.Tensor | None) -> None:
+        """The penalties on `flat` (the logits [B * vocab]), in place, from this one's `ints` on the
+        device; `knobs` [B, 3] per batch row, `pending` as `process_logits` takes it."""
+        b, k = self.batch, self.num_pending
+        entries = ints[b + k :].view(3, -1)
+        if k and pending is not None:
+            _count_pending(entries, ints[:b], ints[b : b + k], pending)
+        x = flat.index_select(0, entries[0])
+        flat.index_copy_(0, entries[0], _penalize(x, entries, knobs, self.use_rep, self.use_counts))
 
 
-def _with(flat_index: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
-    return flat_index if extra is None else torch.cat([flat_index, extra])
+def _count_pending(
+    entries: torch.Tensor, row_base: torch.Tensor, pending_rows: torch.Tensor, pending: torch.Tensor
+) -> None:
+    """Fill in, in place, the entries of the pending tokens (the last k of `entries`, k =
+    len(pending_rows)) and count each pending token once more: a held entry of the same token
+    counts one more, and the pending token's own entry gets the count that entry now has, so
+    where both exist they write the same value. `row_base`: each batch row's first flat index."""
+    k = pending_rows.shape[0]
+    n = entries.shape[1] - k
+    flat, row, count = entries[0, :n], entries[1, :n], entries[2, :n]
+    # A row without a pending token has `vocab` there: one past its last flat index, held by no entry.
+    pending_flat = row_base + pending
+    match = flat == pending_flat.index_select(0, row)  # bool: adds as 0 or 1
+    before = torch.zeros_like(row_base).index_add_(0, row, match * count)  # per batch row
+    count.add_(match)
+    torch.index_select(pending_flat, 0, pending_rows, out=entries[0, n:])
+    entries[2, n:].add_(before.index_select(0, pending_rows))
 
 
-def _counts(flat_index: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
-    """[rows, vocab] int32: how often each token occurs in each row, from `_flat_index`'s indices."""
-    counts = torch.zeros(rows * (vocab + 1), dtype=torch.int32, device=flat_index.device)
-    counts.index_add_(0, flat_index, torch.ones_like(flat_index, dtype=torch.int32))
-    return counts.view(rows, vocab + 1)[:, :vocab]
+def _penalize(
+    x: torch.Tensor, entries: torch.Tensor, knobs: torch.Tensor, use_rep: bool, use_counts: bool
+) -> torch.Tensor:
+    """The penalties on `x`, the logits at `entries` (a token a row holds: present for the
+    repetition penalty, its output count for frequency and presence); `knobs` per batch row."""
+    k = knobs.index_select(0, entries[1])
+    if use_rep:
+        # As vLLM and transformers do: a positive logit is divided, a negative one multiplied.
+        rep = k[:, 0]
+        x = torch.where(x > 0, x / rep, x * rep)
+    if use_counts:
+        count = entries[2].to(x.dtype)
+        # Two plain steps (no fused multiply-add), so the rounding is the same on every device.
+        x = x - count * k[:, 1]
+        x = x - count.clamp(max=1.0) * k[:, 2]
+    return x

@@ -126,7 +126,14 @@ class ModelRunner:
         gens = [self._generator_for(s) for s in sampled]
         rows = None
         if any(p.processes_logits for p in params):
-            rows = [RowTokens(s.seq.token_array(), s.seq.params.output_offset + s.seq.num_output_tokens) for s in sampled]
+            rows = [
+                RowTokens(
+                    s.seq.token_array(),
+                    s.seq.params.output_offset + s.seq.num_output_tokens,
+                    cache=s.seq.penalty_tokens,
+                )
+                for s in sampled
+            ]
         out = sample(logits, params, gens, self.default_generator, rows, tuple(eos_token_ids))
         return {
             s.seq.request_id: SampledToken(
@@ -229,7 +236,10 @@ class ModelRunner:
         pending_rows = {row_end[r]: k for r, k in feed} if previous is not None else {}
         rows = [
             RowTokens(
-                s.seq.token_array(), s.seq.params.output_offset + s.seq.num_output_tokens, int(j in pending_rows)
+                s.seq.token_array(),
+                s.seq.params.output_offset + s.seq.num_output_tokens,
+                int(j in pending_rows),
+                s.seq.penalty_tokens,
             )
             for j, s in enumerate(sampled)
         ]
@@ -238,7 +248,8 @@ class ModelRunner:
             pending = torch.full((len(sampled),), logits.shape[-1], dtype=torch.int64, device=logits.device)
             index = to_device(np.asarray(list(pending_rows.items()), dtype=np.int64).T.copy(), self.device)
             pending.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
-        return process_logits(logits, [s.seq.params for s in sampled], rows, eos_token_ids, pending)
+        # In place: a launched step reads only the processed logits (its argmax).
+        return process_logits(logits, [s.seq.params for s in sampled], rows, eos_token_ids, pending, inplace=True)
 
     def _feed(self, input_ids: torch.Tensor, tokens: torch.Tensor, feed: list[tuple[int, int]] | tuple) -> None:
         """input_ids[row] = tokens[k] for each (row, k) of `feed`, on the device."""

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.hashing import ROOT_HASH, hash_block
+from pdserve.engine.penalty_tokens import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,9 @@ class Sequence:
     num_preemptions: int = 0
     _token_buf: np.ndarray | None = None  # token_ids as an array, for penalties (see token_array)
     _token_buf_len: int = 0  # how many of token_ids it holds
+    # Distinct tokens and output counts for the penalties, kept between steps (rebuilt from
+    # token_ids whenever they do not continue it).
+    penalty_tokens: PenaltyTokens = field(default_factory=PenaltyTokens, repr=False, compare=False)
     _block_buf: np.ndarray | None = None  # block_ids as an int32 array (see block_array)
     _block_src: list[int] | None = None  # the block_ids list it mirrors
     _block_buf_len: int = 0
