@@ -4,10 +4,15 @@ decoding together, plain against every row under a JSON-schema grammar, greedy a
 the same run, with the host time of the grammar's mask (matchers fed, bitmask filled, its copy
 and application queued; on a GPU that overlaps the forward still running).
 
-The schema holds one long string (at least 400 characters), so no row's grammar ends it within
-the measured steps, and every step masks in the JSON string state, where most tokens are allowed.
+The grammar (`--grammar`) is a JSON schema holding one long string (at least 400 characters),
+so no row's grammar ends it within the measured steps and every step masks in the JSON string
+state, where most tokens are allowed; or, for a tokenizer that cannot spell JSON (bench's random
+models: token i is the word "t<i>"), the regex `(t[0-9]+)+`, any run of its words, where every
+word token is allowed. `auto` picks JSON where the tokenizer spells it. A run whose grammar rows
+stop before the measured steps is refused: its step times would measure nothing.
 
-    python bench/grammar_step.py [--model DIR] [--device cpu|cuda] [--batch 64] [--steps 24] [--prompt-len 32] [--json out.json]
+    python bench/grammar_step.py [--model DIR] [--device cpu|cuda] [--batch 64] [--steps 24] [--prompt-len 32]
+                                 [--grammar auto|json|words] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,8 +41,34 @@ SCHEMA = {
 }
 
 
-def _variants(steps: int) -> dict[str, SamplingParams]:
-    so = StructuredOutput(json_schema=SCHEMA)
+WORDS = r"(t[0-9]+)+"  # any run of the random models' words "t<i>"
+JSON_SAMPLE = '{"text": "a b"}'
+
+
+def pick_grammar(tokenizer: Any, choice: str) -> StructuredOutput:
+    """The grammar `--grammar` names; `auto`: the JSON schema if `tokenizer` spells JSON (text of
+    it comes back from its tokens as it went in), else the words regex."""
+    if choice == "auto":
+        spells = (
+            tokenizer is not None
+            and tokenizer.decode(tokenizer.encode(JSON_SAMPLE, add_special_tokens=False)) == JSON_SAMPLE
+        )
+        choice = "json" if spells else "words"
+    return StructuredOutput(json_schema=SCHEMA) if choice == "json" else StructuredOutput(regex=WORDS)
+
+
+def check_measured(name: str, measured: int, steps: int) -> None:
+    """Refuse a run whose `name` rows decoded together for fewer than half the `steps` asked:
+    its grammar ended them (or the tokenizer cannot produce it), so its times measure nothing."""
+    if measured < steps // 2:
+        raise SystemExit(
+            f"{name}: {measured} all-decode steps of the {steps} asked; the grammar stopped the rows early "
+            "(a tokenizer that cannot spell JSON, such as the random models' word-level one, ends every JSON row "
+            "at its first token): pass --grammar words for those models"
+        )
+
+
+def _variants(steps: int, so: StructuredOutput) -> dict[str, SamplingParams]:
     greedy = {"temperature": 0.0, "max_tokens": steps + 8}
     sampled = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": steps + 8}
     return {
@@ -88,6 +120,8 @@ def step_ms(
         if eng.last_step_decodes == batch and eng.last_step_prefills == 0:
             steps.append((time.perf_counter() - t) * 1e3)
             masks.append(timer.last_ms)
+    if not steps:
+        return float("nan"), float("nan"), 0
     return statistics.median(steps), statistics.median(masks), len(steps)
 
 
@@ -98,25 +132,36 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=24, help="decode steps per variant")
     ap.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens per sequence")
+    ap.add_argument("--grammar", choices=("auto", "json", "words"), default="auto",
+                    help=f"json: a long-string JSON schema; words: the regex {WORDS}; auto: json where the tokenizer "
+                    "spells it")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here too")
     args = ap.parse_args()
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     kw = {} if args.model is None else {"model": args.model}
-    llm = LLM(**kw, device=args.device, dtype=dtype, max_num_seqs=max(args.batch, 8), num_kv_blocks=args.batch * 16 + 64)
+    llm = LLM(
+        **kw, device=args.device, dtype=dtype, max_num_seqs=max(args.batch, 8), num_kv_blocks=args.batch * 16 + 64
+    )
     timer = MaskTimer(llm.engine.grammar)
-    variants = _variants(args.steps)
-    step_ms(llm, timer, variants["greedy + grammar"], args.batch, args.prompt_len, args.device)  # warm-up: compile the grammar once
+    so = pick_grammar(llm.engine.tokenizer, args.grammar)
+    variants = _variants(args.steps, so)
+    # Warm-up: compile the grammar once.
+    step_ms(llm, timer, variants["greedy + grammar"], args.batch, args.prompt_len, args.device)
     rows, plain = [], {}
     for name, params in variants.items():
         step, mask, n = step_ms(llm, timer, params, args.batch, args.prompt_len, args.device)
+        check_measured(name, n, args.steps)
         base = plain.setdefault(name.split(" + ")[0], step)
         rows.append({"variant": name, "step_ms": round(step, 2), "mask_ms": round(mask, 2),
                      "vs_plain": round(step / base, 3), "steps": n})  # fmt: skip
-    print(f"decode step, batch {args.batch}, {args.device}, {dtype}: medians of the all-decode steps")
+    grammar = "JSON schema" if so.json_schema is not None else f"regex {so.regex}"
+    print(f"decode step, batch {args.batch}, {args.device}, {dtype}, {grammar}: medians of the all-decode steps")
     head = ["variant", "step_ms", "mask_ms", "vs_plain", "steps"]
     print(markdown_table(head, [[str(r[k]) for k in head] for r in rows]))
     if args.json:
-        write_json(args.json, json.dumps({"batch": args.batch, "device": args.device, "rows": rows}))
+        write_json(
+            args.json, json.dumps({"batch": args.batch, "device": args.device, "grammar": grammar, "rows": rows})
+        )
 
 
 if __name__ == "__main__":
