@@ -52,7 +52,7 @@ class PenaltyTokens:
         where = self._where
         if where is None:
             where = self._where = dict(zip(self._tokens[: self._size].tolist(), range(self._size)))
-        for t in np.asarray(new, dtype=np.int64).tolist():
+        for t in new.tolist() if isinstance(new, np.ndarray) else [int(t) for t in new]:
             slot = where.get(t)
             if slot is None:
                 slot = where[t] = self._size
