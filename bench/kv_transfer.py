@@ -6,9 +6,12 @@ producer's blocks through ``KvTransferAgent`` as a decode worker does, every REA
 the source. Cases: contiguous ids, ids fragmented as after churn, and a "raw" READ posted on NIXL
 directly. Baselines: a TCP and a Unix socket on CPU (target: >= the socket), torch's peer copy on
 GPU (target: >= 90 %). --variants repeats with diagnostic agent settings (``inflightN`` READs in
-flight, the progress thread, ...), ``shipped`` first.
+flight, the progress thread, ...), ``shipped`` first. --widths adds hand-overs between
+tensor-parallel widths (``2:1``: a TP2 producer's per-rank pools, each registered where it lies,
+READ by a TP1 consumer; ``1:2`` the other way; bench/kv_widths.py says which card holds which),
+each in a fresh pair of processes, against the same baseline.
 
-    python bench/kv_transfer.py --device cpu|cuda [--gpus 0,1] [--reps 5] [--sizes 256,1024] [--variants shipped,inflight2] [--json out.json]
+    python bench/kv_transfer.py --device cpu|cuda [--gpus 0,1] [--reps 5] [--sizes 256,1024] [--variants shipped,inflight2] [--widths 2:1,1:2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kv_widths import parse_widths, rank_devices, shard_base, widths_name, widths_of, worker_shards
 from bench.report import cpu_name, markdown_table, write_json
 from pdserve.engine.hashing import HASH_VERSION
 from pdserve.kv_transfer.compat import KvLayout
@@ -74,9 +78,33 @@ def bench_layout() -> KvLayout:
 # ----- pools, block lists, the data pattern -------------------------------------------------
 
 
-def alloc_pool(num_blocks: int, device: torch.device) -> torch.Tensor:
-    """``num_blocks`` usable blocks plus the scratch block, as pdserve/engine/runner.py lays it out."""
-    return torch.zeros((num_blocks + 1, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype=DTYPE, device=device)
+def alloc_pool(num_blocks: int, device: torch.device, kv_heads: int = NUM_KV_HEADS) -> torch.Tensor:
+    """``num_blocks`` usable blocks plus the scratch block, as pdserve/engine/runner.py lays it out
+    (a tensor-parallel rank's pool holds its ``kv_heads`` only)."""
+    return torch.zeros((num_blocks + 1, NUM_LAYERS, 2, BLOCK_SIZE, kv_heads, HEAD_DIM), dtype=DTYPE, device=device)
+
+
+def worker_pools(
+    shards: list[tuple[tuple[int, ...], str]] | None, num_blocks: int, device: torch.device, base: torch.Tensor
+) -> list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]:
+    """A worker's pools as (KV heads, pool, its pattern words): one of every head on ``device``
+    (``shards`` None), else each rank's on its own device."""
+    if shards is None:
+        return [(tuple(range(NUM_KV_HEADS)), alloc_pool(num_blocks, device), base)]
+    shape = (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return [
+        (heads, alloc_pool(num_blocks, torch.device(dev), len(heads)), shard_base(base, heads, shape).to(dev))
+        for heads, dev in shards
+    ]
+
+
+def pools_agent(name: str, pools: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]], sharded: bool, **kw: Any):
+    """The worker's KV agent: its one pool, or each rank's pool registered where it lies."""
+    from pdserve.kv_transfer.agent import KvTransferAgent
+
+    if not sharded:
+        return KvTransferAgent(name, pools[0][1], bench_layout(), **kw)
+    return KvTransferAgent(name, None, bench_layout(), shards=[(h, p) for h, p, _ in pools], **kw)
 
 
 def words(pool: torch.Tensor) -> torch.Tensor:
@@ -287,9 +315,12 @@ def producer_main(peer, cfg: dict[str, Any]) -> None:
         device = torch.device(cfg["producer_device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        pool = alloc_pool(cfg["pool_blocks"], device)
-        fill_pattern(pool, pattern_base(cfg["seed"], device))
-        _sync(device)
+        shards = cfg.get("producer_shards")
+        pools = worker_pools(shards, cfg["pool_blocks"], device, pattern_base(cfg["seed"], device))
+        for _, part, part_base in pools:
+            fill_pattern(part, part_base)
+            _sync(part.device)
+        pool = pools[0][1]
         addrs: dict[str, Any] = {}
         if device.type == "cpu" and cfg["sockets"]:
             src = memoryview(pool.view(-1).view(torch.uint8).numpy())
@@ -312,10 +343,8 @@ def producer_main(peer, cfg: dict[str, Any]) -> None:
                 continue
             cmd = peer.recv()
             if cmd[0] == "agent":
-                patch_agent_variant(cfg["variant"])
-                from pdserve.kv_transfer.agent import KvTransferAgent
-
-                agent = KvTransferAgent("bench-producer", pool, bench_layout())
+                patch_agent_variant(cfg.get("agent_variant", cfg["variant"]))
+                agent = pools_agent("bench-producer", pools, shards is not None)
                 idle_cpu = cpu_use(IDLE_CPU_WINDOW_S, agent.notifications)
                 peer.send(("info", agent.info().SerializeToString()))
             elif cmd[0] == "stop":
@@ -400,8 +429,10 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
     if device.type == "cuda":
         info["cards"] = {str(d): torch.cuda.get_device_name(d) for d in (src_device, device)}
         info["peer_access"] = torch.cuda.can_device_access_peer(device.index, src_device.index)
-    pool = alloc_pool(pool_blocks, device)
-    base = pattern_base(seed, device)
+    shards = cfg.get("consumer_shards")
+    pools = worker_pools(shards, pool_blocks, device, pattern_base(seed, device))
+    pool, base = pools[0][1], pools[0][2]
+    devices = sorted({part.device for _, part, _ in pools}, key=str)
     addrs = _expect(peer, "ready")
     rows: list[dict[str, Any]] = []
 
@@ -472,15 +503,14 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
         s.close()
 
     # -- NIXL, through kv_transfer ---------------------------------------------------------------
-    patch_agent_variant(cfg["variant"])
-    from pdserve.kv_transfer.agent import KvTransferAgent
+    patch_agent_variant(cfg.get("agent_variant", cfg["variant"]))
     from pdserve_proto import kv_pb2
 
     peer.send(("agent",))
     remote_info = kv_pb2.KvAgentInfo.FromString(_expect(peer, "info"))
     t0 = time.perf_counter()
-    k = reads_in_flight(cfg["variant"])
-    agent = KvTransferAgent("bench-consumer", pool, bench_layout(), **({} if k is None else {"reads_in_flight": k}))
+    k = reads_in_flight(cfg.get("agent_variant", cfg["variant"]))
+    agent = pools_agent("bench-consumer", pools, shards is not None, **({} if k is None else {"reads_in_flight": k}))
     info["reads_in_flight"] = agent.reads_in_flight
     agent.connect(remote_info)
     info["agent_setup_s"] = time.perf_counter() - t0
@@ -494,14 +524,20 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
         n = case["blocks"]
         remote_ids, local_ids = block_lists(case["pattern"], n, pool_blocks, seed)
         samples, inner = [], []
-        if case["kind"] == "nixl":
+        if cfg.get("staged"):  # READs into the staging area, a turn per STAGING_BLOCKS; counted as they go
+            from pdserve.kv_transfer.staging import STAGING_BLOCKS
+
+            nreads, ndesc = -(-n // STAGING_BLOCKS), None
+        elif case["kind"] == "nixl":
             nreads = len(agent.plan(remote_ids, local_ids))
             ndesc = sum(len(g) for g in agent.plan(remote_ids, local_ids))
         else:  # the raw diagnostic posts one READ
             nreads, ndesc = 1, num_descriptors(remote_ids, local_ids)
         for i in range(warmup + reps):
-            clear(pool, local_ids)
-            _sync(device)
+            for _, part, _ in pools:
+                clear(part, local_ids)
+            for d in devices:  # a staged READ copies into every rank's pool
+                _sync(d)
             notify = f"pulled:{case['label']}:{i}".encode()
             t0 = time.perf_counter()
             if case["kind"] == "nixl":
@@ -509,12 +545,18 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
             else:
                 _raw_read(agent, remote, remote_ids, local_ids, notify)
                 stats = None
-            _sync(device)
+            for d in devices:
+                _sync(d)
             dt = time.perf_counter() - t0
             reads += 1
-            if not verify(pool, base, local_ids, remote_ids, full=i == warmup + reps - 1):
-                raise RuntimeError(f"{case['label']}: data mismatch after READ {i} ({cfg['variant']})")
-            if stats is not None and stats.num_descriptors != ndesc:
+            for heads, part, part_base in pools:  # each rank's heads against the producer's blocks
+                if not verify(part, part_base, local_ids, remote_ids, full=i == warmup + reps - 1):
+                    raise RuntimeError(
+                        f"{case['label']}: data mismatch in KV heads {list(heads)} after READ {i} ({cfg['variant']})"
+                    )
+            if cfg.get("staged"):
+                ndesc = stats.num_descriptors
+            elif stats is not None and stats.num_descriptors != ndesc:
                 raise RuntimeError(f"descriptor count {stats.num_descriptors} != expected {ndesc}")
             if i >= warmup:
                 samples.append(dt)
@@ -535,6 +577,12 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
 def plan_cases(args: argparse.Namespace, variant: str) -> list[dict[str, Any]]:
     sizes = args.sizes if variant == "shipped" else [args.main_blocks]
     cases: list[dict[str, Any]] = []
+    if widths_of(variant):  # between widths: kv_transfer's READs only, held against the shipped baseline
+        n = args.main_blocks
+        return [
+            {"kind": "nixl", "pattern": pattern, "blocks": n, "label": f"kv_transfer READ {pattern} ({variant}), {n} blocks"}
+            for pattern in ("contiguous", "fragmented")
+        ]
     for n in sizes:
         if args.device == "cpu":
             if not args.no_sockets and (variant == "shipped" or n == args.main_blocks):
@@ -585,6 +633,13 @@ def run_variant(
         "cases": plan_cases(args, variant),
         "tmpdir": tmpdir,
     }
+    widths = widths_of(variant)
+    if widths:
+        cfg["agent_variant"] = "shipped"
+        sides = [worker_shards(w, args.device, args.gpus) for w in widths]
+        cfg["producer_shards"], cfg["consumer_shards"] = sides
+        cfg["producer_device"], cfg["consumer_device"] = (rank_devices(w, args.device, args.gpus)[0] for w in widths)
+        cfg["staged"] = widths[0] != widths[1]  # the ranks split the KV heads otherwise: kv_transfer stages
     peer_p, peer_c = ctx.Pipe()
     ctl_parent, ctl_child = ctx.Pipe()
     producer = ctx.Process(target=producer_main, args=(peer_p, cfg), name="kvbench-producer", daemon=True)
@@ -741,6 +796,11 @@ def main() -> None:
         help="comma-separated NIXL agent settings, each run in a fresh pair of processes: 'shipped' "
         "(kv_transfer as is, always run) or '+'-joined diagnostics from: " + ", ".join(VARIANT_OPTIONS),
     )
+    ap.add_argument(
+        "--widths",
+        default="",
+        help="also hand-overs between tensor-parallel widths, PRODUCER:CONSUMER pairs from 2:1, 1:2 (e.g. 2:1,1:2)",
+    )
     ap.add_argument("--ucx-tls", default=None, help="set UCX_TLS for both processes (e.g. 'cma,tcp' or '^cma')")
     ap.add_argument("--no-ucx-info", action="store_true", help="don't ask UCX to log its transport choice")
     ap.add_argument("--no-sockets", action="store_true", help="--device cpu: skip the socket baselines")
@@ -770,6 +830,10 @@ def main() -> None:
         except ValueError as exc:
             ap.error(f"--variants: {exc}")
     variants = ["shipped"] + [v for v in variants if v != "shipped"]
+    try:
+        variants += [widths_name(p, d) for p, d in parse_widths(args.widths)]
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.reps < 1 or args.warmup < 0:
         ap.error("--reps must be >= 1 and --warmup >= 0")
     if args.device == "cuda":
