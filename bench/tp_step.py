@@ -304,14 +304,11 @@ def measure_engine(
     return rows
 
 
-def _free(llm: LLM) -> None:
+def _stop_ranks(llm: LLM) -> None:
+    """Stop a TP engine's other ranks now (their memory goes with them)."""
     runner = llm.engine.runner
     if hasattr(runner, "ranks"):
         runner.close()
-    del llm, runner
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ----- greedy agreement ---------------------------------------------------------------------
@@ -408,8 +405,11 @@ def run_shape(
             rows += measure_engine(llm, s, shape, cfg, width, mode, rates, floors if width > 1 else {}, rng)
             tokens[(width, mode)] = greedy_tokens(llm, prompts, s.max_new)
         finally:
-            _free(llm)
-            llm = None
+            _stop_ranks(llm)
+            llm = None  # the engine's memory goes before the next one loads (it holds cycles: gc)
+            gc.collect()
+            if on_cuda:
+                torch.cuda.empty_cache()
     want = tokens.get((1, "eager")) or tokens[(1, tp1_modes[0])]
     reference = Fp32Reference(str(model_dir), "cuda:0" if on_cuda else "cpu")
     agreed = agreement(reference, prompts, tokens[(2, "eager" if on_cuda else "cpu")], want)
