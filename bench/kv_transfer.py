@@ -635,7 +635,7 @@ def run_variant(
     }
     widths = widths_of(variant)
     if widths:
-        cfg["agent_variant"] = "shipped"
+        cfg["agent_variant"], cfg["sockets"] = "shipped", False  # the baseline is the shipped run's
         sides = [worker_shards(w, args.device, args.gpus) for w in widths]
         cfg["producer_shards"], cfg["consumer_shards"] = sides
         cfg["producer_device"], cfg["consumer_device"] = (rank_devices(w, args.device, args.gpus)[0] for w in widths)
