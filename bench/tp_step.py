@@ -396,8 +396,8 @@ def run_shape(
     prompts = random_prompts(cfg["vocab_size"], seed=29, lengths=s.prompt_lengths)
     rows: list[StepRow] = []
     tokens: dict[tuple[int, str], list[list[int]]] = {}
-    rng = random.Random(seed)
     for width, mode in [(1, m) for m in tp1_modes] + [(2, "eager" if on_cuda else "cpu")]:
+        rng = random.Random(seed)  # every engine gets the same prompts
         t0 = time.perf_counter()
         llm = LLM(str(model_dir), **engine_options(s, cfg, width, mode))
         info[f"load_s_tp{width}_{mode}"] = round(time.perf_counter() - t0, 1)
