@@ -47,6 +47,7 @@ class StubNixl:
 def stub_agent() -> KvTransferAgent:
     agent = object.__new__(KvTransferAgent)
     agent.pool = torch.zeros((9, 4))
+    agent._base = agent.pool.data_ptr()  # as the constructor sets it: shard offsets count from here
     agent.block_bytes = 16
     agent.device_id = 0
     agent.memory_type = "DRAM"
