@@ -141,7 +141,9 @@ def take_logprobs(r: InFlight, item: tuple) -> None:
         r.top_logprobs += item[3]
     if len(item) > 4 and not r.generated:  # a stream resumed elsewhere sent them already
         r.prompt_logprobs = item[4]
-    elif item[0] and not r.generated and r.params.prompt_logprobs is not None:  # its first tokens, unscored
+    elif item[0] and not r.generated and r.prompt_logprobs is None and r.params.prompt_logprobs is not None:
+        # Its first tokens came unscored (tokens queued behind scored ones are coalesced into
+        # the first chunk before `generated` counts them: those are fine).
         raise unscored(r.d_at.worker, "decode")
 
 

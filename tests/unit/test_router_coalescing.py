@@ -8,9 +8,12 @@ import asyncio
 from dataclasses import asdict
 from types import SimpleNamespace
 
+import pytest
+
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.router.client_stream import ClientStream
+from pdserve.router.handles import RouterError
 from pdserve.router.membership import MembershipConfig
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.token_stream import Stream, WorkerLost
@@ -109,8 +112,35 @@ def test_a_stop_string_cuts_where_it_would_chunk_by_chunk():
     assert aborted == ["r"]  # the worker stops decoding it
 
 
+def _in_flight(completion: int, detok: IncrementalDetokenizer, generated: list[int] | None = None,
+               prompt_logprobs: object = None, scored: bool = False) -> SimpleNamespace:
+    """The fields of a router's `InFlight` that coalescing reads."""
+    return SimpleNamespace(
+        stream=Stream("decode-0"), completion=completion, detok=detok, generated=list(generated or []),
+        prompt_logprobs=prompt_logprobs, params=SimpleNamespace(prompt_logprobs=1 if scored else None),
+        logprobs=[], top_logprobs=[], d_at=SimpleNamespace(worker="decode-0"),
+    )
+
+
+def test_tokens_queued_behind_a_scored_first_update_join_its_chunk():
+    """A scored request's first update carries its prompt logprobs; updates queued behind it
+    are coalesced into the same first chunk (before `generated` counts any token) and are not
+    taken for an unscored prefill."""
+    r = _in_flight(completion=0, detok=IncrementalDetokenizer(None), prompt_logprobs="scored", scored=True)
+    r.stream.queue.put_nowait(([1], "", [], []))
+    r.stream.queue.put_nowait(([2], "length", [], []))
+    assert ClientStream._take_queued(r, [0], "") == ([0, 1, 2], "length", False, None)
+
+
+def test_an_unscored_first_update_of_a_scored_request_is_refused():
+    r = _in_flight(completion=0, detok=IncrementalDetokenizer(None), scored=True)
+    r.stream.queue.put_nowait(([1], "", [], []))
+    with pytest.raises(RouterError, match="prompt_logprobs"):
+        ClientStream._take_queued(r, [0], "")
+
+
 def test_coalescing_stops_at_an_item_that_is_not_tokens_and_hands_it_back():
-    r = SimpleNamespace(stream=Stream("decode-0"), completion=1, detok=IncrementalDetokenizer(Letters()))
+    r = _in_flight(completion=1, detok=IncrementalDetokenizer(Letters()), generated=[0])
     lost = WorkerLost("decode-0", "gone")
     for item in ([1], ""), ([2], ""), lost, ([3], ""):
         r.stream.queue.put_nowait(item)
@@ -121,7 +151,7 @@ def test_coalescing_stops_at_an_item_that_is_not_tokens_and_hands_it_back():
 
 
 def test_coalescing_ends_at_a_finish_and_leaves_what_follows():
-    r = SimpleNamespace(stream=Stream("decode-0"), completion=0, detok=IncrementalDetokenizer(None))
+    r = _in_flight(completion=0, detok=IncrementalDetokenizer(None))
     late = WorkerLost("decode-0", "late")
     r.stream.queue.put_nowait(([1], "length"))
     r.stream.queue.put_nowait(late)
