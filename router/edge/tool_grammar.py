@@ -13,8 +13,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import xgrammar
-
 from pdserve_proto import inference_pb2
 
 # xgrammar's errors start with a time and its source position: "[17:55:09] /x/y.cc:83: message".
@@ -53,6 +51,9 @@ def strict_auto_grammar(tools: Sequence[inference_pb2.Tool], strict: Sequence[bo
         tags += [{"begin": begin, "content": {"type": "json_schema", "json_schema": schema}, "end": end}
                  for begin, end in forms(tool.name)]
     tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": list(triggers), "tags": tags}}
+    # Imported here: xgrammar brings torch, which a router process does not load otherwise.
+    import xgrammar
+
     try:
         return str(xgrammar.Grammar.from_structural_tag(json.dumps(tag)))
     except (ValueError, RuntimeError) as exc:  # a schema xgrammar cannot hold
