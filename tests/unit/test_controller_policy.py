@@ -9,19 +9,7 @@ from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
 from pdserve.control.signals import Role, Slo
 from tests.unit.controller_load import MODEL, PROMPT, signals
-
-
-def run(ctrl: Controller, p: int, d: int, load, intervals: int, start: float = 0.0):
-    """Decide every interval, applying each flip at once (the flip time is in the interval)."""
-    flips, t = [], start
-    for i in range(intervals):
-        dec = ctrl.decide(signals(t, p, d, *load(i)), MODEL)
-        if dec.action == "flip":
-            flips.append((i, dec.flip_from))
-            k = dec.count
-            p, d = (p - k, d + k) if dec.flip_from is Role.PREFILL else (p + k, d - k)
-        t += ctrl.interval_s
-    return p, d, flips
+from tests.unit.controller_runs import run_flips as run
 
 
 def controller(workers: int) -> Controller:

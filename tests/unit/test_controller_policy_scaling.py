@@ -7,17 +7,17 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from dataclasses import replace
 
 import pytest
 
 from pdserve.cli import main
 from pdserve.control.controller import Controller
 from pdserve.control.controller_config import ControllerConfig
-from pdserve.control.signals import Role, Slo
+from pdserve.control.signals import Slo
 from pdserve.control.simulator import SimConfig, simulate
 from pdserve.control.trace import SimRequest
 from tests.unit.controller_load import MODEL, signals
+from tests.unit.controller_runs import run_scaling as run
 
 START_S = 20.0
 
@@ -27,33 +27,7 @@ def scaling(workers: int, max_workers: int | None, start_s: float = START_S, **k
     return Controller(cfg, flip_s=MODEL.flip_s, start_s=start_s)
 
 
-def run(ctrl: Controller, p: int, d: int, load, intervals: int):
-    """Decide every interval; flips and removals apply at once, an add (of the difference to its
-    target split) after its start time. Returns the pools at the end, the changes [(interval,
-    action, pool, count)] and the most workers held."""
-    changes, starting, most, t = [], None, p + d, 0.0
-    for i in range(intervals):
-        if starting is not None and t >= starting[0]:
-            p, d = p + starting[1], d + starting[2]
-            starting = None
-        held = p + d + (0 if starting is None else starting[1] + starting[2])
-        most = max(most, held)
-        s = replace(signals(t, p, d, *load(i), in_flight=starting is not None), total_workers=held)
-        dec = ctrl.decide(s, MODEL)
-        if dec.action == "flip":
-            k = dec.count
-            p, d = (p - k, d + k) if dec.flip_from is Role.PREFILL else (p + k, d - k)
-            changes.append((i, "flip", dec.flip_from, k))
-        elif dec.action == "add":
-            kp, kd = dec.target_prefill - p, dec.target_decode - d
-            assert kp >= 0 and kd >= 0 and kp + kd == dec.count >= 1
-            starting = (t + ctrl.start_s, kp, kd)
-            changes.append((i, "add", dec.pool, dec.count))
-        elif dec.action == "remove":
-            p, d = (p - 1, d) if dec.pool is Role.PREFILL else (p, d - 1)
-            changes.append((i, "remove", dec.pool, 1))
-        t += ctrl.interval_s
-    return p, d, changes, most
+
 
 
 def test_a_sustained_overload_adds_workers_up_to_the_ceiling_and_no_further():

@@ -22,8 +22,8 @@ from pdserve.control.widths import flip_refusal
 from pdserve.telemetry.metrics import RouterMetrics
 from tests.unit import control_loop_doubles as doubles
 from tests.unit.controller_load import MODEL, signals
-from tests.unit.test_controller_policy import run
-from tests.unit.test_controller_policy_scaling import run as run_scaling
+from tests.unit.controller_runs import run_flips as run
+from tests.unit.controller_runs import run_scaling
 
 REFUSED = "the prefill pool's workers span 2 ranks and the decode pool's 1"
 

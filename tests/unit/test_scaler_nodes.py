@@ -9,7 +9,7 @@ import asyncio
 from pdserve.cluster.scaler import WorkerScaler, gpu_room
 from pdserve.control.signals import Role
 from pdserve.control.widths import node_for
-from tests.unit.test_tp_placement import _Hosts
+from tests.unit.scaler_hosts import RecordingHosts
 
 
 def test_gpus_free_on_two_nodes_do_not_make_one_worker():
@@ -36,7 +36,7 @@ def test_a_labelled_pools_worker_needs_a_node_offering_its_resource():
 
 def _adds(free: dict, counts: dict, widths: dict, labelled: bool = False) -> tuple[list[str], str | None]:
     async def run() -> tuple[list[str], str | None]:
-        scaler = WorkerScaler(None, _Hosts(), gpu=True, cpus_per_worker=0,  # type: ignore[arg-type]
+        scaler = WorkerScaler(None, RecordingHosts(), gpu=True, cpus_per_worker=0,  # type: ignore[arg-type]
                               free_per_node=lambda: free, widths=widths, labelled=labelled)  # fmt: skip
         out = scaler.add(counts)
         await asyncio.wait_for(asyncio.gather(*scaler._tasks), 5)

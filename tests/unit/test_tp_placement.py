@@ -16,6 +16,7 @@ from pdserve.cluster.scaler import WorkerScaler, room_for
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.control.signals import Role
 from pdserve_proto import kv_pb2
+from tests.unit.scaler_hosts import RecordingHosts
 
 
 def node(address: str, gpus: float = 0, pools: tuple[str, ...] = ()) -> NodeOffer:
@@ -86,26 +87,12 @@ def test_room_for_a_wide_worker_counts_its_gpus():
     assert room_for({"CPU": 4.0}, gpu=False, cpus=4, gpus=2) is None  # CPU workers: their threads, not GPUs
 
 
-class _Hosts:
-    """The scaler's host, recording the adds (no actors: the check under test comes before them)."""
 
-    def __init__(self) -> None:
-        self.added: list[str] = []
-
-    def worker_count(self) -> int:
-        return 2
-
-    async def add_worker(self, role: str) -> str:
-        self.added.append(role)
-        return f"{role}-{len(self.added)}"
-
-    def stop_worker(self, worker_id: str) -> None:
-        raise AssertionError("no removal here")
 
 
 def test_the_scaler_adds_only_what_the_free_gpus_hold_by_width():
     async def run() -> tuple[list[str], str | None, list[str]]:
-        hosts = _Hosts()
+        hosts = RecordingHosts()
         scaler = WorkerScaler(None, hosts, gpu=True, cpus_per_worker=0,  # type: ignore[arg-type]
                               free_per_node=lambda: {"n1": {"GPU": 5.0}}, widths={"prefill": 4, "decode": 2})  # fmt: skip
         started, why = scaler.add({Role.PREFILL: 1, Role.DECODE: 1})
