@@ -30,8 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cpu_name, markdown_table, write_json  # noqa: E402
-
+from bench.report import add_json_option, cpu_name, markdown_table, write_json
 from pdserve import LLM, SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -548,14 +547,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="1b,8b", help="comma-separated subset of: " + ",".join(SHAPES))
-    ap.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
-        help="also write the results as JSON to PATH (or stdout with no PATH)",
-    )
+    add_json_option(ap)
     ap.add_argument(
         "--profile",
         nargs="?",

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kv_widths import parse_widths, rank_devices, shard_base, widths_name, widths_of, worker_shards
-from bench.report import cpu_name, markdown_table, write_json
+from bench.report import add_json_option, cpu_name, markdown_table, write_json
 from pdserve.engine.hashing import HASH_VERSION
 from pdserve.kv_transfer.compat import KvLayout
 from pdserve.kv_transfer.descriptors import coalesce, split_large
@@ -805,14 +805,7 @@ def main() -> None:
     ap.add_argument("--no-ucx-info", action="store_true", help="don't ask UCX to log its transport choice")
     ap.add_argument("--no-sockets", action="store_true", help="--device cpu: skip the socket baselines")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw busy-poll diagnostic READ")
-    ap.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
-        help="also write the results as JSON to PATH (or stdout with no PATH)",
-    )
+    add_json_option(ap)
     args = ap.parse_args()
     try:
         args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})

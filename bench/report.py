@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 
@@ -33,3 +34,15 @@ def write_json(path: str, payload: str) -> None:
         print(payload)
     else:
         Path(path).write_text(payload + "\n")
+
+
+def add_json_option(ap: argparse.ArgumentParser) -> None:
+    """The benches' `--json [PATH]`: also write the results as JSON to PATH, or stdout with none."""
+    ap.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON to PATH (or stdout with no PATH)",
+    )

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine import SHAPES, decode_steps, prefill_flops, prefill_time
 from bench.random_model import write_model
-from bench.report import cpu_name, markdown_table, write_json
+from bench.report import add_json_option, cpu_name, markdown_table, write_json
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.tp_layout import shard_config, shard_layout
@@ -490,14 +490,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-dir", type=Path, default=None, help="keep the random models here (one folder per shape, reused)"
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
-        help="also write the results as JSON to PATH (stdout with no PATH)",
-    )
+    add_json_option(ap)
     args = ap.parse_args(argv)
     args.shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
     for x in args.shapes:
