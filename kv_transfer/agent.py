@@ -36,7 +36,15 @@ from pdserve.kv_transfer.shards import (
     specs_of_info,
     whole_pool,
 )
-from pdserve.kv_transfer.staging import STAGING_BLOCKS, Desc, copy_out, direct_descriptors, staged_descriptors
+from pdserve.kv_transfer.staging import (
+    STAGING_BLOCKS,
+    Desc,
+    copy_out,
+    direct_descriptors,
+    queued_copies,
+    staged_descriptors,
+    wait_for,
+)
 from pdserve.kv_transfer.transport import KvTransferError, TransferStats
 from pdserve_proto import kv_pb2
 
@@ -130,6 +138,7 @@ class KvTransferAgent:
         self._peers: dict[str, tuple[tuple[ShardSpec, ...], list[SlotRun] | None]] = {}
         self._staging: tuple[torch.Tensor, object] | None = None  # area and its registration
         self._staging_lock = threading.Lock()  # one staged READ at a time: they share the area
+        self._staging_copies: list[torch.cuda.Event] = []  # the last copy out of the area, queued on the GPU
         self.memory_type = "VRAM" if self.pool.is_cuda else "DRAM"
         self.device_id = (self.pool.device.index or 0) if self.pool.is_cuda else 0
         # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, and
@@ -298,8 +307,11 @@ class KvTransferAgent:
             bases, devices = (area.data_ptr(), remote.pool_address), (self.device_id, remote.device_id)
             for at in range(0, len(remote_ids), STAGING_BLOCKS):
                 local, remote_descs, areas = staged_descriptors(remote_ids[at : at + STAGING_BLOCKS], specs, used, bases, devices)
+                # A copy out still queued on a GPU would read what this READ writes over.
+                wait_for(self._staging_copies)
                 self._run_reads(remote_agent, [(local, remote_descs)], b"", what, start, timeout_s)
                 copy_out(area, areas, specs, runs, self._pools, local_ids[at : at + STAGING_BLOCKS])
+                self._staging_copies = queued_copies(area, self._pools)
                 descriptors += len(local)
             if notify:
                 with self._lock, _nixl_errors(f"notifying {remote_agent} after the {what}"):
@@ -313,6 +325,7 @@ class KvTransferAgent:
         if self._staging is not None and self._staging[0].numel() >= nbytes:
             return self._staging[0]
         area = torch.empty(nbytes, dtype=torch.uint8, device=self.pool.device)
+        wait_for(self._staging_copies)  # the old area is freed below
         with self._lock, _nixl_errors("registering the KV staging area"):
             if self._staging is not None:
                 self._agent.deregister_memory(self._staging[1])
@@ -371,6 +384,7 @@ class KvTransferAgent:
             self._remotes.clear()
             agent.deregister_memory(self._registration)
             if self._staging is not None:
+                wait_for(self._staging_copies)
                 agent.deregister_memory(self._staging[1])
                 self._staging = None
             del self._registration, agent

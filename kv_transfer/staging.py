@@ -6,7 +6,8 @@ Different splits: a KV head's bytes within a block are one `head_dim` row per la
 token, so reading a head range in place would take that many descriptors per block. Instead
 the whole blocks of the producer shards that hold the heads are READ into a staging area
 (registered once, reused), and each local slot is then copied from there: every byte crosses
-the link once and is copied once more, locally."""
+the link once and is copied once more, locally; the next READ into the area waits for those
+copies, queued on the GPU (`queued_copies`)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,20 @@ def copy_out(
         dst = pools[run.dst][:, :, :, :, run.dst_slot : run.dst_slot + run.count]
         for first, k, count in blocks:  # one strided copy per run of consecutive local blocks
             dst[first : first + count].copy_(src[k : k + count])
+
+
+def queued_copies(staging: torch.Tensor, pools: Sequence[torch.Tensor]) -> list[torch.cuda.Event]:
+    """An event after the copies just queued out of `staging` on each GPU they involve (the
+    current stream of the area's device and of every pool's): none on CPU, where they are done."""
+    events = []
+    for device in {t.device for t in (staging, *pools) if t.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+def wait_for(events: list[torch.cuda.Event]) -> None:
+    """Block until every event of `queued_copies` has passed."""
+    for event in events:
+        event.synchronize()
