@@ -10,7 +10,6 @@ tokens lazily, before each mask; the grammar ends the output by allowing only EO
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -26,14 +25,6 @@ from pdserve.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept, most recently used first
-MAX_MASK_THREADS = 8
-
-
-def mask_threads() -> int:
-    """Threads that fill a step's grammar masks: half the cores this process may run on (the
-    rest for the engine loop, the runtime's own threads and other workers), 1 to 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_MASK_THREADS, cores // 2))
 
 
 @dataclass
@@ -109,9 +100,7 @@ class GrammarMasks:
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            # The masks of a step's rows are filled in parallel: one thread fills 64 rows in
-            # about a decode step of a small model, on the step's critical path.
-            self._batch = xgr.BatchGrammarMatcher(max_threads=mask_threads())
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         return self._compiler
 
     def mask(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> bool:

@@ -153,24 +153,3 @@ def test_prepare_compiles_a_grammar_on_the_callers_thread_and_admission_finds_it
         grammar._compiled_locked = real
     with pytest.raises(ValueError, match=r"^structured_output\.regex"):
         engine.prepare(SamplingParams(structured_output=StructuredOutput(regex="(unclosed")))
-
-
-def test_masks_filled_on_several_threads_give_the_same_tokens(llm: LLM):
-    """The masks of a step's rows are filled in parallel where there are cores (`mask_threads`);
-    this machine may give one thread, so four are forced here: the draws are those of one."""
-    import xgrammar as xgr
-
-    so = StructuredOutput(regex=r"[a-z]{1,6}( [a-z]{1,6}){0,4}")
-    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=40 + i, structured_output=so) for i in range(6)]
-    grammar = llm.engine.grammar
-    grammar.compiled(so)  # the vocabulary read, the batch matcher made
-    one = grammar._batch
-    try:
-        grammar._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        serial = [o.token_ids for o in llm.generate(_prompts(llm, 6), params)]
-        grammar._batch = xgr.BatchGrammarMatcher(max_threads=4)
-        parallel = [o.token_ids for o in llm.generate(_prompts(llm, 6), params)]
-    finally:
-        grammar._batch = one
-    assert parallel == serial
-    assert all(len(t) > 1 for t in serial)
