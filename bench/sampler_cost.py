@@ -6,7 +6,8 @@ the logits processing alone (`process_logits`: its host time, and the torch ops 
 
 The processing is timed on rows of 64 prompt tokens and 0 to 200 output tokens, each call one
 token longer per row, as decode steps are: with each sequence's kept `PenaltyTokens` (as the
-engine runs it), and rebuilt from the tokens at every call. `--processing-only` skips the model.
+engine runs it on CPU), rebuilt from the tokens at every call, and from the state kept on the
+device (`PenaltySlots`, as the engine runs it on CUDA). `--processing-only` skips the model.
 
     python bench/sampler_cost.py [--model DIR] [--device cpu|cuda] [--batch 64] [--steps 24] [--json out.json]
     python bench/sampler_cost.py --processing-only [--vocab 128256] [--reps 60]
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import markdown_table, write_json
 from pdserve import LLM, SamplingParams
 from pdserve.engine.logits_processing import RowTokens, process_logits
+from pdserve.engine.penalty_slots import PenaltySlots
 from pdserve.engine.penalty_tokens import PenaltyTokens
 from pdserve.engine.sampler import sample
 
@@ -111,23 +113,25 @@ def processing(
     reps: int,
     inplace: bool = False,
     pending: bool = False,
+    device_state: bool = False,
 ) -> tuple[float, int]:
     """(median host ms, torch ops) of `process_logits` on [batch, vocab] logits: rows of PROMPT_LEN
     prompt tokens and 0 to 150 output tokens to start with, each call one token longer per row
     (so up to 200 after 50 calls). `cached`: each row keeps its `PenaltyTokens` between calls.
     `inplace` and `pending` (a drawn token on the device for every row) as an overlapped greedy
-    step runs it."""
+    step runs it. `device_state`: the penalties from `PenaltySlots` (as the engine does on CUDA)."""
     rng = np.random.default_rng(2)
     logits = torch.from_numpy(rng.standard_normal((batch, vocab), dtype=np.float32)).to(device)
     outs = [150 * i // max(batch - 1, 1) for i in range(batch)]
     tokens = [rng.integers(0, vocab, PROMPT_LEN + n).tolist() for n in outs]
     caches = [PenaltyTokens() for _ in range(batch)]
+    slots = PenaltySlots(vocab, torch.device(device)) if device_state else None
     times, ops = [], 0
     for rep in range(reps):
         for t in tokens:
             t.append(int(rng.integers(0, vocab)))
         rows = [
-            RowTokens(np.asarray(t), len(t) - PROMPT_LEN, int(pending), c if cached else None)
+            RowTokens(np.asarray(t), len(t) - PROMPT_LEN, int(pending), c if cached else None, c)
             for t, c in zip(tokens, caches)
         ]
         drawn = torch.from_numpy(rng.integers(0, vocab, batch)).to(device) if pending else None
@@ -135,11 +139,11 @@ def processing(
         _sync(device)
         if rep == reps - 1:
             with OpCounter() as counter:
-                process_logits(x, [params] * batch, rows, (0,), drawn, inplace)
+                process_logits(x, [params] * batch, rows, (0,), drawn, inplace, slots)
             ops = counter.ops
             continue
         t0 = time.perf_counter()
-        process_logits(x, [params] * batch, rows, (0,), drawn, inplace)
+        process_logits(x, [params] * batch, rows, (0,), drawn, inplace, slots)
         _sync(device)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times[2:]), ops
@@ -156,8 +160,9 @@ def processing_table(batch: int, vocab: int, device: str, reps: int) -> list[dic
             ("rebuilt", False, False, False),
             ("kept, in place", True, True, False),
             ("kept, in place, pending", True, True, True),
+            ("device state, in place, pending", True, True, True),
         ):
-            ms, ops = processing(params, batch, vocab, device, cached, reps, inplace, pending)
+            ms, ops = processing(params, batch, vocab, device, cached, reps, inplace, pending, how.startswith("device"))
             rows.append({"variant": name, "tokens": how, "host_ms": round(ms, 3), "ops": ops})
             print(rows[-1], flush=True)
     return rows

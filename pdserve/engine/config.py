@@ -206,6 +206,9 @@ class EngineConfig(EngineArgs):
     # Launch decode step n+1 before reading step n's tokens back (greedy decode batches only);
     # None: on where decode steps are CUDA graphs, the only place the host's time shows.
     overlap_decode: bool | None = None
+    # Penalties from state kept on the device (`PenaltySlots`: per-step host work that does not
+    # grow with a row's tokens) instead of each row's tokens gathered on the host; None: on CUDA.
+    penalties_on_device: bool | None = None
     cuda_graph_max_batch: int = 512  # decode batches up to this run as CUDA graphs (capped by max_num_seqs)
     # Mixed steps (a prompt chunk beside running decodes): the one-query rows attend through the
     # Triton split-KV decode kernel, the rest through flash-attn (kernels/mixed_attention.py).

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.engine.penalty_slots import PenaltySlots
 from pdserve.engine.penalty_tokens import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_inputs import to_device
@@ -35,6 +36,8 @@ class RowTokens:
     pending: int = 0
     # The sequence's own `PenaltyTokens`, kept between its steps; None: built for this step.
     cache: PenaltyTokens | None = None
+    # The sequence itself, whose state `PenaltySlots` keeps on the device between its steps.
+    owner: object | None = None
 
 
 def process_logits(
@@ -44,12 +47,14 @@ def process_logits(
     eos_token_ids: Sequence[int],
     pending: torch.Tensor | None = None,
     inplace: bool = False,
+    slots: PenaltySlots | None = None,
 ) -> torch.Tensor:
     """`logits` [B, vocab] as the rows' params change them: the same tensor when no row asks
     for anything, else a processed copy (the raw logits stay for logprobs), or `logits` itself
     changed with `inplace`. `pending` [B] (on the device): each row's output token not in its
     `RowTokens` yet, or `vocab` for none (a row with one has `RowTokens.pending` 1); it counts
-    as the penalties' last output token without the host waiting for it."""
+    as the penalties' last output token without the host waiting for it. `slots`: the
+    penalties from the state kept there (rows need their `owner`), else from the rows' tokens."""
     wanted = [i for i, p in enumerate(params) if p.processes_logits]
     if not wanted:
         return logits
@@ -72,6 +77,8 @@ def process_logits(
             stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
             banned += [i * vocab + t for t in sorted(stops) if t < vocab]
     pen = [i for i in wanted if params[i].penalized]
+    if slots is not None and rows is not None and pen:
+        return _slot_penalties(logits, params, rows, pen, slots, bias_at, bias, banned, pending, inplace)
     held = (
         _Held.of([rows[i] for i in pen], [params[i] for i in pen], pen, len(params), vocab, pending is not None)
         if rows is not None and pen
@@ -98,6 +105,58 @@ def process_logits(
         flat.index_fill_(0, ints_dev[nb : nb + nx], float("-inf"))
     if held is not None:
         held.apply(flat, ints_dev[nb + nx :], floats_dev[nb:].view(len(params), 3), pending)
+    return out
+
+
+def _slot_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[RowTokens], pen: list[int],
+    slots: PenaltySlots, bias_at: list[int], bias: list[float], banned: list[int], pending: torch.Tensor | None,
+    inplace: bool,
+) -> torch.Tensor:  # fmt: skip
+    """`process_logits` with the penalties of rows `pen` from `slots`: bias and min_tokens as
+    there, then the slots brought up to date (the rows' new tokens, the draws in flight) and the
+    penalties over the penalized rows. One copy to the device for the integers, one for the floats."""
+    pr = [rows[i] for i in pen]
+    with_pending = pending is not None
+    slot_of, adds = slots.prepare(
+        [r.owner for r in pr], [r.token_ids for r in pr], [len(r.token_ids) - r.num_output for r in pr],
+        [with_pending and bool(r.pending) for r in pr],
+    )  # fmt: skip
+    in_flight = np.asarray([j for j, r in enumerate(pr) if with_pending and r.pending], dtype=np.int64)
+    nb, nx, p, k = len(bias_at), len(banned), len(pen), len(in_flight)
+    ints = np.concatenate([np.asarray(bias_at + banned, dtype=np.int64), np.asarray(pen, dtype=np.int64), slot_of,
+                           in_flight, adds.ravel()])  # fmt: skip
+    knobs = [(params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty) for i in pen]
+    floats = np.concatenate([np.asarray(bias, dtype=np.float32), np.asarray(knobs, dtype=np.float32).ravel()])
+    ints_dev = to_device(ints, logits.device)
+    floats_dev = to_device(floats, logits.device).to(logits.dtype)
+    out = logits if inplace else logits.clone()
+    flat = out.view(-1)
+    if nb:
+        flat.index_add_(0, ints_dev[:nb], floats_dev[:nb])
+    if nx:
+        flat.index_fill_(0, ints_dev[nb : nb + nx], float("-inf"))
+    at = nb + nx
+    pen_dev, slot_dev, flight_dev = (
+        ints_dev[at : at + p],
+        ints_dev[at + p : at + 2 * p],
+        ints_dev[at + 2 * p : at + 2 * p + k],
+    )
+    if adds.shape[1]:
+        slots.add(ints_dev[at + 2 * p + k :].view(2, -1))
+    if k:
+        slots.count_pending(
+            slot_dev.index_select(0, flight_dev), pending.index_select(0, pen_dev.index_select(0, flight_dev))
+        )
+    use_rep = any(params[i].repetition_penalty != 1.0 for i in pen)
+    use_counts = any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0 for i in pen)
+    whole = p == out.shape[0]
+    x = out if whole else out.index_select(0, pen_dev)
+    x = slots.apply(x, slot_dev, floats_dev[nb:].view(p, 3), use_rep, use_counts)
+    if whole:
+        out.copy_(x)
+    else:
+        out.index_copy_(0, pen_dev, x)
     return out
 
 

@@ -24,6 +24,7 @@ from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
 from pdserve.engine.logits_processing import RowTokens, process_logits
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
+from pdserve.engine.penalty_slots import PenaltySlots
 from pdserve.engine.prompt_logprobs import score_step
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledSeq
@@ -91,6 +92,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs where they are on
         self.grammar: GrammarMasks | None = None  # structured output's masks; the engine sets it
         self.step_graphs: StepGraphs | None = None  # prefill and mixed steps, likewise
+        on_device = cfg.penalties_on_device
+        self._slots_wanted = on_device if on_device is not None else self.device.type == "cuda"
+        self._penalty_slots: PenaltySlots | None = None  # made on the first penalized row
         pin = self.device.type == "cuda"
         self._token_mirrors = [torch.zeros(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_turn = 0
@@ -131,10 +135,11 @@ class ModelRunner:
                     s.seq.token_array(),
                     s.seq.params.output_offset + s.seq.num_output_tokens,
                     cache=s.seq.penalty_tokens,
+                    owner=s.seq,
                 )
                 for s in sampled
             ]
-        out = sample(logits, params, gens, self.default_generator, rows, tuple(eos_token_ids))
+        out = sample(logits, params, gens, self.default_generator, rows, tuple(eos_token_ids), self._slots(logits))
         return {
             s.seq.request_id: SampledToken(
                 out.tokens[i],
@@ -240,6 +245,7 @@ class ModelRunner:
                 s.seq.params.output_offset + s.seq.num_output_tokens,
                 int(j in pending_rows),
                 s.seq.penalty_tokens,
+                s.seq,
             )
             for j, s in enumerate(sampled)
         ]
@@ -249,7 +255,14 @@ class ModelRunner:
             index = to_device(np.asarray(list(pending_rows.items()), dtype=np.int64).T.copy(), self.device)
             pending.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
         # In place: a launched step reads only the processed logits (its argmax).
-        return process_logits(logits, [s.seq.params for s in sampled], rows, eos_token_ids, pending, inplace=True)
+        params = [s.seq.params for s in sampled]
+        return process_logits(logits, params, rows, eos_token_ids, pending, inplace=True, slots=self._slots(logits))
+
+    def _slots(self, logits: torch.Tensor) -> PenaltySlots | None:
+        """The penalties' device state where it is on (`EngineConfig.penalties_on_device`)."""
+        if self._slots_wanted and self._penalty_slots is None:
+            self._penalty_slots = PenaltySlots(logits.shape[-1], logits.device)
+        return self._penalty_slots
 
     def _feed(self, input_ids: torch.Tensor, tokens: torch.Tensor, feed: list[tuple[int, int]] | tuple) -> None:
         """input_ids[row] = tokens[k] for each (row, k) of `feed`, on the device."""

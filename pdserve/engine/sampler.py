@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.logits_processing import RowTokens, process_logits
+from pdserve.engine.penalty_slots import PenaltySlots
 from pdserve.engine.sampling_params import SamplingParams
-
 
 _TOP_K_ONLY = 1024  # below this top-k for every row, top-k/top-p look at the k largest only
 
@@ -40,10 +40,11 @@ def sample(
     default_generator: torch.Generator,
     rows: Sequence[RowTokens] | None = None,
     eos_token_ids: Sequence[int] = (),
+    slots: PenaltySlots | None = None,
 ) -> Sampled:
     """logits: [B, vocab] float32, one row per params. `rows` (the tokens so far) is needed
-    only when some row has penalties or min_tokens."""
-    processed = process_logits(logits, params, rows, eos_token_ids)
+    only when some row has penalties or min_tokens; `slots`: the penalties' device state, if kept."""
+    processed = process_logits(logits, params, rows, eos_token_ids, slots=slots)
     tokens = processed.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

@@ -18,6 +18,7 @@ from pdserve.engine import logits_processing, runner, sampler
 from pdserve.engine.logits_processing import RowTokens, process_logits
 from pdserve.engine.penalty_tokens import PenaltyTokens
 from tests.engine.greedy_reference import mixed_prompts, step_with_arrivals
+from tests.engine.penalty_reference import dense_penalties
 
 
 def _fresh(tokens: list[int], num_output: int) -> dict[int, int]:
@@ -50,30 +51,6 @@ def test_kept_state_equals_the_tokens_as_they_grow_and_after_a_break():
     assert _as_dict(kept.update([5, 7, 7], 2)) == {5: 0, 7: 2}  # a token it took in changed
 
 
-def _dense(logits, params, token_lists, num_outputs, pending):
-    """The penalties over the whole vocabulary, in `process_logits`' order and arithmetic."""
-    out = logits.clone()
-    vocab = logits.shape[1]
-    for i, p in enumerate(params):
-        for t, b in p.logit_bias:
-            out[i, t] += b
-        if not p.penalized:
-            continue
-        toks = [t for t in token_lists[i] if t < vocab]
-        outs = [t for t in token_lists[i][len(token_lists[i]) - num_outputs[i] :] if t < vocab]
-        if pending is not None and pending[i] < vocab:
-            toks, outs = toks + [int(pending[i])], outs + [int(pending[i])]
-        present = torch.zeros(vocab, dtype=torch.bool)
-        present[toks] = True
-        counts = torch.bincount(torch.tensor(outs, dtype=torch.long), minlength=vocab).float()
-        x = out[i]
-        rep = torch.tensor(p.repetition_penalty)
-        x = torch.where(present, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - counts * torch.tensor(p.frequency_penalty)
-        out[i] = x - counts.clamp(max=1.0) * torch.tensor(p.presence_penalty)
-    return out
-
-
 @pytest.mark.parametrize("with_pending", [False, True])
 def test_sparse_penalties_equal_the_whole_vocabulary_bit_for_bit(with_pending):
     vocab, rng = 64, np.random.default_rng(3)
@@ -98,7 +75,7 @@ def test_sparse_penalties_equal_the_whole_vocabulary_bit_for_bit(with_pending):
         RowTokens(t, n, int(pending is not None and int(pending[i]) < vocab))
         for i, (t, n) in enumerate(zip(tokens, num_outputs))
     ]
-    want = _dense(logits, params, tokens, num_outputs, pending)
+    want = dense_penalties(logits, params, tokens, num_outputs, pending)
     got = process_logits(logits, params, rows, (), pending)
     assert torch.equal(got, want)
     # Kept state, warmed on a shorter past, gives the same; in place changes the tensor given.
@@ -123,7 +100,8 @@ def _checked(real, seen: dict):
     """`process_logits` that also runs it rebuilt from the tokens (on a copy, first: the kept
     state is updated by the real call) and requires the same logits, bit for bit."""
 
-    def call(logits, params, rows, eos_token_ids, pending=None, inplace=False):
+    def call(logits, params, rows, eos_token_ids, pending=None, inplace=False, slots=None):
+        assert slots is None, "on CPU the engine keeps penalties as tokens unless told otherwise"
         rebuilt = None
         if rows is not None and any(p.penalized for p in params):
             fresh = [dataclasses.replace(r, cache=None) for r in rows]
