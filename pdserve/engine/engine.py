@@ -19,7 +19,6 @@ from pdserve.engine.handover import ImportPlan, PinnedKv, check_block_hashes
 from pdserve.engine.model_loading import eos_token_ids
 from pdserve.engine.overlap_plan import overlappable, plan_following
 from pdserve.engine.parallel.tp_runner import start_runner
-from pdserve.engine.prompt_logprobs import check_prompt_logprobs
 from pdserve.engine.request_table import RequestTable
 from pdserve.engine.runner import DecodeLaunch, SampledToken
 from pdserve.engine.sampling_params import SamplingParams
@@ -74,12 +73,10 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field if the request can never be served."""
         self.requests.validate(prompt_token_ids, params)
-        check_prompt_logprobs(params, self.cfg.tensor_parallel_size)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        check_prompt_logprobs(params, self.cfg.tensor_parallel_size)
         seq = self.requests.new_sequence(prompt_token_ids, params, request_id)
         self.grammar.check(params.structured_output)  # compiled before admission: a bad one is refused here
         self.requests.hold(seq, self.cfg.detokenize)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import PromptLogprob, Sequence
 
@@ -36,13 +35,6 @@ class PromptRows:
     rows: list[int]  # indices into the step's hidden states
     targets: list[int]  # the prompt token each row's logits score
     top_n: int
-
-
-def check_prompt_logprobs(params: SamplingParams, tensor_parallel_size: int) -> None:
-    """ValueError naming the field where this engine cannot compute prompt logprobs: with
-    tensor parallelism the other ranks would have to join every extra gather of the logits."""
-    if params.prompt_logprobs is not None and tensor_parallel_size > 1:
-        raise ValueError("prompt_logprobs: not served with tensor_parallel_size > 1")
 
 
 def plan_rows(scheduled: SequenceABC[ScheduledSeq], query_lens: SequenceABC[int]) -> PromptRows | None:

@@ -64,6 +64,12 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
+def scores_prompts(inputs: StepInputs, scheduled: list[ScheduledSeq]) -> bool:
+    """Whether a step (not launched behind another) may score prompt tokens (`prompt_logprobs`):
+    it has prompt rows; a decode-only step scores nothing."""
+    return inputs.meta.max_query_len > 1 or len(inputs.sampled) < len(scheduled)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         self.model = model
@@ -214,8 +220,7 @@ class ModelRunner:
         else:
             ctx = ForwardContext(inputs.meta, self.kv_pool, self.step_backend, layer_caches=self._layer_caches)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        if previous is None and (inputs.meta.max_query_len > 1 or len(inputs.sampled) < len(scheduled)):
-            # A step with prompt rows (one of a decode-only step scores nothing): prompt_logprobs.
+        if previous is None and scores_prompts(inputs, scheduled):
             score_step(scheduled, inputs.meta.query_lens, hidden, self.model.compute_logits)
         if not inputs.sampled:
             return [], None, None

@@ -252,3 +252,33 @@ def test_a_rank_warms_its_attention_up_as_rank_0s_runner_does(tiny_model_factory
     backend.warm_up = recorder("rank")
     warm_up(backend, runner.kv_pool, model, cfg, 200)
     assert calls["rank"] == calls["runner"] == (mc.num_heads, 8, 5, 200)
+
+
+def test_tp2_prompt_logprobs_equal_the_single_process_ones(tiny_model_factory, check_blocks_freed) -> None:
+    """Each scored slice of prompt rows is one more gather of the vocabulary-parallel LM head, so
+    the other ranks join it (the step carries the rows): a chunked prompt scored over several
+    steps beside a request without them, and one whose top-N crosses the ranks' vocab halves."""
+    model_dir = tiny_model_factory("llama")[0]
+    mc = ModelConfig.from_dir(model_dir)
+    long, short, other = mixed_prompts(mc.vocab_size, seed=11, lengths=(70, 9, 30))
+    params = [
+        SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=5),
+        SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0),
+        SamplingParams(max_tokens=4, temperature=0.0),
+    ]
+    opts = dict(device="cpu", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16)
+    single = LLM(str(model_dir), **opts).generate([long, short, other], params)
+    tp = LLM(str(model_dir), tensor_parallel_size=2, **opts)
+    try:
+        check_blocks_freed(tp.engine)
+        got = tp.generate([long, short, other], params)
+    finally:
+        tp.engine.runner.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in single]
+    assert got[2].prompt_logprobs is None
+    for out, ref, prompt in zip(got[:2], single[:2], (long, short)):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert abs(a.logprob - b.logprob) < 1e-5 and a.rank == b.rank
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(a.top, b.top))

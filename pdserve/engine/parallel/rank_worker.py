@@ -26,6 +26,7 @@ from pdserve.engine.model.tp_group import LOOPBACK, ParallelContext, close_group
 from pdserve.engine.model_loading import build_model
 from pdserve.engine.parallel.shared_pools import SharedPools
 from pdserve.engine.parallel.step_channel import receive_step
+from pdserve.engine.prompt_logprobs import SLICE_ROWS
 
 
 @dataclass(frozen=True)
@@ -146,5 +147,7 @@ def run_steps(model: CausalLM, cfg: EngineConfig, kv_pool: torch.Tensor, pipe: C
         while (step := receive_step(pipe, device)) is not None:
             ctx = ForwardContext(step.meta, kv_pool, backend, layer_caches=caches)
             hidden = model(step.input_ids, step.positions, ctx)
+            for at in range(0, step.score_rows.numel(), SLICE_ROWS):  # meets rank 0's prompt scoring
+                model.compute_logits(hidden[step.score_rows[at : at + SLICE_ROWS]])
             if step.logits_indices.numel():
                 model.compute_logits(hidden[step.logits_indices])  # meets rank 0's gather

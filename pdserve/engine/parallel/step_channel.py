@@ -1,6 +1,6 @@
 """The step rank 0 hands to the other ranks of a tensor-parallel worker: the flattened inputs
-its runner prepared (token ids, positions, KV slots, block tables, rows to take logits of),
-as bytes. The other ranks only execute what they get,
+its runner prepared (token ids, positions, KV slots, block tables, rows to take logits of,
+rows whose logits score prompt tokens), as bytes. The other ranks only execute what they get,
 so every rank runs the same forward in the same order and meets the same collectives.
 
 The steps go over a pipe from rank 0 to each other rank: an idle rank waits as long as rank 0
@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.kernels.attention import AttentionMetadata
 
-_HEADER = 7  # kind, tokens, sequences, block-table width, logits rows, max query len, max seq len
+_HEADER = 8  # kind, tokens, sequences, block-table width, logits rows, max query len, max seq len, scored rows
 _STEP, _STOP = 1, 0
 
 
@@ -28,40 +28,46 @@ class RankStep:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
+    # Rows whose logits score prompt tokens (`prompt_logprobs`), in rank 0's order: the LM head's
+    # gathers over them come before the sampled rows' (`prompt_logprobs.SLICE_ROWS` at a time).
+    score_rows: torch.Tensor
 
 
 def encode_step(
-    token_rows: torch.Tensor, logits_indices: torch.Tensor, meta: AttentionMetadata
+    token_rows: torch.Tensor, logits_indices: torch.Tensor, meta: AttentionMetadata, score_rows: list[int] | None = None
 ) -> bytes:
     """A step's bytes: `token_rows` [4, T] (ids, positions, slot block, slot offset), the logits
-    rows and the attention metadata's device tensors."""
+    rows, the attention metadata's device tensors and the rows that score prompt tokens."""
     b, width = meta.block_tables.shape
+    scored = np.asarray(score_rows or [], dtype=np.int64)
     header = np.array(
-        [_STEP, token_rows.shape[1], b, width, logits_indices.numel(), meta.max_query_len, meta.max_seq_len],
+        [_STEP, token_rows.shape[1], b, width, logits_indices.numel(), meta.max_query_len, meta.max_seq_len, len(scored)],
         dtype=np.int64,
     )
     longs = torch.cat([token_rows.reshape(-1), logits_indices]).cpu().numpy()
     ints = torch.cat([meta.cu_seqlens_q, meta.seq_lens, meta.block_tables.reshape(-1)]).cpu().numpy()
-    return header.tobytes() + longs.astype(np.int64).tobytes() + ints.astype(np.int32).tobytes()
+    return header.tobytes() + longs.astype(np.int64).tobytes() + ints.astype(np.int32).tobytes() + scored.tobytes()
 
 
 def decode_step(payload: bytes, device: torch.device | None = None) -> RankStep | None:
     """`encode_step`'s step back, its tensors on `device` (None: the host), None for the stop
     message."""
     header = np.frombuffer(payload, dtype=np.int64, count=_HEADER)
-    kind, t, b, width, n_logits, max_q, max_seq = (int(v) for v in header)
+    kind, t, b, width, n_logits, max_q, max_seq, n_scored = (int(v) for v in header)
     if kind == _STOP:
         return None
     at = _HEADER * 8
     longs = torch.from_numpy(np.frombuffer(payload, dtype=np.int64, count=4 * t + n_logits, offset=at).copy())
     at += longs.numel() * 8
     ints = torch.from_numpy(np.frombuffer(payload, dtype=np.int32, count=2 * b + 1 + b * width, offset=at).copy())
+    at += ints.numel() * 4
+    scored = torch.from_numpy(np.frombuffer(payload, dtype=np.int64, count=n_scored, offset=at).copy())
     cu, seq_lens = ints[: b + 1], ints[b + 1 : 2 * b + 1]
     seq_lens_host = seq_lens.tolist()
     query_lens = (cu[1:] - cu[:-1]).tolist()
     if device is not None and device.type != "cpu":
         # Two copies a step, the lists above read on the host first.
-        longs, ints = longs.to(device), ints.to(device)
+        longs, ints, scored = longs.to(device), ints.to(device), scored.to(device)
         cu, seq_lens = ints[: b + 1], ints[b + 1 : 2 * b + 1]
     meta = AttentionMetadata(
         slot_block=longs[2 * t : 3 * t],
@@ -74,7 +80,7 @@ def decode_step(payload: bytes, device: torch.device | None = None) -> RankStep 
         query_lens=query_lens,
         seq_lens_host=seq_lens_host,
     )
-    return RankStep(longs[:t], longs[t : 2 * t], meta, longs[4 * t :])
+    return RankStep(longs[:t], longs[t : 2 * t], meta, longs[4 * t :], scored)
 
 
 def stop_message() -> bytes:

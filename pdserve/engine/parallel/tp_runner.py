@@ -26,7 +26,8 @@ from pdserve.engine.model_loading import build_model
 from pdserve.engine.parallel.rank_worker import RankSpec, join_group, rank_config, rank_device, rank_main
 from pdserve.engine.parallel.shared_pools import PoolsPlan, SharedPools, plan_pools
 from pdserve.engine.parallel.step_channel import StepSender, encode_step, stop_message
-from pdserve.engine.runner import ModelRunner, StepInputs
+from pdserve.engine.prompt_logprobs import plan_rows
+from pdserve.engine.runner import ModelRunner, StepInputs, scores_prompts
 from pdserve.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -241,7 +242,11 @@ class TensorParallelRunner(ModelRunner):
 
     def prepare(self, scheduled: list[ScheduledSeq], ahead: int | list[int] = 0) -> StepInputs:
         inputs = super().prepare(scheduled, ahead)
-        self.ranks.sender.send(encode_step(inputs.token_rows, inputs.logits_indices, inputs.meta))
+        scored = None
+        if scores_prompts(inputs, scheduled):  # the rows `_forward` scores: the ranks join those gathers
+            plan = plan_rows(scheduled, inputs.meta.query_lens)
+            scored = None if plan is None else plan.rows
+        self.ranks.sender.send(encode_step(inputs.token_rows, inputs.logits_indices, inputs.meta, scored))
         return inputs
 
     def close(self) -> None:
