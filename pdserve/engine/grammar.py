@@ -140,14 +140,14 @@ class GrammarMasks:
 
             compiled = self.compiled(seq.params.structured_output)  # type: ignore[arg-type]
             state = self._states[id(seq)] = MatcherState(seq, xgr.GrammarMatcher(compiled))
-        history = output_so_far(seq)
-        for token in history[state.fed :]:
+        new = output_since(seq, state.fed)
+        for token in new:
             if not state.broken and not state.matcher.accept_token(token):
                 # Not one of its own draws (the grammar allowed only tokens it accepts): a token
                 # from outside, which the grammar cannot follow. End the output rather than guess.
                 log.warning("request %s: token %d breaks its grammar; ending its output", seq.request_id, token)
                 state.broken = True
-        state.fed = len(history)
+        state.fed += len(new)
         return state
 
     def _only_eos(self) -> torch.Tensor:
@@ -160,9 +160,13 @@ class GrammarMasks:
         return self._eos_mask
 
 
-def output_so_far(seq: Sequence) -> list[int]:
-    """Every token the request has generated: those made elsewhere (the last `output_offset` of
-    its prompt, see `SamplingParams.output_offset`) and this engine's."""
+def output_since(seq: Sequence, start: int) -> list[int]:
+    """The tokens the request has generated from the `start`-th on: those made elsewhere (the
+    last `output_offset` of its prompt, see `SamplingParams.output_offset`), then this engine's.
+    Only the new ones are copied: a matcher fed so far costs its new tokens a step."""
     made_elsewhere = seq.params.output_offset
-    tail = seq.prompt_token_ids[len(seq.prompt_token_ids) - made_elsewhere :] if made_elsewhere else []
-    return tail + seq.output_token_ids
+    own = seq.output_token_ids[max(0, start - made_elsewhere) :]
+    if start >= made_elsewhere:
+        return own
+    prompt = seq.prompt_token_ids
+    return prompt[len(prompt) - made_elsewhere + start :] + own

@@ -153,3 +153,19 @@ def test_prepare_compiles_a_grammar_on_the_callers_thread_and_admission_finds_it
         grammar._compiled_locked = real
     with pytest.raises(ValueError, match=r"^structured_output\.regex"):
         engine.prepare(SamplingParams(structured_output=StructuredOutput(regex="(unclosed")))
+
+
+def test_output_since_gives_the_history_from_any_token_on():
+    """A matcher is fed only the tokens after those it took: made elsewhere (the prompt's tail),
+    then this engine's, the same as the whole history sliced."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.grammar import output_since
+
+    for made_elsewhere in (0, 3):
+        seq = SimpleNamespace(
+            params=SimpleNamespace(output_offset=made_elsewhere), prompt_token_ids=[1, 2, 3, 4, 5], output_token_ids=[6, 7]
+        )
+        history = ([1, 2, 3, 4, 5][5 - made_elsewhere :] if made_elsewhere else []) + [6, 7]
+        for start in range(len(history) + 1):
+            assert output_since(seq, start) == history[start:], (made_elsewhere, start)
