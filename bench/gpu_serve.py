@@ -10,7 +10,9 @@ beside the offline engine's, and a latency-throughput plot for them all.
 
 Servers (names are stable; `--servers` picks some): on 2 GPUs pdserve-1p1d, pdserve-colocated,
 vllm-serve-dp2 and, when named or with --vllm-pd, vllm-serve-1p1d (vLLM's NixlConnector behind
-bench/vllm_pd_proxy.py); on 4 GPUs pdserve-2p2d, pdserve-3p1d, pdserve-colocated, vllm-serve-dp4.
+bench/vllm_pd_proxy.py); on 4 GPUs pdserve-2p2d, pdserve-3p1d, pdserve-colocated, vllm-serve-dp4,
+and, when named or with --profile tp-8b, pdserve-1p2d-tp2 (a TP2 prefill worker, two TP1 decode
+workers), pdserve-colocated-tp2 (two TP2 workers) and vllm-serve-tp2dp2.
 vLLM starts as its users start it, `vllm serve MODEL --data-parallel-size N` (one API server per
 data-parallel rank), with vLLM's defaults for the card and only --load-format dummy and
 --max-model-len added; vllm-apiserver-dp2/-dp4, run only when named, is the weaker
@@ -24,7 +26,8 @@ Profiles (--profile, one flag each): knee-1b (1B; long-prompt and chat at 48/96/
 knee-8b (8B; long-prompt 8/16/24, chat 16/32/48), interference (8B; chat 24/32/40, long-prompt
 12/16; TTFT <= 1000 ms, mean ITL <= 12 ms), and 8b-both (every rate of the two 8B profiles on one
 set of servers, each run judged by both ITL SLOs; `--report-only --profile knee-8b` or
-`--profile interference` then writes either table). Rates are for 2 GPUs, doubled on 4.
+`--profile interference` then writes either table); tp-8b (4 GPUs, the three TP servers at
+knee-8b's rates). Rates are for 2 GPUs, doubled on 4.
 --also-slo-itl-ms keeps a run's figures under other ITL SLOs too. The report marks each rate
 where `vllm serve` kept >= 80 % SLO attainment and gives pdserve's best / vLLM (goodput, TTFT
 p99) and disaggregated / colocated goodput.
@@ -72,7 +75,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_serve_args import build_parser, resolve
+from bench.gpu_serve_args import build_parser, resolve, with_profile
 from bench.gpu_serve_diag import BUDGET_S, Target, collect, scrape
 from bench.gpu_serve_engine import engine_phase
 from bench.gpu_serve_plan import (
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     try:
+        args = with_profile(args)
         servers = select_servers(args.gpus, args.servers, args.vllm_pd, parse_variants(args.variant))
         c = resolve(args)
     except ValueError as exc:

@@ -22,7 +22,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, required=True, help="every JSON, log, table and plot goes here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the default model, tiny workloads")
-    p.add_argument("--gpus", type=int, default=2, choices=[2, 4])
+    p.add_argument("--gpus", type=int, default=None, choices=[2, 4], help="(default: the profile's, else 2)")
     p.add_argument("--gpu-ids", type=_csv, default=None, help="which GPUs (default: 0..gpus-1)")
     p.add_argument("--servers", type=_csv, default=None, help="comma-separated subset of the configurations")
     p.add_argument("--vllm-pd", action="store_true", help="also run vllm-serve-1p1d (vLLM's NixlConnector; best effort)")
@@ -81,6 +81,19 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; start nothing")
     p.add_argument("--report-only", action="store_true", help="rebuild the tables and plot from --out")
     return p
+
+
+def with_profile(args: argparse.Namespace) -> argparse.Namespace:
+    """args with --gpus and --servers taken from --profile where not given (--gpus: 2 without
+    one). ValueError where --gpus contradicts a profile made for another count."""
+    profile = PROFILES[args.profile] if args.profile else None
+    if args.gpus is None:
+        args.gpus = (profile.gpus if profile else None) or 2
+    if profile and profile.gpus and args.gpus != profile.gpus:
+        raise ValueError(f"--gpus {args.gpus}: profile {args.profile} is for {profile.gpus} GPUs")
+    if args.servers is None and profile and profile.servers:
+        args.servers = list(profile.servers)
+    return args
 
 
 @dataclass(frozen=True)

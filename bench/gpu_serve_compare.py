@@ -6,6 +6,7 @@ against its best colocated one and against vLLM. Pure: run records in, rows and 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from bench.report import markdown_table
@@ -18,11 +19,19 @@ def _base(server: str) -> str:
 
 
 def is_vllm_dp(server: str) -> bool:
-    return server.startswith("vllm-serve-dp")
+    """`vllm serve` data-parallel, at width 1 (vllm-serve-dp4) or wider (vllm-serve-tp2dp2): the
+    vLLM baselines."""
+    return re.fullmatch(r"vllm-serve-(tp\d+)?dp\d+", server) is not None
+
+
+def width(server: str) -> int:
+    """A pdserve configuration's tensor-parallel width by its name (`-tpN`; 1 without)."""
+    m = re.search(r"-tp(\d+)$", _base(server))
+    return int(m.group(1)) if m else 1
 
 
 def is_colocated(server: str) -> bool:
-    return _base(server) == "pdserve-colocated"
+    return re.fullmatch(r"pdserve-colocated(-tp\d+)?", _base(server)) is not None
 
 
 def is_disaggregated(server: str) -> bool:
@@ -52,10 +61,12 @@ def compare_rows(runs: Sequence[dict], saturated: dict[str, dict[str, float]] | 
     rows = []
     for w, rate in sorted({(r["workload"], r["rate"]) for r in runs}):
         here = [r for r in runs if r["workload"] == w and r["rate"] == rate]
-        vllm = next((r for r in here if is_vllm_dp(r["server"])), None)
+        vllm = _best([r for r in here if is_vllm_dp(r["server"])])  # the stronger, where both DP forms ran
         best = _best([r for r in here if r["server"].startswith("pdserve-")])
         disagg = _best([r for r in here if is_disaggregated(r["server"])])
-        coloc = _best([r for r in here if is_colocated(r["server"])])
+        # A disaggregated configuration's colocated baseline is the one of its own width.
+        width_ = width(disagg["server"]) if disagg else 1
+        coloc = _best([r for r in here if is_colocated(r["server"]) and width(r["server"]) == width_])
         attained = vllm["summary"]["slo_attainment"] if vllm else None
         vllm_stopped = any(is_vllm_dp(s) and w in at and at[w] < rate for s, at in saturated.items())
         ttft = (best["summary"]["ttft_ms"]["p99"], vllm["summary"]["ttft_ms"]["p99"]) if best and vllm else None
@@ -103,6 +114,7 @@ def compare_table(runs: Sequence[dict], saturated: dict[str, dict[str, float]] |
             vllm = f"- ({r['vllm_note']})" if r["vllm_note"] else "-"
         else:
             vllm = f"{r['vllm_goodput']:.1f} ({r['vllm_attainment']:.0%})"
+            vllm += f" {r['vllm']}" if "-tp" in r["vllm"] else ""  # which form, where not plain DP
         best = "-" if r["best"] is None else f"{r['best']} {r['best_goodput']:.1f}"
         ttft = "-" if r["best_ttft_p99_ms"] is None else f"{_num(r['best_ttft_p99_ms'])} / {_num(r['vllm_ttft_p99_ms'])}"
         disagg = "-" if r["disagg_vs_colocated"] is None else f"{_x(r['disagg_vs_colocated'])} ({r['disagg']})"

@@ -23,7 +23,9 @@ class Server:
     (`vllm serve --data-parallel-size N`: N engines, one API server per engine, as vLLM's users
     start it), vllm-apiserver (the same engines behind ONE API server process, the
     `vllm.entrypoints.openai.api_server` module: a weaker baseline, kept to show the difference)
-    or vllm-pd (`vllm serve` prefill and decode instances with NixlConnector behind a proxy)."""
+    or vllm-pd (`vllm serve` prefill and decode instances with NixlConnector behind a proxy).
+    Widths: pdserve's prefill_tp and decode_tp ranks (GPUs) per worker of each pool; vLLM's tp
+    GPUs per engine and dp engines (None: as many as the GPUs hold)."""
 
     name: str
     kind: str
@@ -31,10 +33,26 @@ class Server:
     prefill: int = 0
     decode: int = 0
     args: tuple[str, ...] = ()  # a variant's own `pdserve serve` flags (NAME+VARIANT)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    tp: int = 1
+    dp: int | None = None
 
     @property
     def is_vllm(self) -> bool:
         return self.kind.startswith("vllm")
+
+    @property
+    def data_parallel(self) -> int:
+        """vLLM's engines: dp, else one per tp GPUs."""
+        return self.dp if self.dp is not None else self.gpus // self.tp
+
+    @property
+    def gpus_used(self) -> int:
+        """The GPUs the configuration's workers or engines take, by their widths."""
+        if self.kind in ("vllm", "vllm-apiserver"):
+            return self.tp * self.data_parallel
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
 
 
 SERVERS: dict[int, tuple[Server, ...]] = {
@@ -51,10 +69,16 @@ SERVERS: dict[int, tuple[Server, ...]] = {
         Server("pdserve-colocated", "pdserve", 4, prefill=0, decode=4),
         Server("vllm-serve-dp4", "vllm", 4),
         Server("vllm-apiserver-dp4", "vllm-apiserver", 4),
+        # Tensor parallel (profile tp-8b): a TP2 prefill worker feeding two TP1 decode workers,
+        # against two colocated TP2 workers and vLLM's TP2 x DP2.
+        Server("pdserve-1p2d-tp2", "pdserve", 4, prefill=1, decode=2, prefill_tp=2, decode_tp=1),
+        Server("pdserve-colocated-tp2", "pdserve", 4, prefill=0, decode=2, prefill_tp=2, decode_tp=2),
+        Server("vllm-serve-tp2dp2", "vllm", 4, tp=2, dp=2),
     ),
 }
 OPTIONAL = {"vllm-serve-1p1d"}  # run only when named (--servers) or with --vllm-pd
-NAMED_ONLY = {"vllm-apiserver-dp2", "vllm-apiserver-dp4"}  # run only when named in --servers
+# Run only when named in --servers (or by a profile that names them).
+NAMED_ONLY = {"vllm-apiserver-dp2", "vllm-apiserver-dp4", "pdserve-1p2d-tp2", "pdserve-colocated-tp2", "vllm-serve-tp2dp2"}
 
 
 def select_servers(
@@ -201,11 +225,21 @@ def vllm_argv(ctx: LaunchContext, port: int, extra: tuple[str, ...], api_server_
     return (*head, *_flags(flags), *extra, *ctx.vllm_args)
 
 
+def _pdserve_widths(server: Server) -> dict[str, object]:
+    """`pdserve serve`'s width flags: none at width 1 (its default), one for both pools where
+    they are equal or the cluster is colocated, else one per pool."""
+    if server.prefill == 0 or server.prefill_tp == server.decode_tp:
+        return {} if server.decode_tp == 1 else {"--tensor-parallel-size": server.decode_tp}
+    return {"--prefill-tensor-parallel-size": server.prefill_tp, "--decode-tensor-parallel-size": server.decode_tp}
+
+
 def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[int] = ()) -> Launch:
     """The processes that make up `server`, listening for the OpenAI API on 127.0.0.1:port.
     extra_ports: pdserve's gRPC and /metrics ports (2; without them gRPC takes a free port and
     there is no /metrics), or vllm-pd's prefill and decode instances and their NIXL side
     channels (4)."""
+    if server.gpus_used != server.gpus:
+        raise ValueError(f"{server.name}: its workers' widths take {server.gpus_used} GPUs, not {server.gpus}")
     url = f"http://127.0.0.1:{port}"
     devices = ",".join(str(g) for g in ctx.gpu_ids[: server.gpus])
     if server.kind == "pdserve":
@@ -215,6 +249,7 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
         flags |= {"--max-model-len": ctx.max_model_len}
         if metrics_port is not None:
             flags["--metrics-port"] = metrics_port
+        flags |= _pdserve_widths(server)
         # -v: the workers' output (their exceptions included) goes to the server's log, which
         # otherwise holds the driver's lines only.
         argv = (ctx.python, "-m", "pdserve.cli", "-v", "serve", *_flags(flags), *ctx.pdserve_args, *server.args)
@@ -226,7 +261,8 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
         return Launch(server, (Process("server", argv, env, url + "/health"),), url, admin, metrics)
     env = VLLM_ENV | {"PYTHONPATH": vllm_pythonpath(ctx)}
     if server.kind in ("vllm", "vllm-apiserver"):
-        dp = ("--data-parallel-size", str(server.gpus))
+        tp = ("--tensor-parallel-size", str(server.tp)) if server.tp != 1 else ()
+        dp = (*tp, "--data-parallel-size", str(server.data_parallel))
         argv = vllm_argv(ctx, port, dp, api_server_module=server.kind == "vllm-apiserver")
         proc = Process("server", argv, env | {"CUDA_VISIBLE_DEVICES": devices}, url + "/health", in_repo=False)
         return Launch(server, (proc,), url)
