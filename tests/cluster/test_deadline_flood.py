@@ -1,5 +1,5 @@
 """Deadline admission under a flood, with real workers in this process (real engines, real NIXL,
-real gRPC): 128-token requests with a client deadline arrive at ten times the rate the cluster
+real gRPC): 64-token requests with a client deadline arrive at ten times the rate the cluster
 serves them. The router admits only what it can finish in time: at least 95 % of the admitted
 requests finish within their deadline, the rest are refused with RESOURCE_EXHAUSTED and a retry
 hint at once (p99 at the router within the bound), and some are admitted (refusing everything
@@ -24,7 +24,7 @@ from pdserve_proto import inference_pb2_grpc as pbg
 pytestmark = pytest.mark.cluster
 
 PROMPT = list(range(400, 440))
-MAX_TOKENS = 128
+MAX_TOKENS = 64  # long enough that a request takes seconds, so the deadline is what decides
 OVERLOAD = 10  # arrivals per second, over what one request at a time serves
 ARRIVALS = 40
 DEADLINE_FACTOR = 3  # the client's deadline, in times one request takes alone
