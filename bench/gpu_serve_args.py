@@ -22,7 +22,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, required=True, help="every JSON, log, table and plot goes here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the default model, tiny workloads")
-    p.add_argument("--gpus", type=int, default=None, choices=[2, 4], help="GPUs each server configuration takes (default: the profile's, else 2)")
+    p.add_argument(
+        "--gpus", type=int, default=None, choices=[2, 4],
+        help="GPUs each server configuration takes (default: the profile's, else 2)",
+    )  # fmt: skip
     p.add_argument("--gpu-ids", type=_csv, default=None, help="which GPUs (default: 0..gpus-1)")
     p.add_argument("--servers", type=_csv, default=None, help="comma-separated subset of the configurations")
     p.add_argument("--vllm-pd", action="store_true", help="also run vllm-serve-1p1d (vLLM's NixlConnector; best effort)")

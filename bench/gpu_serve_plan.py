@@ -78,7 +78,9 @@ SERVERS: dict[int, tuple[Server, ...]] = {
 }
 OPTIONAL = {"vllm-serve-1p1d"}  # run only when named (--servers) or with --vllm-pd
 # Run only when named in --servers (or by a profile that names them).
-NAMED_ONLY = {"vllm-apiserver-dp2", "vllm-apiserver-dp4", "pdserve-1p2d-tp2", "pdserve-colocated-tp2", "vllm-serve-tp2dp2"}
+NAMED_ONLY = {
+    "vllm-apiserver-dp2", "vllm-apiserver-dp4", "pdserve-1p2d-tp2", "pdserve-colocated-tp2", "vllm-serve-tp2dp2"
+}  # fmt: skip
 
 
 def select_servers(

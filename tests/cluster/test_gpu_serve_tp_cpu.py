@@ -84,7 +84,8 @@ def test_the_tp_plans_serve_command_gives_the_offline_tokens_on_cpu(tmp_path: Pa
     server = replace(tp, decode=1, gpus=3)
     ctx = LaunchContext(
         python=sys.executable, repo=str(REPO), model=str(model), device="cpu", dtype="float32", max_model_len=512,
-        inherited_pythonpath=os.environ.get("PYTHONPATH", ""), pdserve_args=("--num-kv-blocks", "64", "--cpu-threads", "1"),
+        inherited_pythonpath=os.environ.get("PYTHONPATH", ""),
+        pdserve_args=("--num-kv-blocks", "64", "--cpu-threads", "1"),
     )  # fmt: skip
     lc = launch(server, ctx, free_port(), [free_port(), free_port()])
     argv = list(lc.processes[0].argv)
