@@ -94,18 +94,27 @@ def process_logits(
             (params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty) for i in pen
         ]
         floats = np.concatenate([floats, knobs.ravel()])
-    dev = logits.device
-    ints_dev = to_device(ints, dev)
-    floats_dev = to_device(floats, dev).to(logits.dtype)
+    out, flat, ints_dev, floats_dev = _bias_and_bans(logits, ints, floats, nb, nx, inplace)
+    if held is not None:
+        held.apply(flat, ints_dev[nb + nx :], floats_dev[nb:].view(len(params), 3), pending)
+    return out
+
+
+def _bias_and_bans(
+    logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray, nb: int, nx: int, inplace: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's integers and floats on the device (one copy each), the logits to change (a copy
+    unless `inplace`) with the first `nb` flat indices biased and the next `nx` set to -inf:
+    (logits, their flat view, integers, floats)."""
+    ints_dev = to_device(ints, logits.device)
+    floats_dev = to_device(floats, logits.device).to(logits.dtype)
     out = logits if inplace else logits.clone()
     flat = out.view(-1)
     if nb:
         flat.index_add_(0, ints_dev[:nb], floats_dev[:nb])
     if nx:
         flat.index_fill_(0, ints_dev[nb : nb + nx], float("-inf"))
-    if held is not None:
-        held.apply(flat, ints_dev[nb + nx :], floats_dev[nb:].view(len(params), 3), pending)
-    return out
+    return out, flat, ints_dev, floats_dev
 
 
 def _slot_penalties(
@@ -128,14 +137,7 @@ def _slot_penalties(
                            in_flight, adds.ravel()])  # fmt: skip
     knobs = [(params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty) for i in pen]
     floats = np.concatenate([np.asarray(bias, dtype=np.float32), np.asarray(knobs, dtype=np.float32).ravel()])
-    ints_dev = to_device(ints, logits.device)
-    floats_dev = to_device(floats, logits.device).to(logits.dtype)
-    out = logits if inplace else logits.clone()
-    flat = out.view(-1)
-    if nb:
-        flat.index_add_(0, ints_dev[:nb], floats_dev[:nb])
-    if nx:
-        flat.index_fill_(0, ints_dev[nb : nb + nx], float("-inf"))
+    out, _, ints_dev, floats_dev = _bias_and_bans(logits, ints, floats, nb, nx, inplace)
     at = nb + nx
     pen_dev, slot_dev, flight_dev = (
         ints_dev[at : at + p],
