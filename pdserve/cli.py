@@ -97,6 +97,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="conditional disaggregation: prefill a prompt on its decode worker when at most N of its tokens are "
         "missing from that worker's prefix cache (default: 0, always use the prefill pool)",
     )
+    srv.add_argument(
+        "--max-prefill-queue-tokens", type=int, default=0, metavar="N",
+        help="overflow: prefill a prompt on its decode worker when every prefill worker has N or more tokens of "
+        "prefill in flight, so that past the prefill pool's rate the decode workers take the excess instead of the "
+        "queue growing; pair it with --max-prefill-tokens-with-decodes (default: 0, never)",
+    )
     flags.add_edge_args(srv)
     srv.add_argument(
         "--routers", type=int, default=1, metavar="N",

@@ -37,6 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         f"{LARGE_GPU_LIMITS.max_num_batched_tokens} on a GPU of 70 GiB or more, {CPU_LIMITS.max_num_batched_tokens} elsewhere)",
     )
     p.add_argument(
+        "--max-prefill-tokens-with-decodes", dest="max_prefill_tokens_with_decodes", type=int, default=unset,
+        metavar="N",
+        help="prompt tokens in a step that also decodes: a worker that prefills beside running sequences "
+        "(colocated, or taking prompts from a busy prefill pool, see --max-prefill-queue-tokens) chunks them so, "
+        "which keeps those sequences' inter-token time near a decode step's (default: up to --max-num-batched-tokens)",
+    )
+    p.add_argument(
         "--max-model-len", dest="max_model_len", type=int, default=unset, metavar="N",
         help="cap the context length (default: the model's)",
     )

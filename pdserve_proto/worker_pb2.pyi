@@ -322,7 +322,7 @@ class WorkerHealth(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ServeInfo(_message.Message):
-    __slots__ = ("model_dir", "block_size", "max_model_len", "vocab_size", "placement_policy", "load_factor", "max_local_prefill_tokens", "kv_transfer_overlap")
+    __slots__ = ("model_dir", "block_size", "max_model_len", "vocab_size", "placement_policy", "load_factor", "max_local_prefill_tokens", "kv_transfer_overlap", "max_prefill_queue_tokens")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class ServeInfo(_message.Message):
     LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MAX_LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFILL_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     block_size: int
     max_model_len: int
@@ -339,4 +340,5 @@ class ServeInfo(_message.Message):
     load_factor: float
     max_local_prefill_tokens: int
     kv_transfer_overlap: bool
-    def __init__(self, model_dir: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., placement_policy: _Optional[str] = ..., load_factor: _Optional[float] = ..., max_local_prefill_tokens: _Optional[int] = ..., kv_transfer_overlap: _Optional[bool] = ...) -> None: ...
+    max_prefill_queue_tokens: int
+    def __init__(self, model_dir: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., placement_policy: _Optional[str] = ..., load_factor: _Optional[float] = ..., max_local_prefill_tokens: _Optional[int] = ..., kv_transfer_overlap: _Optional[bool] = ..., max_prefill_queue_tokens: _Optional[int] = ...) -> None: ...

@@ -40,6 +40,7 @@ from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
 from pdserve.router.handover_room import start_when_room
 from pdserve.router.inflight import Books, InFlight, Phase
 from pdserve.router.load.load_signals import LoadSignals, watch_pool_sizes
+from pdserve.router.placement.decode_strategy import overflow_to_decode
 from pdserve.router.placement.pool_state import DecodePolicy, Placement, PrefillPolicy
 from pdserve.router.router_config import RouterConfig
 from pdserve.router.stats import StreamMetrics, cluster_stats, placement_stats
@@ -272,12 +273,16 @@ class Router:
                 if refusal is not None:
                     route.end()
                     raise _refused(refusal)
-                p_at = pools.prefill_policy.place(
-                    hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill, reuse=reuse)
-                if p_at is not None:
-                    r.place_prefill(p_at)
-                # Every prefill worker at its cap: the decode worker prefills rather than refuse.
-                overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
+                prefill = pools.prefill_policy
+                if overflow_to_decode(prefill.least_queued_tokens(cfg.max_inflight_per_prefill),
+                                      cfg.placement.max_prefill_queue_tokens):
+                    overflow = local = True  # the prefill pool is backed up: the decode worker takes it
+                else:
+                    p_at = prefill.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill, reuse=reuse)
+                    if p_at is not None:
+                        r.place_prefill(p_at)
+                    # Every prefill worker at its cap: the decode worker prefills rather than refuse.
+                    overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
             if overflow:
                 self.metrics.prefill_overflows.inc()
             _end_route(route, r.p_at, d_at, local, overflow)

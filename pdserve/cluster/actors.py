@@ -103,6 +103,7 @@ class WorkerActor(WorkerBoundary):
             placement_policy=placement.policy,
             load_factor=placement.load_factor,
             max_local_prefill_tokens=placement.max_local_prefill_tokens,
+            max_prefill_queue_tokens=placement.max_prefill_queue_tokens,
             kv_transfer_overlap=self._serve_cfg.kv_transfer_overlap,
         )
 

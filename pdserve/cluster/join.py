@@ -84,6 +84,7 @@ def router_config(
             policy=info.placement_policy,
             load_factor=info.load_factor,
             max_local_prefill_tokens=info.max_local_prefill_tokens,
+            max_prefill_queue_tokens=info.max_prefill_queue_tokens,
         ),
         max_queued_requests=max_queued_requests,
         poll_interval_s=poll_interval_s,

@@ -57,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             policy=args.placement_policy,
             load_factor=args.load_factor,
             max_local_prefill_tokens=args.max_local_prefill_tokens,
+            max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         ),
         kv_net_devices=args.kv_net_devices,
         token_transport=args.token_transport,

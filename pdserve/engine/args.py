@@ -23,6 +23,10 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
+    # Prompt tokens in a step that also decodes (None: up to max_num_batched_tokens). On a decode
+    # worker that prefills (colocated, or overflow from a busy prefill pool) a small cap keeps
+    # the running sequences' inter-token time near the decode step's.
+    max_prefill_tokens_with_decodes: int | None = None
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # Triton decode kernels in the CUDA graphs (pdserve/engine/kernels/decode_kernels.py): split-KV
     # attention up to batch 32, and at batch 1 matmuls with the norms, SiLU and the greedy
@@ -42,6 +46,8 @@ class EngineArgs:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
+        if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 1:
+            raise ValueError("max_prefill_tokens_with_decodes: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -54,7 +54,10 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(mc, model_dir, self.tokenizer)
         # Structured output: the runner masks grammar rows' logits; requests are checked here first.
         self.grammar = self.runner.grammar = GrammarMasks(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.role)
+        limits = SchedulerLimits(
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.role,
+            cfg.max_prefill_tokens_with_decodes,
+        )
         self.scheduler = Scheduler(limits, self.blocks, self.eos_token_ids)
         self.requests = RequestTable(self.tokenizer, mc.vocab_size, self.max_model_len, self.blocks)
         # Overlapped decode: step n+1 is launched before step n's tokens are read back (see step).

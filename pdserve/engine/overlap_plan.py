@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, decodes
 from pdserve.engine.sequence import Sequence
 
 
@@ -53,6 +53,8 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
     in_flight = {id(item.seq): item for item in current}
     sampled_at = {id(item.seq): k for k, item in enumerate(i for i in current if i.sample)}
     budget = sched.limits.max_num_batched_tokens
+    # A row sampled now decodes next (unless it stops): prompt tokens beside it are capped.
+    room = sched.limits.prompt_room(any(i.sample for i in current) or any(decodes(s) for s in sched.running))
     out: list[ScheduledSeq] = []
     ahead: list[int] = []
     feed: list[tuple[int, int]] = []
@@ -67,6 +69,9 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
             continue  # it finishes when `current`'s tokens are in
         computed, total = seq.num_computed_tokens + m, seq.num_tokens + fed
         n = min(total - computed, budget)
+        if n > 1 or not (fed or (m == 0 and decodes(seq))):  # a prompt chunk
+            n = min(n, room)
+            room -= max(n, 0)
         if n <= 0:
             continue
         sample = computed + n == total
@@ -80,7 +85,7 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
         ahead.append(m)
         rows += n
         budget -= n
-    for seq, n in sched.admit_ahead(budget):
+    for seq, n in sched.admit_ahead(budget, room):
         if not _launchable(seq, sample=True):
             break  # admitted all the same: the next `schedule` runs it
         out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))

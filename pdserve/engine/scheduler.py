@@ -37,6 +37,14 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     role: Role = "both"
+    # Prompt tokens a step may carry beside rows that decode (None: the whole budget). A small
+    # cap keeps a decode worker's inter-token time near its decode step while it prefills.
+    max_prefill_tokens_with_decodes: int | None = None
+
+    def prompt_room(self, decoding: bool) -> int:
+        """Prompt tokens a step may carry: capped where the step also decodes."""
+        cap = self.max_prefill_tokens_with_decodes
+        return self.max_num_batched_tokens if cap is None or not decoding else cap
 
 
 class Scheduler:
@@ -76,10 +84,17 @@ class Scheduler:
         while self.ready and len(self.running) < self.limits.max_num_seqs:
             self.running.append(self.ready.popleft())
 
+        room = self.limits.prompt_room(any(decodes(s) for s in self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1 or not decodes(seq):  # a prompt chunk: within the room left for prompts
+                n = min(n, room)
+                if n == 0:
+                    i += 1
+                    continue
+                room -= n
             while not self._grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -95,22 +110,25 @@ class Scheduler:
             break
 
         # Admitting new work right after a preemption would only thrash.
-        while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        max_seqs = self.limits.max_num_seqs
+        while not preempted_any and self.waiting and min(budget, room) > 0 and len(self.running) < max_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq, budget):
+            if not self._admit(seq, min(budget, room)):
                 break
             self.waiting.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, room)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
+            room -= n
         return out
 
-    def admit_ahead(self, budget: int) -> Iterator[tuple[Sequence, int]]:
+    def admit_ahead(self, budget: int, room: int | None = None) -> Iterator[tuple[Sequence, int]]:
         """Admissions into a step planned while another runs (`overlap_plan`), as `schedule`
-        makes them but without preempting: imported sequences, then waiting prompts. Yields
-        each admitted sequence with its tokens in that step; stop iterating to admit no more."""
+        makes them but without preempting: imported sequences, then waiting prompts (at most
+        `room` prompt tokens of them; None: the budget). Yields each admitted sequence with its
+        tokens in that step; stop iterating to admit no more."""
         while self.ready and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.ready[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -119,16 +137,17 @@ class Scheduler:
             self.running.append(self.ready.popleft())
             yield seq, n
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        room = budget if room is None else min(room, budget)
+        while self.waiting and room > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq, budget):
+            if not self._admit(seq, room):
                 return
             self.waiting.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, room)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             yield seq, n
-            budget -= n
+            room -= n
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for `num_tokens` tokens of a running sequence without preempting anyone
@@ -294,3 +313,8 @@ class Scheduler:
             return False
         self.finish(seq, seq.finish_reason or "transferred")
         return True
+
+
+def decodes(seq: Sequence) -> bool:
+    """Whether the sequence's next row generates (past its prompt, one token to compute)."""
+    return seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1

@@ -42,8 +42,8 @@ class RouterMetrics:
             self.prefill_location.labels(location)
         self.prefill_overflows = Counter(
             "pdserve_prefill_overflows",
-            "Requests prefilled on their decode worker because every prefill worker was at its in-flight cap "
-            "(also counted as local in pdserve_prefills).",
+            "Requests prefilled on their decode worker because every prefill worker was at its in-flight cap, "
+            "or had --max-prefill-queue-tokens in flight (also counted as local in pdserve_prefills).",
             registry=r,
         )
         self.failovers = Counter(

@@ -29,6 +29,21 @@ class DecodePlacement(PlacementStrategy):
         return prefill_locally(num_prompt_tokens, matched_tokens, has_prefill_workers, limit)
 
 
+def overflow_to_decode(least_queued_tokens: float | None, max_prefill_queue_tokens: int) -> bool:
+    """Whether a prompt bound for the prefill pool is prefilled on its decode worker because
+    the pool is backed up: every prefill worker below its cap has at least
+    `max_prefill_queue_tokens` tokens of prefill in flight (`least_queued_tokens`; None: none is
+    below its cap, which `prefill_locally_when_pool_full` decides). 0 turns it off.
+
+    Past one prefill GPU's rate the prefill queue, and with it every request's time to first
+    token, grows without bound; the decode workers' spare compute beside their memory-bound
+    decode steps takes the excess instead (Dynamo's `max_prefill_queue_size` is the same idea).
+    """
+    if max_prefill_queue_tokens <= 0 or least_queued_tokens is None:
+        return False
+    return least_queued_tokens >= max_prefill_queue_tokens
+
+
 def prefill_locally(
     num_prompt_tokens: int, decode_matched_tokens: int, has_prefill_workers: bool, max_local_prefill_tokens: int
 ) -> bool:

@@ -37,6 +37,10 @@ class PlacementConfig:
     # A prompt for which every prefill worker is at its in-flight cap is prefilled on its decode
     # worker instead of being refused with RESOURCE_EXHAUSTED (False: refuse).
     prefill_locally_when_pool_full: bool = True
+    # Overflow: a prompt arriving when every prefill worker has at least this many tokens of
+    # prefill in flight is prefilled on its decode worker instead, which takes the excess in
+    # chunks beside its decodes (`--max-prefill-tokens-with-decodes`). 0: never.
+    max_prefill_queue_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in self.policies:
@@ -51,5 +55,7 @@ class PlacementConfig:
             raise ValueError("load_window_s: must be > 0")
         if self.miss_weight < 0 or self.load_weight < 0:
             raise ValueError("miss_weight/load_weight: must be >= 0")
+        if self.max_prefill_queue_tokens < 0:
+            raise ValueError("max_prefill_queue_tokens: must be >= 0 (0: no overflow to the decode worker)")
         if self.max_local_prefill_tokens < 0:
             raise ValueError("max_local_prefill_tokens: must be >= 0 (0: always disaggregate)")

@@ -210,6 +210,11 @@ class PrefillPolicy(_Pool):
         """The worker a key goes to on an idle cluster (None where the policy ignores keys)."""
         return self.placement.home(key)
 
+    def least_queued_tokens(self, capacity: int = 1 << 30) -> float | None:
+        """The fewest tokens of prefill in flight on a worker below its cap (None: none is)."""
+        open_ = self._open(capacity)
+        return min(self.queued[w] for w in open_) * self.block_size if open_ else None
+
     def place(
         self, block_hashes: Sequence[int], num_tokens: int, now: float, capacity: int = 1 << 30, reuse: bool = True
     ) -> Placement | None:

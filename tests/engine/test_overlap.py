@@ -166,3 +166,43 @@ def test_penalized_greedy_rows_overlap_exactly(tiny_model_factory, check_blocks_
     assert runs["on"][0] != plain[0][: len(runs["on"][0])]  # the penalty changed the tokens
     # min_tokens held the stop token back for 10 tokens, then the bias made it the next one.
     assert len(runs["on"][3]) == 11 and runs["on"][3][-1] == stop and stop not in runs["on"][3][:10]
+
+
+def test_prompt_chunks_beside_decodes_are_capped_and_tokens_unchanged(tiny_model_factory, check_blocks_freed):
+    """`max_prefill_tokens_with_decodes`: every step that decodes carries at most that many
+    prompt tokens, in steps launched blind and in the others; a prompt with nothing decoding
+    beside it takes the whole budget. Tokens equal an engine without the cap."""
+    model_dir, hf_model = tiny_model_factory("llama")
+    cap = 5
+    limits = {"num_kv_blocks": 256, "max_num_batched_tokens": 24, "max_num_seqs": 4}
+    capped = LLM(str(model_dir), device="cpu", dtype="float32", overlap_decode=True,
+                 max_prefill_tokens_with_decodes=cap, **limits)
+    plain = LLM(str(model_dir), device="cpu", dtype="float32", overlap_decode=False, **limits)
+    check_blocks_freed(capped.engine)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=47, lengths=(30, 17, 44, 8, 26))
+    params = [SamplingParams(max_tokens=12 + i, temperature=0.0) for i in range(len(prompts))]
+    engine, steps = capped.engine, []
+
+    def record(launch, blind):
+        def run(scheduled, *rest, **options):
+            ahead = options.get("ahead", rest[0] if blind and rest else 0)
+            ahead = ahead if isinstance(ahead, list) else [ahead] * len(scheduled)
+            decodes = prompt = 0
+            for item, m in zip(scheduled, ahead):
+                if item.seq.num_computed_tokens + m >= item.seq.num_prompt_tokens:
+                    decodes += 1
+                else:
+                    prompt += item.num_new_tokens
+            steps.append((decodes, prompt))
+            return launch(scheduled, *rest, **options)
+        return run
+
+    engine.runner.launch_greedy = record(engine.runner.launch_greedy, True)
+    engine.runner.execute = record(engine.runner.execute, False)
+    got = step_with_arrivals(engine, prompts, params)
+    want = step_with_arrivals(plain.engine, prompts, params)
+    assert got == want
+    assert all(prompt <= cap for decodes, prompt in steps if decodes), steps
+    assert any(decodes and prompt == cap for decodes, prompt in steps)  # the cap bound
+    assert any(not decodes and prompt > cap for decodes, prompt in steps)  # alone: the whole budget
+    assert engine.num_overlapped_steps > 10

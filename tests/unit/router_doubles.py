@@ -111,10 +111,15 @@ class FakePrefill:
         return pb.WorkerStats(worker_id=self.worker_id, role="prefill")
 
 
-def make_router(prefills, decodes, max_local: int = 0, tracer=None, overflow: bool = True, **overrides) -> Router:
+def make_router(
+    prefills, decodes, max_local: int = 0, tracer=None, overflow: bool = True, queue_tokens: int = 0, **overrides
+) -> Router:
     cfg = RouterConfig(
         model_id="m", max_model_len=4096, vocab_size=50000, membership=FAST,
-        placement=PlacementConfig(max_local_prefill_tokens=max_local, prefill_locally_when_pool_full=overflow),
+        placement=PlacementConfig(
+            max_local_prefill_tokens=max_local, prefill_locally_when_pool_full=overflow,
+            max_prefill_queue_tokens=queue_tokens,
+        ),
         **overrides,
     )
     return Router(cfg, None, prefills, decodes, tracer=tracer)

@@ -47,6 +47,24 @@ def test_the_serve_command_maps_colocation_and_the_local_prefill_threshold():
     assert config_from_args(_build_parser().parse_args(["serve"])).placement.max_local_prefill_tokens == 0
 
 
+def test_the_overflow_flags_reach_the_router_the_engines_and_a_joining_router():
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.join import router_config
+    from pdserve.cluster.main import config_from_args
+    from pdserve_proto import worker_pb2
+
+    flags = ["serve", "--max-prefill-queue-tokens", "8192", "--max-prefill-tokens-with-decodes", "256"]
+    cfg = config_from_args(_build_parser().parse_args(flags))
+    assert cfg.placement.max_prefill_queue_tokens == 8192 and cfg.engine.max_prefill_tokens_with_decodes == 256
+    default = config_from_args(_build_parser().parse_args(["serve"]))
+    assert default.placement.max_prefill_queue_tokens == 0 and default.engine.max_prefill_tokens_with_decodes is None
+    info = worker_pb2.ServeInfo(model_dir="/m/x", max_model_len=64, vocab_size=100, block_size=16,
+                                placement_policy="index", load_factor=1.25, max_prefill_queue_tokens=8192)
+    assert router_config(info, 0).placement.max_prefill_queue_tokens == 8192
+    with pytest.raises(ValueError, match="^max_prefill_tokens_with_decodes:"):
+        config_from_args(_build_parser().parse_args(["serve", "--max-prefill-tokens-with-decodes", "0"]))
+
+
 def test_the_serve_command_maps_cpu_threads():
     from pdserve.cli import _build_parser
     from pdserve.cluster.main import config_from_args

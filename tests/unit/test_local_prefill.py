@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.engine.hashing import block_hashes
 from pdserve.router.handles import RouterError
-from pdserve.router.placement.decode_strategy import prefill_locally
+from pdserve.router.placement.decode_strategy import overflow_to_decode, prefill_locally
 from pdserve.router.placement.placement_config import PlacementConfig
 from pdserve.router.router import Router
 from pdserve_proto import inference_pb2 as pb
@@ -41,6 +41,15 @@ def test_the_threshold_counts_only_the_tokens_the_decode_worker_lacks():
 def test_a_negative_threshold_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="^max_local_prefill_tokens:"):
         PlacementConfig(max_local_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="^max_prefill_queue_tokens:"):
+        PlacementConfig(max_prefill_queue_tokens=-1)
+
+
+def test_a_backed_up_prefill_pool_overflows_only_past_the_queue_bound():
+    assert overflow_to_decode(4096, 4096) and overflow_to_decode(9000.0, 4096)
+    assert not overflow_to_decode(4095, 4096)
+    assert not overflow_to_decode(10**6, 0)  # 0: never
+    assert not overflow_to_decode(None, 4096)  # every worker at its cap: the pool-full rule decides
 
 
 async def ask(router: Router, rid: str, ids: list[int], max_tokens: int = 4) -> list[pb.GenerateResponse]:
@@ -242,6 +251,42 @@ def test_a_full_prefill_pool_overflows_to_the_decode_worker(overflow):
             assert served(router) == ({"local": 1, "remote": 1} if overflow else {"local": 0, "remote": 1})
             await router.drain_cleanups()
             assert router.decode_policy.inflight == {"decode-0": 0} and router.prefill_policy.inflight == {"prefill-0": 0}
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
+def test_prompts_overflow_to_the_decode_worker_while_the_prefill_queue_is_over_its_bound():
+    """`max_prefill_queue_tokens`: while the prefill worker has that many tokens in flight, a new
+    prompt is prefilled on its decode worker (an overflow, served locally); once the queue
+    drains, prompts go to the prefill pool again. Nothing stays placed."""
+
+    async def go() -> None:
+        prefill, decode = FakePrefill(), FakeDecode()
+        prefill.gate = asyncio.Event()
+        router = make_router([prefill], [decode], queue_tokens=4 * BS)
+        await router.start()
+        value = router.metrics.registry.get_sample_value
+        try:
+            short = asyncio.create_task(ask(router, "short", list(range(3 * BS))))
+            await wait_until(lambda: prefill.waiting == ["short"])
+            assert router.prefill_policy.least_queued_tokens() == 3 * BS  # below the bound
+            long = asyncio.create_task(ask(router, "long", list(range(1000, 1000 + 2 * BS))))
+            await wait_until(lambda: prefill.waiting == ["short", "long"])  # 5 blocks in flight now
+            chunks = await ask(router, "over", list(range(500, 500 + BS)), max_tokens=3)
+            assert [t for c in chunks for t in c.token_ids] == [7] * 3
+            assert ("submit", "over") in decode.calls and "over" not in prefill.waiting
+            assert value("pdserve_prefill_overflows_total") == 1
+            prefill.gate.set()
+            await asyncio.gather(short, long)
+            await ask(router, "after", list(range(2000, 2000 + BS)))
+            assert prefill.prefilled == ["short", "long", "after"]
+            assert value("pdserve_prefill_overflows_total") == 1
+            assert served(router) == {"local": 1, "remote": 3}
+            await router.drain_cleanups()
+            assert router.decode_policy.inflight == {"decode-0": 0} and router.prefill_policy.inflight == {"prefill-0": 0}
+            assert router.prefill_policy.least_queued_tokens() == 0
         finally:
             await router.stop()
 

@@ -109,3 +109,30 @@ def test_sequence_that_cannot_fit_even_alone_finishes_with_length():
         run_step(s)
     assert a.status is SeqStatus.FINISHED and a.finish_reason == "length"
     assert bm.check_integrity().in_use == 0
+
+
+def test_prompt_tokens_beside_decodes_are_capped_and_a_prompt_alone_is_not():
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerLimits(8, 64, 256, "both", max_prefill_tokens_with_decodes=5), bm, eos_token_ids=(0,))
+    b = seq("b", 30, 0)
+    s.add(b)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in run_step(s)] == [("b", 30)]  # nothing decodes yet
+    c = Sequence("c", list(range(100, 123)), SamplingParams(max_tokens=8, temperature=0.0), 1)  # no prefix of b
+    s.add(c)
+    steps = [[(i.seq.request_id, i.num_new_tokens) for i in run_step(s)] for _ in range(6)]
+    # b decodes one token a step; c's prompt goes in at most 5 tokens a step beside it.
+    assert steps[:5] == [[("b", 1), ("c", 5)]] * 4 + [[("b", 1), ("c", 3)]]
+    assert steps[5] == [("b", 1), ("c", 1)]  # c decodes too now
+    assert b.num_output_tokens == 7 and c.num_output_tokens == 2
+    bm.check_integrity()
+
+
+def test_a_chunked_prompt_already_running_is_capped_once_a_sequence_decodes():
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerLimits(8, 16, 256, "both", max_prefill_tokens_with_decodes=3), bm, eos_token_ids=(0,))
+    a, b = seq("a", 2, 0), seq("b", 40, 1)
+    s.add(a)
+    s.add(b)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in run_step(s)] == [("a", 2), ("b", 14)]
+    assert [(i.seq.request_id, i.num_new_tokens) for i in run_step(s)] == [("a", 1), ("b", 3)]
+    assert not SchedulerLimits(8, 16, 256).prompt_room(decoding=True) < 16  # no cap set: the budget
