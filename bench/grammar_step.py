@@ -136,11 +136,15 @@ def main() -> None:
                     help=f"json: a long-string JSON schema; words: the regex {WORDS}; auto: json where the tokenizer "
                     "spells it")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here too")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights, for a --model directory of a config and tokenizer only "
+                    "(bench/random_model.py --config-only)")  # fmt: skip
     args = ap.parse_args()
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     kw = {} if args.model is None else {"model": args.model}
     llm = LLM(
-        **kw, device=args.device, dtype=dtype, max_num_seqs=max(args.batch, 8), num_kv_blocks=args.batch * 16 + 64
+        **kw, device=args.device, dtype=dtype, max_num_seqs=max(args.batch, 8), num_kv_blocks=args.batch * 16 + 64,
+        load_format=args.load_format,
     )
     timer = MaskTimer(llm.engine.grammar)
     so = pick_grammar(llm.engine.tokenizer, args.grammar)

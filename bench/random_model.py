@@ -164,8 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--config-only", action="store_true",
+        help="write the config and tokenizer, no weights: for engines loaded with load_format dummy",
+    )
     args = p.parse_args(argv)
-    print(json.dumps(write_model(args.out, shape_config(args.shape), args.seed, args.device)))
+    cfg = shape_config(args.shape)
+    if args.config_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_tokenizer(args.out, cfg["vocab_size"], cfg.get("bos_token_id"), cfg.get("eos_token_id"))
+        print(json.dumps({"dir": str(args.out), "weights": "none (load_format dummy)"}))
+        return 0
+    print(json.dumps(write_model(args.out, cfg, args.seed, args.device)))
     return 0
 
 

@@ -175,6 +175,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per variant")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights, for a --model directory of a config and tokenizer only "
+                    "(bench/random_model.py --config-only)")  # fmt: skip
     ap.add_argument("--processing-only", action="store_true", help="time process_logits alone; load no model")
     ap.add_argument("--vocab", type=int, default=128256, help="vocabulary of --processing-only")
     ap.add_argument("--reps", type=int, default=60, help="process_logits calls per row of its table")
@@ -188,7 +191,8 @@ def main() -> None:
             write_json(args.json, json.dumps({"batch": args.batch, "device": args.device, "processing": table}))
         return
     llm = LLM(args.model, device=args.device, dtype="float32" if args.device == "cpu" else "auto",
-              num_kv_blocks=args.batch * (PROMPT_LEN + args.steps + 24) // 16 + 64, max_num_seqs=args.batch)  # fmt: skip
+              num_kv_blocks=args.batch * (PROMPT_LEN + args.steps + 24) // 16 + 64, max_num_seqs=args.batch,
+              load_format=args.load_format)  # fmt: skip
     vocab = llm.engine.model_config.vocab_size
     results = []
     for name, params in _variants(args.steps).items():
