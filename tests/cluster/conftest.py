@@ -311,9 +311,19 @@ def _shares_default_cluster(item: pytest.Item) -> bool:
     return uses_shared_cluster(item, Path(__file__).parent)
 
 
+# The 2 prefill + 1 decode cluster (/metrics, traces to `otlp_receiver`), shared the same way by
+# the modules whose own `cluster` fixture returns `two_prefill_cluster`.
+TWO_PREFILL = "two_prefill_cluster"
+
+
+def _shares_two_prefill_cluster(item: pytest.Item) -> bool:
+    return uses_shared_cluster(item, Path(__file__).parent, TWO_PREFILL)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules on the shared cluster run one after another, so that it starts once."""
+    """The modules on each shared cluster run one after another, so that it starts once."""
     group_shared_modules(items, _shares_default_cluster)
+    group_shared_modules(items, _shares_two_prefill_cluster)
 
 
 @pytest.fixture(scope="session")
@@ -336,6 +346,42 @@ def cluster(shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> It
         shared_cluster.hand_on(request.module.__name__)
     else:
         shared_cluster.close()
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[Any]:
+    """An OTLP/gRPC trace receiver on loopback, the endpoint of `two_prefill_cluster`'s traces."""
+    from tests.cluster.otlp import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_two_prefill(loop_thread: LoopThread, otlp_receiver: Any) -> Iterator[SharedCluster]:
+    from pdserve.cluster.serve import Cluster
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.engine.args import EngineArgs
+    from pdserve.telemetry.tracing import TracingConfig
+
+    cfg = ServeConfig(device="cpu", dtype="float32", port=0, metrics_port=0, num_prefill=2, num_decode=1,
+                      engine=EngineArgs(num_kv_blocks=256),
+                      tracing=TracingConfig(exporter="otlp-grpc", endpoint=otlp_receiver.endpoint, export_delay_s=0.2))  # fmt: skip
+    shared = SharedCluster(lambda: loop_thread.run(Cluster.start(cfg)), lambda c: loop_thread.run(c.stop()))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="module")
+def two_prefill_cluster(shared_two_prefill: SharedCluster, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """2 prefill + 1 decode Ray actors of the default model, with /metrics and traces sent to
+    `otlp_receiver`: started once for the modules that use it, handed on only idle and whole."""
+    yield shared_two_prefill.get()
+    if next_module_shares(request, _shares_two_prefill_cluster):
+        shared_two_prefill.hand_on(request.module.__name__)
+    else:
+        shared_two_prefill.close()
 
 
 @pytest.fixture(scope="module")

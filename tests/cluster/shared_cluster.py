@@ -8,6 +8,7 @@ called at collection), and a module hands the cluster on only to a next module t
 after checking that it left the cluster as it found it: both workers in their roles, every KV
 block free (`SharedCluster.hand_on`). Otherwise the cluster stops when the module ends, as a module's own
 cluster does, so no Ray instance outlives the modules that use it (later modules start their own).
+The conftest shares a second shape the same way (2 prefill + 1 decode, `two_prefill_cluster`).
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ FIXTURE = "cluster"  # the conftest fixture whose cluster is shared
 IDLE_TIMEOUT_S = 15.0  # what the modules' own "every block is freed" checks allow
 
 
-def uses_shared_cluster(item: pytest.Item, folder: Any) -> bool:
-    """Whether test `item` runs on the shared cluster: it is under `folder` (tests/cluster) and needs
-    the `cluster` fixture without defining its own (a module's own `cluster` fixture is an
-    attribute of the module and overrides the conftest's)."""
+def uses_shared_cluster(item: pytest.Item, folder: Any, fixture: str = FIXTURE) -> bool:
+    """Whether test `item` runs on the shared cluster of `fixture`: it is under `folder`
+    (tests/cluster) and needs that fixture without defining its own (a module's own fixture of
+    that name is an attribute of the module and overrides the conftest's)."""
     module = getattr(item, "module", None)
     return (
         module is not None
         and folder in item.path.parents
-        and FIXTURE in getattr(item, "fixturenames", ())
-        and FIXTURE not in vars(module)
+        and fixture in getattr(item, "fixturenames", ())
+        and fixture not in vars(module)
     )
 
 

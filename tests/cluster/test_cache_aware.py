@@ -10,9 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdserve.cluster.serve import Cluster
-from pdserve.cluster.serve_config import ServeConfig
-from pdserve.engine.args import EngineArgs
 from pdserve.engine.hashing import block_hashes
 from pdserve.router.placement.ring import ring_key
 from pdserve_proto import inference_pb2 as pb
@@ -24,13 +21,10 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread):
-    cfg = ServeConfig(
-        device="cpu", dtype="float32", port=0, num_prefill=2, num_decode=1, engine=EngineArgs(num_kv_blocks=256)
-    )
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
+def cluster(two_prefill_cluster):
+    # Shared with test_role_flip (tests/cluster/conftest.py), which runs after this module: the
+    # worker added here is removed again, and the placement counts below are deltas.
+    return two_prefill_cluster
 
 
 def placement(loop_thread, cluster) -> dict:

@@ -8,7 +8,6 @@ the flip is counted in /metrics and traced; a refused flip names the field."""
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,9 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve import SamplingParams
 from pdserve.cluster.role_flip import FlipInFlight, FlipRefused
 from pdserve.cluster.serve import Cluster
-from pdserve.cluster.serve_config import ServeConfig
-from pdserve.engine.args import EngineArgs
-from pdserve.telemetry.tracing import TracingConfig
 from tests.cluster.greedy_streams import greedy_stream, greedy_streams
 from tests.cluster.otlp import OtlpReceiver
 
@@ -31,22 +27,15 @@ PROMPTS = [list(range(300 + 40 * i, 300 + 40 * i + 24 + 7 * i)) for i in range(4
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    r = OtlpReceiver().start()
-    yield r
-    r.stop()
+def receiver(otlp_receiver: OtlpReceiver) -> OtlpReceiver:
+    return otlp_receiver  # the shared cluster's traces' endpoint
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: Any, receiver: OtlpReceiver) -> Iterator[Cluster]:
-    cfg = ServeConfig(
-        device="cpu", dtype="float32", port=0, metrics_port=0, num_prefill=2, num_decode=1,
-        engine=EngineArgs(num_kv_blocks=192),
-        tracing=TracingConfig(exporter="otlp-grpc", endpoint=receiver.endpoint, export_delay_s=0.2),
-    )
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
+def cluster(two_prefill_cluster: Cluster) -> Cluster:
+    # Shared with test_cache_aware (tests/cluster/conftest.py), which adds and removes a prefill
+    # worker but flips none: the flip counts and epochs below start from it as from a new cluster.
+    return two_prefill_cluster
 
 
 def stream(channel: grpc.Channel, ids: list[int], max_tokens: int) -> list[int]:
