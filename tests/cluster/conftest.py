@@ -304,9 +304,9 @@ def model_dir() -> Any:
     return default_model_dir()
 
 
-# The default-model cluster of `pdserve serve` with no arguments (plus the HTTP front door and
-# /metrics), shared by the modules that ask for it (tests/cluster/shared_cluster.py): modules that
-# need another shape define their own `cluster`.
+# The default-model cluster of `pdserve serve` with no arguments (plus the HTTP front door,
+# /metrics and traces to `otlp_receiver`), shared by the modules that ask for it
+# (tests/cluster/shared_cluster.py): modules that need another shape define their own `cluster`.
 def _shares_default_cluster(item: pytest.Item) -> bool:
     return uses_shared_cluster(item, Path(__file__).parent)
 
@@ -327,13 +327,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def shared_cluster(loop_thread: LoopThread) -> Iterator[SharedCluster]:
+def shared_cluster(loop_thread: LoopThread, otlp_receiver: Any) -> Iterator[SharedCluster]:
     from pdserve.cluster.serve import Cluster
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
+    from pdserve.telemetry.tracing import TracingConfig
 
     cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, metrics_port=0,
-                      engine=EngineArgs(num_kv_blocks=384))  # fmt: skip
+                      engine=EngineArgs(num_kv_blocks=384),
+                      tracing=TracingConfig(exporter="otlp-grpc", endpoint=otlp_receiver.endpoint, export_delay_s=0.2))  # fmt: skip
     shared = SharedCluster(lambda: loop_thread.run(Cluster.start(cfg)), lambda c: loop_thread.run(c.stop()))
     yield shared
     shared.close()
@@ -350,7 +352,7 @@ def cluster(shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> It
 
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Iterator[Any]:
-    """An OTLP/gRPC trace receiver on loopback, the endpoint of `two_prefill_cluster`'s traces."""
+    """An OTLP/gRPC trace receiver on loopback, the endpoint of the shared clusters' traces."""
     from tests.cluster.otlp import OtlpReceiver
 
     receiver = OtlpReceiver().start()

@@ -1,7 +1,7 @@
 """The default cluster (tests/cluster/conftest.py's `cluster` fixture), shared by the test modules
 that use it instead of started once per module: a Ray cluster start-up costs 10-15 s on the
 2-core CI host, and these modules all start the same one (`pdserve serve`'s defaults, 1 prefill +
-1 decode, the HTTP front door and /metrics).
+1 decode, the HTTP front door, /metrics and traces to a receiver).
 
 The modules that use it (in any of their tests) run one after another (`group_shared_modules`,
 called at collection), and a module hands the cluster on only to a next module that uses it too,

@@ -10,10 +10,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.cluster.serve import Cluster
-from pdserve.cluster.serve_config import ServeConfig
-from pdserve.engine.args import EngineArgs
-from pdserve.telemetry.tracing import TracingConfig
 from pdserve_proto import inference_pb2 as pb
 from pdserve_proto import inference_pb2_grpc as pbg
 from tests.cluster.otlp import OtlpReceiver, ReceivedSpan
@@ -33,21 +29,10 @@ CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    r = OtlpReceiver().start()
-    yield r
-    r.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(loop_thread, receiver):
-    cfg = ServeConfig(
-        device="cpu", dtype="float32", port=0, engine=EngineArgs(num_kv_blocks=256), metrics_port=0,
-        tracing=TracingConfig(exporter="otlp-grpc", endpoint=receiver.endpoint, export_delay_s=0.2),
-    )
-    c = loop_thread.run(Cluster.start(cfg))
-    yield c
-    loop_thread.run(c.stop())
+def receiver(otlp_receiver):
+    # The traces of the shared default cluster (`cluster`, tests/cluster/conftest.py): the
+    # checks below pick this module's requests by id, and its metrics by their deltas.
+    return otlp_receiver
 
 
 def generate(channel, rid: str, prompt: str, max_tokens: int, metadata=()) -> list[pb.GenerateResponse]:
