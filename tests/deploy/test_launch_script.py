@@ -26,7 +26,9 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from dataclasses import dataclass
 
@@ -53,6 +55,17 @@ nodes = {n.node_id: {"head": n.is_head_node, "resources": n.resources_total} for
 actors = {a.name: a.node_id for a in list_actors(address=sys.argv[1], filters=[("state", "=", "ALIVE")])}
 print(json.dumps({"nodes": nodes, "actors": actors}))
 """
+
+
+def offline_answers() -> tuple[Any, list[int]]:
+    """The offline engine's greedy answers to PROMPT: MAX_TOKENS tokens (the output, with its
+    text) and LONG_TOKENS tokens (their ids)."""
+    from pdserve import LLM, SamplingParams
+
+    offline = LLM(device="cpu", dtype="float32", num_kv_blocks=256)
+    short = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    longer = offline.generate([PROMPT], SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    return short, longer.token_ids
 
 
 def free_port() -> int:
@@ -192,6 +205,11 @@ def _until(proc: subprocess.Popen, out: queue.Queue, seen: list[str], pattern: s
 
 def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines, hosts):
     head, worker, root = machines
+    # The offline engine loads and generates while this process only waits for the nodes and
+    # routers to start (most of the test's time), not on the way to the first comparison.
+    background = ThreadPoolExecutor(1)
+    offline = background.submit(offline_answers)
+    background.shutdown(wait=False)  # the submitted work still runs to its end
     ip, ray_port, dash_port = hosts.head, free_port(), free_port()
     address = f"{ip}:{ray_port}"
     started = head.run(
@@ -257,11 +275,7 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
             chunks = list(pbg.InferenceStub(channel).Generate(
                 pb.GenerateRequest(prompt=PROMPT, sampling_params=params), timeout=120
             ))
-        from pdserve import LLM, SamplingParams
-
-        offline = LLM(device="cpu", dtype="float32", num_kv_blocks=256)
-        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        expected = offline.generate([PROMPT], greedy)[0]
+        expected, long_expected = offline.result(timeout=300)
         assert [t for c in chunks for t in c.token_ids] == expected.token_ids
         assert "".join(c.text for c in chunks) == expected.text
 
@@ -293,8 +307,6 @@ def test_pools_on_their_nodes_answer_as_offline_and_down_leaves_nothing(machines
             # kill -9 of the first router while a stream runs through the second, on the other
             # host: the stream ends with the offline tokens, and a restarted `serve` adopts the
             # running workers (no model loaded again) and answers as before.
-            longer = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
-            long_expected = offline.generate([PROMPT], longer)[0].token_ids
             first_chunk, streamed = threading.Event(), queue.Queue()
 
             def stream_through_second() -> None:
