@@ -102,6 +102,7 @@ class InFlight:
         self._prefill_slot = False  # p_at counts in flight in the prefill pool
         self._prefetching = False  # the decode worker may hold a prefetch of its KV
         self._hand_over: asyncio.Task | None = None  # a start/submit call still running
+        self._overflow: tuple[str, float] | None = None  # (decode worker, prompt tokens) while in its backlog
         self._closed = False
 
     @property
@@ -173,9 +174,21 @@ class InFlight:
         """Its decode worker failed it: nothing more from that worker reaches its stream."""
         self.stream.worker = None
 
+    def overflowed(self, tokens: float) -> None:
+        """Its prompt overflowed to its decode worker: in that worker's backlog until `prefilled`."""
+        self._overflow = (self.d_at.worker, tokens)
+        self._books.pools.decode_policy.add_overflow(*self._overflow)
+
+    def prefilled(self) -> None:
+        """Its first token came (or it left the worker): out of any overflow backlog, once."""
+        if self._overflow is not None:
+            self._books.pools.decode_policy.end_overflow(*self._overflow)
+            self._overflow = None
+
     def move_decode(self, d_at: Placement) -> None:
         """Another decode worker takes it over from the current one."""
         pools = self._books.pools
+        self.prefilled()  # the other worker recomputes it: no overflow of the first one's
         if self._decode_slot:
             pools.decode_policy.finish(self.d_at)
         if self.d_at.worker in self._held:
@@ -257,6 +270,7 @@ class InFlight:
         self.stream.close()
         for pool in list(self._queued):  # failed or cancelled before its token
             self.dequeue(pool, served=False)
+        self.prefilled()
         if self._decode_slot:
             self._decode_slot = False
             books.pools.decode_policy.finish(self.d_at)

@@ -228,6 +228,7 @@ class Router:
                 async for out in chunks:
                     if first:  # the prompt's cached share is known by its first token
                         self.metrics.prefilled_tokens.inc(len(ids) - r.cached)
+                        r.prefilled()
                         first = False
                     if anchor is not None and r.phase is Phase.DECODING:
                         anchor.set(r.d_at.worker)
@@ -273,10 +274,11 @@ class Router:
                 if refusal is not None:
                     route.end()
                     raise _refused(refusal)
-                prefill = pools.prefill_policy
-                if overflow_to_decode(prefill.least_queued_tokens(cfg.max_inflight_per_prefill),
+                prefill, backlog = pools.prefill_policy, pools.decode_policy.overflow_backlog.get(d_at.worker, 0.0)
+                if overflow_to_decode(prefill.least_queued_tokens(cfg.max_inflight_per_prefill), backlog,
                                       cfg.placement.max_prefill_queue_tokens):
                     overflow = local = True  # the prefill pool is backed up: the decode worker takes it
+                    r.overflowed(max(1, len(ids) - d_at.matched_blocks * cfg.block_size))
                 else:
                     p_at = prefill.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill, reuse=reuse)
                     if p_at is not None:

@@ -29,11 +29,15 @@ class DecodePlacement(PlacementStrategy):
         return prefill_locally(num_prompt_tokens, matched_tokens, has_prefill_workers, limit)
 
 
-def overflow_to_decode(least_queued_tokens: float | None, max_prefill_queue_tokens: int) -> bool:
+def overflow_to_decode(
+    least_queued_tokens: float | None, decode_backlog_tokens: float, max_prefill_queue_tokens: int
+) -> bool:
     """Whether a prompt bound for the prefill pool is prefilled on its decode worker because
     the pool is backed up: every prefill worker below its cap has at least
     `max_prefill_queue_tokens` tokens of prefill in flight (`least_queued_tokens`; None: none is
-    below its cap, which `prefill_locally_when_pool_full` decides). 0 turns it off.
+    below its cap, which `prefill_locally_when_pool_full` decides), and the decode worker's own
+    backlog of such prompts (`decode_backlog_tokens`, not yet at their first token) is below the
+    same bound, so neither side queues more than it. 0 turns it off.
 
     Past one prefill GPU's rate the prefill queue, and with it every request's time to first
     token, grows without bound; the decode workers' spare compute beside their memory-bound
@@ -41,7 +45,7 @@ def overflow_to_decode(least_queued_tokens: float | None, max_prefill_queue_toke
     """
     if max_prefill_queue_tokens <= 0 or least_queued_tokens is None:
         return False
-    return least_queued_tokens >= max_prefill_queue_tokens
+    return least_queued_tokens >= max_prefill_queue_tokens > decode_backlog_tokens
 
 
 def prefill_locally(

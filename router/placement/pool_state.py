@@ -262,8 +262,24 @@ class DecodePolicy(_Pool):
     its prompt is prefilled there too (`prefill_here`)."""
 
     def __init__(self, cfg: PlacementConfig, workers: Iterable[str] = (), block_size: int = 16) -> None:
+        # Per worker: prompt tokens of overflowed prompts placed there, not yet at their first token.
+        self.overflow_backlog: dict[str, float] = {}
         super().__init__(cfg, workers, block_size)
         self.placement = DecodePlacement(cfg, self)
+
+    def _leave(self, worker: str) -> None:
+        super()._leave(worker)
+        self.overflow_backlog.pop(worker, None)
+
+    def add_overflow(self, worker: str, tokens: float) -> None:
+        """An overflowed prompt of `tokens` tokens was placed on `worker`."""
+        if worker in self.inflight:
+            self.overflow_backlog[worker] = self.overflow_backlog.get(worker, 0.0) + tokens
+
+    def end_overflow(self, worker: str, tokens: float) -> None:
+        """That prompt reached its first token, or left the worker."""
+        if worker in self.overflow_backlog:
+            self.overflow_backlog[worker] = max(0.0, self.overflow_backlog[worker] - tokens)
 
     def place(self, block_hashes: Sequence[int], num_tokens: int, capacity: int = 1 << 30) -> Placement | None:
         open_ = self._open(capacity)

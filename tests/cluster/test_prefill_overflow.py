@@ -47,4 +47,5 @@ def test_prompts_arriving_while_the_prefill_worker_is_busy_overflow_with_the_off
     assert prefills["remote"] >= 1 and prefills["local"] >= 1, prefills
     assert overflows == prefills["local"]  # every local prefill here was an overflow
     assert c.decode.local_prefills == prefills["local"]
+    assert set(c.router.decode_policy.overflow_backlog.values()) <= {0.0}  # every overflowed prompt prefilled
     wait_until(blocks_free(c.channel), 15, "every KV block to be freed")

@@ -46,10 +46,11 @@ def test_a_negative_threshold_is_refused_naming_the_field():
 
 
 def test_a_backed_up_prefill_pool_overflows_only_past_the_queue_bound():
-    assert overflow_to_decode(4096, 4096) and overflow_to_decode(9000.0, 4096)
-    assert not overflow_to_decode(4095, 4096)
-    assert not overflow_to_decode(10**6, 0)  # 0: never
-    assert not overflow_to_decode(None, 4096)  # every worker at its cap: the pool-full rule decides
+    assert overflow_to_decode(4096, 0, 4096) and overflow_to_decode(9000.0, 4095, 4096)
+    assert not overflow_to_decode(4095, 0, 4096)
+    assert not overflow_to_decode(9000, 4096, 4096)  # the decode worker's own backlog is full too
+    assert not overflow_to_decode(10**6, 0, 0)  # 0: never
+    assert not overflow_to_decode(None, 0, 4096)  # every worker at its cap: the pool-full rule decides
 
 
 async def ask(router: Router, rid: str, ids: list[int], max_tokens: int = 4) -> list[pb.GenerateResponse]:
@@ -259,8 +260,9 @@ def test_a_full_prefill_pool_overflows_to_the_decode_worker(overflow):
 
 def test_prompts_overflow_to_the_decode_worker_while_the_prefill_queue_is_over_its_bound():
     """`max_prefill_queue_tokens`: while the prefill worker has that many tokens in flight, a new
-    prompt is prefilled on its decode worker (an overflow, served locally); once the queue
-    drains, prompts go to the prefill pool again. Nothing stays placed."""
+    prompt is prefilled on its decode worker (an overflow, served locally), unless that worker's
+    backlog of overflowed prompts without a first token is that large too; once the queue drains,
+    prompts go to the prefill pool again. Nothing stays placed or in a backlog."""
 
     async def go() -> None:
         prefill, decode = FakePrefill(), FakeDecode()
@@ -268,25 +270,34 @@ def test_prompts_overflow_to_the_decode_worker_while_the_prefill_queue_is_over_i
         router = make_router([prefill], [decode], queue_tokens=4 * BS)
         await router.start()
         value = router.metrics.registry.get_sample_value
+        backlog = router.decode_policy.overflow_backlog
         try:
             short = asyncio.create_task(ask(router, "short", list(range(3 * BS))))
             await wait_until(lambda: prefill.waiting == ["short"])
             assert router.prefill_policy.least_queued_tokens() == 3 * BS  # below the bound
             long = asyncio.create_task(ask(router, "long", list(range(1000, 1000 + 2 * BS))))
             await wait_until(lambda: prefill.waiting == ["short", "long"])  # 5 blocks in flight now
-            chunks = await ask(router, "over", list(range(500, 500 + BS)), max_tokens=3)
-            assert [t for c in chunks for t in c.token_ids] == [7] * 3
-            assert ("submit", "over") in decode.calls and "over" not in prefill.waiting
+            decode.emitting.clear()  # the overflowed prompt's first token is held back
+            over = asyncio.create_task(ask(router, "over", list(range(500, 500 + 5 * BS)), max_tokens=200))
+            await wait_until(lambda: ("submit", "over") in decode.calls)
+            assert "over" not in prefill.waiting and backlog == {"decode-0": 5 * BS}
             assert value("pdserve_prefill_overflows_total") == 1
+            # The decode worker's backlog is at the bound as well: the next prompt waits for the prefill worker.
+            queued = asyncio.create_task(ask(router, "queued", list(range(3000, 3000 + BS))))
+            await wait_until(lambda: prefill.waiting == ["short", "long", "queued"])
+            decode.emitting.set()
+            await wait_until(lambda: backlog == {"decode-0": 0})  # at its first token,
+            assert not over.done()  # not at its end
+            assert [t for c in await over for t in c.token_ids] == [7] * 200
             prefill.gate.set()
-            await asyncio.gather(short, long)
+            await asyncio.gather(short, long, queued)
             await ask(router, "after", list(range(2000, 2000 + BS)))
-            assert prefill.prefilled == ["short", "long", "after"]
+            assert prefill.prefilled == ["short", "long", "queued", "after"]
             assert value("pdserve_prefill_overflows_total") == 1
-            assert served(router) == {"local": 1, "remote": 3}
+            assert served(router) == {"local": 1, "remote": 4}
             await router.drain_cleanups()
             assert router.decode_policy.inflight == {"decode-0": 0} and router.prefill_policy.inflight == {"prefill-0": 0}
-            assert router.prefill_policy.least_queued_tokens() == 0
+            assert router.prefill_policy.least_queued_tokens() == 0 and backlog == {"decode-0": 0}
         finally:
             await router.stop()
 
