@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What structured output costs a decode step: the engine's step time for --batch sequences
-decoding together, plain against every row under a JSON-schema grammar, greedy and sampled, in
-the same run, with the host time of the grammar's mask (matchers fed, bitmask filled, its copy
+decoding together, plain against every row under a JSON-schema grammar (and under the grammar
+with bench/sampler_cost.py's penalties and logit bias), greedy and sampled, in the same run, the
+variants taken in turn --rounds times (each row the median over rounds), with the host time of the grammar's mask (matchers fed, bitmask filled, its copy
 and application queued; on a GPU that overlaps the forward still running).
 
 The grammar (`--grammar`) is a JSON schema holding one long string (at least 400 characters),
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_json
+from bench.sampler_cost import PENALTIES
 from pdserve import LLM, SamplingParams
 from pdserve.engine.grammar import GrammarMasks
 from pdserve.engine.grammar_spec import StructuredOutput
@@ -74,8 +76,10 @@ def _variants(steps: int, so: StructuredOutput) -> dict[str, SamplingParams]:
     return {
         "greedy": SamplingParams(**greedy, ignore_eos=True),
         "greedy + grammar": SamplingParams(**greedy, structured_output=so),
+        "greedy + grammar + penalties, bias": SamplingParams(**greedy, structured_output=so, **PENALTIES),
         "sampled": SamplingParams(**sampled, ignore_eos=True),
         "sampled + grammar": SamplingParams(**sampled, structured_output=so),
+        "sampled + grammar + penalties, bias": SamplingParams(**sampled, structured_output=so, **PENALTIES),
     }
 
 
@@ -136,6 +140,7 @@ def main() -> None:
                     help=f"json: a long-string JSON schema; words: the regex {WORDS}; auto: json where the tokenizer "
                     "spells it")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here too")
+    ap.add_argument("--rounds", type=int, default=3, help="times each variant is measured, in turn (default: 3)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights, for a --model directory of a config and tokenizer only "
                     "(bench/random_model.py --config-only)")  # fmt: skip
@@ -151,10 +156,16 @@ def main() -> None:
     variants = _variants(args.steps, so)
     # Warm-up: compile the grammar once.
     step_ms(llm, timer, variants["greedy + grammar"], args.batch, args.prompt_len, args.device)
+    runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in variants}
+    for _ in range(args.rounds):  # in turn, so that the host's drift falls on every variant alike
+        for name, params in variants.items():
+            step, mask, n = step_ms(llm, timer, params, args.batch, args.prompt_len, args.device)
+            check_measured(name, n, args.steps)
+            runs[name].append((step, mask, n))
     rows, plain = [], {}
-    for name, params in variants.items():
-        step, mask, n = step_ms(llm, timer, params, args.batch, args.prompt_len, args.device)
-        check_measured(name, n, args.steps)
+    for name, got in runs.items():
+        step, mask = statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
+        n = min(g[2] for g in got)
         base = plain.setdefault(name.split(" + ")[0], step)
         rows.append({"variant": name, "step_ms": round(step, 2), "mask_ms": round(mask, 2),
                      "vs_plain": round(step / base, 3), "steps": n})  # fmt: skip
