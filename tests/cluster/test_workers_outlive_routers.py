@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,10 +212,8 @@ AFTER_ENGINE_STOP = (list(range(1800, 1830)), 16)
 AFTER_KEEP = (list(range(2100, 2130)), 12)
 
 
-@pytest.fixture(scope="module")
-def want(offline: Any) -> dict[tuple[int, ...], list[int]]:
-    """The offline engine's tokens of every prompt of the module, made before any worker starts:
-    on a 2-core host, an engine in this process while the workers step would slow both."""
+def _offline_tokens(offline: Any) -> dict[tuple[int, ...], list[int]]:
+    """The offline engine's tokens of every prompt of the module."""
     import torch
 
     cases = [(ids, MAX_TOKENS) for ids in STREAMS] + [AFTER_RESTART, AFTER_REPLACE, AFTER_REFUSAL, AFTER_ENGINE_STOP,
@@ -234,7 +232,21 @@ def want(offline: Any) -> dict[tuple[int, ...], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(want: Any) -> Iterator[Cluster]:
+def offline_tokens(offline: Any) -> Iterator[Future]:
+    """`_offline_tokens`, made on a thread while the Ray head starts (no worker runs yet)."""
+    with ThreadPoolExecutor(1) as background:
+        yield background.submit(_offline_tokens, offline)
+
+
+@pytest.fixture(scope="module")
+def want(offline_tokens: Future, cluster: Any) -> dict[tuple[int, ...], list[int]]:
+    """The offline engine's tokens of every prompt of the module, made before any worker starts:
+    on a 2-core host, an engine in this process while the workers step would slow both."""
+    return offline_tokens.result(timeout=300)
+
+
+@pytest.fixture(scope="module")
+def cluster(offline_tokens: Future) -> Iterator[Cluster]:
     # Short: Ray's unix sockets live under the temp dir and their paths have a length limit.
     root = Path(tempfile.mkdtemp(prefix="pdw", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PDSERVE_"))}
@@ -248,6 +260,7 @@ def cluster(want: Any) -> Iterator[Cluster]:
     try:
         started = subprocess.run(head, env=env, capture_output=True, text=True, check=False, timeout=180, cwd=ROOT)
         assert started.returncode == 0, started.stdout + started.stderr
+        offline_tokens.result(timeout=300)  # made before any worker starts (`want`)
         sid = int((root / "state" / "head.pid").read_text())
         ray_env = env | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(root / "state" / "auth_token"),
                          "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
