@@ -54,7 +54,10 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
     sampled_at = {id(item.seq): k for k, item in enumerate(i for i in current if i.sample)}
     budget = sched.limits.max_num_batched_tokens
     # A row sampled now decodes next (unless it stops): prompt tokens beside it are capped.
-    room = sched.limits.prompt_room(any(i.sample for i in current) or any(decodes(s) for s in sched.running))
+    cap = sched.limits.max_prefill_tokens_with_decodes
+    if cap is not None and not any(i.sample for i in current):
+        cap = sched.limits.prompt_cap(sched.running)
+    room = budget if cap is None else cap
     out: list[ScheduledSeq] = []
     ahead: list[int] = []
     feed: list[tuple[int, int]] = []
@@ -69,7 +72,7 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
             continue  # it finishes when `current`'s tokens are in
         computed, total = seq.num_computed_tokens + m, seq.num_tokens + fed
         n = min(total - computed, budget)
-        if n > 1 or not (fed or (m == 0 and decodes(seq))):  # a prompt chunk
+        if cap is not None and (n > 1 or not (fed or (m == 0 and decodes(seq)))):  # a prompt chunk
             n = min(n, room)
             room -= max(n, 0)
         if n <= 0:

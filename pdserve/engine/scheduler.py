@@ -10,7 +10,7 @@ docs/engine.md, "Scheduling"."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocksError
@@ -41,10 +41,11 @@ class SchedulerLimits:
     # cap keeps a decode worker's inter-token time near its decode step while it prefills.
     max_prefill_tokens_with_decodes: int | None = None
 
-    def prompt_room(self, decoding: bool) -> int:
-        """Prompt tokens a step may carry: capped where the step also decodes."""
+    def prompt_cap(self, running: Iterable[Sequence]) -> int | None:
+        """The prompt tokens a step of `running` may carry where it also decodes (None: no cap
+        beyond the budget; without one set, `running` is not even looked at)."""
         cap = self.max_prefill_tokens_with_decodes
-        return self.max_num_batched_tokens if cap is None or not decoding else cap
+        return cap if cap is not None and any(decodes(s) for s in running) else None
 
 
 class Scheduler:
@@ -84,12 +85,13 @@ class Scheduler:
         while self.ready and len(self.running) < self.limits.max_num_seqs:
             self.running.append(self.ready.popleft())
 
-        room = self.limits.prompt_room(any(decodes(s) for s in self.running))
+        cap = self.limits.prompt_cap(self.running)
+        room = budget if cap is None else cap
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1 or not decodes(seq):  # a prompt chunk: within the room left for prompts
+            if cap is not None and (n > 1 or not decodes(seq)):  # a prompt chunk: within the room left
                 n = min(n, room)
                 if n == 0:
                     i += 1
