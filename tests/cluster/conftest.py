@@ -328,15 +328,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def shared_cluster(loop_thread: LoopThread, otlp_receiver: Any) -> Iterator[SharedCluster]:
+    yield from _traced_shared_cluster(loop_thread, otlp_receiver, 384, http_port=0)
+
+
+def _traced_shared_cluster(
+    loop_thread: LoopThread, otlp_receiver: Any, num_kv_blocks: int, **cfg: Any
+) -> Iterator[SharedCluster]:
+    """A shared CPU cluster of the default model with /metrics and traces sent to `otlp_receiver`."""
     from pdserve.cluster.serve import Cluster
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
     from pdserve.telemetry.tracing import TracingConfig
 
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, http_port=0, metrics_port=0,
-                      engine=EngineArgs(num_kv_blocks=384),
-                      tracing=TracingConfig(exporter="otlp-grpc", endpoint=otlp_receiver.endpoint, export_delay_s=0.2))  # fmt: skip
-    shared = SharedCluster(lambda: loop_thread.run(Cluster.start(cfg)), lambda c: loop_thread.run(c.stop()))
+    tracing = TracingConfig(exporter="otlp-grpc", endpoint=otlp_receiver.endpoint, export_delay_s=0.2)
+    engine = EngineArgs(num_kv_blocks=num_kv_blocks)
+    serve = ServeConfig(device="cpu", dtype="float32", port=0, metrics_port=0, engine=engine, tracing=tracing, **cfg)
+    shared = SharedCluster(lambda: loop_thread.run(Cluster.start(serve)), lambda c: loop_thread.run(c.stop()))
     yield shared
     shared.close()
 
@@ -362,17 +369,7 @@ def otlp_receiver() -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def shared_two_prefill(loop_thread: LoopThread, otlp_receiver: Any) -> Iterator[SharedCluster]:
-    from pdserve.cluster.serve import Cluster
-    from pdserve.cluster.serve_config import ServeConfig
-    from pdserve.engine.args import EngineArgs
-    from pdserve.telemetry.tracing import TracingConfig
-
-    cfg = ServeConfig(device="cpu", dtype="float32", port=0, metrics_port=0, num_prefill=2, num_decode=1,
-                      engine=EngineArgs(num_kv_blocks=256),
-                      tracing=TracingConfig(exporter="otlp-grpc", endpoint=otlp_receiver.endpoint, export_delay_s=0.2))  # fmt: skip
-    shared = SharedCluster(lambda: loop_thread.run(Cluster.start(cfg)), lambda c: loop_thread.run(c.stop()))
-    yield shared
-    shared.close()
+    yield from _traced_shared_cluster(loop_thread, otlp_receiver, 256, num_prefill=2, num_decode=1)
 
 
 @pytest.fixture(scope="module")
