@@ -8,6 +8,12 @@ copies larger than L2 (so every call reads HBM), median of 7 replays; `--pdl` ro
 programmatic dependents, as a decode step does.
 
     python bench/decode_kernels.py [--json out.json] [--no-sweep]
+
+`--attention-splits` instead sweeps decode attention's splits of the context (1-32) and tiles at
+head_dim 64 and 128, batches 4-96 and contexts 300/1,100/3,000, and sets the splits and tile the
+engine picks (`decode_tiles`) beside the fastest:
+
+    python bench/decode_kernels.py --attention-splits
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_json  # noqa: E402
 
-from pdserve.engine.kernels.decode_tiles import attention_splits, gemv_tile  # noqa: E402
+from pdserve.engine.kernels.decode_tiles import attention_splits, attention_tile, gemv_tile  # noqa: E402
 
 try:
     from pdserve.engine.kernels import decode_kernels as dk  # noqa: E402
@@ -164,16 +170,95 @@ def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
+def _attention_at(q, k_cache, v_cache, tables, lens, splits: int, tile: tuple[int, int]) -> Callable[[int], None]:
+    """decode_attention's two kernels launched with a chosen tile (the engine picks it from the
+    number of programs)."""
+    b, hq, d = q.shape
+    hk = k_cache.shape[2]
+    out = torch.empty_like(q)
+    part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device) if splits > 1 else out
+    part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device) if splits > 1 else out
+    kw = dict(GROUP=hq // hk, BLOCK_G=max(16, triton_next_pow2(hq // hk)), HEAD_DIM=d, PAGE=k_cache.shape[1],
+              BLOCK_N=tile[0], SPLITS=splits, ROPE=False, USE_PDL=False, PRECISION="tf32", num_warps=tile[1])
+
+    def step(i: int) -> None:
+        t = tables[i % len(tables)]
+        dk._decode_attention_kernel[(b, hk, splits)](
+            q, q, q, q, q, lens, lens, lens, k_cache, v_cache, t, lens, part_o, part_lse, out,
+            q.stride(0), q.stride(1), q.stride(0), q.stride(1), q.stride(0), q.stride(1), 0,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), t.stride(0), out.stride(0), out.stride(1), d**-0.5, **kw)
+        if splits > 1:
+            dk._attention_merge_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), hq,
+                                                HEAD_DIM=d, SPLITS=splits, USE_PDL=False, num_warps=1)
+
+    return step
+
+
+def sweep_attention_splits() -> list[dict]:
+    """Every split count (1-32) with the engine's tile and with the two others, per (head_dim,
+    batch, context); 32 query heads, 8 KV heads, pages of 16."""
+    hq, hk, page = 32, 8, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for d in (64, 128):
+        for batch in (4, 8, 16, 24, 32, 48, 64, 96):
+            for ctx in (300, 1100, 3000):
+                pages = -(-ctx // page)
+                per_copy = 2 * batch * pages * page * hk * d * 2
+                copies = _copies(per_copy)
+                pool = torch.randn(copies * batch * pages, 2, page, hk, d, dtype=torch.bfloat16, device="cuda")
+                k_cache, v_cache = pool[:, 0], pool[:, 1]
+                tables = [torch.randperm(copies * batch * pages, device="cuda")[: batch * pages].view(batch, pages).int()
+                          for _ in range(copies)]
+                lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+                q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
+                times = {}
+                for splits in (1, 2, 4, 8, 16, 32):
+                    for tile in {attention_tile(batch * hk * splits, sms, d), (32, 2 if d <= 64 else 4), (64, 4)}:
+                        times[(splits, tile)] = graph_time(_attention_at(q, k_cache, v_cache, tables, lens, splits, tile))
+                picked_splits = attention_splits(batch, hk, sms)
+                picked = (picked_splits, attention_tile(batch * hk * picked_splits, sms, d))
+                best = min(times, key=times.get)
+                rows.append({"head_dim": d, "batch": batch, "context": ctx, "kv_bytes": per_copy,
+                             "picked": picked, "picked_s": times[picked], "best": best, "best_s": times[best],
+                             "by_splits_s": {s: min(t for (k, _), t in times.items() if k == s) for s in (1, 2, 4, 8, 16, 32)}})
+                print(rows[-1], file=sys.stderr)
+                del pool
+                torch.cuda.empty_cache()
+    return rows
+
+
+def print_attention_sweep(card: str, rows: list[dict]) -> None:
+    print(f"\n{card}: decode attention, engine's splits and tile against the fastest, µs per call (TB/s of KV)\n")
+    print(markdown_table(
+        ["head_dim", "batch", "context", "engine: splits, (BLOCK_N, warps)", "engine", "fastest", "fastest: splits, tile",
+         "engine / fastest", "by splits 1/2/4/8/16/32 (µs)"],
+        [[str(r["head_dim"]), str(r["batch"]), str(r["context"]), f"{r['picked'][0]}, {r['picked'][1]}",
+          f"{r['picked_s'] * 1e6:.1f} ({r['kv_bytes'] / r['picked_s'] / 1e12:.2f})",
+          f"{r['best_s'] * 1e6:.1f} ({r['kv_bytes'] / r['best_s'] / 1e12:.2f})", f"{r['best'][0]}, {r['best'][1]}",
+          f"{r['picked_s'] / r['best_s']:.2f}", "/".join(f"{t * 1e6:.0f}" for t in r["by_splits_s"].values())] for r in rows],
+    ))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results as JSON here ('-' for stdout)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    ap.add_argument("--attention-splits", action="store_true",
+                    help="instead: sweep decode attention's splits and tiles against the engine's pick")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/decode_kernels.py needs a CUDA GPU")
     if dk is None:
         sys.exit(f"bench/decode_kernels.py needs Triton: {_IMPORT_ERROR}")
     card = torch.cuda.get_device_name(0)
+    if args.attention_splits:
+        rows = sweep_attention_splits()
+        print_attention_sweep(card, rows)
+        if args.json:
+            write_json(args.json, json.dumps({"card": card, "attention_splits": rows}, indent=1, default=str))
+        return
     mm = bench_matmuls(not args.no_sweep)
     at = bench_attention([(1, 512), (1, 4096), (4, 512), (32, 512), (128, 512), (256, 512), (128, 2048)])
 

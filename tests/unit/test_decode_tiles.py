@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.kernels.decode_tiles import (
+    ATTENTION_PROGRAMS_PER_SM,
     MAX_ATTENTION_SPLITS,
     MAX_SPLIT_K,
     attention_splits,
@@ -49,16 +50,28 @@ def test_gemv_split_rules_hold_for_any_shape(n, k, sms):
 
 @pytest.mark.parametrize(
     "batch, kv_heads, splits",
-    [(1, 8, 16), (4, 8, 4), (32, 8, 1), (1, 2, MAX_ATTENTION_SPLITS), (200, 8, 1)],
+    [(1, 8, MAX_ATTENTION_SPLITS), (4, 8, 16), (24, 8, 2), (32, 8, 2), (48, 8, 1), (1, 2, MAX_ATTENTION_SPLITS), (200, 8, 1)],
 )
-def test_attention_splits_fill_the_sms_once(batch, kv_heads, splits):
+def test_attention_splits_keep_about_four_programs_per_sm(batch, kv_heads, splits):
     assert attention_splits(batch, kv_heads, H100_OR_H200_SMS) == splits
-    assert splits == 1 or batch * kv_heads * splits <= H100_OR_H200_SMS
+    programs = batch * kv_heads * splits
+    assert splits == 1 or programs <= ATTENTION_PROGRAMS_PER_SM * H100_OR_H200_SMS
+    # the next power of two would pass the target (or the cap)
+    assert splits == MAX_ATTENTION_SPLITS or 2 * programs > ATTENTION_PROGRAMS_PER_SM * H100_OR_H200_SMS
 
 
 @pytest.mark.parametrize(
     "batch, head_dim, tile",
-    [(1, 64, (64, 4)), (32, 64, (64, 4)), (64, 64, (32, 2)), (64, 128, (32, 4)), (256, 64, (32, 2))],
+    [
+        (1, 64, (64, 4)),
+        (32, 64, (64, 4)),
+        (64, 64, (64, 4)),  # 512 programs: fewer than five per SM at head_dim 64
+        (96, 64, (32, 2)),  # 768 programs: five or more per SM
+        (256, 64, (32, 2)),
+        (32, 128, (64, 4)),  # 256 programs: fewer than two per SM
+        (48, 128, (32, 4)),  # 384 programs: two or more per SM at head_dim 128
+        (64, 128, (32, 4)),
+    ],
 )
-def test_attention_tile_narrows_from_three_programs_per_sm(batch, head_dim, tile):
+def test_attention_tile_narrows_with_many_programs_per_sm(batch, head_dim, tile):
     assert attention_tile(batch * 8, H100_OR_H200_SMS, head_dim) == tile

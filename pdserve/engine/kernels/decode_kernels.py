@@ -512,13 +512,14 @@ class SplitKVDecodes:
         max_batch: int,
         prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        """One call per split count that batches of 1 to `max_batch` get, on one-token contexts
+        """One call per split count and tile that batches of 1 to `max_batch` get, on one-token contexts
         in block 0, with tables and lengths laid out by `prepare` as the real steps' are: every
         variant Triton compiles for these steps is compiled here."""
         kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-        first_batch: dict[int, int] = {}
+        first_batch: dict[tuple[int, tuple[int, int]], int] = {}
         for b in range(1, max_batch + 1):
-            first_batch.setdefault(attention_splits(b, kv_heads, self.num_sms), b)
+            splits = attention_splits(b, kv_heads, self.num_sms)
+            first_batch.setdefault((splits, attention_tile(b * kv_heads * splits, self.num_sms, d)), b)
         dev = k_cache.device
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             for b in first_batch.values():

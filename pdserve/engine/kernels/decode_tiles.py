@@ -5,6 +5,7 @@ from __future__ import annotations
 
 MAX_ATTENTION_SPLITS = 32
 MAX_SPLIT_K = 8
+ATTENTION_PROGRAMS_PER_SM = 4
 
 
 def next_power_of_2(x: int) -> int:
@@ -35,8 +36,12 @@ def gemv_tile(n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
 
 def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     """Splits of the context per (sequence, KV head): the largest power of two (at most
-    MAX_ATTENTION_SPLITS) that keeps the programs within about one per SM."""
-    per = max(1, num_sms // max(1, batch * kv_heads))
+    MAX_ATTENTION_SPLITS) that keeps the programs within about ATTENTION_PROGRAMS_PER_SM per SM.
+    One program streams its range a tile at a time, so an SM needs several in flight to keep
+    HBM busy: at about one per SM (the rule before) the 8B shape's attention at batch 16-32
+    and 1,100 tokens of context read 1.7-2.7 TB/s, at about four 2.7-3.2 TB/s
+    (bench/decode_kernels.py --attention-splits; docs/benchmarks.md)."""
+    per = max(1, ATTENTION_PROGRAMS_PER_SM * num_sms // max(1, batch * kv_heads))
     splits = 1
     while splits * 2 <= min(per, MAX_ATTENTION_SPLITS):
         splits *= 2
@@ -45,10 +50,13 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
 
 def attention_tile(programs: int, num_sms: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of a decode attention launch of `programs` (sequence, KV head,
-    split) programs. At three or more programs per SM (batch 64+ at 8 KV heads on an H100 or
-    H200) each takes 32 keys a step, with 2 warps at head_dim 64: 12-25 % more of the HBM
-    bandwidth there than 64 keys and 4 warps, which stays for fewer programs, where it measured
-    faster (batch 32; bench/decode_kernels.py)."""
-    if programs >= 3 * num_sms:
-        return 32, 2 if head_dim <= 64 else 4
+    split) programs. Many programs each take 32 keys a step: at head_dim 128 from two per SM (4
+    warps; at batch 48 and 1,100 tokens 66 against 97 us a layer), at head_dim 64 from five per
+    SM (2 warps; at about four per SM, where the splits put most batches, 64 keys and 4 warps
+    read 10-25 % faster). Fewer programs take 64 keys with 4 warps (bench/decode_kernels.py
+    --attention-splits)."""
+    if head_dim <= 64 and programs >= 5 * num_sms:
+        return 32, 2
+    if head_dim > 64 and programs >= 2 * num_sms:
+        return 32, 4
     return 64, 4
