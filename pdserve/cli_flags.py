@@ -44,6 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "which keeps those sequences' inter-token time near a decode step's (default: up to --max-num-batched-tokens)",
     )
     p.add_argument(
+        "--itl-target-ms", dest="itl_target_ms", type=float, default=unset, metavar="MS",
+        help="a step-time target for steps that decode: prompt tokens ride beside the running sequences only as far "
+        "as the worker's measured step costs predict the step stays within MS (at least 16 a step, so prompts still "
+        "move); with --max-prefill-tokens-with-decodes, the lower of the two (default: off)",
+    )
+    p.add_argument(
         "--max-model-len", dest="max_model_len", type=int, default=unset, metavar="N",
         help="cap the context length (default: the model's)",
     )

@@ -27,6 +27,10 @@ class EngineArgs:
     # worker that prefills (colocated, or overflow from a busy prefill pool) a small cap keeps
     # the running sequences' inter-token time near the decode step's.
     max_prefill_tokens_with_decodes: int | None = None
+    # A step-time target (ms) for steps that decode: prompt tokens ride beside the decodes only
+    # as far as the measured step costs predict the step stays within it (pdserve/engine/
+    # step_slack.py; at least a few tokens a step, so prompts still move). None: off.
+    itl_target_ms: float | None = None
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # Triton decode kernels in the CUDA graphs (pdserve/engine/kernels/decode_kernels.py): split-KV
     # attention up to batch 32, and at batch 1 matmuls with the norms, SiLU and the greedy
@@ -48,6 +52,8 @@ class EngineArgs:
             raise ValueError("max_num_batched_tokens: must be >= 1")
         if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 1:
             raise ValueError("max_prefill_tokens_with_decodes: must be >= 1")
+        if self.itl_target_ms is not None and not (0 < self.itl_target_ms < float("inf")):
+            raise ValueError(f"itl_target_ms: {self.itl_target_ms}; must be a positive number of milliseconds")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -7,6 +7,7 @@ over `handover`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import SeqStatus
 from pdserve.engine.step_outputs import RequestOutput, step_outputs
+from pdserve.engine.step_slack import StepSlack
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class _InFlight:
 
     scheduled: list[ScheduledSeq]
     launch: DecodeLaunch
+    chained: bool  # launched while the step before it ran: the device went on without a gap
 
 
 class LLMEngine:
@@ -59,14 +62,19 @@ class LLMEngine:
             cfg.max_prefill_tokens_with_decodes,
         )
         self.scheduler = Scheduler(limits, self.blocks, self.eos_token_ids)
+        if cfg.itl_target_ms is not None:
+            self.scheduler.slack = StepSlack(cfg.itl_target_ms / 1e3)
+        self._collected_at: float | None = None  # when the last overlapped step's tokens came back
         self.requests = RequestTable(self.tokenizer, mc.vocab_size, self.max_model_len, self.blocks)
         # Overlapped decode: step n+1 is launched before step n's tokens are read back (see step).
         self._overlap = self._overlaps(cfg.role)
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous one's tokens were read
-        # Rows of the step whose tokens the last `step()` call read back (both 0: it read none).
+        # Rows of the step whose tokens the last `step()` call read back (both 0: it read none),
+        # and the prompt tokens it carried.
         self.last_step_decodes = 0
         self.last_step_prefills = 0
+        self.last_step_prompt_tokens = 0
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -199,18 +207,31 @@ class LLMEngine:
         if not scheduled:
             return []
         if self._overlap and overlappable(scheduled):
-            self._inflight = _InFlight(scheduled, self.runner.launch_greedy(scheduled, eos_token_ids=self.eos_token_ids))
+            launch = self.runner.launch_greedy(scheduled, eos_token_ids=self.eos_token_ids)
+            self._inflight = _InFlight(scheduled, launch, chained=False)
             return []
+        began = time.perf_counter()
         sampled = self.runner.execute(scheduled, self.eos_token_ids)
         self._count_rows(scheduled)
+        self._observe(time.perf_counter() - began)
         return self._finish_step(scheduled, sampled)
 
     def _count_rows(self, scheduled: list[ScheduledSeq]) -> None:
         # A decode row computes one token past its prompt; a row still in its prompt is prefill.
-        decodes = sum(
-            1 for item in scheduled if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
-        )
+        decodes = prompt_tokens = 0
+        for item in scheduled:
+            if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prompt_tokens += item.num_new_tokens
         self.last_step_decodes, self.last_step_prefills = decodes, len(scheduled) - decodes
+        self.last_step_prompt_tokens = prompt_tokens
+
+    def _observe(self, seconds: float) -> None:
+        """The step just read back took `seconds` of the running sequences' inter-token time."""
+        slack = self.scheduler.slack
+        if slack is not None:
+            slack.observe(self.last_step_decodes, self.last_step_prompt_tokens, seconds)
 
     def _step_overlapped(self, current: _InFlight) -> list[RequestOutput]:
         following = plan_following(self.scheduler, current.scheduled, self.max_model_len)
@@ -221,13 +242,17 @@ class LLMEngine:
             )
             self.num_overlapped_steps += 1
         tokens = iter(self.runner.collect(current.launch))
+        collected_at, before = time.perf_counter(), self._collected_at
+        self._collected_at = collected_at
         drawn = {id(item.seq): next(tokens) for item in current.scheduled if item.sample}
         self._count_rows(current.scheduled)
+        if current.chained and before is not None:  # from the last step's tokens to this one's: its time
+            self._observe(collected_at - before)
         # Aborted while in flight: its token is dropped (its blocks were freed in stream order).
         live = [item for item in current.scheduled if item.seq.status is SeqStatus.RUNNING]
         sampled = {item.seq.request_id: SampledToken(drawn[id(item.seq)]) for item in live if item.sample}
         outputs = self._finish_step(live, sampled)
-        self._inflight = _InFlight(following.scheduled, launch) if launch is not None else None
+        self._inflight = _InFlight(following.scheduled, launch, chained=True) if launch is not None else None
         return outputs
 
     def _finish_step(

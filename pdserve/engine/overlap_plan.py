@@ -54,9 +54,10 @@ def plan_following(sched: Scheduler, current: list[ScheduledSeq], max_model_len:
     sampled_at = {id(item.seq): k for k, item in enumerate(i for i in current if i.sample)}
     budget = sched.limits.max_num_batched_tokens
     # A row sampled now decodes next (unless it stops): prompt tokens beside it are capped.
-    cap = sched.limits.max_prefill_tokens_with_decodes
-    if cap is not None and not any(i.sample for i in current):
-        cap = sched.limits.prompt_cap(sched.running)
+    cap = None
+    if sched.caps_prompts:
+        sampled_now = sum(1 for i in current if i.sample)
+        cap = sched.prompt_room(sampled_now or None)
     room = budget if cap is None else cap
     out: list[ScheduledSeq] = []
     ahead: list[int] = []

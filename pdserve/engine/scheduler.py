@@ -10,12 +10,13 @@ docs/engine.md, "Scheduling"."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocksError
 from pdserve.engine.config import Role
 from pdserve.engine.sequence import SeqStatus, Sequence
+from pdserve.engine.step_slack import StepSlack
 
 
 def admissible_prefix(full_block_hashes: list[int], num_tokens: int, block_size: int) -> list[int]:
@@ -41,12 +42,6 @@ class SchedulerLimits:
     # cap keeps a decode worker's inter-token time near its decode step while it prefills.
     max_prefill_tokens_with_decodes: int | None = None
 
-    def prompt_cap(self, running: Iterable[Sequence]) -> int | None:
-        """The prompt tokens a step of `running` may carry where it also decodes (None: no cap
-        beyond the budget; without one set, `running` is not even looked at)."""
-        cap = self.max_prefill_tokens_with_decodes
-        return cap if cap is not None and any(decodes(s) for s in running) else None
-
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, eos_token_ids: tuple[int, ...]) -> None:
@@ -59,6 +54,30 @@ class Scheduler:
         self.importing: dict[str, Sequence] = {}
         self.ready: deque[Sequence] = deque()  # imported, waiting for a place in the running batch
         self.num_preemptions = 0
+        # Measured step costs (the engine feeds them): prompt tokens beside decodes are held to
+        # what keeps a step within its target (`--itl-target-ms`). None: only the static cap.
+        self.slack: StepSlack | None = None
+
+    @property
+    def caps_prompts(self) -> bool:
+        """Whether prompt tokens beside decoding rows are capped at all (if not, nothing is counted)."""
+        return self.slack is not None or self.limits.max_prefill_tokens_with_decodes is not None
+
+    def prompt_room(self, decoding: int | None = None) -> int | None:
+        """The prompt tokens a step may carry beside its `decoding` decode rows (None: counted
+        from the running sequences): the static cap and the measured slack, whichever is lower.
+        None where nothing caps them (no cap set, or no row decodes): the step budget."""
+        if not self.caps_prompts:
+            return None
+        if decoding is None:
+            decoding = sum(1 for s in self.running if decodes(s))
+        if decoding == 0:
+            return None
+        static = self.limits.max_prefill_tokens_with_decodes
+        if self.slack is None:
+            return static
+        room = self.slack.room(decoding)
+        return room if static is None else min(room, static)
 
     # ----- admission -----------------------------------------------------------------------
 
@@ -85,7 +104,7 @@ class Scheduler:
         while self.ready and len(self.running) < self.limits.max_num_seqs:
             self.running.append(self.ready.popleft())
 
-        cap = self.limits.prompt_cap(self.running)
+        cap = self.prompt_room()
         room = budget if cap is None else cap
         i = 0
         while i < len(self.running) and budget > 0:

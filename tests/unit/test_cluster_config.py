@@ -65,6 +65,17 @@ def test_the_overflow_flags_reach_the_router_the_engines_and_a_joining_router():
         config_from_args(_build_parser().parse_args(["serve", "--max-prefill-tokens-with-decodes", "0"]))
 
 
+@pytest.mark.parametrize("bad", ["0", "-3", "nan", "inf"])
+def test_the_itl_target_reaches_the_engines_and_refuses_what_is_not_a_time(bad):
+    from pdserve.cli import _build_parser
+    from pdserve.cluster.main import config_from_args
+
+    assert config_from_args(_build_parser().parse_args(["serve", "--itl-target-ms", "10.5"])).engine.itl_target_ms == 10.5
+    assert config_from_args(_build_parser().parse_args(["serve"])).engine.itl_target_ms is None
+    with pytest.raises(ValueError, match="^itl_target_ms:"):
+        config_from_args(_build_parser().parse_args(["serve", "--itl-target-ms", bad]))
+
+
 def test_the_serve_command_maps_cpu_threads():
     from pdserve.cli import _build_parser
     from pdserve.cluster.main import config_from_args

@@ -135,4 +135,6 @@ def test_a_chunked_prompt_already_running_is_capped_once_a_sequence_decodes():
     s.add(b)
     assert [(i.seq.request_id, i.num_new_tokens) for i in run_step(s)] == [("a", 2), ("b", 14)]
     assert [(i.seq.request_id, i.num_new_tokens) for i in run_step(s)] == [("a", 1), ("b", 3)]
-    assert SchedulerLimits(8, 16, 256).prompt_cap([a]) is None and decodes(a)  # no cap set: the budget
+    uncapped = Scheduler(SchedulerLimits(8, 16, 256), BlockManager(8, 4), eos_token_ids=(0,))
+    uncapped.running.append(a)
+    assert uncapped.prompt_room() is None and decodes(a)  # no cap set: the budget
