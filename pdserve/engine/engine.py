@@ -206,6 +206,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        self._planned(scheduled)
         if self._overlap and overlappable(scheduled):
             launch = self.runner.launch_greedy(scheduled, eos_token_ids=self.eos_token_ids)
             self._inflight = _InFlight(scheduled, launch, chained=False)
@@ -227,6 +228,21 @@ class LLMEngine:
         self.last_step_decodes, self.last_step_prefills = decodes, len(scheduled) - decodes
         self.last_step_prompt_tokens = prompt_tokens
 
+    def _planned(self, scheduled: list[ScheduledSeq], ahead: list[int] | None = None) -> None:
+        """Tell the measured slack what a step about to launch carries (`ahead`: tokens of each
+        row still in flight in the step before it)."""
+        slack = self.scheduler.slack
+        if slack is None:
+            return
+        decodes = prompt_tokens = 0
+        for k, item in enumerate(scheduled):
+            seq = item.seq
+            if item.num_new_tokens == 1 and seq.num_computed_tokens + (ahead[k] if ahead else 0) >= seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prompt_tokens += item.num_new_tokens
+        slack.took(decodes, prompt_tokens)
+
     def _observe(self, seconds: float) -> None:
         """The step just read back took `seconds` of the running sequences' inter-token time."""
         slack = self.scheduler.slack
@@ -237,6 +253,7 @@ class LLMEngine:
         following = plan_following(self.scheduler, current.scheduled, self.max_model_len)
         launch = None
         if following is not None:
+            self._planned(following.scheduled, following.ahead)
             launch = self.runner.launch_greedy(
                 following.scheduled, following.ahead, current.launch, following.feed, self.eos_token_ids
             )

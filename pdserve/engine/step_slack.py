@@ -1,18 +1,22 @@
-"""Prompt tokens a decoding step can carry and still end within a step-time target, from the
-steps measured so far (pure: the engine feeds it each step's rows and seconds).
+"""Prompt tokens a decoding step may carry while the steps' mean time stays within a target,
+from measured steps (pure: the engine reports each step planned and each step's time).
 
-A step that decodes D rows and carries P prompt tokens is modelled as base(D) + P * per_token:
-base is the decode-only step at that batch (smoothed per batch bucket, the buckets of the decode
-CUDA graphs), per_token what a prompt token added to the mixed steps measured beside a known
-base. The room of a step is what is left of the target after base, in prompt tokens. Until both
-are measured a step gets PROBE_TOKENS, and never fewer than MIN_PROMPT_TOKENS, so a prompt placed
-on a busy worker still moves.
+Model: a step of D decode rows and P prompt tokens takes base(D) + P * per_token (base per batch
+bucket of the decode graphs; per_token from mixed steps beside a known base). Decoding steps add
+(target - time) to a credit (capped at CREDIT_STEPS targets); a step carries what its own slack
+and the credit, less chunks planned but not yet timed, pay for. Over the target: no chunks but
+MIN_PROMPT_TOKENS after STARVE_STEPS steps without one, so a prompt still moves. Costs unknown:
+PROBE_TOKENS while the credit is not negative. docs/engine.md, "Scheduling".
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 PROBE_TOKENS = 64
 MIN_PROMPT_TOKENS = 16
+STARVE_STEPS = 8
+CREDIT_STEPS = 2
 
 
 def batch_bucket(decodes: int) -> int:
@@ -24,7 +28,8 @@ def batch_bucket(decodes: int) -> int:
 
 
 class StepSlack:
-    """The measured step costs of one engine and the prompt room they leave under `target_s`."""
+    """The measured step costs of one engine, its credit under `target_s`, and the prompt room
+    they leave."""
 
     def __init__(self, target_s: float, smoothing: float = 0.2) -> None:
         if not target_s > 0:
@@ -35,34 +40,54 @@ class StepSlack:
         self._smoothing = smoothing
         self._decode_s: dict[int, float] = {}  # batch bucket -> decode-only step seconds
         self._token_s: float | None = None  # seconds a prompt token adds to a decoding step
+        self.credit_s = 0.0  # seconds the decoding steps so far ran under the target (net)
+        self._since_prompt = 0  # decoding steps since the last one that carried prompt tokens
+        # Predicted excess of chunks planned but not yet measured (a step is planned while the
+        # one before it runs): spent from the credit until their own times come in.
+        self._pending_s: deque[float] = deque(maxlen=2)
 
     def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
         """One step that ran `decodes` decode rows and `prompt_tokens` prompt tokens in `seconds`
-        (steps without decode rows say nothing about inter-token time and are ignored)."""
+        (steps without decode rows hold up no running sequence and are ignored)."""
         if decodes <= 0 or seconds < 0:
             return
+        bound = CREDIT_STEPS * self.target_s
+        self.credit_s = max(-bound, min(bound, self.credit_s + self.target_s - seconds))
         bucket = batch_bucket(decodes)
         base = self._decode_s.get(bucket)
         if prompt_tokens == 0:
+            self._since_prompt += 1
             self._decode_s[bucket] = seconds if base is None else base + self._smoothing * (seconds - base)
             return
+        self._since_prompt = 0
+        if self._pending_s:
+            self._pending_s.popleft()
         if base is None:
             return
         per = max(0.0, seconds - base) / prompt_tokens
         self._token_s = per if self._token_s is None else self._token_s + self._smoothing * (per - self._token_s)
+
+    def took(self, decodes: int, prompt_tokens: int) -> None:
+        """A step was planned with `prompt_tokens` beside `decodes` decode rows (from `room`)."""
+        if decodes <= 0 or prompt_tokens <= 0:
+            return
+        self._since_prompt = 0
+        base = self._decode_s.get(batch_bucket(decodes))
+        excess = 0.0 if base is None or not self._token_s else base + prompt_tokens * self._token_s - self.target_s
+        self._pending_s.append(max(0.0, excess))
 
     def decode_step_s(self, decodes: int) -> float | None:
         """The smoothed decode-only step at this batch; None before one was measured."""
         return self._decode_s.get(batch_bucket(decodes))
 
     def room(self, decodes: int) -> int:
-        """Prompt tokens a step of `decodes` decode rows may carry to end within the target."""
+        """Prompt tokens the next step of `decodes` decode rows may carry (0: none this step)."""
         base = self._decode_s.get(batch_bucket(decodes))
-        if base is None or self._token_s is None:
-            return PROBE_TOKENS
-        left = self.target_s - base
-        if left <= 0:
-            return MIN_PROMPT_TOKENS
-        if self._token_s <= 0:
-            return 1 << 30  # prompt tokens measured free: the step budget decides
-        return max(MIN_PROMPT_TOKENS, int(left / self._token_s))
+        if base is None or not self._token_s:  # unknown, or lost in the steps' noise so far
+            tokens = PROBE_TOKENS if self.credit_s >= 0 else 0
+        else:
+            credit = self.credit_s - sum(self._pending_s)
+            tokens = max(0, int((credit + self.target_s - base) / self._token_s))
+        if tokens < MIN_PROMPT_TOKENS:
+            return MIN_PROMPT_TOKENS if self._since_prompt >= STARVE_STEPS else 0
+        return tokens

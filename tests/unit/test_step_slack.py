@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.step_slack import MIN_PROMPT_TOKENS, PROBE_TOKENS, StepSlack, batch_bucket
+from pdserve.engine.step_slack import (
+    CREDIT_STEPS,
+    MIN_PROMPT_TOKENS,
+    PROBE_TOKENS,
+    STARVE_STEPS,
+    StepSlack,
+    batch_bucket,
+)
 
 
 def test_batch_buckets_follow_the_decode_graph_sizes():
@@ -15,28 +22,43 @@ def test_batch_buckets_follow_the_decode_graph_sizes():
 def test_room_is_a_probe_until_the_decode_step_and_the_token_cost_are_measured():
     slack = StepSlack(0.010)
     assert slack.room(24) == PROBE_TOKENS
+    slack.observe(24, 0, 0.010)  # exactly the target: no credit either way
+    assert slack.decode_step_s(24) == 0.010 and slack.room(24) == PROBE_TOKENS  # no token cost yet
     slack.observe(24, 0, 0.006)
-    assert slack.decode_step_s(24) == 0.006 and slack.room(24) == PROBE_TOKENS  # no token cost yet
-    slack.observe(24, 100, 0.008)  # 100 prompt tokens added 2 ms: 20 us each
-    # 4 ms left under the target at 20 us a token
-    assert slack.room(24) == pytest.approx(200, abs=1)
+    slack.observe(24, 100, 0.012)  # 100 prompt tokens on a step whose decode part is ~9.2 ms
+    assert slack.credit_s == pytest.approx(0.002)
     assert slack.room(40) == PROBE_TOKENS  # another batch bucket: its decode step is not known
 
 
-def test_a_mixed_step_before_its_batch_decoded_alone_teaches_nothing():
-    slack = StepSlack(0.010)
-    slack.observe(24, 100, 0.008)
-    slack.observe(24, 0, 0.006)
-    assert slack.room(24) == PROBE_TOKENS
+def test_decode_steps_under_the_target_save_up_for_a_chunk():
+    slack = StepSlack(0.010, smoothing=1.0)
+    slack.observe(24, 0, 0.010)
+    slack.observe(24, 100, 0.012)  # 20 us a prompt token; 2 ms over: credit -2 ms
+    assert slack.credit_s == pytest.approx(-0.002)
+    assert slack.room(24) == 0  # a step at the target would leave the credit negative
+    slack.observe(24, 0, 0.007)  # 3 ms under
+    # a credit of 1 ms, and a step at the new 7 ms base leaves 3 ms: 4 ms of prompt work
+    assert slack.room(24) == pytest.approx(200, abs=1)
+    for _ in range(10):  # the credit is capped: a long quiet stretch buys one bounded chunk
+        slack.observe(24, 0, 0.007)
+    assert slack.credit_s == pytest.approx(CREDIT_STEPS * 0.010)
+    assert slack.room(24) == pytest.approx((CREDIT_STEPS * 0.010 + 0.003) / 20e-6, abs=1)
 
 
-def test_no_slack_still_lets_a_prompt_move_and_prefill_steps_are_ignored():
-    slack = StepSlack(0.005)
+def test_over_the_target_no_chunks_but_a_starving_prompt_still_moves():
+    slack = StepSlack(0.005, smoothing=1.0)
     slack.observe(64, 0, 0.009)
-    slack.observe(64, 50, 0.010)
-    assert slack.room(64) == MIN_PROMPT_TOKENS  # the decode step alone is over the target
-    slack.observe(0, 4096, 0.1)  # a prefill-only step: no inter-token time in it
-    assert slack.decode_step_s(64) == 0.009 and slack.room(64) == MIN_PROMPT_TOKENS
+    slack.observe(64, 50, 0.010)  # 20 us a token
+    assert slack.room(64) == 0
+    for _ in range(STARVE_STEPS - 1):
+        slack.observe(64, 0, 0.009)
+        assert slack.room(64) == 0
+    slack.observe(64, 0, 0.009)
+    assert slack.room(64) == MIN_PROMPT_TOKENS  # STARVE_STEPS steps without a chunk
+    slack.observe(64, MIN_PROMPT_TOKENS, 0.0093)
+    assert slack.room(64) == 0
+    slack.observe(0, 4096, 0.1)  # a prefill-only step: no running sequence waited for it
+    assert slack.decode_step_s(64) == 0.009 and slack.credit_s == pytest.approx(-CREDIT_STEPS * 0.005)
 
 
 def test_the_estimates_follow_changing_costs_smoothly():
@@ -47,21 +69,60 @@ def test_the_estimates_follow_changing_costs_smoothly():
     for _ in range(30):  # the step grew: the estimate converges to it
         slack.observe(16, 0, 0.009)
     assert slack.decode_step_s(16) == pytest.approx(0.009, rel=1e-6)
-    slack.observe(16, 100, 0.011)  # 20 us a token
-    assert slack.room(16) == pytest.approx(50, abs=1)
 
 
-def test_a_fixed_cost_of_mixed_steps_converges_to_the_chunk_that_meets_the_target():
-    # A mixed step costs base + 1 ms + 20 us a token. Starting from the probe, feeding back the
-    # room it gives settles where the predicted step is the target.
-    base, fixed, per, target = 0.006, 0.001, 20e-6, 0.010
+def test_a_chunk_planned_before_the_last_one_was_measured_spends_the_credit_once():
+    slack = StepSlack(0.010, smoothing=1.0)
+    slack.observe(24, 0, 0.010)
+    slack.observe(24, 100, 0.012)  # 20 us a token
+    for _ in range(3):
+        slack.observe(24, 0, 0.006)  # credit -2 + 3 * 4 = 10 ms, the cap is 20
+    room = slack.room(24)
+    assert room == pytest.approx((0.010 + 0.004) / 20e-6, abs=1)
+    slack.took(24, room)  # planned; its time not in yet
+    # the next plan cannot spend the same credit: only its own step's 4 ms under the target
+    assert slack.room(24) == pytest.approx(0.004 / 20e-6, abs=1)
+    slack.observe(24, room, 0.006 + room * 20e-6)
+    slack.observe(24, 0, 0.006)
+    assert slack.room(24) == pytest.approx(0.008 / 20e-6, abs=1)  # credit 0 + 4 ms, and 4 ms of slack
+
+
+def test_a_planned_chunk_resets_the_wait_of_a_starving_prompt():
+    slack = StepSlack(0.005, smoothing=1.0)
+    slack.observe(64, 0, 0.009)
+    slack.observe(64, 50, 0.010)
+    for _ in range(STARVE_STEPS):
+        slack.observe(64, 0, 0.009)
+    assert slack.room(64) == MIN_PROMPT_TOKENS
+    slack.took(64, MIN_PROMPT_TOKENS)
+    assert slack.room(64) == 0  # the step planned behind it does not starve-feed again
+
+
+def test_prompt_tokens_measured_free_are_not_taken_for_free():
+    slack = StepSlack(0.010, smoothing=1.0)
+    slack.observe(8, 0, 0.006)
+    slack.observe(8, 64, 0.0059)  # the mixed step came in under the decode step: noise
+    assert slack.room(8) == PROBE_TOKENS
+
+
+@pytest.mark.parametrize("fixed", [0.0, 0.001, 0.003])
+def test_fed_back_the_mean_step_settles_at_the_target(fixed):
+    # A mixed step costs base + fixed + 20 us a token. Feeding back what the room allows keeps
+    # the mean step time near the target while prompts wait, and the chunks keep moving.
+    base, per, target = 0.006, 20e-6, 0.010
     slack = StepSlack(target)
     slack.observe(32, 0, base)
-    chunk = slack.room(32)
-    for _ in range(200):
-        slack.observe(32, chunk, base + fixed + per * chunk)
+    times, tokens = [], 0
+    for _ in range(400):
         chunk = slack.room(32)
-    assert base + fixed + per * chunk == pytest.approx(target, rel=0.02)
+        took = base + (fixed + per * chunk if chunk else 0.0)
+        slack.observe(32, chunk, took)
+        times.append(took)
+        tokens += chunk
+    mean = sum(times[100:]) / len(times[100:])
+    assert mean <= target * 1.02 and mean >= target * 0.85, mean
+    # the prompt work done: about the slack's worth (4 ms a step, less each chunk's fixed cost)
+    assert tokens > 400 * (target - base - fixed) / per * 0.5
 
 
 @pytest.mark.parametrize("target, smoothing", [(0.0, 0.2), (-1.0, 0.2), (0.01, 0.0), (0.01, 1.5)])
