@@ -35,7 +35,7 @@ p99) and disaggregated / colocated goodput.
 Decode step in serving: pdserve's /metrics (pdserve_engine_step_seconds and
 pdserve_engine_step_sequences_total by worker, step kind and batch bucket) is read before and
 after each pdserve run; per decode worker, the busiest batch bucket's mean step and mean batch go
-into the run's JSON. After the servers, the offline engine (bench/gpu_serve_engine.py, one GPU)
+into the run's JSON, with the loop's mean turn and the share of steps launched ahead. After the servers, the offline engine (bench/gpu_serve_engine.py, one GPU)
 is timed at those batch sizes and each workload's mean decode context, and the table puts the
 two side by side (--no-engine-steps: skip; --engine-steps: only that, from OUT's runs).
 

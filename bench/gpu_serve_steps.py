@@ -7,6 +7,10 @@ Read before and after a run, their difference says, per worker, how many steps o
 batch bucket ran, how long they took and how many sequences they carried: the busiest bucket's
 mean step and mean batch are what the offline engine is then timed at (bench/gpu_serve_engine.py).
 
+The loop's own counters (`pdserve_engine_loop_turns_total`, `pdserve_engine_loop_seconds_total`,
+`pdserve_engine_steps_launched_ahead_total`, per worker) say what a turn of the worker's loop
+cost beside its step and how often a step was launched while the one before it ran.
+
 Pure: text in, figures out; no I/O.
 """
 
@@ -25,6 +29,11 @@ BATCH_BUCKETS = (
     "1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65-128", "129-256", "257-512", "513-1024", "1025+",
 )  # fmt: skip
 DECODE = "decode"
+LOOP_COUNTERS = {  # metric -> LoopTotals field
+    "pdserve_engine_loop_turns_total": "turns",
+    "pdserve_engine_loop_seconds_total": "seconds",
+    "pdserve_engine_steps_launched_ahead_total": "ahead",
+}
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?\s*$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
@@ -49,6 +58,33 @@ class StepTotals:
         if self.steps < before.steps or self.seconds < before.seconds or self.sequences < before.sequences:
             return self
         return StepTotals(self.steps - before.steps, self.seconds - before.seconds, self.sequences - before.sequences)
+
+
+@dataclass(frozen=True)
+class LoopTotals:
+    """Cumulative loop figures of one worker: turns that stepped, their seconds, steps launched ahead."""
+
+    turns: float = 0.0
+    seconds: float = 0.0
+    ahead: float = 0.0
+
+    def minus(self, before: LoopTotals) -> LoopTotals:
+        """Since `before`; counters that went backwards (a restarted worker) count from zero."""
+        if self.turns < before.turns or self.seconds < before.seconds or self.ahead < before.ahead:
+            return self
+        return LoopTotals(self.turns - before.turns, self.seconds - before.seconds, self.ahead - before.ahead)
+
+
+def parse_loops(metrics_text: str) -> dict[str, LoopTotals]:
+    """Each worker's loop counters in one /metrics read."""
+    out: dict[str, dict[str, float]] = {}
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m is None or m.group(1) not in LOOP_COUNTERS:
+            continue
+        worker = _labels(m.group(2)).get("worker", "")
+        out.setdefault(worker, {})[LOOP_COUNTERS[m.group(1)]] = _number(m.group(3))
+    return {w: LoopTotals(**fields) for w, fields in out.items()}
 
 
 def _labels(text: str | None) -> dict[str, str]:
@@ -125,12 +161,22 @@ def _figures(t: StepTotals) -> dict:
 
 
 def run_steps(before_text: str, after_text: str) -> dict:
-    """A run's `engine_steps` record: the decode workers' summary and every kind's step counts."""
+    """A run's `engine_steps` record: the decode workers' summary (with, where the workers
+    export them, each loop's mean turn and the share of its steps launched ahead) and every
+    kind's step counts."""
     steps = delta(parse_steps(before_text), parse_steps(after_text))
     kinds: dict[str, int] = {}
     for (_, k, _), t in steps.items():
         kinds[k] = kinds.get(k, 0) + round(t.steps)
-    return {"decode": worker_summary(steps, DECODE), "steps_by_kind": kinds}
+    decode = worker_summary(steps, DECODE)
+    before_loops = parse_loops(before_text)
+    for worker, loop in parse_loops(after_text).items():
+        d = loop.minus(before_loops.get(worker, LoopTotals()))
+        ran = sum(t.steps for (w, _, _), t in steps.items() if w == worker)
+        if worker in decode and d.turns > 0:
+            decode[worker]["loop"] = {"turns": round(d.turns), "mean_turn_ms": round(1e3 * d.seconds / d.turns, 4),
+                                      "launched_ahead_share": round(d.ahead / ran, 4) if ran else None}  # fmt: skip
+    return {"decode": decode, "steps_by_kind": kinds}
 
 
 # ----- the engine's step at the serving batch -------------------------------------------------
@@ -170,7 +216,7 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
     rows = []
     for r in sorted(runs, key=lambda r: (r["server"], r["workload"], r["rate"])):
         for worker, w in sorted(((r.get("engine_steps") or {}).get("decode") or {}).items()):
-            b = w["busiest"]
+            b, loop = w["busiest"], w.get("loop") or {}
             e = index.get((r["workload"], max(1, round(b["mean_batch"]))))
             engine_ms = e.get("step_ms") if e else None
             rows.append({
@@ -180,6 +226,7 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
                 "engine_context": e.get("context") if e else None,
                 "ratio": round(b["mean_step_ms"] / engine_ms, 3) if engine_ms else None,
                 "engine_error": e.get("error") if e else None,
+                "turn_ms": loop.get("mean_turn_ms"), "ahead_share": loop.get("launched_ahead_share"),
             })  # fmt: skip
     return rows
 
@@ -190,7 +237,8 @@ def steps_table(runs: Sequence[dict], engine: Sequence[dict]) -> str:
     if not rows:
         return ""
     head = ["server", "workload", "rate req/s", "worker", "serving decode step ms", "batch (bucket, steps)",
-            "engine step ms at that batch (context)", "serving / engine"]  # fmt: skip
+            "engine step ms at that batch (context)", "serving / engine", "loop turn ms (all steps)",
+            "launched ahead"]  # fmt: skip
     body = []
     for x in rows:
         engine_ms = "-" if x["engine_ms"] is None else f"{x['engine_ms']:.2f} ({x['engine_context']})"
@@ -200,5 +248,7 @@ def steps_table(runs: Sequence[dict], engine: Sequence[dict]) -> str:
             x["server"], x["workload"], f"{x['rate']:g}", x["worker"], f"{x['serving_ms']:.2f}",
             f"{x['batch']:.1f} ({x['bucket']}, {x['steps']})", engine_ms,
             "-" if x["ratio"] is None else f"{x['ratio']:.2f}x",
+            "-" if x["turn_ms"] is None else f"{x['turn_ms']:.2f}",
+            "-" if x["ahead_share"] is None else f"{100 * x['ahead_share']:.0f} %",
         ])  # fmt: skip
     return markdown_table(head, body)

@@ -74,6 +74,16 @@ class ClusterCollector(Collector):
             "pdserve_engine_step_sequences", "Sequences in the engine steps (their batch sizes summed).",
             labels=["worker", "kind", "batch"],
         )
+        ahead = CounterMetricFamily(
+            "pdserve_engine_steps_launched_ahead",
+            "Engine steps launched while the step before them ran (overlapped with its host work).", labels=wl,
+        )
+        turns = CounterMetricFamily("pdserve_engine_loop_turns", "Turns of a worker's engine loop that stepped.", labels=wl)
+        turn_seconds = CounterMetricFamily(
+            "pdserve_engine_loop_seconds",
+            "Wall time of those turns: the step, handing its outputs on, and callers' turns at the engine's lock.",
+            labels=wl,
+        )
         count: dict[str, int] = {}
         for w in stats.workers:
             answered = w.role in ("prefill", "decode")
@@ -90,6 +100,9 @@ class ClusterCollector(Collector):
                 reqs.add_metric([*key, state], n)
             preempt.add_metric(key, w.preemptions)
             _add_step_times(step_seconds, step_seqs, w)
+            ahead.add_metric(key, w.steps_launched_ahead)
+            turns.add_metric(key, w.loop_turns)
+            turn_seconds.add_metric(key, w.loop_seconds)
             if role == "prefill":
                 leases.add_metric(key, w.lease_expiries)
             else:
@@ -116,7 +129,7 @@ class ClusterCollector(Collector):
         yield from (up, pools, blocks, capacity, reqs, leases, preempt, pulled, reused, pulled_bytes, transfers)
         yield checksums
         yield from (family for _, family in decode_counters)
-        yield from (step_seconds, step_seqs)
+        yield from (step_seconds, step_seqs, ahead, turns, turn_seconds)
 
 
 def _add_step_times(seconds: HistogramMetricFamily, sequences: CounterMetricFamily, w: Any) -> None:

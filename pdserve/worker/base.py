@@ -57,6 +57,8 @@ class WorkerBase:
             stats = inference_pb2.WorkerStats(worker_id=self.worker_id, role=self.role, **self.engine.load_stats())
             self._role_stats(stats)
             self.step_stats.fill(stats)
+            stats.steps_launched_ahead = self.engine.num_overlapped_steps
+            stats.loop_turns, stats.loop_seconds = self.loop.turns, self.loop.turn_seconds
             return stats
 
     def close(self) -> None:

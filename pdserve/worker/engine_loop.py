@@ -90,6 +90,10 @@ class EngineLoop:
         self._step_stats = step_stats
         self._slow_step_s = slow_step_s
         self.slow_steps = 0  # steps of slow_step_s or longer
+        # Turns that stepped and their wall time: the step, `on_step`, `tick` and the callers
+        # let in at the lock (written by the loop's thread only).
+        self.turns = 0
+        self.turn_seconds = 0.0
         self._slow_logged_at = -SLOW_STEP_LOG_EVERY_S
         self._idle_wait_s = idle_wait_s
         self._handover_wait_s = handover_wait_s  # longest the loop waits for callers between steps
@@ -130,6 +134,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                began = time.perf_counter()
                 with self.lock.hold():
                     busy = self.engine.has_unfinished()
                     outputs = self._step() if busy else []
@@ -138,6 +143,9 @@ class EngineLoop:
                     if self._tick is not None:
                         self._tick()
                 self.lock.yield_to_waiters(self._handover_wait_s)
+                if busy:  # a turn's whole cost to the running sequences, against the step's own
+                    self.turns += 1
+                    self.turn_seconds += time.perf_counter() - began
                 if not busy:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()

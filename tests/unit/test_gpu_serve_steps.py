@@ -4,6 +4,8 @@ the engine jobs those give, the serving/engine table, and the comparison with `v
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from bench.gpu_serve_compare import compare_rows, compare_table
@@ -123,6 +125,28 @@ def test_run_steps_counts_every_kind_and_summarizes_decode():
     assert run_steps(AFTER, AFTER) == {"decode": {}, "steps_by_kind": {}}
 
 
+def _loops(turns: float, seconds: float, ahead: float) -> str:
+    labels = 'role="decode",worker="decode-0"'
+    return (
+        "# HELP pdserve_engine_loop_turns_total Turns.\n# TYPE pdserve_engine_loop_turns_total counter\n"
+        f"pdserve_engine_loop_turns_total{{{labels}}} {turns}\n"
+        f"pdserve_engine_loop_turns_created{{{labels}}} 1.79e+09\n"
+        f"pdserve_engine_loop_seconds_total{{{labels}}} {seconds}\n"
+        f"pdserve_engine_steps_launched_ahead_total{{{labels}}} {ahead}\n"
+        'pdserve_engine_loop_turns_total{role="prefill",worker="prefill-0"} 400.0\n'
+    )
+
+
+def test_run_steps_adds_each_decode_loops_turn_and_launched_ahead_share():
+    # 1,450 decode steps in the run, in 1,500 turns of 12 s: 8 ms a turn; 1,160 launched ahead: 80 %
+    rec = run_steps(BEFORE + _loops(2000, 10.0, 900), AFTER + _loops(3500, 22.0, 2060))
+    assert rec["decode"]["decode-0"]["loop"] == {"turns": 1500, "mean_turn_ms": 8.0, "launched_ahead_share": 0.8}
+    assert "prefill-0" not in rec["decode"]
+    assert "loop" not in run_steps(BEFORE, AFTER)["decode"]["decode-0"]  # workers that do not export them
+    restarted = run_steps(BEFORE + _loops(2000, 10.0, 900), AFTER + _loops(100, 1.0, 29))  # counts from zero
+    assert restarted["decode"]["decode-0"]["loop"]["turns"] == 100
+
+
 def test_decode_context_weights_each_request_by_its_decode_steps():
     # 100-token prompt, 4 outputs: contexts 100..103; 10-token prompt, 1 output: 10. Mean of 5 steps.
     assert decode_context([(100, 4), (10, 1)]) == round((100 + 101 + 102 + 103 + 10) / 5)
@@ -159,8 +183,10 @@ def test_engine_jobs_and_the_serving_beside_engine_table():
     assert by[("pdserve-colocated", "chat", "decode-1")]["ratio"] == pytest.approx(3.1)
     assert by[("pdserve-1p1d", "long-prompt", "decode-0")]["ratio"] is None
     assert len(rows) == 4  # vLLM has no step figures
+    runs[0]["engine_steps"]["decode"]["decode-0"]["loop"] = {"turns": 120, "mean_turn_ms": 16.5, "launched_ahead_share": 0.62}
     table = steps_table(runs, engine)
     assert "5.00x" in table and "3.00 (1090)" in table and "needs 9 KV blocks" in table
+    assert re.search(r"\| 16\.50 +\| 62 % +\|", table)
     assert steps_table([_run("vllm-serve-dp2", "chat", 96, {})], engine) == ""
 
 

@@ -80,6 +80,17 @@ def test_the_collector_exports_step_times_as_a_histogram_and_a_sequence_counter(
     assert b"pdserve_engine_step_seconds_bucket" in generate_latest(r)
 
 
+def test_the_loop_and_overlap_counters_are_metrics_of_every_worker():
+    workers = [pb.WorkerStats(worker_id=f"{role}-0", role=role, steps_launched_ahead=5 + i, loop_turns=9 + i,
+                              loop_seconds=0.25 + i) for i, role in enumerate(("prefill", "decode"))]
+    r = _scrape(workers)
+    for i, role in enumerate(("prefill", "decode")):
+        key = {"worker": f"{role}-0", "role": role}
+        assert r.get_sample_value("pdserve_engine_steps_launched_ahead_total", key) == 5 + i
+        assert r.get_sample_value("pdserve_engine_loop_turns_total", key) == 9 + i
+        assert r.get_sample_value("pdserve_engine_loop_seconds_total", key) == 0.25 + i
+
+
 def test_every_decode_counter_is_a_metric():
     fields = dict(handover_waits=1, transfer_failures=2, local_prefills=3, blocks_prefetched=4, prefetch_reads=5,
                   prefetch_expiries=6, router_lease_expiries=7)
@@ -149,6 +160,12 @@ def test_a_failed_kv_transfer_shows_in_metrics(tiny_model_factory):
     assert r.get_sample_value("pdserve_engine_step_seconds_count", {**step, "kind": "prefill"}) >= 1
     assert r.get_sample_value("pdserve_engine_step_seconds_count", {**step, "kind": "decode"}) >= 1
     assert r.get_sample_value("pdserve_engine_step_sequences_total", {**step, "kind": "decode"}) >= 1
+    # Every step ran in a loop turn that cost at least the step itself.
+    steps = sum(r.get_sample_value("pdserve_engine_step_seconds_count", {**step, "kind": k}) for k in ("prefill", "decode"))
+    step_s = sum(r.get_sample_value("pdserve_engine_step_seconds_sum", {**step, "kind": k}) for k in ("prefill", "decode"))
+    assert r.get_sample_value("pdserve_engine_loop_turns_total", key) >= steps
+    assert r.get_sample_value("pdserve_engine_loop_seconds_total", key) >= step_s > 0
+    assert r.get_sample_value("pdserve_engine_steps_launched_ahead_total", key) == worker.engine.num_overlapped_steps
 
 
 def test_the_engine_counts_each_steps_decode_and_prompt_rows(tiny_model_factory):
