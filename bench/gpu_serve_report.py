@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.gpu_serve_compare import compare_table
-from bench.gpu_serve_steps import steps_table
+from bench.gpu_serve_steps import prefill_table, steps_table
 from bench.report import markdown_table
 
 RUN_GLOB = "run__*.json"
@@ -185,8 +185,10 @@ def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
     saturated = {s["server"]: s.get("saturated_at") or {} for s in servers}
     steps = steps_table(runs, engine[1])
     steps_head = "Decode step in serving (busiest batch bucket of each decode worker) beside the engine's:"
+    prefill = prefill_table(runs)
     parts = [header, runs_table(runs, workloads, order), note, compare_table(runs, saturated),
-             servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0])]  # fmt: skip
+             servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0]),
+             prefill and f"Prefill steps in serving (each prefill worker, every batch size):\n\n{prefill}"]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

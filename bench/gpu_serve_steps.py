@@ -29,6 +29,7 @@ BATCH_BUCKETS = (
     "1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65-128", "129-256", "257-512", "513-1024", "1025+",
 )  # fmt: skip
 DECODE = "decode"
+PREFILL = "prefill"
 LOOP_COUNTERS = {  # metric -> LoopTotals field
     "pdserve_engine_loop_turns_total": "turns",
     "pdserve_engine_loop_seconds_total": "seconds",
@@ -176,7 +177,7 @@ def run_steps(before_text: str, after_text: str) -> dict:
         if worker in decode and d.turns > 0:
             decode[worker]["loop"] = {"turns": round(d.turns), "mean_turn_ms": round(1e3 * d.seconds / d.turns, 4),
                                       "launched_ahead_share": round(d.ahead / ran, 4) if ran else None}  # fmt: skip
-    return {"decode": decode, "steps_by_kind": kinds}
+    return {"decode": decode, "prefill": worker_summary(steps, PREFILL), "steps_by_kind": kinds}
 
 
 # ----- the engine's step at the serving batch -------------------------------------------------
@@ -229,6 +230,21 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
                 "turn_ms": loop.get("mean_turn_ms"), "ahead_share": loop.get("launched_ahead_share"),
             })  # fmt: skip
     return rows
+
+
+def prefill_table(runs: Sequence[dict]) -> str:
+    """Per prefill worker and run: its prefill-only steps in serving (all buckets), their mean
+    time and prompts a step; "" when no run carries them."""
+    body = []
+    for r in sorted(runs, key=lambda r: (r["server"], r["workload"], r["rate"])):
+        for worker, w in sorted(((r.get("engine_steps") or {}).get("prefill") or {}).items()):
+            a = w["all"]
+            body.append([r["server"], r["workload"], f"{r['rate']:g}", worker, str(a["steps"]),
+                         f"{a['mean_step_ms']:.2f}", f"{a['mean_batch']:.2f}"])  # fmt: skip
+    if not body:
+        return ""
+    return markdown_table(["server", "workload", "rate req/s", "worker", "prefill steps", "mean step ms",
+                           "prompts a step"], body)  # fmt: skip
 
 
 def steps_table(runs: Sequence[dict], engine: Sequence[dict]) -> str:

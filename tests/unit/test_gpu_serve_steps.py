@@ -15,6 +15,7 @@ from bench.gpu_serve_steps import (
     delta,
     engine_jobs,
     parse_steps,
+    prefill_table,
     run_steps,
     steps_rows,
     steps_table,
@@ -122,7 +123,12 @@ def test_run_steps_counts_every_kind_and_summarizes_decode():
     rec = run_steps(BEFORE, AFTER)
     assert rec["steps_by_kind"] == {"decode": 1450, "prefill": 50}
     assert rec["decode"]["decode-0"]["busiest"]["mean_batch"] == 90.0
-    assert run_steps(AFTER, AFTER) == {"decode": {}, "steps_by_kind": {}}
+    prefill = rec["prefill"]["prefill-0"]["all"]  # +50 steps, 1.5 s, 50 prompts
+    assert prefill == {"steps": 50, "mean_step_ms": 30.0, "mean_batch": 1.0}
+    assert run_steps(AFTER, AFTER) == {"decode": {}, "prefill": {}, "steps_by_kind": {}}
+    table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
+    assert re.search(r"\| prefill-0 +\| 50 +\| 30\.00 +\| 1\.00 +\|", table), table
+    assert prefill_table([{"server": "vllm-serve-dp2", "workload": "chat", "rate": 24.0}]) == ""
 
 
 def _loops(turns: float, seconds: float, ahead: float) -> str:
