@@ -188,7 +188,7 @@ def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
     prefill = prefill_table(runs)
     parts = [header, runs_table(runs, workloads, order), note, compare_table(runs, saturated),
              servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0]),
-             prefill and f"Prefill steps in serving (each prefill worker, every batch size):\n\n{prefill}"]  # fmt: skip
+             prefill and f"Prefill steps in serving (each prefill worker, every batch size), and the router's means of what a TTFT is made of:\n\n{prefill}"]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

@@ -30,6 +30,13 @@ BATCH_BUCKETS = (
 )  # fmt: skip
 DECODE = "decode"
 PREFILL = "prefill"
+# The router's latency histograms a TTFT is made of (means over a run): metric -> name in the record
+ROUTER_PARTS = {
+    "pdserve_time_to_first_token_seconds": "ttft_ms",
+    "pdserve_prefill_queue_seconds": "prefill_queue_ms",
+    "pdserve_prefill_duration_seconds": "prefill_call_ms",
+    "pdserve_decode_queue_seconds": "decode_queue_ms",
+}
 LOOP_COUNTERS = {  # metric -> LoopTotals field
     "pdserve_engine_loop_turns_total": "turns",
     "pdserve_engine_loop_seconds_total": "seconds",
@@ -86,6 +93,31 @@ def parse_loops(metrics_text: str) -> dict[str, LoopTotals]:
         worker = _labels(m.group(2)).get("worker", "")
         out.setdefault(worker, {})[LOOP_COUNTERS[m.group(1)]] = _number(m.group(3))
     return {w: LoopTotals(**fields) for w, fields in out.items()}
+
+
+def parse_router_parts(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(count, sum in seconds) of each `ROUTER_PARTS` histogram in one /metrics read, its series added up."""
+    out: dict[str, tuple[float, float]] = {}
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m is None:
+            continue
+        name, value = m.group(1), _number(m.group(3))
+        for metric, field in ROUTER_PARTS.items():
+            if name in (metric + "_count", metric + "_sum"):
+                count, total = out.get(field, (0.0, 0.0))
+                out[field] = (count + value, total) if name.endswith("_count") else (count, total + value)
+    return out
+
+
+def router_parts(before_text: str, after_text: str) -> dict[str, float]:
+    """The mean of each part over the run, in ms (parts with no sample in it left out)."""
+    before, out = parse_router_parts(before_text), {}
+    for field, (count, total) in parse_router_parts(after_text).items():
+        c0, t0 = before.get(field, (0.0, 0.0))
+        if count > c0 and total >= t0:
+            out[field] = round(1e3 * (total - t0) / (count - c0), 3)
+    return out
 
 
 def _labels(text: str | None) -> dict[str, str]:
@@ -177,7 +209,8 @@ def run_steps(before_text: str, after_text: str) -> dict:
         if worker in decode and d.turns > 0:
             decode[worker]["loop"] = {"turns": round(d.turns), "mean_turn_ms": round(1e3 * d.seconds / d.turns, 4),
                                       "launched_ahead_share": round(d.ahead / ran, 4) if ran else None}  # fmt: skip
-    return {"decode": decode, "prefill": worker_summary(steps, PREFILL), "steps_by_kind": kinds}
+    return {"decode": decode, "prefill": worker_summary(steps, PREFILL), "steps_by_kind": kinds,
+            "router": router_parts(before_text, after_text)}  # fmt: skip
 
 
 # ----- the engine's step at the serving batch -------------------------------------------------
@@ -234,17 +267,21 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
 
 def prefill_table(runs: Sequence[dict]) -> str:
     """Per prefill worker and run: its prefill-only steps in serving (all buckets), their mean
-    time and prompts a step; "" when no run carries them."""
+    time and prompts a step, beside the router's means of the parts of a TTFT; "" when no run
+    carries them."""
     body = []
     for r in sorted(runs, key=lambda r: (r["server"], r["workload"], r["rate"])):
+        parts = (r.get("engine_steps") or {}).get("router") or {}
+        cells = [f"{parts[k]:.1f}" if k in parts else "-" for k in ROUTER_PARTS.values()]
         for worker, w in sorted(((r.get("engine_steps") or {}).get("prefill") or {}).items()):
             a = w["all"]
             body.append([r["server"], r["workload"], f"{r['rate']:g}", worker, str(a["steps"]),
-                         f"{a['mean_step_ms']:.2f}", f"{a['mean_batch']:.2f}"])  # fmt: skip
+                         f"{a['mean_step_ms']:.2f}", f"{a['mean_batch']:.2f}", *cells])  # fmt: skip
     if not body:
         return ""
     return markdown_table(["server", "workload", "rate req/s", "worker", "prefill steps", "mean step ms",
-                           "prompts a step"], body)  # fmt: skip
+                           "prompts a step", "router: TTFT ms", "prefill queue ms", "prefill call ms",
+                           "hand-over to first decode ms"], body)  # fmt: skip
 
 
 def steps_table(runs: Sequence[dict], engine: Sequence[dict]) -> str:

@@ -125,9 +125,9 @@ def test_run_steps_counts_every_kind_and_summarizes_decode():
     assert rec["decode"]["decode-0"]["busiest"]["mean_batch"] == 90.0
     prefill = rec["prefill"]["prefill-0"]["all"]  # +50 steps, 1.5 s, 50 prompts
     assert prefill == {"steps": 50, "mean_step_ms": 30.0, "mean_batch": 1.0}
-    assert run_steps(AFTER, AFTER) == {"decode": {}, "prefill": {}, "steps_by_kind": {}}
+    assert run_steps(AFTER, AFTER) == {"decode": {}, "prefill": {}, "steps_by_kind": {}, "router": {}}
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| prefill-0 +\| 50 +\| 30\.00 +\| 1\.00 +\|", table), table
+    assert re.search(r"\| prefill-0 +\| 50 +\| 30\.00 +\| 1\.00 +\| - +\|", table), table
     assert prefill_table([{"server": "vllm-serve-dp2", "workload": "chat", "rate": 24.0}]) == ""
 
 
@@ -151,6 +151,25 @@ def test_run_steps_adds_each_decode_loops_turn_and_launched_ahead_share():
     assert "loop" not in run_steps(BEFORE, AFTER)["decode"]["decode-0"]  # workers that do not export them
     restarted = run_steps(BEFORE + _loops(2000, 10.0, 900), AFTER + _loops(100, 1.0, 29))  # counts from zero
     assert restarted["decode"]["decode-0"]["loop"]["turns"] == 100
+
+
+def _router(ttft: tuple[float, float], queue: tuple[float, float], call: tuple[float, float]) -> str:
+    """The router's latency histograms as prometheus_client writes them (count and sum lines)."""
+    out = ""
+    for name, (count, total) in (("pdserve_time_to_first_token_seconds", ttft), ("pdserve_prefill_queue_seconds", queue),
+                                 ("pdserve_prefill_duration_seconds", call)):
+        out += (f"# TYPE {name} histogram\n{name}_bucket{{le=\"0.1\"}} {count}\n{name}_count {count}\n"
+                f"{name}_sum {total}\n{name}_created 1.79e+09\n")
+    return out
+
+
+def test_the_router_parts_of_a_ttft_are_means_over_the_run():
+    before = BEFORE + _router((100, 5.0), (100, 1.0), (100, 3.0))
+    after = AFTER + _router((196, 14.6), (196, 3.4), (196, 9.72))  # 96 requests: 100, 25 and 70 ms
+    rec = run_steps(before, after)
+    assert rec["router"] == {"ttft_ms": 100.0, "prefill_queue_ms": 25.0, "prefill_call_ms": 70.0}
+    table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
+    assert re.search(r"\| 100\.0 +\| 25\.0 +\| 70\.0 +\| - +\|", table), table
 
 
 def test_decode_context_weights_each_request_by_its_decode_steps():
