@@ -1,7 +1,8 @@
 """Overflow to the decode worker on real workers: with `max_prefill_queue_tokens`, prompts that
 arrive while the prefill worker is busy are prefilled on their decode worker, in chunks of at
-most `max_prefill_tokens_with_decodes` beside the decodes there, with exactly the tokens of the
-offline engine, and every KV block is freed on both workers."""
+most `max_prefill_tokens_with_decodes` beside the decodes there (the decode worker timing its
+steps for `itl_target_ms`), with exactly the tokens of the offline engine, and every KV block is
+freed on both workers."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ CAP = 8  # prompt tokens a decode step may carry beside its decodes
 def test_prompts_arriving_while_the_prefill_worker_is_busy_overflow_with_the_offline_tokens(
     start_in_process: Any, model_dir: Any, offline: Any, wait_until: Any, blocks_free: Any, greedy: Any
 ) -> None:
-    engine = EngineArgs(num_kv_blocks=128, max_prefill_tokens_with_decodes=CAP)
+    # A step-time target far above any step: the decode worker measures its steps (checked below)
+    # while CAP stays the bound.
+    engine = EngineArgs(num_kv_blocks=128, max_prefill_tokens_with_decodes=CAP, itl_target_ms=60_000.0)
     cfg = ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=engine)
     # A bound of one token: while the prefill worker has any prompt in flight, the next goes to the decode worker.
     c = start_in_process(cfg, router_overrides={"placement": PlacementConfig(max_prefill_queue_tokens=1)})
@@ -49,3 +52,5 @@ def test_prompts_arriving_while_the_prefill_worker_is_busy_overflow_with_the_off
     assert c.decode.local_prefills == prefills["local"]
     assert set(c.router.decode_policy.overflow_backlog.values()) <= {0.0}  # every overflowed prompt prefilled
     wait_until(blocks_free(c.channel), 15, "every KV block to be freed")
+    slack = c.decode.engine.scheduler.slack
+    assert slack is not None and slack.credit_s > 0  # the worker's loop fed it its steps' times
