@@ -45,9 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--itl-target-ms", dest="itl_target_ms", type=float, default=unset, metavar="MS",
-        help="a step-time target for steps that decode: prompt tokens ride beside the running sequences only as far "
-        "as the worker's measured step costs predict the step stays within MS (at least 16 a step, so prompts still "
-        "move); with --max-prefill-tokens-with-decodes, the lower of the two (default: off)",
+        help="a step-time target for steps that decode: from its measured step costs, a worker puts prompt tokens "
+        "beside its running sequences only as far as the steps' mean stays within MS (decode steps under MS save up "
+        "for a chunk; a worker over MS still gives a waiting prompt 16 tokens every 8 steps); with "
+        "--max-prefill-tokens-with-decodes, also at most that many a step (default: off)",
     )
     p.add_argument(
         "--max-model-len", dest="max_model_len", type=int, default=unset, metavar="N",

@@ -28,8 +28,8 @@ class EngineArgs:
     # the running sequences' inter-token time near the decode step's.
     max_prefill_tokens_with_decodes: int | None = None
     # A step-time target (ms) for steps that decode: prompt tokens ride beside the decodes only
-    # as far as the measured step costs predict the step stays within it (pdserve/engine/
-    # step_slack.py; at least a few tokens a step, so prompts still move). None: off.
+    # as far as the measured step costs keep the steps' mean within it (pdserve/engine/
+    # step_slack.py). None: off.
     itl_target_ms: float | None = None
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # Triton decode kernels in the CUDA graphs (pdserve/engine/kernels/decode_kernels.py): split-KV
