@@ -17,6 +17,7 @@ PROBE_TOKENS = 64
 MIN_PROMPT_TOKENS = 16
 STARVE_STEPS = 8
 CREDIT_STEPS = 2
+OUTLIER = 4.0  # a decode step past this many times its estimate counts as this many
 
 
 def batch_bucket(decodes: int) -> int:
@@ -57,7 +58,10 @@ class StepSlack:
         base = self._decode_s.get(bucket)
         if prompt_tokens == 0:
             self._since_prompt += 1
-            self._decode_s[bucket] = seconds if base is None else base + self._smoothing * (seconds - base)
+            if base is None:
+                self._decode_s[bucket] = seconds
+            else:  # one stalled step (a compile, a host hiccup) moves the estimate a bounded step
+                self._decode_s[bucket] = base + self._smoothing * (min(seconds, OUTLIER * base) - base)
             return
         self._since_prompt = 0
         if self._pending_s:

@@ -105,6 +105,14 @@ def test_prompt_tokens_measured_free_are_not_taken_for_free():
     assert slack.room(8) == PROBE_TOKENS
 
 
+def test_one_stalled_step_moves_the_decode_estimate_a_bounded_step():
+    slack = StepSlack(0.010, smoothing=0.2)
+    slack.observe(32, 0, 0.006)
+    slack.observe(32, 0, 1.5)  # a kernel compiled while serving
+    assert slack.decode_step_s(32) == pytest.approx(0.006 + 0.2 * (4 * 0.006 - 0.006))
+    assert slack.credit_s == pytest.approx(-CREDIT_STEPS * 0.010)  # its time still counts, to the cap
+
+
 @pytest.mark.parametrize("fixed", [0.0, 0.001, 0.003])
 def test_fed_back_the_mean_step_settles_at_the_target(fixed):
     # A mixed step costs base + fixed + 20 us a token. Feeding back what the room allows keeps
