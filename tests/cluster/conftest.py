@@ -17,6 +17,7 @@ import pytest
 
 from pdserve_proto import inference_pb2, inference_pb2_grpc
 from tests.cluster.shared_cluster import SharedCluster, group_shared_modules, next_module_shares, uses_shared_cluster
+from tests.cluster.shared_ray import SharedRay
 
 
 class LoopThread:
@@ -320,19 +321,47 @@ def _shares_two_prefill_cluster(item: pytest.Item) -> bool:
     return uses_shared_cluster(item, Path(__file__).parent, TWO_PREFILL)
 
 
+# The local Ray instance of the modules that start Ray clusters in this process
+# (tests/cluster/shared_ray.py): those that ask for `ray_instance`, the shared clusters' among them.
+RAY_INSTANCE = "ray_instance"
+
+
+def _shares_ray(item: pytest.Item) -> bool:
+    return Path(__file__).parent in item.path.parents and RAY_INSTANCE in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules on each shared cluster run one after another, so that it starts once."""
+    """The modules on each shared cluster run one after another, so that it starts once; so do
+    those on the shared Ray instance (each shared cluster's modules stay one run within them)."""
     group_shared_modules(items, _shares_default_cluster)
     group_shared_modules(items, _shares_two_prefill_cluster)
+    group_shared_modules(items, _shares_ray)
 
 
 @pytest.fixture(scope="session")
-def shared_cluster(loop_thread: LoopThread, otlp_receiver: Any) -> Iterator[SharedCluster]:
-    yield from _traced_shared_cluster(loop_thread, otlp_receiver, 384, http_port=0)
+def shared_ray(loop_thread: LoopThread) -> Iterator[SharedRay]:
+    ray_ = SharedRay(loop_thread)
+    yield ray_
+    ray_.close()
+
+
+@pytest.fixture(scope="module")
+def ray_instance(shared_ray: SharedRay, request: pytest.FixtureRequest) -> Iterator[SharedRay]:
+    """The local Ray instance this module's clusters start on (`pdserve serve`'s own kind), shared
+    with the modules next to it that ask for it too; stop each cluster with its `stop(cluster)`."""
+    shared_ray.start()
+    yield shared_ray
+    if not next_module_shares(request, _shares_ray):
+        shared_ray.close()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(loop_thread: LoopThread, otlp_receiver: Any, shared_ray: SharedRay) -> Iterator[SharedCluster]:
+    yield from _traced_shared_cluster(loop_thread, otlp_receiver, shared_ray, 384, http_port=0)
 
 
 def _traced_shared_cluster(
-    loop_thread: LoopThread, otlp_receiver: Any, num_kv_blocks: int, **cfg: Any
+    loop_thread: LoopThread, otlp_receiver: Any, shared_ray: SharedRay, num_kv_blocks: int, **cfg: Any
 ) -> Iterator[SharedCluster]:
     """A shared CPU cluster of the default model with /metrics and traces sent to `otlp_receiver`."""
     from pdserve.cluster.serve import Cluster
@@ -343,13 +372,14 @@ def _traced_shared_cluster(
     tracing = TracingConfig(exporter="otlp-grpc", endpoint=otlp_receiver.endpoint, export_delay_s=0.2)
     engine = EngineArgs(num_kv_blocks=num_kv_blocks)
     serve = ServeConfig(device="cpu", dtype="float32", port=0, metrics_port=0, engine=engine, tracing=tracing, **cfg)
-    shared = SharedCluster(lambda: loop_thread.run(Cluster.start(serve)), lambda c: loop_thread.run(c.stop()))
+    # Started by a module's `cluster` fixture, after its `ray_instance`: on the shared Ray instance.
+    shared = SharedCluster(lambda: loop_thread.run(Cluster.start(serve)), shared_ray.stop)
     yield shared
     shared.close()
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> Iterator[Any]:
+def cluster(ray_instance: SharedRay, shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> Iterator[Any]:
     yield shared_cluster.get()
     if next_module_shares(request, _shares_default_cluster):
         shared_cluster.hand_on(request.module.__name__)
@@ -368,12 +398,14 @@ def otlp_receiver() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def shared_two_prefill(loop_thread: LoopThread, otlp_receiver: Any) -> Iterator[SharedCluster]:
-    yield from _traced_shared_cluster(loop_thread, otlp_receiver, 256, num_prefill=2, num_decode=1)
+def shared_two_prefill(loop_thread: LoopThread, otlp_receiver: Any, shared_ray: SharedRay) -> Iterator[SharedCluster]:
+    yield from _traced_shared_cluster(loop_thread, otlp_receiver, shared_ray, 256, num_prefill=2, num_decode=1)
 
 
 @pytest.fixture(scope="module")
-def two_prefill_cluster(shared_two_prefill: SharedCluster, request: pytest.FixtureRequest) -> Iterator[Any]:
+def two_prefill_cluster(
+    ray_instance: SharedRay, shared_two_prefill: SharedCluster, request: pytest.FixtureRequest
+) -> Iterator[Any]:
     """2 prefill + 1 decode Ray actors of the default model, with /metrics and traces sent to
     `otlp_receiver`: started once for the modules that use it, handed on only idle and whole."""
     yield shared_two_prefill.get()

@@ -33,7 +33,7 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What col
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: Any) -> Iterator[Any]:
+def cluster(loop_thread: Any, ray_instance: Any) -> Iterator[Any]:
     from pdserve.cluster.serve import Cluster
 
     cfg = ServeConfig(
@@ -42,7 +42,7 @@ def cluster(loop_thread: Any) -> Iterator[Any]:
     )
     c = loop_thread.run(Cluster.start(cfg))
     yield c
-    loop_thread.run(c.stop())
+    ray_instance.stop(c)
 
 
 def stream(channel: grpc.Channel, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:

@@ -44,7 +44,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: Any, receiver: OtlpReceiver) -> Iterator[Cluster]:
+def cluster(loop_thread: Any, ray_instance: Any, receiver: OtlpReceiver) -> Iterator[Cluster]:
     # The ITL SLO is below what one CPU decode worker gives 8 streams, and TTFT's is loose: the
     # decode pool is the one over its limit, the prefill pool idles.
     cfg = ServeConfig(
@@ -55,7 +55,7 @@ def cluster(loop_thread: Any, receiver: OtlpReceiver) -> Iterator[Cluster]:
     )
     c = loop_thread.run(Cluster.start(cfg))
     yield c
-    loop_thread.run(c.stop())
+    ray_instance.stop(c)
 
 
 def stream(channel: grpc.Channel, ids: list[int]) -> list[int]:

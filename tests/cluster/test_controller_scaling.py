@@ -49,7 +49,7 @@ def perf_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: Any, perf_model: str) -> Iterator[Cluster]:
+def cluster(loop_thread: Any, ray_instance: Any, perf_model: str) -> Iterator[Cluster]:
     # The ITL SLO is below what one CPU decode worker gives 8 streams; TTFT's is loose.
     cfg = ServeConfig(
         device="cpu", dtype="float32", port=0, metrics_port=0, num_prefill=1, num_decode=1,
@@ -60,7 +60,7 @@ def cluster(loop_thread: Any, perf_model: str) -> Iterator[Cluster]:
     )  # fmt: skip
     c = loop_thread.run(Cluster.start(cfg))
     yield c
-    loop_thread.run(c.stop())
+    ray_instance.stop(c)
 
 
 def stream(channel: grpc.Channel, ids: list[int]) -> list[int]:

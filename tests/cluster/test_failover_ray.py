@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: Any) -> Iterator[Any]:
+def cluster(loop_thread: Any, ray_instance: Any) -> Iterator[Any]:
     from pdserve.cluster.serve import Cluster
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
@@ -28,7 +28,7 @@ def cluster(loop_thread: Any) -> Iterator[Any]:
     cfg = ServeConfig(device="cpu", dtype="float32", port=0, num_decode=2, engine=EngineArgs(num_kv_blocks=256))
     c = loop_thread.run(Cluster.start(cfg))
     yield c
-    loop_thread.run(c.stop())
+    ray_instance.stop(c)
 
 
 def test_killing_the_decode_actor_mid_stream_loses_no_token(

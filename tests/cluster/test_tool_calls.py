@@ -72,7 +72,7 @@ def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread: Any, tools_model: Path) -> Any:
+def cluster(loop_thread: Any, ray_instance: Any, tools_model: Path) -> Any:
     from pdserve.cluster.serve import Cluster
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
@@ -83,7 +83,7 @@ def cluster(loop_thread: Any, tools_model: Path) -> Any:
                       http_options=HttpOptions(enable_auto_tool_choice=True, tool_call_parser="hermes"))
     c = loop_thread.run(Cluster.start(cfg))
     yield c
-    loop_thread.run(c.stop())
+    ray_instance.stop(c)
 
 
 @pytest.fixture(scope="module")

@@ -87,8 +87,8 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_handover_between_widths_gives_offline_tokens_and_frees_everything(
-    loop_thread: Any, wait_until: Any, tp_model: Path, prompts: list[list[int]], expected: list[list[int]],
-    prefill_tp: int, decode_tp: int,
+    loop_thread: Any, ray_instance: Any, wait_until: Any, tp_model: Path, prompts: list[list[int]],
+    expected: list[list[int]], prefill_tp: int, decode_tp: int,
 ) -> None:
     import ray
 
@@ -136,7 +136,7 @@ def test_handover_between_widths_gives_offline_tokens_and_frees_everything(
             assert (decode.transfers, decode.checksum_failures, decode.transfer_failures) == (len(prompts), 0, 0)
             assert decode.blocks_pulled == sum(-(-n // 16) for n in PROMPT_LENGTHS)
     finally:
-        loop_thread.run(cluster.stop(), timeout=120)
+        ray_instance.stop(cluster)
     deadline = time.monotonic() + 20
     left = [p for pids in ranks.values() for p in pids]
     while left and time.monotonic() < deadline:
