@@ -1,10 +1,10 @@
 """`pdserve serve --address` on a Ray cluster it joins: the workers' device comes from the cluster's
 nodes, and the router process never asks CUDA (here, asking it fails the test), so a router pod
-needs no GPU. A local Ray cluster of CPU nodes stands in for the joined one: `auto` is cpu there."""
+needs no GPU. A local Ray cluster of CPU nodes (the tests' shared instance, tests/cluster/
+shared_ray.py) stands in for the joined one: `auto` is cpu there."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,18 +17,13 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
-def joined(loop_thread: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def joined(loop_thread: Any, ray_instance: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     import ray
     import torch
 
-    from pdserve.cluster.actors import NAMESPACE
     from pdserve.cluster.serve import Cluster
     from pdserve.cluster.serve_config import ServeConfig
     from pdserve.engine.args import EngineArgs
-
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(namespace=NAMESPACE, num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
 
     def no_cuda_here() -> bool:
         raise AssertionError("the router process looked up CUDA")
@@ -40,9 +35,7 @@ def joined(loop_thread: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     try:
         yield cluster
     finally:
-        loop_thread.run(cluster.stop(), timeout=120)
-        if owns_ray:
-            ray.shutdown()
+        ray_instance.stop(cluster)
 
 
 def test_joined_serve_takes_the_device_from_the_cluster(joined: Any) -> None:
