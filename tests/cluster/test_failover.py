@@ -37,17 +37,31 @@ def _prompts(n: int) -> list[list[int]]:
     return [list(range(200 + 37 * i, 240 + 37 * i)) for i in range(n)]
 
 
+def _start(start_in_process: Any, num_prefill: int, num_decode: int) -> Any:
+    return start_in_process(
+        num_prefill=num_prefill, num_decode=num_decode, serve=False,
+        router_overrides={"membership": FAST, "decode_start_timeout_s": 20.0},
+    )  # fmt: skip
+
+
+# A pool of two for the pool whose worker dies, one worker in the other: each engine costs
+# a second to build, and a test builds its cluster anew (it kills workers).
 @pytest.fixture
-def two_by_two(start_in_process: Any) -> Iterator[Any]:
-    c = start_in_process(
-        num_prefill=2, num_decode=2, serve=False, router_overrides={"membership": FAST, "decode_start_timeout_s": 20.0}
-    )
+def two_prefill(start_in_process: Any) -> Iterator[Any]:
+    c = _start(start_in_process, 2, 1)
     yield c
     c.close()
 
 
-def test_a_dead_prefill_worker_is_retried_on_another(two_by_two: Any, offline: LLM):
-    c = two_by_two
+@pytest.fixture
+def two_decode(start_in_process: Any) -> Iterator[Any]:
+    c = _start(start_in_process, 1, 2)
+    yield c
+    c.close()
+
+
+def test_a_dead_prefill_worker_is_retried_on_another(two_prefill: Any, offline: LLM):
+    c = two_prefill
     c.kill("prefill-0")
     for ids in _prompts(4):  # whichever of them the ring sends to prefill-0 moves to prefill-1
         assert c.generate(ids, pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) == _expected(offline, ids, 8, temperature=0.0)
@@ -56,8 +70,8 @@ def test_a_dead_prefill_worker_is_retried_on_another(two_by_two: Any, offline: L
     assert c.prefill_workers[1].stats().pinned_requests == 0  # every handle was pulled and freed
 
 
-def test_a_decode_worker_dead_before_the_pull_hands_over_to_another(two_by_two: Any, offline: LLM, wait_until: Any):
-    c = two_by_two
+def test_a_decode_worker_dead_before_the_pull_hands_over_to_another(two_decode: Any, offline: LLM, wait_until: Any):
+    c = two_decode
     c.kill("decode-0")
     for ids in _prompts(4):
         assert c.generate(ids, pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) == _expected(offline, ids, 8, temperature=0.0)
@@ -79,9 +93,9 @@ RESUMED_SAMPLING: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("sampling", list(RESUMED_SAMPLING))
 def test_a_decode_worker_dying_mid_stream_is_resumed_elsewhere(
-    two_by_two: Any, offline: LLM, sampling: str, wait_until: Any
+    two_decode: Any, offline: LLM, sampling: str, wait_until: Any
 ):
-    c = two_by_two
+    c = two_decode
     ids = _prompts(1)[0]
     kw = RESUMED_SAMPLING[sampling]
     want = _expected(offline, ids, 40, **kw)
@@ -102,8 +116,10 @@ def test_a_decode_worker_dying_mid_stream_is_resumed_elsewhere(
 
 
 @pytest.mark.parametrize("pool", ["prefill", "decode"])
-def test_with_every_worker_of_a_pool_dead_the_request_ends_unavailable(two_by_two: Any, pool: str, wait_until: Any):
-    c = two_by_two
+def test_with_every_worker_of_a_pool_dead_the_request_ends_unavailable(
+    request: pytest.FixtureRequest, pool: str, wait_until: Any
+):
+    c = request.getfixturevalue("two_prefill" if pool == "prefill" else "two_decode")
     for w in c.prefills if pool == "prefill" else c.decodes:
         c.kill(w.worker_id)
     with pytest.raises(RouterError) as err:
