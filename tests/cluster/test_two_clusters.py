@@ -165,6 +165,13 @@ def test_two_serves_on_one_host_run_and_stop_independently(host_env, tmp_path):
         grpc_a = first.wait_for(r" serving \S+ on (\S+:\d+) ").group(1)
         command = first.wait_for(r"add a router: (.*)$").group(1)
         first.note_processes()
+        # The printed command, as a user pastes it: a router joins the first cluster (started now,
+        # while the second serve still starts; it serves below).
+        words = shlex.split(command)
+        env = host_env | dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+        args = [w for w in words if not ("=" in w and not w.startswith("-"))]
+        assert args[:2] == ["pdserve", "router"], command
+        router = Server(args[1:], env)
         grpc_b = second.wait_for(r" serving \S+ on (\S+:\d+) ").group(1)
         ray_b = second.wait_for(r"Ray cluster at (127\.0\.0\.1:\d+) \(this server's own; its files in (\S+)\)")
         address_b, dir_b = ray_b.group(1), Path(ray_b.group(2))
@@ -177,12 +184,7 @@ def test_two_serves_on_one_host_run_and_stop_independently(host_env, tmp_path):
         expected = generate(grpc_a)
         assert generate(grpc_b) == expected and len(expected) == 4
 
-        # The printed command, as a user pastes it: a router joins the first cluster and serves.
-        words = shlex.split(command)
-        env = host_env | dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
-        args = [w for w in words if not ("=" in w and not w.startswith("-"))]
-        assert args[:2] == ["pdserve", "router"], command
-        router = Server(args[1:], env)
+        # The router of the printed command serves the first cluster's tokens.
         routed = router.wait_for(r" serving \S+ on (\S+:\d+)").group(1)
         assert generate(routed) == expected
         assert router.stop() == 0
