@@ -27,15 +27,29 @@ def traces() -> dict:
     return out
 
 
-def run(traces: dict, name: str, policy: str, sim: SimConfig = SIM):
+def simulated(traces: dict, name: str, policy: str, sim: SimConfig = SIM):
     prompts, ideal = traces[name]
     return simulate(prompts, BenchPlacementConfig(policy=policy), sim, ideal=ideal)
 
 
+@pytest.fixture(scope="module")
+def run(traces: dict):
+    """`run(trace, policy, sim=SIM)`: `simulate` of a trace, once per module for each trace,
+    policy and configuration (the simulation is deterministic, and a few tests ask for the same)."""
+    done: dict = {}
+
+    def once(name: str, policy: str, sim: SimConfig = SIM):
+        if (name, policy, sim) not in done:
+            done[name, policy, sim] = simulated(traces, name, policy, sim)
+        return done[name, policy, sim]
+
+    return once
+
+
 @pytest.mark.parametrize("trace", ["mixed", "private"])
-def test_ring_and_index_reach_90pct_of_ideal_within_the_bound_where_round_robin_does_not(traces, trace):
-    index = run(traces, trace, "index")
-    rr = run(traces, trace, "round_robin")
+def test_ring_and_index_reach_90pct_of_ideal_within_the_bound_where_round_robin_does_not(run, trace):
+    index = run(trace, "index")
+    rr = run(trace, "round_robin")
     assert index.hit_ratio_of_ideal >= 0.9, index.as_dict()
     assert index.max_load_ratio <= 1.25 and index.over_bound == 0, index.as_dict()
     if trace == "private":
@@ -47,14 +61,14 @@ def test_ring_and_index_reach_90pct_of_ideal_within_the_bound_where_round_robin_
         assert rr.hit_ratio_of_ideal < index.hit_ratio_of_ideal - 0.25, rr.as_dict()
 
 
-def test_a_ninth_worker_remaps_at_most_one_ninth_plus_5pct_of_prefixes(traces):
-    joined = run(traces, "mixed", "index", SimConfig(workers=N, add_worker_at=5.0))
+def test_a_ninth_worker_remaps_at_most_one_ninth_plus_5pct_of_prefixes(run):
+    joined = run("mixed", "index", SimConfig(workers=N, add_worker_at=5.0))
     assert joined.remapped_fraction is not None and joined.remapped_fraction <= 1 / 9 + 0.05, joined.as_dict()
     assert joined.placed[f"w{N}"] > 0  # the newcomer takes work without a restart
     assert joined.hit_ratio_of_ideal >= 0.85 and joined.over_bound == 0
-    static = run(traces, "mixed", "index")
+    static = run("mixed", "index")
     assert static.remapped_fraction <= 1 / 9 + 0.05
-    naive = run(traces, "mixed", "modulo")
+    naive = run("mixed", "modulo")
     assert naive.remapped_fraction > 0.8  # hash % N moves almost everything
 
 
@@ -80,12 +94,12 @@ def test_removing_a_worker_loses_only_that_workers_prefixes(traces):
         assert policy.index.match(p.hashes) == {w: n for w, n in before.items() if w != "w3"}
 
 
-def test_a_hot_prefix_with_half_the_traffic_pushes_no_worker_past_the_bound(traces):
-    hot = run(traces, "hot", "index")
+def test_a_hot_prefix_with_half_the_traffic_pushes_no_worker_past_the_bound(run):
+    hot = run("hot", "index")
     assert hot.over_bound == 0, hot.as_dict()  # no request went to a worker at or above c x mean
     # Over the whole trace the busiest worker's work stays at the bound; a worker just under it
     # may still take one request, hence the small margin.
     assert hot.max_load_ratio <= 1.25 * 1.03, hot.as_dict()
     assert hot.hit_ratio_of_ideal >= 0.9
-    pure_affinity = run(traces, "hot", "modulo")
+    pure_affinity = run("hot", "modulo")
     assert pure_affinity.max_load_ratio > 2.0  # what the bound prevents
