@@ -426,7 +426,13 @@ def channel(cluster: Any) -> Iterator[grpc.Channel]:
 def offline() -> Any:
     """The same model run offline in this process, for token-for-token comparisons: one for
     every module (loading it per module cost seconds each on the 2-core host; its prefix cache
-    changes no token)."""
+    changes no token). This process's torch runs one thread from then on, as every in-process
+    cluster's engines set it (one per worker on 2 cores) and as the Ray workers it is compared with
+    run: two OpenMP threads beside any other busy process wait on each other for many times the
+    work (24 tokens beside an idle Ray cluster: 2.3-5.5 s at two threads, 1.4-1.9 s at one)."""
+    import torch
+
     from pdserve import LLM
 
+    torch.set_num_threads(1)
     return LLM(device="cpu", dtype="float32", num_kv_blocks=512)
