@@ -218,30 +218,15 @@ class LLMEngine:
         return self._finish_step(scheduled, sampled)
 
     def _count_rows(self, scheduled: list[ScheduledSeq]) -> None:
-        # A decode row computes one token past its prompt; a row still in its prompt is prefill.
-        decodes = prompt_tokens = 0
-        for item in scheduled:
-            if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
-                decodes += 1
-            else:
-                prompt_tokens += item.num_new_tokens
+        decodes, prompt_tokens = _rows(scheduled)
         self.last_step_decodes, self.last_step_prefills = decodes, len(scheduled) - decodes
         self.last_step_prompt_tokens = prompt_tokens
 
     def _planned(self, scheduled: list[ScheduledSeq], ahead: list[int] | None = None) -> None:
         """Tell the measured slack what a step about to launch carries (`ahead`: tokens of each
         row still in flight in the step before it)."""
-        slack = self.scheduler.slack
-        if slack is None:
-            return
-        decodes = prompt_tokens = 0
-        for k, item in enumerate(scheduled):
-            seq = item.seq
-            if item.num_new_tokens == 1 and seq.num_computed_tokens + (ahead[k] if ahead else 0) >= seq.num_prompt_tokens:
-                decodes += 1
-            else:
-                prompt_tokens += item.num_new_tokens
-        slack.took(decodes, prompt_tokens)
+        if self.scheduler.slack is not None:
+            self.scheduler.slack.took(*_rows(scheduled, ahead))
 
     def _observe(self, seconds: float) -> None:
         """The step just read back took `seconds` of the running sequences' inter-token time."""
@@ -300,3 +285,16 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+def _rows(scheduled: list[ScheduledSeq], ahead: list[int] | None = None) -> tuple[int, int]:
+    """(decode rows, prompt tokens) of a step. A decode row computes one token past its prompt
+    (`ahead[i]`: row i's tokens still in flight before the step); the rest are prompt chunks."""
+    decodes = prompt_tokens = 0
+    for k, item in enumerate(scheduled):
+        seq = item.seq
+        if item.num_new_tokens == 1 and seq.num_computed_tokens + (ahead[k] if ahead else 0) >= seq.num_prompt_tokens:
+            decodes += 1
+        else:
+            prompt_tokens += item.num_new_tokens
+    return decodes, prompt_tokens

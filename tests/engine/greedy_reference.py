@@ -55,3 +55,27 @@ def step_with_arrivals(engine, prompts: list[list[int]], params: list[SamplingPa
         if after_step is not None:
             after_step(got)
     return got
+
+
+def record_steps(engine) -> list[tuple[int, int]]:
+    """(decode rows, prompt tokens) of every step `engine` launches blind or executes, from now
+    on: its runner's two entry points are wrapped to count each step as it starts."""
+    steps: list[tuple[int, int]] = []
+
+    def record(launch, blind):
+        def run(scheduled, *rest, **options):
+            ahead = options.get("ahead", rest[0] if blind and rest else 0)
+            ahead = ahead if isinstance(ahead, list) else [ahead] * len(scheduled)
+            decodes = prompt = 0
+            for item, m in zip(scheduled, ahead):
+                if item.seq.num_computed_tokens + m >= item.seq.num_prompt_tokens:
+                    decodes += 1
+                else:
+                    prompt += item.num_new_tokens
+            steps.append((decodes, prompt))
+            return launch(scheduled, *rest, **options)
+        return run
+
+    engine.runner.launch_greedy = record(engine.runner.launch_greedy, True)
+    engine.runner.execute = record(engine.runner.execute, False)
+    return steps

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.engine.greedy_reference import assert_same, mixed_prompts, step_with_arrivals
+from tests.engine.greedy_reference import assert_same, mixed_prompts, record_steps, step_with_arrivals
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -181,24 +181,8 @@ def test_prompt_chunks_beside_decodes_are_capped_and_tokens_unchanged(tiny_model
     check_blocks_freed(capped.engine)
     prompts = mixed_prompts(hf_model.config.vocab_size, seed=47, lengths=(30, 17, 44, 8, 26))
     params = [SamplingParams(max_tokens=12 + i, temperature=0.0) for i in range(len(prompts))]
-    engine, steps = capped.engine, []
-
-    def record(launch, blind):
-        def run(scheduled, *rest, **options):
-            ahead = options.get("ahead", rest[0] if blind and rest else 0)
-            ahead = ahead if isinstance(ahead, list) else [ahead] * len(scheduled)
-            decodes = prompt = 0
-            for item, m in zip(scheduled, ahead):
-                if item.seq.num_computed_tokens + m >= item.seq.num_prompt_tokens:
-                    decodes += 1
-                else:
-                    prompt += item.num_new_tokens
-            steps.append((decodes, prompt))
-            return launch(scheduled, *rest, **options)
-        return run
-
-    engine.runner.launch_greedy = record(engine.runner.launch_greedy, True)
-    engine.runner.execute = record(engine.runner.execute, False)
+    engine = capped.engine
+    steps = record_steps(engine)
     got = step_with_arrivals(engine, prompts, params)
     want = step_with_arrivals(plain.engine, prompts, params)
     assert got == want

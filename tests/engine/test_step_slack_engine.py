@@ -6,37 +6,14 @@ from __future__ import annotations
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.step_slack import MIN_PROMPT_TOKENS, PROBE_TOKENS, STARVE_STEPS
-from tests.engine.greedy_reference import mixed_prompts, step_with_arrivals
+from tests.engine.greedy_reference import mixed_prompts, record_steps, step_with_arrivals
 
 LIMITS = {"num_kv_blocks": 512, "max_num_batched_tokens": 160, "max_num_seqs": 4}
 
 
-def _record_steps(engine) -> list[tuple[int, int]]:
-    """(decode rows, prompt tokens) of every step the engine launches or executes."""
-    steps: list[tuple[int, int]] = []
-
-    def record(launch, blind):
-        def run(scheduled, *rest, **options):
-            ahead = options.get("ahead", rest[0] if blind and rest else 0)
-            ahead = ahead if isinstance(ahead, list) else [ahead] * len(scheduled)
-            decodes = prompt = 0
-            for item, m in zip(scheduled, ahead):
-                if item.seq.num_computed_tokens + m >= item.seq.num_prompt_tokens:
-                    decodes += 1
-                else:
-                    prompt += item.num_new_tokens
-            steps.append((decodes, prompt))
-            return launch(scheduled, *rest, **options)
-        return run
-
-    engine.runner.launch_greedy = record(engine.runner.launch_greedy, True)
-    engine.runner.execute = record(engine.runner.execute, False)
-    return steps
-
-
 def _run(model_dir, vocab, **options):
     llm = LLM(str(model_dir), device="cpu", dtype="float32", overlap_decode=True, **LIMITS, **options)
-    steps = _record_steps(llm.engine)
+    steps = record_steps(llm.engine)
     prompts = mixed_prompts(vocab, seed=53, lengths=(150, 140, 170, 12, 130, 155))
     params = [SamplingParams(max_tokens=14 + i, temperature=0.0) for i in range(len(prompts))]
     return llm, steps, step_with_arrivals(llm.engine, prompts, params)
