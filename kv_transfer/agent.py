@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from pdserve.kv_transfer.checksum import block_checksums, shard_weights, sharded_block_checksums
+from pdserve.kv_transfer.checksum import ChecksumStreams, block_checksums, shard_weight_tensors, sharded_block_checksums
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
 from pdserve.kv_transfer.descriptors import coalesce, plan_reads, split_large
 from pdserve.kv_transfer.shards import (
@@ -134,6 +134,7 @@ class KvTransferAgent:
         self.block_bytes = sum(s.block_bytes for s in self.shards)
         self._sharded = shards is not None
         self._weights: list[torch.Tensor] | None = None  # of the sharded checksum, made on first use
+        self._checksum_streams = ChecksumStreams()
         # Per peer: its shards, and the slot runs of a staged READ (None: same split, direct).
         self._peers: dict[str, tuple[tuple[ShardSpec, ...], list[SlotRun] | None]] = {}
         self._staging: tuple[torch.Tensor, object] | None = None  # area and its registration
@@ -335,17 +336,15 @@ class KvTransferAgent:
 
     def block_checksums(self, block_ids: list[int]) -> list[int]:
         """The checksum of each block over every KV head (`kv_transfer.checksum`): the same
-        number for the same KV whatever the width of the worker."""
-        if not self._sharded:
-            return block_checksums(self.pool, block_ids)
-        if self._weights is None:
-            primary = primary_slots(self.shards)
-            itemsize = self._pools[0].element_size()
-            self._weights = [
-                shard_weights(tuple(t.shape[1:]), s.kv_heads, prim, self.layout.num_kv_heads, itemsize).to(t.device)
-                for t, s, prim in zip(self._pools, self.shards, primary)
-            ]
-        return sharded_block_checksums(self._pools, self._weights, block_ids)
+        number for the same KV whatever the width of the worker. On its own stream: it does
+        not wait for the steps the engine launched ahead (`ChecksumStreams`)."""
+        if self._sharded and self._weights is None:
+            heads, primary = [s.kv_heads for s in self.shards], primary_slots(self.shards)
+            self._weights = shard_weight_tensors(self._pools, heads, primary, self.layout.num_kv_heads)
+        with self._checksum_streams.on(self._pools, after=self._staging_copies):
+            if not self._sharded:
+                return block_checksums(self.pool, block_ids)
+            return sharded_block_checksums(self._pools, self._weights, block_ids)
 
     def plan(self, remote_ids: list[int], local_ids: list[int]) -> list[list[tuple[int, int, int]]]:
         """The READs a block list becomes: per READ, its descriptors as (remote, local, blocks)."""

@@ -9,8 +9,10 @@ docs/kv-transfer.md, "Block checksums"."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -102,6 +104,18 @@ def shard_weights(
     return weights.reshape(-1)
 
 
+def shard_weight_tensors(
+    pools: Sequence[torch.Tensor], kv_heads: Sequence[Sequence[int]], primary: Sequence[Sequence[bool]], num_kv_heads: int
+) -> list[torch.Tensor]:
+    """`shard_weights` of each shard of a worker (its heads, which of its slots count them), on
+    that shard's device."""
+    itemsize = pools[0].element_size()
+    return [
+        shard_weights(tuple(t.shape[1:]), heads, prim, num_kv_heads, itemsize).to(t.device)
+        for t, heads, prim in zip(pools, kv_heads, primary)
+    ]
+
+
 def sharded_block_checksums(
     shards: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], block_ids: Sequence[int]
 ) -> list[int]:
@@ -119,3 +133,34 @@ def sharded_block_checksums(
         # int64 wraps: modulo 2^64. Ranks on their own GPUs: summed on the first one's.
         total = part if total is None else total + part.to(total.device)
     return as_fixed64(total) if total is not None else []
+
+
+class ChecksumStreams:
+    """A CUDA stream per device for a caller's checksums. A worker's steps run on the device's
+    default stream, so a checksum queued there waits for every step launched ahead of it: a
+    prefill call for one more whole step. The blocks are final when they are checksummed (the
+    step that wrote them was read back, or their READ ended); only copies still queued into them
+    (`after`: a staged READ's copies out) order the checksum."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            return stream
+
+    @contextlib.contextmanager
+    def on(self, tensors: Sequence[torch.Tensor], after: Sequence[torch.cuda.Event] = ()) -> Iterator[None]:
+        """Work queued inside runs on the own stream of each GPU that `tensors` are on (on CPU,
+        as it is): after the events `after`, and not after the default stream's work."""
+        with contextlib.ExitStack() as stack:
+            for device in sorted({t.device for t in tensors if t.is_cuda}, key=str):
+                stream = self._stream(device)
+                for event in after:
+                    stream.wait_event(event)
+                stack.enter_context(torch.cuda.stream(stream))
+            yield

@@ -100,7 +100,8 @@ class PrefillWorker(WorkerBase):
             span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
             # Pinned blocks are written no more, so this runs outside the engine's lock; on a GPU
-            # it is ordered after the prefill's writes by the device's stream.
+            # their writes have ended (the step that wrote the last was read back), and it runs
+            # on a stream of its own, not behind the steps launched since.
             checksums = self.agent.block_checksums(pinned.block_ids) if self.config.kv_checksum else []
         handle = kv_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,

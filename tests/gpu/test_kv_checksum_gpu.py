@@ -31,3 +31,36 @@ def test_cuda_checksums_equal_the_cpu_checksums_of_the_same_bytes(layers, kv_hea
     pool.view(-1).view(torch.uint8)[pool[50].numel() * pool.element_size() * 50 + 12345] ^= 0x01
     flipped = block_checksums(pool, ids)
     assert [i for i, (a, b) in enumerate(zip(on_gpu, flipped)) if a != b] == [ids.index(50)]
+
+
+def test_checksums_on_their_own_stream_do_not_wait_for_the_default_streams_work():
+    """A worker's steps run on the default stream and are launched ahead: a checksum queued
+    behind them would hold a prefill call for one more step. On `ChecksumStreams` it comes back
+    while the default stream is still busy, and equals the checksum taken after it; an event in
+    `after` (a staged READ's copy out) still orders it."""
+    from pdserve.kv_transfer.checksum import ChecksumStreams
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pool = torch.randn((24, 4, 2, 16, 8, 64), device="cuda", generator=g).to(torch.bfloat16)
+    ids = [*range(2, 20)]
+    expected = block_checksums(pool, ids)
+    streams = ChecksumStreams()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of a busy default stream
+    with streams.on([pool]):
+        got = block_checksums(pool, ids)
+    assert not torch.cuda.current_stream().query(), "the checksum waited for the default stream"
+    assert got == expected
+    torch.cuda.synchronize()
+
+    # A block written on the default stream after a wait, with an event after the write: a
+    # checksum told to come after the event sees the new bytes.
+    torch.cuda._sleep(200_000_000)
+    pool[5].zero_()
+    written = torch.cuda.Event()
+    written.record()
+    with streams.on([pool], after=[written]):
+        after_write = block_checksums(pool, ids)
+    torch.cuda.synchronize()
+    assert after_write == block_checksums(pool, ids)
+    assert after_write[ids.index(5)] != expected[ids.index(5)]

@@ -120,3 +120,16 @@ def test_mismatched_positions():
     assert mismatched([1, 2, 3], [1, 9, 3]) == [1]
     assert mismatched([1, 2, 3], [1, 2]) == [2]
     assert mismatched([1], [1, 5, 6]) == [1, 2]
+
+
+def test_checksum_streams_on_cpu_tensors_change_nothing():
+    """On CPU there is no stream to move to: the checksums inside `ChecksumStreams.on` are the
+    plain ones (the GPU side, that they skip the default stream's work, is in tests/gpu)."""
+    from pdserve.kv_transfer.checksum import ChecksumStreams, block_checksums
+
+    pool = torch.arange(6 * 2 * 4 * 8, dtype=torch.float32).view(6, 2, 4, 8)
+    ids = [4, 0, 1, 2]
+    with ChecksumStreams().on([pool]):
+        inside = block_checksums(pool, ids)
+    assert inside == block_checksums(pool, ids)
+    assert len(set(inside)) == len(ids)
