@@ -177,18 +177,18 @@ class InFlight:
     def overflowed(self, tokens: float) -> None:
         """Its prompt overflowed to its decode worker: in that worker's backlog until `prefilled`."""
         self._overflow = (self.d_at.worker, tokens)
-        self._books.pools.decode_policy.add_overflow(*self._overflow)
+        self._books.pools.decode_policy.add_overflow(*self._overflow, time.monotonic())
 
-    def prefilled(self) -> None:
-        """Its first token came (or it left the worker): out of any overflow backlog, once."""
+    def prefilled(self, done: bool = True) -> None:
+        """Its first token came (`done`), or it left the worker: out of any overflow backlog, once."""
         if self._overflow is not None:
-            self._books.pools.decode_policy.end_overflow(*self._overflow)
+            self._books.pools.decode_policy.end_overflow(*self._overflow, time.monotonic() if done else None)
             self._overflow = None
 
     def move_decode(self, d_at: Placement) -> None:
         """Another decode worker takes it over from the current one."""
         pools = self._books.pools
-        self.prefilled()  # the other worker recomputes it: no overflow of the first one's
+        self.prefilled(done=False)  # the other worker recomputes it: no overflow of the first one's
         if self._decode_slot:
             pools.decode_policy.finish(self.d_at)
         if self.d_at.worker in self._held:
@@ -270,7 +270,7 @@ class InFlight:
         self.stream.close()
         for pool in list(self._queued):  # failed or cancelled before its token
             self.dequeue(pool, served=False)
-        self.prefilled()
+        self.prefilled(done=False)
         if self._decode_slot:
             self._decode_slot = False
             books.pools.decode_policy.finish(self.d_at)

@@ -274,9 +274,10 @@ class Router:
                 if refusal is not None:
                     route.end()
                     raise _refused(refusal)
-                prefill, backlog = pools.prefill_policy, pools.decode_policy.overflow_backlog.get(d_at.worker, 0.0)
-                if overflow_to_decode(prefill.least_queued_tokens(cfg.max_inflight_per_prefill), backlog,
-                                      cfg.placement.max_prefill_queue_tokens):
+                prefill, decodes = pools.prefill_policy, pools.decode_policy
+                backlog, cap = decodes.overflow_backlog.get(d_at.worker, 0.0), cfg.max_inflight_per_prefill
+                if overflow_to_decode(prefill.least_queued_tokens(cap), backlog, cfg.placement.max_prefill_queue_tokens,
+                                      prefill.least_wait_s(len(ids), cap), decodes.overflow_wait_s(d_at.worker, len(ids))):
                     overflow = local = True  # the prefill pool is backed up: the decode worker takes it
                     r.overflowed(max(1, len(ids) - d_at.matched_blocks * cfg.block_size))
                 else:

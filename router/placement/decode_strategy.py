@@ -30,22 +30,31 @@ class DecodePlacement(PlacementStrategy):
 
 
 def overflow_to_decode(
-    least_queued_tokens: float | None, decode_backlog_tokens: float, max_prefill_queue_tokens: int
+    least_queued_tokens: float | None, decode_backlog_tokens: float, max_prefill_queue_tokens: int,
+    prefill_wait_s: float | None = None, decode_wait_s: float | None = None,
 ) -> bool:
     """Whether a prompt bound for the prefill pool is prefilled on its decode worker because
     the pool is backed up: every prefill worker below its cap has at least
     `max_prefill_queue_tokens` tokens of prefill in flight (`least_queued_tokens`; None: none is
-    below its cap, which `prefill_locally_when_pool_full` decides), and the decode worker's own
-    backlog of such prompts (`decode_backlog_tokens`, not yet at their first token) is below the
-    same bound, so neither side queues more than it. 0 turns it off.
+    below its cap, which `prefill_locally_when_pool_full` decides). Then, once both sides'
+    rates are measured, where the prompt would reach its first token sooner (`prefill_wait_s`,
+    `decode_wait_s`: its backlog and itself at the rate each side worked off its prompts); until
+    then, while the decode worker's own backlog of such prompts (`decode_backlog_tokens`, not yet
+    at their first token) is below the same bound. 0 turns it off.
 
     Past one prefill GPU's rate the prefill queue, and with it every request's time to first
     token, grows without bound; the decode workers' spare compute beside their memory-bound
     decode steps takes the excess instead (Dynamo's `max_prefill_queue_size` is the same idea).
+    A decode worker keeps its steps within `--itl-target-ms`, so what it takes on depends on its
+    batch: the rate it measurably works prompts off, not a fixed bound, says how much.
     """
     if max_prefill_queue_tokens <= 0 or least_queued_tokens is None:
         return False
-    return least_queued_tokens >= max_prefill_queue_tokens > decode_backlog_tokens
+    if least_queued_tokens < max_prefill_queue_tokens:
+        return False
+    if prefill_wait_s is not None and decode_wait_s is not None:
+        return decode_wait_s < prefill_wait_s
+    return max_prefill_queue_tokens > decode_backlog_tokens
 
 
 def prefill_locally(

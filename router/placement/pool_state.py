@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.router.load.drain_rate import DrainRate
 from pdserve.router.load.recent_load import RecentLoad
 from pdserve.router.placement.decode_strategy import DecodePlacement
 from pdserve.router.placement.placement_config import PlacementConfig
@@ -186,6 +187,7 @@ class PrefillPolicy(_Pool):
     def __init__(self, cfg: PlacementConfig, workers: Iterable[str] = (), block_size: int = 16) -> None:
         self.recent = RecentLoad(cfg.load_window_s)
         self.queued: dict[str, float] = {}
+        self.drains: dict[str, DrainRate] = {}  # per worker: its prompt tokens in flight, the rate it works them off
         super().__init__(cfg, workers, block_size)
         self.placement = cfg.policies[cfg.policy](cfg, self)
 
@@ -193,11 +195,13 @@ class PrefillPolicy(_Pool):
         super()._join(worker)
         self.recent.add_worker(worker)
         self.queued.setdefault(worker, 0.0)
+        self.drains.setdefault(worker, DrainRate())
 
     def _leave(self, worker: str) -> None:
         super()._leave(worker)
         self.recent.remove_worker(worker)
         del self.queued[worker]
+        self.drains.pop(worker, None)
 
     def _loads(self, now: float) -> dict[str, float]:
         return self.recent.at(now)
@@ -214,6 +218,12 @@ class PrefillPolicy(_Pool):
         """The fewest tokens of prefill in flight on a worker below its cap (None: none is)."""
         open_ = self._open(capacity)
         return min(self.queued[w] for w in open_) * self.block_size if open_ else None
+
+    def least_wait_s(self, num_tokens: float, capacity: int = 1 << 30) -> float | None:
+        """The shortest time a new prompt of `num_tokens` would take to its first token on a
+        worker below its cap, at the rate each worked off its prompts (None: none measured yet)."""
+        waits = [w for w in (self.drains[x].wait_s(num_tokens) for x in self._open(capacity)) if w is not None]
+        return min(waits) if waits else None
 
     def place(
         self, block_hashes: Sequence[int], num_tokens: int, now: float, capacity: int = 1 << 30, reuse: bool = True
@@ -236,6 +246,7 @@ class PrefillPolicy(_Pool):
         w = self.placement.place(PlacementRequest(num_tokens, key, tuple(open_), cost, matched, home, now))[0]
         self.recent.add(w, cost[w], now)
         self.queued[w] += cost[w]
+        self.drains[w].add(cost[w] * self.block_size, now)
         return self._placed(Placement(w, matched.get(w, 0), home, cost[w], num_tokens, now))
 
     def finish(self, p: Placement, now: float | None = None, cached_tokens: int | None = None) -> None:
@@ -246,6 +257,11 @@ class PrefillPolicy(_Pool):
         super().finish(p)
         if p.worker not in self.queued:
             return
+        drain = self.drains[p.worker]
+        if now is None or cached_tokens is None:  # it did not finish: no work to count
+            drain.drop(p.cost * self.block_size)
+        else:
+            drain.done(p.cost * self.block_size, now)
         # Subtract what was added; an idle worker reads exactly 0 whatever the rounding.
         self.queued[p.worker] = max(0.0, self.queued[p.worker] - p.cost) if self.inflight[p.worker] else 0.0
         if cached_tokens is not None:
@@ -262,24 +278,36 @@ class DecodePolicy(_Pool):
     its prompt is prefilled there too (`prefill_here`)."""
 
     def __init__(self, cfg: PlacementConfig, workers: Iterable[str] = (), block_size: int = 16) -> None:
-        # Per worker: prompt tokens of overflowed prompts placed there, not yet at their first token.
+        # Per worker: prompt tokens of overflowed prompts placed there, not yet at their first
+        # token, and the rate it has worked them off.
         self.overflow_backlog: dict[str, float] = {}
+        self.overflow_drains: dict[str, DrainRate] = {}
         super().__init__(cfg, workers, block_size)
         self.placement = DecodePlacement(cfg, self)
 
     def _leave(self, worker: str) -> None:
         super()._leave(worker)
         self.overflow_backlog.pop(worker, None)
+        self.overflow_drains.pop(worker, None)
 
-    def add_overflow(self, worker: str, tokens: float) -> None:
+    def add_overflow(self, worker: str, tokens: float, now: float) -> None:
         """An overflowed prompt of `tokens` tokens was placed on `worker`."""
         if worker in self.inflight:
             self.overflow_backlog[worker] = self.overflow_backlog.get(worker, 0.0) + tokens
+            self.overflow_drains.setdefault(worker, DrainRate()).add(tokens, now)
 
-    def end_overflow(self, worker: str, tokens: float) -> None:
-        """That prompt reached its first token, or left the worker."""
+    def end_overflow(self, worker: str, tokens: float, now: float | None) -> None:
+        """That prompt reached its first token (at `now`), or left the worker (None)."""
         if worker in self.overflow_backlog:
             self.overflow_backlog[worker] = max(0.0, self.overflow_backlog[worker] - tokens)
+            drain = self.overflow_drains[worker]
+            drain.done(tokens, now) if now is not None else drain.drop(tokens)
+
+    def overflow_wait_s(self, worker: str, num_tokens: float) -> float | None:
+        """How long a new overflowed prompt of `num_tokens` would take to its first token on
+        `worker`, at the rate it worked off those before (None: none measured yet)."""
+        drain = self.overflow_drains.get(worker)
+        return None if drain is None else drain.wait_s(num_tokens)
 
     def place(self, block_hashes: Sequence[int], num_tokens: int, capacity: int = 1 << 30) -> Placement | None:
         open_ = self._open(capacity)

@@ -1,0 +1,58 @@
+"""How fast a worker works off a backlog of prompt tokens: tokens finished per second of the
+time it had any waiting, both decayed with a half-life so that the rate follows the load. What a
+new prompt would wait there is then the backlog and the prompt at that rate. Pure: the caller
+passes the time (any monotonic origin)."""
+
+from __future__ import annotations
+
+# Seconds of backlog measured before the rate is trusted: a first prompt's time says little.
+MIN_BUSY_S = 0.05
+
+
+class DrainRate:
+    """One worker's backlog (tokens placed, not yet done) and the rate it has drained it at."""
+
+    def __init__(self, half_life_s: float = 10.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s: {half_life_s}; must be > 0")
+        self.half_life_s = half_life_s
+        self.backlog = 0.0
+        self._tokens = 0.0  # decayed tokens finished
+        self._busy_s = 0.0  # decayed seconds with a backlog
+        self._at: float | None = None
+
+    def _advance(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            dt = now - self._at
+            keep = 0.5 ** (dt / self.half_life_s)
+            self._tokens *= keep
+            self._busy_s = self._busy_s * keep + (dt if self.backlog > 0 else 0.0)
+        if self._at is None or now > self._at:
+            self._at = now
+
+    def add(self, tokens: float, now: float) -> None:
+        """A prompt of `tokens` tokens was placed on the worker."""
+        self._advance(now)
+        self.backlog += tokens
+
+    def done(self, tokens: float, now: float) -> None:
+        """That prompt reached its first token: `tokens` worked off."""
+        self._advance(now)
+        self.backlog = max(0.0, self.backlog - tokens)
+        self._tokens += tokens
+
+    def drop(self, tokens: float) -> None:
+        """That prompt left unfinished (cancelled, failed over): off the backlog, not counted as work."""
+        self.backlog = max(0.0, self.backlog - tokens)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The measured rate; None until MIN_BUSY_S of backlog and some tokens were seen."""
+        if self._busy_s < MIN_BUSY_S or self._tokens <= 0:
+            return None
+        return self._tokens / self._busy_s
+
+    def wait_s(self, tokens: float) -> float | None:
+        """Seconds until a new prompt of `tokens` tokens would be done here (None: no rate yet)."""
+        rate = self.tokens_per_s
+        return None if rate is None else (self.backlog + tokens) / rate
