@@ -140,7 +140,8 @@ class ChecksumStreams:
     default stream, so a checksum queued there waits for every step launched ahead of it: a
     prefill call for one more whole step. The blocks are final when they are checksummed (the
     step that wrote them was read back, or their READ ended); only copies still queued into them
-    (`after`: a staged READ's copies out) order the checksum."""
+    (`after`: a staged READ's copies out) order the checksum. (A stream's first allocations take
+    new memory segments, which waits for the device once.)"""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}

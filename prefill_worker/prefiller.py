@@ -43,6 +43,19 @@ class PrefillCancelled(RuntimeError):
 
 
 @dataclass(frozen=True)
+class _Prefilled:
+    """What the loop hands a finished prefill's caller, so that the caller never takes the
+    loop's lock again: by then the loop is running the next step and holds it for the whole
+    step, and the call would return a step later (a prefill worker's steps are ~30-100 ms)."""
+
+    pinned: PinnedKv
+    queued_ns: int  # when it was added
+    started_ns: int  # when the step that took it out of the waiting queue began
+    done_ns: int
+    lease_deadline: float
+
+
+@dataclass(frozen=True)
 class PrefillConfig:
     """A prefill worker's settings: the KV lease, per-block checksums, the progress notices' deadline."""
 
@@ -68,7 +81,7 @@ class PrefillWorker(WorkerBase):
         self.config = config
         self._leases = LeaseTable()
         self._progress = ProgressBook()  # requests whose progress goes to a decode worker; lent blocks
-        self._pending: dict[str, Future[PinnedKv]] = {}
+        self._pending: dict[str, Future[_Prefilled]] = {}
         self._early_releases = EarlyReleases()  # released before their prefill call came
         self._tracer = tracer if tracer is not None else trace.NoOpTracer()
         # Request id -> when it was added (ns). When one is first seen out of the waiting queue,
@@ -96,7 +109,8 @@ class PrefillWorker(WorkerBase):
                         "pdserve.prompt_tokens": len(prompt_token_ids)},
         )
         with span:
-            pinned, queue_s = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span, progress_to)
+            done = self._run_prefill(prompt_token_ids, params, request_id, timeout_s, span, progress_to)
+            pinned = done.pinned
             span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
             # Pinned blocks are written no more, so this runs outside the engine's lock; on a GPU
@@ -111,7 +125,7 @@ class PrefillWorker(WorkerBase):
             block_ids=pinned.block_ids,
             block_hashes=pinned.block_hashes,
             num_tokens=pinned.num_tokens,
-            lease_deadline=self._lease_deadline(request_id),
+            lease_deadline=done.lease_deadline,
             compat_hash=self.agent.compat_hash,
             block_checksums=checksums,
         )
@@ -120,7 +134,7 @@ class PrefillWorker(WorkerBase):
             first_token=pinned.first_token,
             finish_reason=pinned.finish_reason or "",
             cached_prompt_tokens=pinned.num_cached_tokens,
-            queue_seconds=queue_s,
+            queue_seconds=max(0, done.started_ns - done.queued_ns) / 1e9,
         )
         if pinned.first_logprob is not None:  # the decode worker samples the rest; this one's travels back
             result.first_logprob = pinned.first_logprob
@@ -134,10 +148,9 @@ class PrefillWorker(WorkerBase):
     def _run_prefill(
         self, ids: list[int], params: SamplingParams, request_id: str, timeout_s: float, span: trace.Span,
         progress_to: str = "",
-    ) -> tuple[PinnedKv, float]:
-        """The prompt's pinned KV once prefilled, and the seconds it waited in the queue."""
-        fut: Future[PinnedKv] = Future()
-        traced = span.is_recording()
+    ) -> _Prefilled:
+        """The prompt's pinned KV once prefilled, with when it was queued, started and done."""
+        fut: Future[_Prefilled] = Future()
         self.engine.prepare(params)  # its grammar compiles here, not under the loop's lock
         with self.loop.lock:
             self.loop.check()
@@ -150,30 +163,33 @@ class PrefillWorker(WorkerBase):
             self._queued_at[request_id] = time.time_ns()
         self.loop.wake()
         try:
-            pinned = fut.result(timeout=timeout_s)
+            done = fut.result(timeout=timeout_s)
         except FutureTimeout:
             self.release(request_id)
             raise TimeoutError(f"prefill of {request_id} did not finish within {timeout_s}s") from None
-        finally:
+        except BaseException:
             with self.loop.lock:
-                queued = self._queued_at.pop(request_id, None)
-                started = self._started_at.pop(request_id, None)
-        done = time.time_ns()
-        started = done if started is None else started
-        queue_s = 0.0 if queued is None else max(0, started - queued) / 1e9
-        if traced and queued is not None:
+                self._forget_times(request_id)
+            raise
+        if span.is_recording():
             ctx = trace.set_span_in_context(span)
-            self._tracer.start_span("pdserve.prefill.queue", context=ctx, start_time=queued).end(end_time=started)
-            compute = self._tracer.start_span("pdserve.prefill.compute", context=ctx, start_time=started)
+            self._tracer.start_span("pdserve.prefill.queue", context=ctx, start_time=done.queued_ns).end(
+                end_time=done.started_ns)
+            compute = self._tracer.start_span("pdserve.prefill.compute", context=ctx, start_time=done.started_ns)
             compute.set_attribute("pdserve.prompt_tokens", len(ids))
-            compute.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
-            compute.end(end_time=done)
-        return pinned, queue_s
+            compute.set_attribute("pdserve.cached_tokens", done.pinned.num_cached_tokens)
+            compute.end(end_time=done.done_ns)
+        return done
+
+    def _forget_times(self, request_id: str) -> None:
+        self._queued_at.pop(request_id, None)
+        self._started_at.pop(request_id, None)
 
     def release(self, request_id: str) -> bool:
         """Free a request's blocks now: pulled, cancelled, or not needed (finished at token one)."""
         with self.loop.lock:
             self._leases.end(request_id)
+            self._forget_times(request_id)
             fut = self._pending.pop(request_id, None)
             if fut is not None and not fut.done():
                 fut.set_exception(PrefillCancelled(f"request {request_id} was cancelled"))
@@ -205,8 +221,13 @@ class PrefillWorker(WorkerBase):
             if fut is None:
                 self._free(out.request_id)  # its caller went away
                 continue
-            self._leases.grant(out.request_id, self._clock() + self.config.lease_s)
-            fut.set_result(self.engine.pinned_kv(out.request_id))
+            deadline = self._clock() + self.config.lease_s
+            self._leases.grant(out.request_id, deadline)
+            queued = self._queued_at.pop(out.request_id, self._last_turn_ns)
+            # Not out of the waiting queue at an earlier turn's tick: it started in this step.
+            started = self._started_at.pop(out.request_id, max(queued, self._last_turn_ns))
+            pinned = self.engine.pinned_kv(out.request_id)
+            fut.set_result(_Prefilled(pinned, queued, started, time.time_ns(), deadline))
 
     def _tick(self) -> None:
         now = time.time_ns()
@@ -253,8 +274,3 @@ class PrefillWorker(WorkerBase):
                 # The consumer reads what it lacks from the handle instead.
                 log.warning("progress of %s to %s: %s; sending no more", progress.request_id, consumer, exc)
                 self._progress.mute(progress.request_id)
-
-    def _lease_deadline(self, request_id: str) -> float:
-        with self.loop.lock:
-            deadline = self._leases.deadline(request_id)
-        return self._clock() if deadline is None else deadline
