@@ -37,7 +37,8 @@ def test_checksums_on_their_own_stream_do_not_wait_for_the_default_streams_work(
     """A worker's steps run on the default stream and are launched ahead: a checksum queued
     behind them would hold a prefill call for one more step. On `ChecksumStreams` it comes back
     while the default stream is still busy, and equals the checksum taken after it; an event in
-    `after` (a staged READ's copy out) still orders it."""
+    `after` (a staged READ's copy out) still orders it. Once warm: a new stream's first
+    allocations take new memory segments, and that waits for the device."""
     from pdserve.kv_transfer.checksum import ChecksumStreams
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -45,6 +46,8 @@ def test_checksums_on_their_own_stream_do_not_wait_for_the_default_streams_work(
     ids = [*range(2, 20)]
     expected = block_checksums(pool, ids)
     streams = ChecksumStreams()
+    with streams.on([pool]):
+        assert block_checksums(pool, ids) == expected
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of a busy default stream
     with streams.on([pool]):
