@@ -274,10 +274,8 @@ class Router:
                 if refusal is not None:
                     route.end()
                     raise _refused(refusal)
-                prefill, decodes = pools.prefill_policy, pools.decode_policy
-                backlog, cap = decodes.overflow_backlog.get(d_at.worker, 0.0), cfg.max_inflight_per_prefill
-                if overflow_to_decode(prefill.least_queued_tokens(cap), backlog, cfg.placement.max_prefill_queue_tokens,
-                                      prefill.least_wait_s(len(ids), cap), decodes.overflow_wait_s(d_at.worker, len(ids))):
+                prefill = pools.prefill_policy
+                if _overflows(pools, d_at.worker, len(ids), cfg):
                     overflow = local = True  # the prefill pool is backed up: the decode worker takes it
                     r.overflowed(max(1, len(ids) - d_at.matched_blocks * cfg.block_size))
                 else:
@@ -360,6 +358,18 @@ def _refused(refusal: Refusal | DeadlineRefusal) -> RouterError:
     """A pool's queue is full (`router.admission`), or a deadline could not be kept
     (`router.deadline_gate`): refused before any worker call, with a hint."""
     return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, retry_after_ms=refusal.retry_after_ms)
+
+
+
+def _overflows(pools: WorkerPools, decode_worker: str, num_tokens: int, cfg: RouterConfig) -> bool:
+    """`overflow_to_decode` over the pools' queues, backlogs and the waits they measured, now."""
+    prefill, decodes = pools.prefill_policy, pools.decode_policy
+    cap, now = cfg.max_inflight_per_prefill, time.monotonic()
+    return overflow_to_decode(
+        prefill.least_queued_tokens(cap), decodes.overflow_backlog.get(decode_worker, 0.0),
+        cfg.placement.max_prefill_queue_tokens, prefill.least_wait_s(num_tokens, now, cap),
+        decodes.overflow_wait_s(decode_worker, num_tokens, now),
+    )
 
 
 def _full(pool: str, workers: list[str], queue: PoolQueue) -> RouterError:

@@ -45,14 +45,19 @@ class DrainRate:
         """That prompt left unfinished (cancelled, failed over): off the backlog, not counted as work."""
         self.backlog = max(0.0, self.backlog - tokens)
 
-    @property
-    def tokens_per_s(self) -> float | None:
-        """The measured rate; None until MIN_BUSY_S of backlog and some tokens were seen."""
-        if self._busy_s < MIN_BUSY_S or self._tokens <= 0:
+    def tokens_per_s(self, now: float | None = None) -> float | None:
+        """The measured rate; None until MIN_BUSY_S of backlog and some tokens were seen. With
+        `now`, the backlog's time since the last event counts too: a worker that stopped
+        finishing prompts slows at once, not at its next event."""
+        busy, tokens = self._busy_s, self._tokens
+        if now is not None and self._at is not None and now > self._at:
+            keep = 0.5 ** ((now - self._at) / self.half_life_s)
+            busy, tokens = busy * keep + (now - self._at if self.backlog > 0 else 0.0), tokens * keep
+        if busy < MIN_BUSY_S or tokens <= 0:
             return None
-        return self._tokens / self._busy_s
+        return tokens / busy
 
-    def wait_s(self, tokens: float) -> float | None:
+    def wait_s(self, tokens: float, now: float | None = None) -> float | None:
         """Seconds until a new prompt of `tokens` tokens would be done here (None: no rate yet)."""
-        rate = self.tokens_per_s
+        rate = self.tokens_per_s(now)
         return None if rate is None else (self.backlog + tokens) / rate

@@ -39,8 +39,9 @@ def overflow_to_decode(
     below its cap, which `prefill_locally_when_pool_full` decides). Then, once both sides'
     rates are measured, where the prompt would reach its first token sooner (`prefill_wait_s`,
     `decode_wait_s`: its backlog and itself at the rate each side worked off its prompts); until
-    then, while the decode worker's own backlog of such prompts (`decode_backlog_tokens`, not yet
-    at their first token) is below the same bound. 0 turns it off.
+    then one at a time, while the decode worker has no other such prompt without its first token
+    (`decode_backlog_tokens` 0): at a large batch its slack is small, and prompts sent before
+    its rate is known would wait there for seconds. 0 turns it off.
 
     Past one prefill GPU's rate the prefill queue, and with it every request's time to first
     token, grows without bound; the decode workers' spare compute beside their memory-bound
@@ -54,7 +55,7 @@ def overflow_to_decode(
         return False
     if prefill_wait_s is not None and decode_wait_s is not None:
         return decode_wait_s < prefill_wait_s
-    return max_prefill_queue_tokens > decode_backlog_tokens
+    return decode_backlog_tokens <= 0
 
 
 def prefill_locally(

@@ -219,10 +219,10 @@ class PrefillPolicy(_Pool):
         open_ = self._open(capacity)
         return min(self.queued[w] for w in open_) * self.block_size if open_ else None
 
-    def least_wait_s(self, num_tokens: float, capacity: int = 1 << 30) -> float | None:
+    def least_wait_s(self, num_tokens: float, now: float, capacity: int = 1 << 30) -> float | None:
         """The shortest time a new prompt of `num_tokens` would take to its first token on a
         worker below its cap, at the rate each worked off its prompts (None: none measured yet)."""
-        waits = [w for w in (self.drains[x].wait_s(num_tokens) for x in self._open(capacity)) if w is not None]
+        waits = [w for w in (self.drains[x].wait_s(num_tokens, now) for x in self._open(capacity)) if w is not None]
         return min(waits) if waits else None
 
     def place(
@@ -303,11 +303,11 @@ class DecodePolicy(_Pool):
             drain = self.overflow_drains[worker]
             drain.done(tokens, now) if now is not None else drain.drop(tokens)
 
-    def overflow_wait_s(self, worker: str, num_tokens: float) -> float | None:
+    def overflow_wait_s(self, worker: str, num_tokens: float, now: float) -> float | None:
         """How long a new overflowed prompt of `num_tokens` would take to its first token on
         `worker`, at the rate it worked off those before (None: none measured yet)."""
         drain = self.overflow_drains.get(worker)
-        return None if drain is None else drain.wait_s(num_tokens)
+        return None if drain is None else drain.wait_s(num_tokens, now)
 
     def place(self, block_hashes: Sequence[int], num_tokens: int, capacity: int = 1 << 30) -> Placement | None:
         open_ = self._open(capacity)

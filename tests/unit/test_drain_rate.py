@@ -13,18 +13,22 @@ from pdserve.router.placement.pool_state import DecodePolicy, PrefillPolicy
 
 def test_the_rate_is_tokens_done_per_second_of_backlog_and_idle_time_does_not_count():
     d = DrainRate(half_life_s=1e9)  # no decay: exact arithmetic
-    assert d.tokens_per_s is None and d.wait_s(100) is None
+    assert d.tokens_per_s() is None and d.wait_s(100) is None
     d.add(1000, now=0.0)
     d.add(1000, now=0.0)
     d.done(1000, now=0.5)
     d.done(1000, now=1.0)
     assert d.backlog == 0
-    assert d.tokens_per_s == pytest.approx(2000.0)
+    assert d.tokens_per_s() == pytest.approx(2000.0)
     d.add(500, now=11.0)  # ten idle seconds: not part of the rate
     d.done(500, now=11.5)
-    assert d.tokens_per_s == pytest.approx(2500 / 1.5)
+    assert d.tokens_per_s() == pytest.approx(2500 / 1.5)
     d.add(300, now=12.0)
     assert d.wait_s(200) == pytest.approx(500 / (2500 / 1.5))
+    # Asked later with nothing finished since: the backlog's 1.5 s count, and the rate is lower.
+    assert d.tokens_per_s(now=13.5) == pytest.approx(2500 / 3.0)
+    assert d.wait_s(200, now=13.5) == pytest.approx(500 / (2500 / 3.0))
+    assert d.tokens_per_s() == pytest.approx(2500 / 1.5)  # asking changes nothing
 
 
 def test_the_rate_follows_a_change_of_speed_within_a_few_half_lives():
@@ -34,22 +38,22 @@ def test_the_rate_follows_a_change_of_speed_within_a_few_half_lives():
         d.add(100, t)
         t += 0.1
         d.done(100, t)
-    assert d.tokens_per_s == pytest.approx(1000, rel=0.01)
+    assert d.tokens_per_s() == pytest.approx(1000, rel=0.01)
     for _ in range(80):  # then 250 tokens/s for 32 s (16 half-lives)
         d.add(100, t)
         t += 0.4
         d.done(100, t)
-    assert d.tokens_per_s == pytest.approx(250, rel=0.02)
+    assert d.tokens_per_s() == pytest.approx(250, rel=0.02)
 
 
 def test_no_rate_before_enough_backlog_was_seen_and_a_dropped_prompt_is_no_work():
     d = DrainRate()
     d.add(100, 0.0)
     d.done(100, MIN_BUSY_S / 2)
-    assert d.tokens_per_s is None  # one very short prompt says little
+    assert d.tokens_per_s() is None  # one very short prompt says little
     d.add(100, 1.0)
     d.drop(100)
-    assert d.backlog == 0 and d.tokens_per_s is None
+    assert d.backlog == 0 and d.tokens_per_s() is None
     with pytest.raises(ValueError, match="half_life_s"):
         DrainRate(half_life_s=0)
 
@@ -60,9 +64,9 @@ def test_overflow_goes_where_the_first_token_comes_sooner_once_both_rates_are_kn
     # Past it, the waits decide, whatever the decode worker's own backlog.
     assert overflow_to_decode(9000, 20000, 4096, prefill_wait_s=0.9, decode_wait_s=0.5)
     assert not overflow_to_decode(9000, 0, 4096, prefill_wait_s=0.3, decode_wait_s=0.5)
-    # A side not measured yet: the fixed bound on the decode worker's backlog.
+    # A side not measured yet: one prompt at a time on the decode worker.
     assert overflow_to_decode(9000, 0, 4096, prefill_wait_s=0.3, decode_wait_s=None)
-    assert not overflow_to_decode(9000, 5000, 4096, prefill_wait_s=None, decode_wait_s=0.1)
+    assert not overflow_to_decode(9000, 100, 4096, prefill_wait_s=None, decode_wait_s=0.1)
     assert not overflow_to_decode(9000, 0, 0, prefill_wait_s=9.0, decode_wait_s=0.1)  # 0: off
 
 
@@ -70,20 +74,20 @@ def test_the_pools_measure_what_their_prompts_took():
     cfg = PlacementConfig()
     prefill = PrefillPolicy(cfg, ["p0"], block_size=16)
     p = prefill.place([], 1600, now=0.0)
-    assert prefill.least_wait_s(1600) is None
+    assert prefill.least_wait_s(1600, now=0.0) is None
     prefill.finish(p, now=0.2, cached_tokens=0)  # 1,600 tokens in 0.2 s
     q = prefill.place([], 3200, now=1.0)
-    assert prefill.least_wait_s(1600) == pytest.approx((3200 + 1600) / 8000, rel=0.01)
+    assert prefill.least_wait_s(1600, now=1.0) == pytest.approx((3200 + 1600) / 8000, rel=0.01)
     prefill.finish(q)  # cancelled: off the backlog, not counted
     assert prefill.drains["p0"].backlog == 0
 
     decode = DecodePolicy(cfg, ["d0"], block_size=16)
-    assert decode.overflow_wait_s("d0", 1000) is None
+    assert decode.overflow_wait_s("d0", 1000, now=0.0) is None
     d = decode.place([], 1000)
     decode.add_overflow(d.worker, 1000, now=0.0)
     decode.end_overflow(d.worker, 1000, now=1.0)
-    assert decode.overflow_wait_s("d0", 500) == pytest.approx(0.5, rel=0.01)
+    assert decode.overflow_wait_s("d0", 500, now=1.0) == pytest.approx(0.5, rel=0.01)
     decode.add_overflow(d.worker, 700, now=2.0)
     decode.end_overflow(d.worker, 700, now=None)  # it left: not work
     assert decode.overflow_backlog["d0"] == 0
-    assert decode.overflow_wait_s("d0", 500) == pytest.approx(0.5, rel=0.01)
+    assert decode.overflow_wait_s("d0", 500, now=3.0) == pytest.approx(0.5, rel=0.01)

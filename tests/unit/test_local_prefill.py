@@ -46,9 +46,10 @@ def test_a_negative_threshold_is_refused_naming_the_field():
 
 
 def test_a_backed_up_prefill_pool_overflows_only_past_the_queue_bound():
-    assert overflow_to_decode(4096, 0, 4096) and overflow_to_decode(9000.0, 4095, 4096)
+    assert overflow_to_decode(4096, 0, 4096) and overflow_to_decode(9000.0, 0, 4096)
     assert not overflow_to_decode(4095, 0, 4096)
-    assert not overflow_to_decode(9000, 4096, 4096)  # the decode worker's own backlog is full too
+    # No rate measured yet: one at a time, while the decode worker has no other overflowed prompt waiting.
+    assert not overflow_to_decode(9000, 1, 4096)
     assert not overflow_to_decode(10**6, 0, 0)  # 0: never
     assert not overflow_to_decode(None, 0, 4096)  # every worker at its cap: the pool-full rule decides
 
