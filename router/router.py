@@ -23,15 +23,11 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.hashing import block_hashes
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.admission import PoolQueue, Refusal, retry_after_ms
+from pdserve.router.admission import PoolQueue
 from pdserve.router.background import Background
 from pdserve.router.calls import WorkerCalls
 from pdserve.router.choices import ChoiceAnchor, serve_choices
 from pdserve.router.client_stream import ClientStream, chunk, take_first_token
-from pdserve.router.deadline_admission import DeadlineRefusal
 from pdserve.router.deadline_gate import DeadlineGate
 from pdserve.router.edge.parsing import RequestParser
 from pdserve.router.errors import to_router_error
@@ -40,8 +36,8 @@ from pdserve.router.handles import DecodeHandle, PrefillHandle, RouterError
 from pdserve.router.handover_room import start_when_room
 from pdserve.router.inflight import Books, InFlight, Phase
 from pdserve.router.load.load_signals import LoadSignals, watch_pool_sizes
-from pdserve.router.placement.decode_strategy import overflow_to_decode
-from pdserve.router.placement.pool_state import DecodePolicy, Placement, PrefillPolicy
+from pdserve.router.placement.pool_state import DecodePolicy, PrefillPolicy
+from pdserve.router.request_placer import RequestPlacer
 from pdserve.router.router_config import RouterConfig
 from pdserve.router.stats import StreamMetrics, cluster_stats, placement_stats
 from pdserve.router.token_relay import TokenRelay
@@ -87,6 +83,7 @@ class Router:
         # Admitted requests without a token yet, per pool: what bounded admission counts.
         self.queues = {pool: PoolQueue(pool, config.max_queued_requests) for pool in ("prefill", "decode")}
         self._books = Books(self.pools, self.queues, self.relay.streams, self._background, config.control_timeout_s)
+        self.placer = RequestPlacer(config, tokenizer, self._books, self.tracer, self.metrics, self.gate)
 
     @property
     def prefills(self) -> dict[str, PrefillHandle]:
@@ -214,7 +211,7 @@ class Router:
         if rid in self.relay.streams or rid in self._books.ending:  # its workers may still hold it
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight")
         root.set_attributes({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(ids)})
-        r = self._place(rid, ids, params, trace.set_span_in_context(root), deadline, promised, decode_on)
+        r = self.placer.place(rid, ids, params, trace.set_span_in_context(root), deadline, promised, decode_on)
         self.load.arrived(r, time.monotonic())  # demand at arrival, for the P:D controller
         where = "local" if r.local else "remote"
         self.metrics.prompt_tokens.inc(len(ids))
@@ -240,62 +237,6 @@ class Router:
         finally:
             r.close()  # every path ends here: what the request holds goes back, once
             self.gate.forget(rid)
-
-    def _place(
-        self, rid: str, ids: list[int], params: SamplingParams, ctx: Any, deadline: float | None, tokens: int,
-        decode_on: str | None = None,
-    ) -> InFlight:
-        """Choose the decode worker, then whether the prompt is prefilled there (`prefill_here`,
-        or every prefill worker at its cap) or on a prefill worker, and which. RESOURCE_EXHAUSTED
-        when the decode pool is full, or the prefill pool is and local prefill is off for that,
-        or (before any placement) when a pool it would join holds `max_queued_requests` queued, or
-        when it (`tokens` promised) or one admitted before would miss its deadline. `decode_on`:
-        that decode worker prefills it, if it has room (`router.choices`)."""
-        cfg, pools = self.config, self.pools
-        refusal = self.queues["decode"].refusal()
-        if refusal is not None:
-            raise _refused(refusal)
-        route = self.tracer.start_span("pdserve.route", context=ctx)
-        hashes = block_hashes(ids, cfg.block_size)
-        d_at = pools.decode_policy.place_on(decode_on, hashes, len(ids), cfg.max_inflight_per_decode) if decode_on else None
-        if d_at is None:
-            d_at = pools.decode_policy.place(hashes, len(ids), cfg.max_inflight_per_decode)
-        if d_at is None:
-            _end_route(route, None, None, False, False)
-            raise _full("decode", pools.decode_policy.workers, self.queues["decode"])
-        r = InFlight(self._books, rid, ids, params, ctx, IncrementalDetokenizer(self.tokenizer, params.stop), d_at)
-        try:
-            reuse = params.prompt_logprobs is None  # a scored prompt takes no prefix-cache hits
-            local = d_at.worker == decode_on or pools.decode_policy.prefill_here(
-                d_at, bool(pools.prefill_policy.workers), reuse)
-            overflow = False
-            if not local:
-                refusal = self.queues["prefill"].refusal()
-                if refusal is not None:
-                    route.end()
-                    raise _refused(refusal)
-                prefill = pools.prefill_policy
-                if _overflows(pools, d_at.worker, len(ids), cfg):
-                    overflow = local = True  # the prefill pool is backed up: the decode worker takes it
-                    r.overflowed(max(1, len(ids) - d_at.matched_blocks * cfg.block_size))
-                else:
-                    p_at = prefill.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill, reuse=reuse)
-                    if p_at is not None:
-                        r.place_prefill(p_at)
-                    # Every prefill worker at its cap: the decode worker prefills rather than refuse.
-                    overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
-            if overflow:
-                self.metrics.prefill_overflows.inc()
-            _end_route(route, r.p_at, d_at, local, overflow)
-            if r.p_at is None and not local:
-                raise _full("prefill", pools.prefill_policy.workers, self.queues["prefill"])
-            if (late := self.gate.refusal(r, deadline, tokens, time.monotonic())) is not None:
-                raise _refused(late)
-        except BaseException:
-            r.close()  # gives the placement back
-            raise
-        r.enqueue("decode" if local else "prefill")
-        return r
 
     async def _serve_remote(self, r: InFlight) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Disaggregated: prefill on a prefill worker (its first token goes to the client at once),
@@ -352,54 +293,3 @@ class Router:
 
     async def drain_cleanups(self) -> None:
         await self._background.drain()
-
-
-def _refused(refusal: Refusal | DeadlineRefusal) -> RouterError:
-    """A pool's queue is full (`router.admission`), or a deadline could not be kept
-    (`router.deadline_gate`): refused before any worker call, with a hint."""
-    return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, retry_after_ms=refusal.retry_after_ms)
-
-
-
-def _overflows(pools: WorkerPools, decode_worker: str, num_tokens: int, cfg: RouterConfig) -> bool:
-    """`overflow_to_decode` over the pools' queues, backlogs and the waits they measured, now."""
-    prefill, decodes = pools.prefill_policy, pools.decode_policy
-    cap, now = cfg.max_inflight_per_prefill, time.monotonic()
-    return overflow_to_decode(
-        prefill.least_queued_tokens(cap), decodes.overflow_backlog.get(decode_worker, 0.0),
-        cfg.placement.max_prefill_queue_tokens, prefill.least_wait_s(num_tokens, now, cap),
-        decodes.overflow_wait_s(decode_worker, num_tokens, now),
-    )
-
-
-def _full(pool: str, workers: list[str], queue: PoolQueue) -> RouterError:
-    """No worker of `pool` has room: RESOURCE_EXHAUSTED with a retry hint, or UNAVAILABLE when
-    the pool has no worker in placement at all (nothing to wait for: all down or leaving)."""
-    if not workers:
-        return RouterError(grpc.StatusCode.UNAVAILABLE, f"{pool} pool: no worker in placement")
-    hint = retry_after_ms(queue.recent_queue_s)
-    return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"{pool} pool: every worker is at capacity; retry after {hint} ms", retry_after_ms=hint)
-
-
-def _end_route(route: trace.Span, p_at: Placement | None, d_at: Placement | None, local: bool, overflow: bool) -> None:
-    if route.is_recording():
-        route.set_attributes({**_placement_attributes(p_at, d_at, local), "pdserve.prefill.overflow": overflow})
-    route.end()
-
-
-def _placement_attributes(p_at: Placement | None, d_at: Placement | None, local: bool) -> dict[str, Any]:
-    """What the routing span records: the chosen workers, the prefix overlap each was chosen
-    for, whether placement had to leave the prompt's home on the ring, and whether the prompt
-    is prefilled on the decode worker (then no prefill worker is chosen)."""
-    attrs: dict[str, Any] = {"pdserve.prefill.local": local}
-    for pool, at in (("prefill", p_at), ("decode", d_at)):
-        if pool == "prefill" and local:
-            continue
-        if at is None:
-            attrs[f"pdserve.{pool}.worker_id"] = ""  # nobody had room
-            continue
-        attrs[f"pdserve.{pool}.worker_id"] = at.worker
-        attrs[f"pdserve.{pool}.matched_blocks"] = at.matched_blocks
-        attrs[f"pdserve.{pool}.off_home"] = at.home is not None and at.home != at.worker
-    return attrs
