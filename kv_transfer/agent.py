@@ -39,6 +39,7 @@ from pdserve.kv_transfer.shards import (
 from pdserve.kv_transfer.staging import (
     STAGING_BLOCKS,
     Desc,
+    StagingArea,
     copy_out,
     direct_descriptors,
     queued_copies,
@@ -137,9 +138,7 @@ class KvTransferAgent:
         self._checksum_streams = ChecksumStreams()
         # Per peer: its shards, and the slot runs of a staged READ (None: same split, direct).
         self._peers: dict[str, tuple[tuple[ShardSpec, ...], list[SlotRun] | None]] = {}
-        self._staging: tuple[torch.Tensor, object] | None = None  # area and its registration
-        self._staging_lock = threading.Lock()  # one staged READ at a time: they share the area
-        self._staging_copies: list[torch.cuda.Event] = []  # the last copy out of the area, queued on the GPU
+        self._staging = StagingArea(self.pool.device)  # where READs between other head splits land
         self.memory_type = "VRAM" if self.pool.is_cuda else "DRAM"
         self.device_id = (self.pool.device.index or 0) if self.pool.is_cuda else 0
         # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, and
@@ -301,38 +300,34 @@ class KvTransferAgent:
         descriptors = 0
         start = time.perf_counter()
         # Staged READs take turns at the area; the wait for it counts against the deadline.
-        if not self._staging_lock.acquire(timeout=timeout_s):
+        staging = self._staging
+        if not staging.take(timeout_s):
             raise KvTransferError(f"{what} timed out after {timeout_s}s waiting for the staging area")
         try:
-            area = self._staging_area(per_block * STAGING_BLOCKS)
+            area = staging.area(per_block * STAGING_BLOCKS, self._register, self._deregister)
             bases, devices = (area.data_ptr(), remote.pool_address), (self.device_id, remote.device_id)
             for at in range(0, len(remote_ids), STAGING_BLOCKS):
                 local, remote_descs, areas = staged_descriptors(remote_ids[at : at + STAGING_BLOCKS], specs, used, bases, devices)
                 # A copy out still queued on a GPU would read what this READ writes over.
-                wait_for(self._staging_copies)
+                wait_for(staging.copies)
                 self._run_reads(remote_agent, [(local, remote_descs)], b"", what, start, timeout_s)
                 copy_out(area, areas, specs, runs, self._pools, local_ids[at : at + STAGING_BLOCKS])
-                self._staging_copies = queued_copies(area, self._pools)
+                staging.copies = queued_copies(area, self._pools)
                 descriptors += len(local)
             if notify:
                 with self._lock, _nixl_errors(f"notifying {remote_agent} after the {what}"):
                     self._agent.send_notif(remote_agent, notify)
         finally:
-            self._staging_lock.release()
+            staging.give_back()
         return TransferStats(len(remote_ids), len(remote_ids) * per_block, descriptors, time.perf_counter() - start)
 
-    def _staging_area(self, nbytes: int) -> torch.Tensor:
-        """The registered staging area, grown to `nbytes` if smaller (under `_staging_lock`)."""
-        if self._staging is not None and self._staging[0].numel() >= nbytes:
-            return self._staging[0]
-        area = torch.empty(nbytes, dtype=torch.uint8, device=self.pool.device)
-        wait_for(self._staging_copies)  # the old area is freed below
+    def _register(self, area: torch.Tensor) -> object:
         with self._lock, _nixl_errors("registering the KV staging area"):
-            if self._staging is not None:
-                self._agent.deregister_memory(self._staging[1])
-                self._staging = None
-            self._staging = (area, self._agent.register_memory(area))
-        return area
+            return self._agent.register_memory(area)
+
+    def _deregister(self, registration: object) -> None:
+        with self._lock, _nixl_errors("deregistering the KV staging area"):
+            self._agent.deregister_memory(registration)
 
     def block_checksums(self, block_ids: list[int]) -> list[int]:
         """The checksum of each block over every KV head (`kv_transfer.checksum`): the same
@@ -341,7 +336,7 @@ class KvTransferAgent:
         if self._sharded and self._weights is None:
             heads, primary = [s.kv_heads for s in self.shards], primary_slots(self.shards)
             self._weights = shard_weight_tensors(self._pools, heads, primary, self.layout.num_kv_heads)
-        with self._checksum_streams.on(self._pools, after=self._staging_copies):
+        with self._checksum_streams.on(self._pools, after=self._staging.copies):
             if not self._sharded:
                 return block_checksums(self.pool, block_ids)
             return sharded_block_checksums(self._pools, self._weights, block_ids)
@@ -382,10 +377,7 @@ class KvTransferAgent:
                 agent.remove_remote_agent(name)
             self._remotes.clear()
             agent.deregister_memory(self._registration)
-            if self._staging is not None:
-                wait_for(self._staging_copies)
-                agent.deregister_memory(self._staging[1])
-                self._staging = None
+            self._staging.release(agent.deregister_memory)
             del self._registration, agent
 
 

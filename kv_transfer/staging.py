@@ -11,7 +11,8 @@ copies, queued on the GPU (`queued_copies`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -113,3 +114,39 @@ def wait_for(events: list[torch.cuda.Event]) -> None:
     """Block until every event of `queued_copies` has passed."""
     for event in events:
         event.synchronize()
+
+
+class StagingArea:
+    """A worker's staging area: grown and registered on demand (`area`), used by one staged READ
+    at a time (`take`/`give_back`), and the copies out of it still queued on the GPU (`copies`:
+    a READ into it, a checksum of where they land and the area's release wait for them)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._turn = threading.Lock()
+        self._area: tuple[torch.Tensor, object] | None = None  # the tensor and its registration
+        self.copies: list[torch.cuda.Event] = []
+
+    def take(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for this READ's turn at the area."""
+        return self._turn.acquire(timeout=timeout_s)
+
+    def give_back(self) -> None:
+        self._turn.release()
+
+    def area(self, nbytes: int, register: Callable[[torch.Tensor], object], deregister: Callable[[object], None]) -> torch.Tensor:
+        """The area, grown to `nbytes` if smaller (during a turn): the old one is deregistered
+        once its copies out have run, the new one registered."""
+        if self._area is not None and self._area[0].numel() >= nbytes:
+            return self._area[0]
+        new = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.release(deregister)
+        self._area = (new, register(new))
+        return new
+
+    def release(self, deregister: Callable[[object], None]) -> None:
+        """Deregister the area (after its queued copies out) and drop it."""
+        if self._area is not None:
+            wait_for(self.copies)
+            deregister(self._area[1])
+            self._area = None
