@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from pdserve.decode_worker.decode_config import DecodeConfig
 from pdserve.decode_worker.early_aborts import EarlyAborts
+from pdserve.decode_worker.handover_read import read_with_retries
 from pdserve.decode_worker.prefetch import Prefetch
 from pdserve.decode_worker.prefetcher import Prefetcher
 from pdserve.decode_worker.room_waiters import RoomWaiters, Waiter
@@ -31,8 +32,7 @@ from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.checksum import mismatched
 from pdserve.kv_transfer.compat import check_handle
-from pdserve.kv_transfer.notice import pulled_notice
-from pdserve.kv_transfer.transport import KvTransferError, KvTransport
+from pdserve.kv_transfer.transport import KvTransport
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
@@ -255,27 +255,10 @@ class KvConsumer:
         local = [plan.block_ids[i] for i in todo]
         parent = trace.set_span_in_context(span)
         plan.wait_writable()  # outside the loop's lock: the engine steps on meanwhile
-        retries = 0
-        for attempt in range(1, self.config.transfer_attempts + 1):
-            with self._tracer.start_span(
-                "pdserve.kv_transfer", context=parent, record_exception=False, set_status_on_exception=False,
-                attributes={"pdserve.attempt": attempt, "pdserve.blocks": len(remote), "pdserve.source": handle.agent_name},
-            ) as xfer:
-                try:
-                    stats = self.agent.read(
-                        handle.agent_name, remote, local, pulled_notice(request_id), self.config.transfer_timeout_s
-                    )
-                except KvTransferError as exc:
-                    self.transfer_failures += 1
-                    retries += 1
-                    xfer.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-                    log.warning("KV transfer for %s failed (attempt %d): %s", request_id, attempt, exc)
-                    continue
-                xfer.set_attributes(
-                    {"pdserve.bytes": stats.num_bytes, "pdserve.descriptors": stats.num_descriptors, "pdserve.gbps": stats.gbps}
-                )
-                break
-        else:
+        read = read_with_retries(self.agent, self._tracer, parent, self.config, handle.agent_name, remote, local, request_id)
+        self.transfer_failures += read.failures
+        retries, stats = read.failures, read.stats
+        if stats is None:
             self._recompute(prompt_token_ids, params, request_id, prefilled.first_token)
             return worker_pb2.DecodeStart(recomputed=True, transfer_retries=retries)
         all_local = [plan.block_ids[i] for i in plan.pull_indices]
