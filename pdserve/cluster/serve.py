@@ -33,12 +33,13 @@ from pdserve.cluster.node_pools import (
     worker_gpus,
 )
 from pdserve.cluster.observability import RouterTelemetry
+from pdserve.cluster.pool_links import link_pools
 from pdserve.cluster.pool_reconciler import PoolReconciler
 from pdserve.cluster.ports import PortInUseError, check_ports
 from pdserve.cluster.role_flip import FlipConfig, RoleFlipper
 from pdserve.cluster.scaler import WorkerScaler
 from pdserve.cluster.serve_config import ServeConfig
-from pdserve.cluster.startup_lines import Progress, quiet, worker_ready_line, workers_line
+from pdserve.cluster.startup_lines import Progress, quiet, workers_line
 from pdserve.cluster.worker_client import WorkerClient, new_router_id
 from pdserve.cluster.workers import cpu_threads_per_worker
 from pdserve.engine.config import ModelConfig
@@ -158,21 +159,7 @@ class Cluster:
         telemetry = RouterTelemetry.create(cfg)
         try:
             p_infos, d_infos = [w.info for w in fleet.pool("prefill")], [w.info for w in fleet.pool("decode")]
-            for pi in p_infos:
-                progress(worker_ready_line("prefill", pi, ()))
-            # Colocated (no prefill pool): no KV moves between workers, so nothing to link or test.
-            links = [d.connect.remote(pi) for d in decodes for pi in p_infos]
-            links += [p.connect.remote(di) for p in prefills for di in d_infos]
-            await within(asyncio.gather(*links), 60)
-            for d, di in zip(decodes, d_infos):
-                measured = []
-                # An adopted decode worker serves: the test would write into blocks in use.
-                for pi in p_infos if di.worker_id in fleet.started else ():
-                    gbps = await within(d.link_test.remote(pi.agent_name), 60)
-                    log.info("KV link %s <- %s: %.2f GB/s", di.worker_id, pi.worker_id, gbps)
-                    telemetry.metrics.link_test.labels(di.worker_id, pi.worker_id).set(gbps * 1e9)
-                    measured.append((pi.worker_id, gbps))
-                progress(worker_ready_line("decode", di, measured))
+            await link_pools(prefills, p_infos, decodes, d_infos, fleet.started, telemetry.metrics.link_test, progress)
             mc = ModelConfig.from_dir(model_dir)
             router_id = new_router_id()
             router_cfg = RouterConfig(
