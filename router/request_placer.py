@@ -107,6 +107,8 @@ def _refused(refusal: Refusal | DeadlineRefusal) -> RouterError:
 
 def _overflows(pools: WorkerPools, decode_worker: str, num_tokens: int, cfg: RouterConfig) -> bool:
     """`overflow_to_decode` over the pools' queues, backlogs and the waits they measured, now."""
+    if cfg.placement.max_prefill_queue_tokens <= 0:  # off (the default): nothing to measure a request
+        return False
     prefill, decodes = pools.prefill_policy, pools.decode_policy
     cap, now = cfg.max_inflight_per_prefill, time.monotonic()
     return overflow_to_decode(

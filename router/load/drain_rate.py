@@ -21,12 +21,16 @@ class DrainRate:
         self._busy_s = 0.0  # decayed seconds with a backlog
         self._at: float | None = None
 
+    def _at_time(self, now: float | None) -> tuple[float, float]:
+        """(decayed tokens finished, decayed busy seconds) as of `now` (None: the last event)."""
+        if now is None or self._at is None or now <= self._at:
+            return self._tokens, self._busy_s
+        dt = now - self._at
+        keep = 0.5 ** (dt / self.half_life_s)
+        return self._tokens * keep, self._busy_s * keep + (dt if self.backlog > 0 else 0.0)
+
     def _advance(self, now: float) -> None:
-        if self._at is not None and now > self._at:
-            dt = now - self._at
-            keep = 0.5 ** (dt / self.half_life_s)
-            self._tokens *= keep
-            self._busy_s = self._busy_s * keep + (dt if self.backlog > 0 else 0.0)
+        self._tokens, self._busy_s = self._at_time(now)
         if self._at is None or now > self._at:
             self._at = now
 
@@ -49,10 +53,7 @@ class DrainRate:
         """The measured rate; None until MIN_BUSY_S of backlog and some tokens were seen. With
         `now`, the backlog's time since the last event counts too: a worker that stopped
         finishing prompts slows at once, not at its next event."""
-        busy, tokens = self._busy_s, self._tokens
-        if now is not None and self._at is not None and now > self._at:
-            keep = 0.5 ** ((now - self._at) / self.half_life_s)
-            busy, tokens = busy * keep + (now - self._at if self.backlog > 0 else 0.0), tokens * keep
+        tokens, busy = self._at_time(now)
         if busy < MIN_BUSY_S or tokens <= 0:
             return None
         return tokens / busy
