@@ -38,7 +38,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, default=None, help="where the random model is written (and reused)")
     p.add_argument("--workloads", type=_csv, default=None, help=f"of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--rates", action="append", default=[], metavar="[WORKLOAD=]R1,R2,...", help="Poisson rates")
-    p.add_argument("--duration-s", type=float, default=4.0, help="requests per run: rate x this (default: 4)")
+    p.add_argument(
+        "--duration-s", type=float, default=None,
+        help="seconds of arrivals per run: rate x this requests (default: the profile's, else 4)",
+    )
     p.add_argument("--requests", type=int, default=None, help="a fixed number of requests per run instead")
     p.add_argument("--scale", type=float, default=None, help="multiply the workloads' lengths (cpu default: 0.05)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (default: 1000; cpu 3000)")
@@ -87,9 +90,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def with_profile(args: argparse.Namespace) -> argparse.Namespace:
-    """args with --gpus and --servers taken from --profile where not given (--gpus: 2 without
-    one). ValueError where --gpus contradicts a profile made for another count."""
+    """args with --gpus, --servers and --duration-s taken from --profile where not given (--gpus:
+    2 without one; --duration-s: 4). ValueError where --gpus contradicts a profile made for
+    another count."""
     profile = PROFILES[args.profile] if args.profile else None
+    if args.duration_s is None:
+        args.duration_s = (profile.duration_s if profile else None) or 4.0
     if args.gpus is None:
         args.gpus = (profile.gpus if profile else None) or 2
     if profile and profile.gpus and args.gpus != profile.gpus:

@@ -70,6 +70,9 @@ class Profile:
     also_itl_ms: tuple[float, ...] = ()  # each run also judged by these mean ITL SLOs (same TTFT)
     gpus: int | None = None  # the --gpus it is for (None: either)
     servers: tuple[str, ...] = ()  # the configurations it runs where --servers is not given (): the defaults)
+    # Seconds of arrivals per run (None: --duration-s's default). Past the knee a queue grows for
+    # as long as arrivals last: a short window flatters the server whose queue grows.
+    duration_s: float | None = None
 
 
 PROFILES: dict[str, Profile] = {
@@ -84,8 +87,8 @@ PROFILES: dict[str, Profile] = {
     # A tight inter-token SLO: where prefills sharing a GPU with decodes cost the decodes their
     # ITL, which is what disaggregation removes.
     "interference": Profile(
-        "8b", {"chat": (24, 32, 40), "long-prompt": (12, 16)}, slo_itl_ms=12.0,
-        about="8B shape under a 12 ms mean ITL SLO: prefill-decode interference",
+        "8b", {"chat": (24, 32, 40), "long-prompt": (12, 16)}, slo_itl_ms=12.0, duration_s=8.0,
+        about="8B shape under a 12 ms mean ITL SLO: prefill-decode interference; 8 s of arrivals a run",
     ),
     # One set of 8B servers for both tables (start-ups are most of the time): every rate of
     # either, each run judged by both SLOs; `--report-only --profile knee-8b|interference`

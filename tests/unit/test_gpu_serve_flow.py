@@ -87,6 +87,10 @@ def test_profiles_are_one_flag_each_with_their_rates_and_slos(tmp_path, capsys):
     assert "prefix-sharing" not in err and "/bench-models/llama-8b-random " in err
     assert "vllm.entrypoints.cli.main serve" in err and "--data-parallel-size 2" in err
     assert "over the 540 s budget" in err and "call 1: --servers " in err
+    # 8 s of arrivals a run (24+32+40+12+16 req/s, three servers); a flag given wins
+    assert PROFILES["interference"].duration_s == 8.0 and "15 runs, 2976 requests" in err
+    assert main([*args, "--profile", "interference", "--duration-s", "4"]) == 0
+    assert "15 runs, 1488 requests" in capsys.readouterr().err
     assert main([*args, "--profile", "knee-1b", "--gpus", "4"]) == 0
     err = capsys.readouterr().err
     assert "rates 96, 192, 320 req/s" in err and "llama-1b-random" in err  # 4 GPUs: twice the 2-GPU rates
