@@ -21,7 +21,7 @@ from pdserve.engine.model_loading import eos_token_ids
 from pdserve.engine.overlap_plan import overlappable, plan_following
 from pdserve.engine.parallel.tp_runner import start_runner
 from pdserve.engine.request_table import RequestTable
-from pdserve.engine.runner import DecodeLaunch, MaskPending, SampledToken
+from pdserve.engine.runner import DecodeLaunch, SampledToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from pdserve.engine.sequence import SeqStatus
@@ -240,9 +240,8 @@ class LLMEngine:
         if following is not None:
             self._planned(following.scheduled, following.ahead)
             launch = self.runner.launch_greedy(
-                following.scheduled, following.ahead, current.launch, following.feed, self.eos_token_ids,
-                defer_masks=True,
-            )  # fmt: skip
+                following.scheduled, following.ahead, current.launch, following.feed, self.eos_token_ids
+            )
             self.num_overlapped_steps += 1
         tokens = iter(self.runner.collect(current.launch))
         collected_at, before = time.perf_counter(), self._collected_at
@@ -255,8 +254,6 @@ class LLMEngine:
         live = [item for item in current.scheduled if item.seq.status is SeqStatus.RUNNING]
         sampled = {item.seq.request_id: SampledToken(drawn[id(item.seq)]) for item in live if item.sample}
         outputs = self._finish_step(live, sampled)
-        if isinstance(launch, MaskPending):  # its grammar rows' matchers now have this step's tokens
-            launch = self.runner.finish_launch(launch)
         self._inflight = _InFlight(following.scheduled, launch, chained=True) if launch is not None else None
         return outputs
 

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.engine.grammar_spec import JSON_OBJECT_SCHEMA, StructuredOutput
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,10 @@ class GrammarMasks:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         return self._compiler
 
-    def mask(self, logits: torch.Tensor, items: list[ScheduledSeq], running_only: bool = False) -> bool:
+    def mask(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> bool:
         """Mask `logits` ([len(items), vocab], one row per sampled item) for the rows whose request
-        has structured output; False, and nothing touched, when none has. `running_only`: skip the
-        rows of sequences no longer running (a step launched behind one where they stopped: their
-        draw is dropped, and a finished grammar has no next token)."""
-        rows = [
-            i for i, item in enumerate(items)
-            if item.seq.params.structured_output is not None
-            and (not running_only or item.seq.status is SeqStatus.RUNNING)
-        ]  # fmt: skip
+        has structured output; False, and nothing touched, when none has."""
+        rows = [i for i, item in enumerate(items) if item.seq.params.structured_output is not None]
         live = {id(items[i].seq) for i in rows}
         for key in [k for k in self._states if k not in live]:
             del self._states[key]  # a request that left the batch: rebuilt from its tokens if it comes back

@@ -1,6 +1,6 @@
 """Overlapped steps' plan: which steps may be launched before the previous one's tokens are read
 back, and the step after a launched one. A step qualifies when every row that samples takes a
-greedy argmax (logit bias, min_tokens, penalties and grammars included; no logprobs) and no row scores its prompt;
+greedy argmax (logit bias, min_tokens and penalties included; no logprobs, no grammar) and no row scores its prompt;
 rows that only advance a prompt chunk may be beside them. The step after is planned blind, as
 `Scheduler.schedule` would plan it: each running sequence one position past what is in flight (a
 sampled row fed the token still on the device), sequences sure to stop left out, imported and
@@ -31,7 +31,7 @@ def _launchable(seq: Sequence, sample: bool) -> bool:
     """Whether a row of `seq` (that samples, or not) may be in a step launched blind (see the
     module's docstring)."""
     p = seq.params
-    return p.prompt_logprobs is None and (not sample or (p.greedy and not p.logprobs))
+    return p.prompt_logprobs is None and (not sample or (p.greedy and not p.logprobs and p.structured_output is None))
 
 
 def overlappable(scheduled: list[ScheduledSeq]) -> bool:

@@ -52,16 +52,6 @@ class DecodeLaunch:
     done: torch.cuda.Event | None  # recorded after that copy (None on CPU: already done)
 
 
-@dataclass(frozen=True)
-class MaskPending:
-    """A greedy step whose forward is launched but whose grammar rows wait for their masks: their
-    matchers need the tokens of the step before it, read back after this one was launched.
-    `ModelRunner.finish_launch` masks, takes the argmax and makes the `DecodeLaunch`."""
-
-    logits: torch.Tensor
-    sampled: list[ScheduledSeq]
-
-
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled host tensor in anonymous mapped memory, which reads as zeros and takes
     physical pages only where written: a KV pool sized for many long sequences then costs the
@@ -173,8 +163,7 @@ class ModelRunner:
         previous: DecodeLaunch | None = None,
         feed: list[tuple[int, int]] | tuple = (),
         eos_token_ids: Collection[int] = (),
-        defer_masks: bool = False,
-    ) -> DecodeLaunch | MaskPending:
+    ) -> DecodeLaunch:
         """Start a step whose sampling rows all take the argmax, and return without waiting for
         it: decode rows, prompt chunks, or both. The host never waits between two such steps, so
         it does the bookkeeping of one while the device runs the next.
@@ -183,31 +172,11 @@ class ModelRunner:
         computed tokens, and each (row, k) of `feed` takes as its input token the k-th draw of
         `previous`, on the device. Rows with logit bias, min_tokens or penalties are processed
         first, a fed row's draw counting as its last output token (`eos_token_ids`: what
-        min_tokens holds back). Grammar rows are masked after the forward is queued, the host
-        filling the masks while the device runs it; with `defer_masks` (behind `previous`, whose
-        tokens their matchers still lack) a `MaskPending` comes back for `finish_launch`."""
+        min_tokens holds back)."""
         sampled, logits, argmax = self._forward(scheduled, ahead, previous, feed)
         if logits is not None and any(item.seq.params.processes_logits for item in sampled):
             logits = self._process(scheduled, sampled, logits, previous, feed, tuple(eos_token_ids))
             argmax = None
-        if logits is not None and any(item.seq.params.structured_output is not None for item in sampled):
-            if defer_masks:
-                return MaskPending(logits, sampled)
-            self.grammar.mask(logits, sampled)  # type: ignore[union-attr]
-            argmax = None
-        return self._greedy_launch(logits, argmax)
-
-    @torch.inference_mode()
-    def finish_launch(self, pending: MaskPending) -> DecodeLaunch:
-        """Mask a launched step's grammar rows (their sequences' tokens now read back and
-        recorded; rows of sequences that stopped meanwhile are left, their draw is dropped), then
-        take its argmax as `launch_greedy` does."""
-        self.grammar.mask(pending.logits, pending.sampled, running_only=True)  # type: ignore[union-attr]
-        return self._greedy_launch(pending.logits, None)
-
-    def _greedy_launch(self, logits: torch.Tensor | None, argmax: torch.Tensor | None) -> DecodeLaunch:
-        """The step's greedy tokens (the decode graph's argmax where it still stands), copied
-        to a host mirror behind the step."""
         if argmax is not None:
             tokens = argmax
         elif logits is not None:

@@ -112,37 +112,11 @@ def test_bad_specs_are_refused_naming_the_field(llm: LLM):
         SamplingParams(min_tokens=2, structured_output=StructuredOutput(json_object=True))
 
 
-def test_greedy_grammar_rows_may_be_launched_ahead_and_sampled_ones_not():
+def test_grammar_rows_never_take_the_blind_overlapped_path():
     plain = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), 0)
-    regex = StructuredOutput(regex="x+")
-    greedy = Sequence("b", [1, 2, 3], SamplingParams(temperature=0.0, structured_output=regex), 1)
-    sampled = Sequence("c", [1, 2, 3], SamplingParams(temperature=1.0, structured_output=regex), 2)
-    assert overlappable([ScheduledSeq(plain, 1, True), ScheduledSeq(greedy, 1, True)])
-    assert not overlappable([ScheduledSeq(plain, 1, True), ScheduledSeq(sampled, 1, True)])
-
-
-def test_overlapped_greedy_grammar_steps_give_the_tokens_of_steps_run_one_at_a_time(llm: LLM):
-    """A grammar row launched behind the step before it is masked once that step's tokens are
-    read back: the tokens equal the unoverlapped engine's, rows that end while the next step is
-    in flight are dropped cleanly, and the steps were in fact launched ahead."""
-    overlapped = LLM(device="cpu", dtype="float32", num_kv_blocks=512, overlap_decode=True)
-    specs = [
-        StructuredOutput(choice=("yes", "no", "it depends")),
-        StructuredOutput(regex="[0-9]{3}-[a-z]{2,4}"),
-        StructuredOutput(json_schema=json.dumps(SCHEMA)),
-        None,  # a plain row beside them, running on after the grammars end
-    ]
-    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_output=so) for so in specs]
-    prompts = _prompts(llm, len(specs))
-    want = llm.generate(prompts, params)
-    got = overlapped.generate(prompts, params)
-    assert overlapped.engine.num_overlapped_steps >= 20
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert got[0].text in ("yes", "no", "it depends") and got[0].finish_reason == "stop"
-    assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", got[1].text)
-    jsonschema.validate(json.loads(got[2].text), SCHEMA)
-    assert got[3].finish_reason == "length" and len(got[3].token_ids) == 40
-    assert overlapped.engine.block_stats().in_use == 0
+    guided = Sequence("b", [1, 2, 3], SamplingParams(temperature=0.0, structured_output=StructuredOutput(regex="x+")), 1)
+    assert overlappable([ScheduledSeq(plain, 1, True)])
+    assert not overlappable([ScheduledSeq(plain, 1, True), ScheduledSeq(guided, 1, True)])
 
 
 def test_prepare_compiles_a_grammar_on_the_callers_thread_and_admission_finds_it(llm: LLM):
