@@ -104,7 +104,6 @@ def _refused(refusal: Refusal | DeadlineRefusal) -> RouterError:
     return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, retry_after_ms=refusal.retry_after_ms)
 
 
-
 def _overflows(pools: WorkerPools, decode_worker: str, num_tokens: int, cfg: RouterConfig) -> bool:
     """`overflow_to_decode` over the pools' queues, backlogs and the waits they measured, now."""
     if cfg.placement.max_prefill_queue_tokens <= 0:  # off (the default): nothing to measure a request
