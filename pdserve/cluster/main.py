@@ -12,11 +12,12 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from pdserve.cluster.listeners import check_required_key, exposure_warning, listener_lines
 from pdserve.cluster.local_ray import LocalRaySettings, RayStarter
 from pdserve.cluster.ray_address import answers, resolve_address, wait_until_answers
-from pdserve.cluster.listeners import check_required_key, exposure_warning, listener_lines
+from pdserve.cluster.ray_init import LOCAL_RAY_SYSTEM_CONFIG
 from pdserve.cluster.router_replicas import RouterReplicas
-from pdserve.cluster.serve import LOCAL_RAY_SYSTEM_CONFIG, Cluster
+from pdserve.cluster.serve import Cluster
 from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
 from pdserve.cluster.status import NAMESPACE
 from pdserve.control.perf_model import load_perf_model

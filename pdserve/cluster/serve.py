@@ -18,7 +18,7 @@ import grpc
 import ray
 from aiohttp import web
 
-from pdserve.cluster.actors import NAMESPACE, RayWorker, actor_options, remote_class
+from pdserve.cluster.actors import RayWorker, actor_options, remote_class
 from pdserve.cluster.admin_control import ClusterControl, build_control_loop
 from pdserve.cluster.adoption import agent_infos, bring_up
 from pdserve.cluster.listeners import kv_net_devices
@@ -36,6 +36,7 @@ from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.pool_links import link_pools
 from pdserve.cluster.pool_reconciler import PoolReconciler
 from pdserve.cluster.ports import PortInUseError, check_ports
+from pdserve.cluster.ray_init import init_ray
 from pdserve.cluster.role_flip import FlipConfig, RoleFlipper
 from pdserve.cluster.scaler import WorkerScaler
 from pdserve.cluster.serve_config import ServeConfig
@@ -123,7 +124,7 @@ class Cluster:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             progress(f"joining Ray at {cfg.ray_address}" if cfg.ray_address else "starting Ray")
-            (start_ray or partial(_init_ray, cfg.ray_address, worker_logs))()
+            (start_ray or partial(init_ray, cfg.ray_address, worker_logs))()
         nodes = cluster_nodes()
         if cfg.ray_address:
             device = cluster_device(cfg.device, nodes)
@@ -382,42 +383,3 @@ def _actor_options(cfg: ServeConfig, role: str, worker_id: str, nodes: list[Node
 def _worker_config(cfg: ServeConfig, device: str) -> ServeConfig:
     """What a worker is sent: no API keys or certificate paths, which only the router's listeners use."""
     return replace(cfg, device=device, api_keys=ApiKeys(), tls=None)
-
-
-# Ray starts its worker processes at nice 15, below the router, the raylet and anything else on
-# the host: on a CPU host where the workers' engines are the serving work, every core they
-# share with a nice-0 process (the router relaying their tokens, a client) is nearly all that
-# process's. A local cluster's workers run at the router's priority.
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
-
-
-def _init_ray(address: str | None, worker_logs: bool) -> None:
-    if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=worker_logs, logging_level=logging.WARNING)
-        return
-    # A local cluster stays on loopback only if Ray was imported with this variable set (`pdserve
-    # serve` sets it first); otherwise Ray's listeners take the host's address, which is said.
-    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
-        log.warning(
-            "Ray's listeners of this local cluster bind the host's address: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
-            "before Ray is imported to keep them on loopback (docs/security.md)"
-        )
-    # Ray turns token authentication on for a new local cluster and logs a warning that it did.
-    # The cluster stays authenticated; only the warning is kept off pdserve's start-up. (Setting
-    # RAY_AUTH_MODE here instead would come too late: Ray reads it when it is imported.)
-    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    level = auth_log.level
-    auth_log.setLevel(logging.ERROR)
-    try:
-        ray.init(
-            address="local",  # a new instance, never one that RAY_ADDRESS or Ray's state files name
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            configure_logging=True,
-            log_to_driver=worker_logs,
-            _node_ip_address="127.0.0.1",
-            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-        )
-    finally:
-        auth_log.setLevel(level)

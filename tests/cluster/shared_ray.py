@@ -1,7 +1,7 @@
 """One local Ray instance for the test modules that start Ray clusters in this process
 (`Cluster.start`), instead of one per module: starting a local Ray instance and shutting it down
 cost about 6 s on the 2-core CI host, and every such module started the same one (`pdserve
-serve`'s local Ray: `pdserve.cluster.serve._init_ray`, loopback only).
+serve`'s local Ray: `pdserve.cluster.ray_init.init_ray`, loopback only).
 
 A module asks for it with the conftest's `ray_instance` fixture (the shared clusters' `cluster`
 and `two_prefill_cluster` fixtures do). Those modules run one after another (`group_shared_modules`
@@ -33,11 +33,11 @@ class SharedRay:
         """Start the instance as `pdserve serve` starts its own, unless it runs."""
         import ray
 
-        from pdserve.cluster.serve import _init_ray
+        from pdserve.cluster.ray_init import init_ray
 
         if not self._started:
             assert not ray.is_initialized(), "Ray already runs in this process: a module left it running"
-            _init_ray(None, worker_logs=True)
+            init_ray(None, worker_logs=True)
             self._started = True
 
     def close(self) -> None:
