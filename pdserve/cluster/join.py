@@ -23,12 +23,12 @@ import grpc
 import ray
 from aiohttp import web
 
-from pdserve.cluster.actors import RayWorker
+from pdserve.cluster.actors import NAMESPACE, RayWorker
 from pdserve.cluster.adoption import version_skew
 from pdserve.cluster.observability import RouterTelemetry
 from pdserve.cluster.ports import check_ports
 from pdserve.cluster.ray_address import resolve_address, wait_until_answers
-from pdserve.cluster.serve import NAMESPACE, start_edge
+from pdserve.cluster.serve import start_edge
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.cluster.startup_lines import Progress, quiet
 from pdserve.cluster.worker_client import WorkerClient, new_router_id
