@@ -146,7 +146,10 @@ class DecodeWorker(WorkerBase):
                 )
             self.loop.check()
             out = self._outboxes.take(router_id, acked)
-        return worker_pb2.TokenUpdates(updates=out)
+        answer = worker_pb2.TokenUpdates(updates=out)
+        if (rate := self.engine.prompt_tokens_per_s) is not None:  # a float, written whole by the loop
+            answer.prompt_tokens_per_s = rate
+        return answer
 
     @property
     def router_lease_expiries(self) -> int:

@@ -288,10 +288,12 @@ class TokenUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., seq: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_inference_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_inference_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class TokenUpdates(_message.Message):
-    __slots__ = ("updates",)
+    __slots__ = ("updates", "prompt_tokens_per_s")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[TokenUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ...) -> None: ...
+    prompt_tokens_per_s: float
+    def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., prompt_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
     __slots__ = ("seq", "stored", "removed", "full", "num_available", "num_blocks")

@@ -74,7 +74,10 @@ class Router:
         self.load = LoadSignals(self.pools, config.block_size)  # what the P:D controller reads
         watch_pool_sizes(self.metrics, self.pools)
         self.gate = DeadlineGate(self.pools, config.block_size, self.load.prefill_times)  # deadline admission
-        self.relay = TokenRelay(config, self.pools.decode_members.report_failure, self.gate.delivered)
+        self.relay = TokenRelay(
+            config, self.pools.decode_members.report_failure, self.gate.delivered,
+            self.pools.decode_policy.report_prompt_rate,
+        )  # fmt: skip
         self._background = Background()
         self.calls = WorkerCalls(config, self.tracer, self.metrics, self.load.prefill_times)
         self.failover = Failover(config, self.pools, self.metrics, self._background, self.calls)

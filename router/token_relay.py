@@ -26,11 +26,14 @@ class TokenRelay:
         config: RouterConfig,
         report_failure: Callable[[str, str], None],
         on_delivered: Callable[[str, float, Sequence[tuple[str, int, bool]]], None] | None = None,
+        on_prompt_rate: Callable[[str, float | None], None] | None = None,
     ) -> None:
         self.config = config
         self._report_failure = report_failure  # (worker, why): takes it out of placement
         # (worker, monotonic time, (request id, tokens, finished) per update): what deadline admission measures
         self._on_delivered = on_delivered
+        # (worker, prompt tokens/s its step-time target leaves it, or None): what overflow weighs
+        self._on_prompt_rate = on_prompt_rate
         self.streams: dict[str, Stream] = {}  # by request id
         self._polls: dict[str, asyncio.Task] = {}  # by decode worker
 
@@ -74,6 +77,9 @@ class TokenRelay:
                     self.lose_streams(decode.worker_id, f"decode worker {decode.worker_id} stopped answering ({exc})")
                 await asyncio.sleep(min(0.05 * failures, 1.0))
                 continue
+            if self._on_prompt_rate is not None:
+                rate = updates.prompt_tokens_per_s if updates.HasField("prompt_tokens_per_s") else None
+                self._on_prompt_rate(decode.worker_id, rate)
             delivered = []
             for u in updates.updates:
                 if u.seq:

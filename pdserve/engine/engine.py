@@ -64,6 +64,10 @@ class LLMEngine:
         self.scheduler = Scheduler(limits, self.blocks, self.eos_token_ids)
         if cfg.itl_target_ms is not None:
             self.scheduler.slack = StepSlack(cfg.itl_target_ms / 1e3)
+        # Prompt tokens a second the steps could carry beside the batch of the last one, within
+        # the target (`StepSlack.prompt_tokens_per_s`), for a decode worker's router; written by
+        # the stepping thread only. None: no target, nothing measured, or no decode rows.
+        self.prompt_tokens_per_s: float | None = None
         self._collected_at: float | None = None  # when the last overlapped step's tokens came back
         self.requests = RequestTable(self.tokenizer, mc.vocab_size, self.max_model_len, self.blocks)
         # Overlapped decode: step n+1 is launched before step n's tokens are read back (see step).
@@ -233,6 +237,8 @@ class LLMEngine:
         slack = self.scheduler.slack
         if slack is not None:
             slack.observe(self.last_step_decodes, self.last_step_prompt_tokens, seconds)
+            cap = self.scheduler.limits.max_prefill_tokens_with_decodes
+            self.prompt_tokens_per_s = slack.prompt_tokens_per_s(self.last_step_decodes, cap)
 
     def _step_overlapped(self, current: _InFlight) -> list[RequestOutput]:
         following = plan_following(self.scheduler, current.scheduled, self.max_model_len)

@@ -95,3 +95,22 @@ class StepSlack:
         if tokens < MIN_PROMPT_TOKENS:
             return MIN_PROMPT_TOKENS if self._since_prompt >= STARVE_STEPS else 0
         return tokens
+
+    def prompt_tokens_per_s(self, decodes: int, cap: int | None = None) -> float | None:
+        """Prompt tokens a second this engine works off beside `decodes` decode rows while its
+        steps keep to the target (`cap`: at most that many a step), what a router weighs before
+        it sends a prompt here; None until the decode step at this batch is measured.
+
+        As `room` plans them: each step at the target carries (target - base) / per_token
+        tokens (PROBE_TOKENS while the token cost is not known); over the target only the
+        starving prompt's MIN_PROMPT_TOKENS move, once every STARVE_STEPS + 1 steps."""
+        base = self._decode_s.get(batch_bucket(decodes))
+        if decodes <= 0 or base is None:
+            return None
+        if base >= self.target_s:
+            return MIN_PROMPT_TOKENS / ((STARVE_STEPS + 1) * base)
+        per = self._token_s or 0.0
+        tokens = (self.target_s - base) / per if per else float(PROBE_TOKENS)
+        if cap is not None:
+            tokens = min(tokens, float(max(cap, 0)))
+        return tokens / (base + tokens * per)

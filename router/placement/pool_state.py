@@ -282,6 +282,9 @@ class DecodePolicy(_Pool):
         # token, and the rate it has worked them off.
         self.overflow_backlog: dict[str, float] = {}
         self.overflow_drains: dict[str, DrainRate] = {}
+        # Per worker: the prompt tokens a second it says it can take beside its decode batch
+        # within its step-time target (`--itl-target-ms`), with its latest tokens.
+        self.prompt_rates: dict[str, float] = {}
         super().__init__(cfg, workers, block_size)
         self.placement = DecodePlacement(cfg, self)
 
@@ -289,6 +292,15 @@ class DecodePolicy(_Pool):
         super()._leave(worker)
         self.overflow_backlog.pop(worker, None)
         self.overflow_drains.pop(worker, None)
+        self.prompt_rates.pop(worker, None)
+
+    def report_prompt_rate(self, worker: str, tokens_per_s: float | None) -> None:
+        """What `worker` said with its tokens: the prompt rate its step-time target leaves it
+        at its batch now (None: no target, or not measured yet)."""
+        if tokens_per_s is None or worker not in self.inflight:
+            self.prompt_rates.pop(worker, None)
+        elif tokens_per_s >= 0:
+            self.prompt_rates[worker] = tokens_per_s
 
     def add_overflow(self, worker: str, tokens: float, now: float) -> None:
         """An overflowed prompt of `tokens` tokens was placed on `worker`."""
@@ -305,9 +317,17 @@ class DecodePolicy(_Pool):
 
     def overflow_wait_s(self, worker: str, num_tokens: float, now: float) -> float | None:
         """How long a new overflowed prompt of `num_tokens` would take to its first token on
-        `worker`, at the rate it worked off those before (None: none measured yet)."""
+        `worker`: its overflow backlog and the prompt at the lower of the rate it worked those
+        off before and the rate its step-time target leaves it at its batch now (None: neither
+        known). The measured rate lags a growing batch by its half-life; the reported one does
+        not, so a worker whose decode steps already fill the target is not sent prompts that
+        would wait there for seconds, or that it could only take by slowing every stream."""
         drain = self.overflow_drains.get(worker)
-        return None if drain is None else drain.wait_s(num_tokens, now)
+        rates = [r for r in (drain and drain.tokens_per_s(now), self.prompt_rates.get(worker)) if r is not None]
+        if not rates:
+            return None
+        backlog = drain.backlog if drain is not None else 0.0
+        return (backlog + num_tokens) / max(min(rates), 1e-9)
 
     def place(self, block_hashes: Sequence[int], num_tokens: int, capacity: int = 1 << 30) -> Placement | None:
         open_ = self._open(capacity)

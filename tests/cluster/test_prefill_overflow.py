@@ -54,3 +54,9 @@ def test_prompts_arriving_while_the_prefill_worker_is_busy_overflow_with_the_off
     wait_until(blocks_free(c.channel), 15, "every KV block to be freed")
     slack = c.decode.engine.scheduler.slack
     assert slack is not None and slack.credit_s > 0  # the worker's loop fed it its steps' times
+    # With its tokens the decode worker tells its router the prompt rate its target leaves it
+    # (steps far under 60 s: at most CAP tokens a step, at the measured cost of a step).
+    rate = c.decode.engine.prompt_tokens_per_s
+    assert rate is not None and rate > 0
+    rates = c.router.decode_policy.prompt_rates
+    wait_until(lambda: rates.get(c.decode.worker_id) == rate, 10, "the router to hear the decode worker's prompt rate")

@@ -45,6 +45,7 @@ class FakeDecode:
         self.emitting = asyncio.Event()
         self.emitting.set()
         self.trace_contexts: list[dict | None] = []
+        self.prompt_rate: float | None = None  # told with each poll's answer when set
 
     async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.DecodeSubmit:
         ids, rid = list(request.prompt_token_ids), request.request_id
@@ -71,6 +72,8 @@ class FakeDecode:
     async def poll(self, wait_s, timeout_s, acked=None) -> worker_pb2.TokenUpdates:
         await asyncio.sleep(0.005)
         out = worker_pb2.TokenUpdates()
+        if self.prompt_rate is not None:
+            out.prompt_tokens_per_s = self.prompt_rate
         if not self.emitting.is_set():
             return out
         for rid in list(self.live):

@@ -91,3 +91,32 @@ def test_the_pools_measure_what_their_prompts_took():
     decode.end_overflow(d.worker, 700, now=None)  # it left: not work
     assert decode.overflow_backlog["d0"] == 0
     assert decode.overflow_wait_s("d0", 500, now=3.0) == pytest.approx(0.5, rel=0.01)
+
+
+def test_a_decode_worker_whose_steps_fill_its_target_is_not_sent_prompts_to_wait_there():
+    cfg = PlacementConfig()
+    decode = DecodePolicy(cfg, ["d0", "d1"], block_size=16)
+    # Told before any overflow was measured: the wait is the prompt at the told rate.
+    decode.report_prompt_rate("d0", 2000.0)
+    assert decode.overflow_wait_s("d0", 1000, now=0.0) == pytest.approx(0.5)
+    assert decode.overflow_wait_s("d1", 1000, now=0.0) is None  # d1 told nothing
+    # A measured rate (1,000 tokens in 0.1 s) above the told one: the told one holds.
+    d = decode.place_on("d0", [], 1000)
+    decode.add_overflow(d.worker, 1000, now=1.0)
+    decode.end_overflow(d.worker, 1000, now=1.1)
+    assert decode.overflow_wait_s("d0", 1000, now=1.1) == pytest.approx(0.5, rel=0.01)
+    # Its batch grew: its steps now fill the target, and a prompt would only trickle in there.
+    decode.report_prompt_rate("d0", 200.0)
+    wait = decode.overflow_wait_s("d0", 1000, now=1.2)
+    assert wait == pytest.approx(5.0, rel=0.01)
+    # Against a prefill worker that would take 1.5 s, the prompt is not overflowed...
+    assert not overflow_to_decode(9000, 0, 4096, prefill_wait_s=1.5, decode_wait_s=wait)
+    # ...where the measured rate alone (10,000 tokens/s, lagging the batch) would have sent it.
+    decode.report_prompt_rate("d0", None)  # the target is gone (or the worker restarted): no limit told
+    assert decode.overflow_wait_s("d0", 1000, now=1.2) == pytest.approx(0.1, rel=0.05)
+    assert overflow_to_decode(9000, 0, 4096, prefill_wait_s=1.5, decode_wait_s=0.1)
+    # A worker that leaves takes what it told along; one not in the pool is not recorded.
+    decode.report_prompt_rate("d1", 500.0)
+    decode.remove_worker("d1")
+    decode.report_prompt_rate("d1", 500.0)
+    assert "d1" not in decode.prompt_rates

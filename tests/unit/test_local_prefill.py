@@ -303,3 +303,26 @@ def test_prompts_overflow_to_the_decode_worker_while_the_prefill_queue_is_over_i
             await router.stop()
 
     asyncio.run(go())
+
+
+def test_the_prompt_rate_a_decode_worker_tells_with_its_tokens_reaches_overflow():
+    """What a decode worker says with each poll's answer (the prompt tokens a second its
+    step-time target leaves it) is what the router's overflow rule weighs for that worker, and
+    a worker that stops saying it (no target) is weighed by its measured rate alone again."""
+
+    async def go() -> None:
+        decode = FakeDecode()
+        router = make_router([FakePrefill()], [decode], queue_tokens=4 * BS)
+        await router.start()
+        rates = router.decode_policy.prompt_rates
+        try:
+            decode.prompt_rate = 321.0
+            await wait_until(lambda: rates == {"decode-0": 321.0})
+            assert router.decode_policy.overflow_wait_s("decode-0", 642, time.monotonic()) == 2.0
+            decode.prompt_rate = None
+            await wait_until(lambda: rates == {})
+            assert router.decode_policy.overflow_wait_s("decode-0", 642, time.monotonic()) is None
+        finally:
+            await router.stop()
+
+    asyncio.run(go())

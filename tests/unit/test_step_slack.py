@@ -131,9 +131,44 @@ def test_fed_back_the_mean_step_settles_at_the_target(fixed):
     assert mean <= target * 1.02 and mean >= target * 0.85, mean
     # the prompt work done: about the slack's worth (4 ms a step, less each chunk's fixed cost)
     assert tokens > 400 * (target - base - fixed) / per * 0.5
+    if fixed == 0.0:  # the rate a router is told is the rate the steps carried
+        assert tokens / sum(times) == pytest.approx(slack.prompt_tokens_per_s(32), rel=0.1)
 
 
 @pytest.mark.parametrize("target, smoothing", [(0.0, 0.2), (-1.0, 0.2), (0.01, 0.0), (0.01, 1.5)])
 def test_bad_settings_are_refused(target, smoothing):
     with pytest.raises(ValueError):
         StepSlack(target, smoothing)
+
+
+def test_the_prompt_rate_beside_decodes_is_what_steps_at_the_target_carry():
+    slack = StepSlack(0.010, smoothing=1.0)
+    assert slack.prompt_tokens_per_s(24) is None  # nothing measured
+    slack.observe(24, 0, 0.006)
+    # The token cost is not known yet: a probe's worth a step, as `room` plans them then.
+    assert slack.prompt_tokens_per_s(24) == pytest.approx(PROBE_TOKENS / 0.006)
+    slack.observe(24, 0, 0.010)  # back at the target (smoothing 1: the base is 10 ms now)
+    slack.observe(24, 0, 0.006)
+    slack.observe(24, 100, 0.008)  # 20 us a prompt token beside a 6 ms decode step
+    # 4 ms of slack a 10 ms step: 200 tokens every 10 ms
+    assert slack.prompt_tokens_per_s(24) == pytest.approx(20_000)
+    # a cap of 50 tokens a step: 50 tokens every 7 ms
+    assert slack.prompt_tokens_per_s(24, cap=50) == pytest.approx(50 / 0.007)
+    assert slack.prompt_tokens_per_s(40) is None  # another batch bucket
+    assert slack.prompt_tokens_per_s(0) is None  # no decodes: not this rule's question
+
+
+def test_over_the_target_the_prompt_rate_is_the_starving_trickle():
+    slack = StepSlack(0.005, smoothing=1.0)
+    slack.observe(64, 0, 0.009)
+    slack.observe(64, 50, 0.010)
+    rate = slack.prompt_tokens_per_s(64)
+    assert rate == pytest.approx(MIN_PROMPT_TOKENS / ((STARVE_STEPS + 1) * 0.009))
+    # fed back, the steps carry no more than that: the rule a router reads agrees with `room`
+    moved, elapsed = 0, 0.0
+    for _ in range(90):
+        chunk = slack.room(64)
+        took = 0.009 + 20e-6 * chunk
+        slack.observe(64, chunk, took)
+        moved, elapsed = moved + chunk, elapsed + took
+    assert moved / elapsed == pytest.approx(rate, rel=0.15)
