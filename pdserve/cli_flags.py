@@ -258,3 +258,9 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
         help="with --controller: the shortest decision interval; above it the interval follows the measured flip "
         f"time (default: {interval:g})",
     )
+    p.add_argument(
+        "--controller-colocated", action="store_true",
+        help="with --controller: no prefill worker is a split it may choose, so it flips the last prefill worker "
+        "to decode (every decode worker then prefills its own prompts: colocated) where the load favours that, and "
+        "back where a split does (default: at least one prefill worker)",
+    )

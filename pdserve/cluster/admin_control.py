@@ -54,6 +54,7 @@ def build_control_loop(
     model = PoolWidths(WidthModels(base), prefill=w.get("prefill", 1), decode=w.get("decode", 1)).pair()
     cfg = ControllerConfig(
         workers=workers, slo=settings.slo, min_interval_s=settings.min_interval_s,
+        min_prefill=0 if settings.colocated else 1,
         max_workers=settings.max_workers if scaler is not None else None,
         prefill_width=w.get("prefill", 1), decode_width=w.get("decode", 1),
     )  # fmt: skip

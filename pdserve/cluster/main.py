@@ -125,6 +125,7 @@ def controller_from_args(args: argparse.Namespace) -> ControllerSettings | None:
         perf_model=args.perf_model,
         min_interval_s=args.controller_interval_s,
         max_workers=args.max_workers,
+        colocated=args.controller_colocated,
     )
 
 

@@ -28,6 +28,8 @@ class ControllerSettings:
     # --max-workers: it may also add worker actors where Ray has room, up to this many in all, and
     # remove them again down to the workers started (None: those started, a fixed budget).
     max_workers: int | None = None
+    # --controller-colocated: no prefill worker is a split it may choose (colocated), and back.
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if self.min_interval_s <= 0:
@@ -137,8 +139,11 @@ class ServeConfig:
             raise ValueError(f"http_port: {self.http_port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a TCP port")
-        if self.controller is not None and self.num_prefill < 1:
-            raise ValueError("controller: needs a prefill pool to balance against the decode pool (--prefill >= 1)")
+        if self.controller is not None and self.num_prefill < 1 and not self.controller.colocated:
+            raise ValueError(
+                "controller: needs a prefill pool to balance against the decode pool (--prefill >= 1), unless it may "
+                "serve colocated (--controller-colocated)"
+            )
         if self.keep_workers and self.ray_address is None:
             raise ValueError(
                 "--keep-workers: only with --address; the workers of the Ray instance this command starts stop with it"

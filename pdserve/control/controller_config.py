@@ -13,6 +13,8 @@ from pdserve.control.widths import flip_refusal
 class ControllerConfig:
     workers: int  # the budget: prefill + decode
     slo: Slo = field(default_factory=Slo)
+    # 0: no prefill worker is a split the controller may choose, weighed as colocated (the decode
+    # workers prefill every prompt beside their decodes: `load.colocated_load`).
     min_prefill: int = 1
     min_decode: int = 1
     headroom: float = 0.85  # plan to this share of each SLO, for the p90 and the noise

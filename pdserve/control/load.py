@@ -49,3 +49,28 @@ def decode_load(s: Signals, m: PerfModel, slo: Slo, n: int, headroom: float, mea
     b = decode_batch_limit(m, slo, ctx, headroom)
     tokens_s = b / m.step_s(b, b * ctx)
     return max(s.decode_seqs / (n * b), s.arriving_output_tokens_s / (n * tokens_s))
+
+
+def colocated_load(s: Signals, m: PerfModel, slo: Slo, n: int, headroom: float, backlog_s: float) -> float:
+    """The load of n colocated workers. A worker spends `u` of each second on prompt chunks (its
+    share of the arriving uncached tokens at the prefill model's rate) and the rest stepping its
+    decodes, each step at least the decode step `D` of its batch: its mean inter-token time is
+    `D / (1 - u)`, within `itl` (headroom x the SLO) while `u + D / itl <= 1`. The load is the
+    larger of that, the prompts' queueing (M/D/1 as `load.prefill_load`, a prompt's service its
+    prefill plus one decode step) and the KV the decodes hold."""
+    if n <= 0:
+        return float("inf")
+    tokens_s = s.arriving_prompt_tokens_s + s.queued_prefill_tokens / backlog_s
+    per_req = s.arriving_prompt_tokens_s / s.arriving_requests_s if s.arriving_requests_s > 0 else 512.0
+    u = tokens_s / n / (per_req / m.prefill_s(per_req)) if tokens_s > 0 else 0.0
+    b = s.decode_seqs / n
+    ctx = s.decode_context_tokens / n
+    step = m.served_step_s(b, ctx) if b > 0 else 0.0
+    itl = slo.itl_ms / 1000 * headroom
+    by_itl = u + step / itl
+    service = m.prefill_s(per_req) + step
+    target = slo.ttft_ms / 1000 * headroom
+    rho_max = max(0.05, (target - service) / (target - service / 2)) if target > service else 0.05
+    by_ttft = u / rho_max
+    by_kv = ctx / (m.kv_tokens * headroom)
+    return max(by_itl, by_ttft, by_kv)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.control.controller_config import ControllerConfig
-from pdserve.control.load import decode_load, prefill_load
+from pdserve.control.load import colocated_load, decode_load, prefill_load
 from pdserve.control.perf_model import PerfModel
 from pdserve.control.signals import Role, Signals
 
@@ -29,10 +29,15 @@ class SplitLoads:
         self.cfg = cfg
 
     def loads(self, s: Signals, m: PerfModel, prefill: int, decode: int) -> Loads:
+        """Each pool's predicted load at this split. With `min_prefill` 0, no prefill worker is
+        the colocated split: the decode workers prefill every prompt beside their decodes, and
+        the decode pool carries `colocated_load`."""
         c = self.cfg
+        if prefill == 0 and c.min_prefill == 0:
+            return Loads(0.0, colocated_load(s, m, c.slo, decode, c.headroom, c.backlog_s))
         mean_out = s.arriving_output_tokens_s / s.arriving_requests_s if s.arriving_requests_s > 0 else 0.0
         return Loads(
-            prefill_load(s, m, c.slo, prefill, c.headroom, c.backlog_s) if prefill or c.min_prefill else 0.0,
+            prefill_load(s, m, c.slo, prefill, c.headroom, c.backlog_s),
             decode_load(s, m, c.slo, decode, c.headroom, mean_out),
         )
 
@@ -40,13 +45,11 @@ class SplitLoads:
         """Where the SLO is measurably missed the prediction was low: read the pool at least as
         loaded as the miss says (measured p90 / SLO), so a wrong model cannot hide a miss."""
         slo = self.cfg.slo
-        p = (
-            max(now.prefill, s.ttft_p90_ms / slo.ttft_ms)
-            if s.ttft_p90_ms and s.ttft_p90_ms > slo.ttft_ms
-            else now.prefill
-        )
+        missed_ttft = s.ttft_p90_ms / slo.ttft_ms if s.ttft_p90_ms and s.ttft_p90_ms > slo.ttft_ms else 0.0
         d = max(now.decode, s.itl_p90_ms / slo.itl_ms) if s.itl_p90_ms and s.itl_p90_ms > slo.itl_ms else now.decode
-        return Loads(p, d)
+        if s.prefill_workers == 0 and self.cfg.min_prefill == 0:
+            return Loads(now.prefill, max(d, missed_ttft))  # colocated: the decode workers prefill
+        return Loads(max(now.prefill, missed_ttft), d)
 
     def target(self, s: Signals, m: PerfModel) -> tuple[int, int]:
         """The split minimising the larger predicted load; ties go to the split nearest now."""

@@ -134,6 +134,9 @@ def test_controller_flags_parse_into_the_serve_config():
     )
     with pytest.raises(ValueError, match="^controller: needs a prefill pool"):
         config_from_args(_serve_args("--controller", "--prefill", "0"))
+    # Allowed to serve colocated, it may start colocated too (and add a prefill pool by a flip).
+    colocated = config_from_args(_serve_args("--controller", "--controller-colocated", "--prefill", "0"))
+    assert colocated.controller == ControllerSettings(colocated=True) and colocated.num_prefill == 0
 
 
 def test_a_wrong_perf_model_or_slo_fails_before_anything_starts():

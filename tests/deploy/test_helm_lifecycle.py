@@ -145,6 +145,14 @@ def test_max_workers_needs_the_controller(chart: helm.Chart) -> None:
         chart.render(values={"controller": {"maxWorkers": 8}}, name="demo", namespace=NAMESPACE)
 
 
+def test_the_controller_may_serve_colocated_when_asked(chart: helm.Chart) -> None:
+    asked = {"controller": {**VALUE_SETS["controller"]["controller"], "colocated": True}}
+    assert "--controller-colocated" in shlex.split(serve_command(render(chart, asked)))
+    assert "--controller-colocated" not in serve_command(render(chart, VALUE_SETS["controller"]))
+    with pytest.raises(helm.HelmRenderError, match="controller.colocated: only with controller.enabled"):
+        chart.render(values={"controller": {"colocated": True}}, name="demo", namespace=NAMESPACE)
+
+
 def test_notes_say_how_pools_roll(chart: helm.Chart) -> None:
     def notes(values: dict[str, Any]) -> str:
         return chart.render(values=values, name="demo", namespace=NAMESPACE)["pdserve/templates/NOTES.txt"]
