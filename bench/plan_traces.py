@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192, an H100's or H200's)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="default: the profile's")
     p.add_argument("--slo-itl-ms", type=float, default=None, help="default: the profile's")
+    p.add_argument("--itl-target-ms", type=float, default=None, help="colocated workers' --itl-target-ms (default: none)")
     p.add_argument("--json", type=Path, default=None, help="write every plan here")
     args = p.parse_args(argv)
     prof = PROFILES[args.profile]
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, rate in enumerate(sorted(rates)):
             path = args.out / f"{w}-{rate:g}.jsonl"
             n = write_trace(path, w, rate, args.duration_s, args.seed + 7919 * k)  # the bench's seed per rate
-            out = plan(load_trace(path), model, args.workers, slo, quiet, None, args.max_num_batched_tokens)
+            out = plan(load_trace(path), model, args.workers, slo, quiet, None, args.max_num_batched_tokens,
+                       itl_target_ms=args.itl_target_ms)
             one = next(s for s in out["statics"] if s["prefill"] == 1)
             b, c = out["best_static"], out["colocated"]
             rec = out["recommend"]

@@ -62,13 +62,13 @@ def colocated_load(s: Signals, m: PerfModel, slo: Slo, n: int, headroom: float, 
         return float("inf")
     tokens_s = s.arriving_prompt_tokens_s + s.queued_prefill_tokens / backlog_s
     per_req = s.arriving_prompt_tokens_s / s.arriving_requests_s if s.arriving_requests_s > 0 else 512.0
-    u = tokens_s / n / (per_req / m.prefill_s(per_req)) if tokens_s > 0 else 0.0
+    u = tokens_s / n / (per_req / m.mixed_prefill_s(per_req)) if tokens_s > 0 else 0.0
     b = s.decode_seqs / n
     ctx = s.decode_context_tokens / n
     step = m.served_step_s(b, ctx) if b > 0 else 0.0
     itl = slo.itl_ms / 1000 * headroom
     by_itl = u + step / itl
-    service = m.prefill_s(per_req) + step
+    service = m.mixed_prefill_s(per_req) + step
     target = slo.ttft_ms / 1000 * headroom
     rho_max = max(0.05, (target - service) / (target - service / 2)) if target > service else 0.05
     by_ttft = u / rho_max

@@ -48,6 +48,9 @@ class PerfModel:
     serve_cpu_s_per_token: float = 0.0  # host CPU a streamed token costs outside the engine
     background_cores: float = 0.0  # host CPU the cluster uses while idle
     share_slowdown: tuple[tuple[float, float], ...] = ()  # (busy engines per core, step-time factor)
+    # What prompt chunks add to a decode step beside its decodes (a colocated worker's mixed
+    # step): this fixed part plus p1 n + p2 n**2. None: p0, a prefill step's own.
+    mixed_p0: float | None = None
 
     def __post_init__(self) -> None:
         costs = ("p0", "p1", "p2", "d0", "d1", "d2", "flip_s", "start_s", "request_s", "request_token_s",
@@ -56,6 +59,8 @@ class PerfModel:
         for k in costs:
             if getattr(self, k) < 0:
                 raise ValueError(f"perf model: {k} must be >= 0, got {getattr(self, k)}")
+        if self.mixed_p0 is not None and self.mixed_p0 < 0:
+            raise ValueError(f"perf model: mixed_p0 must be >= 0, got {self.mixed_p0}")
         if self.p1 <= 0 or self.d0 + self.d1 <= 0:
             raise ValueError("perf model: p1 and d0 + d1 must be > 0")
         if self.kv_tokens < 1 or self.max_num_seqs < 1 or self.cold_factor < 1:
@@ -70,6 +75,15 @@ class PerfModel:
 
     def prefill_s(self, tokens: float) -> float:
         return self.p0 + self.p1 * tokens + self.p2 * tokens * tokens
+
+    @property
+    def mixed_fixed_s(self) -> float:
+        """The fixed cost prompt chunks add to a step that also decodes."""
+        return self.p0 if self.mixed_p0 is None else self.mixed_p0
+
+    def mixed_prefill_s(self, tokens: float) -> float:
+        """What a prompt of `tokens` adds to steps that also decode (chunked beside them)."""
+        return self.prefill_s(tokens) - self.p0 + self.mixed_fixed_s
 
     def step_s(self, batch: float, context_tokens: float) -> float:
         return self.d0 + self.d1 * batch + self.d2 * context_tokens

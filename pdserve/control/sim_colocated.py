@@ -31,6 +31,7 @@ class ColocatedConfig:
     step_tokens: int = 2048
     cores: int | None = None
     sample_s: float = 1.0  # timeline resolution
+    itl_target_ms: float | None = None  # the workers' `--itl-target-ms` (None: prompt chunks fill the budget)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -39,6 +40,8 @@ class ColocatedConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.step_tokens}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores: must be >= 1, got {self.cores}")
+        if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
+            raise ValueError(f"itl_target_ms: {self.itl_target_ms}; must be a positive number of milliseconds")
 
 
 class ColocatedSimulation:
@@ -56,7 +59,8 @@ class ColocatedSimulation:
         self.reqs, self.model, self.cfg, self.progress = reqs, model, cfg, progress
         names = [f"w{i}" for i in range(cfg.workers)]
         blocks = model.kv_tokens // cfg.block_size
-        self.workers = {n: SimMixed(n, model, blocks, cfg.block_size, cfg.step_tokens) for n in names}
+        target = None if cfg.itl_target_ms is None else cfg.itl_target_ms / 1e3
+        self.workers = {n: SimMixed(n, model, blocks, cfg.block_size, cfg.step_tokens, target) for n in names}
         self.policy = DecodePolicy(PlacementConfig(policy="ring"), names, block_size=cfg.block_size)
         self.lengths = {i: (r.input_len, r.output_len, r.hashes) for i, r in enumerate(reqs)}
         self.times = [RequestTimes(r.t) for r in reqs]

@@ -48,6 +48,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens one engine step computes at most: a prefill worker's chunks, or a colocated "
                    "worker's decodes and prompt chunks together (default: 2048; pdserve serve uses 8192 on a "
                    "GPU of 70 GiB or more)")
+    p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="colocated workers pace the prompt tokens beside their decodes to keep their steps near MS, "
+                   "as `pdserve serve --itl-target-ms` does (default: none, prompt chunks fill the step)")
     add_width_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -136,7 +139,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     cfg: SimConfig | ColocatedConfig
     if args.colocated:
         max_workers_from_args(args)
-        cfg = ColocatedConfig(workers=args.workers, slo=slo, step_tokens=args.max_num_batched_tokens, cores=args.cores)
+        cfg = ColocatedConfig(workers=args.workers, slo=slo, step_tokens=args.max_num_batched_tokens, cores=args.cores,
+                              itl_target_ms=args.itl_target_ms)
         model, gpus = widths.colocated_model(), args.workers * widths.colocated
     else:
         cfg = SimConfig(workers=args.workers, prefill=args.prefill, start_prefill=args.start_prefill, slo=slo,
@@ -187,12 +191,13 @@ def recommend(colocated: dict, best_static: dict | None) -> dict:
 
 def plan(reqs: list[SimRequest], model: PerfModel, gpus: int, slo: Slo,
          bar_for: Callable[[int, str], object], cores: int | None = None, step_tokens: int = 2048,
-         widths: PoolWidths | None = None) -> dict:
+         widths: PoolWidths | None = None, itl_target_ms: float | None = None) -> dict:
     """Every static split of `gpus` GPUs, the controller and colocated on one trace: the best
     static, the controller's gain and the recommendation, disaggregated or colocated. `model` is
     width 1's; `widths` (default: 1 everywhere, so `gpus` are workers) the pools' and theirs. A
     split holds workers of each pool's width up to the budget (`widths.gpu_splits`); the controller
-    runs where both pools have one width (with two, no worker flips)."""
+    runs where both pools have one width (with two, no worker flips). `itl_target_ms`: the
+    colocated workers' `--itl-target-ms`."""
     from pdserve.control.sim_colocated import ColocatedConfig
     from pdserve.control.simulator import SimConfig
 
@@ -202,7 +207,7 @@ def plan(reqs: list[SimRequest], model: PerfModel, gpus: int, slo: Slo,
         raise ValueError(f"--gpus: {gpus} GPUs hold no colocated worker of {w.colocated} (--tensor-parallel-size)")
     per_gpu = lambda r, g: round(r["goodput_rps"] / g, 4)
     with bar_for(len(reqs), f"colocated {n_col}") as bar:
-        cfg = ColocatedConfig(workers=n_col, slo=slo, step_tokens=step_tokens, cores=cores)
+        cfg = ColocatedConfig(workers=n_col, slo=slo, step_tokens=step_tokens, cores=cores, itl_target_ms=itl_target_ms)
         col = _run(reqs, w.colocated_model(), cfg, bar)
     colocated = {"workers": n_col, "gpus": n_col * w.colocated, **col.as_dict(timeline=False)}
     colocated["goodput_rps_per_gpu"] = per_gpu(colocated, colocated["gpus"])
@@ -220,6 +225,7 @@ def plan(reqs: list[SimRequest], model: PerfModel, gpus: int, slo: Slo,
            "prefill_tensor_parallel_size": w.prefill, "decode_tensor_parallel_size": w.decode,
            "colocated_tensor_parallel_size": w.colocated, "perf_model": pair.name, "tp_note": width_note(w),
            "slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms, "max_num_batched_tokens": step_tokens,
+           "itl_target_ms": itl_target_ms,
            "colocated": colocated, "statics": statics, "best_static": None, "controller": None,
            "controller_gain": None, "controller_note": None if refusal is None else f"no controller run: {refusal}"}
     if statics:
@@ -245,7 +251,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if gpus < 1:
         raise ValueError(f"--gpus: must be >= 1, not {gpus}")
     out = plan(reqs, widths.models.base, gpus, slo, lambda n, desc: _bar(args, n, desc), args.cores,
-               args.max_num_batched_tokens, widths)
+               args.max_num_batched_tokens, widths, args.itl_target_ms)
     out["trace"] = str(args.trace)
     if args.json:
         print(json.dumps(out))

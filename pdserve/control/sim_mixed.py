@@ -4,9 +4,10 @@ step carries every running decode (a token each) and, in the token budget left
 already being chunked, then new ones while `max_num_seqs` and the KV pool allow. Pure: no clock,
 no events; the colocated simulation (`sim_colocated`) times the steps.
 
-A mixed step costs the prefill time of its chunks plus the served decode step of its batch: the
-performance model has no mixed-step term, and the engine's measured mixed steps are that sum to
-within a few per cent (docs/controller.md, "Disaggregated or colocated")."""
+A mixed step costs the prefill time of its chunks (their fixed part the model's `mixed_p0` where
+it has one) plus the served decode step of its batch; the engine's measured mixed steps are that
+sum to within a few per cent (docs/controller.md, "Disaggregated or colocated"). With an ITL target
+the prompt tokens beside decodes are held to what the engine's `StepSlack` allows, as there."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from pdserve.control.perf_model import PerfModel
 from pdserve.control.sim_workers import SimPrefill
+from pdserve.engine.step_slack import StepSlack
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,16 @@ class SimMixed:
     composes the next step; `end` applies it and says which prompts got their first token and
     which sequences finished."""
 
-    def __init__(self, name: str, model: PerfModel, cache_blocks: int, block_size: int, budget: int) -> None:
+    def __init__(
+        self, name: str, model: PerfModel, cache_blocks: int, block_size: int, budget: int,
+        itl_target_s: float | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.model = model
         self.budget = budget
+        # `--itl-target-ms`: the engine's own pacing of prompt tokens beside decodes, fed the
+        # simulated steps' times as the engine feeds it the measured ones.
+        self.slack = StepSlack(itl_target_s) if itl_target_s is not None else None
         # The prefix cache is the prefill worker's (an LRU of block hashes, whole blocks only).
         self.cache = SimPrefill(name, model, cache_blocks, block_size, budget)
         self.waiting: deque[int] = deque()  # placed here, not admitted yet
@@ -70,6 +78,8 @@ class SimMixed:
         hashes). Admits waiting prompts as the engine's scheduler does."""
         m = self.model
         left = self.budget - self.batch
+        if self.slack is not None and self.batch:
+            left = min(left, self.slack.room(self.batch))
         chunks: list[tuple[int, int, int]] = []
         for i, (total, before) in self.prompts.items():  # prompts being chunked go first, in order
             if left <= 0:
@@ -92,11 +102,14 @@ class SimMixed:
             left -= c
         t = 0.0
         if chunks:  # as a prefill worker's step: one fixed cost, the n**2 term split over chunks
-            t += m.p0 + sum(m.p1 * c + m.p2 * ((b + c) ** 2 - b * b) for _, b, c in chunks)
+            fixed = m.mixed_fixed_s if self.batch else m.p0  # beside decodes, the chunks' own fixed part
+            t += fixed + sum(m.p1 * c + m.p2 * ((b + c) ** 2 - b * b) for _, b, c in chunks)
         if self.batch:
             t += m.served_step_s(self.batch, self.context)
         cold = m.cold_factor if self.steps < m.cold_steps else 1.0
         self.current = MixedStep(self.batch, tuple(chunks), t * cold)
+        if self.slack is not None:
+            self.slack.took(self.batch, sum(c for _, _, c in chunks))
         self.busy = True
         self.version += 1
         return self.current
@@ -107,6 +120,8 @@ class SimMixed:
         step = self.current
         assert step is not None and self.busy
         self.busy, self.current = False, None
+        if self.slack is not None:
+            self.slack.observe(step.decodes, sum(c for _, _, c in step.chunks), step.seconds)
         self.steps += 1
         self.context += step.decodes
         done: list[int] = []

@@ -2,7 +2,8 @@
 from measured steps (pure: the engine reports each step planned and each step's time).
 
 Model: a step of D decode rows and P prompt tokens takes base(D) + P * per_token (base per batch
-bucket of the decode graphs; per_token from mixed steps beside a known base). Decoding steps add
+bucket of the decode graphs, from its decode-only steps, or from a mixed step once per_token is
+known; per_token from mixed steps beside a known base). Decoding steps add
 (target - time) to a credit (capped at CREDIT_STEPS targets); a step carries what its own slack
 and the credit, less chunks planned but not yet timed, pay for. Over the target: no chunks but
 MIN_PROMPT_TOKENS after STARVE_STEPS steps without one, so a prompt still moves. Costs unknown:
@@ -67,6 +68,11 @@ class StepSlack:
         if self._pending_s:
             self._pending_s.popleft()
         if base is None:
+            # While prompts keep waiting every step carries some, and a batch size reached only
+            # then would never get a decode-only step to measure: its decode step is inferred
+            # from this one and the token cost, or room would stay a probe for good.
+            if self._token_s:
+                self._decode_s[bucket] = max(0.0, seconds - prompt_tokens * self._token_s)
             return
         per = max(0.0, seconds - base) / prompt_tokens
         self._token_s = per if self._token_s is None else self._token_s + self._smoothing * (per - self._token_s)

@@ -56,8 +56,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "pdserve.llm": ("pdserve.engine", "pdserve.models"),
     # The P:D controller and its simulator: the router's placement policies (driven as the
-    # router drives them) and prompt hashing; nothing of the workers, Ray or gRPC.
-    "pdserve.control": ("pdserve.router.placement", "pdserve.engine.hashing"),
+    # router drives them), prompt hashing and the engine's pacing of prompt chunks (`step_slack`,
+    # driven as an engine drives it); nothing of the workers, Ray or gRPC.
+    "pdserve.control": ("pdserve.router.placement", "pdserve.engine.hashing", "pdserve.engine.step_slack"),
     "pdserve": ("pdserve",),  # the CLI and package root may use everything first-party
 }
 

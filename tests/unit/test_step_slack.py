@@ -172,3 +172,43 @@ def test_over_the_target_the_prompt_rate_is_the_starving_trickle():
         slack.observe(64, chunk, took)
         moved, elapsed = moved + chunk, elapsed + took
     assert moved / elapsed == pytest.approx(rate, rel=0.15)
+
+
+def test_a_batch_reached_only_with_prompts_waiting_gets_more_than_a_probe():
+    # While prompts keep waiting every step carries some: a batch bucket first reached then has
+    # no decode-only step to measure, and its decode step is inferred from a mixed one.
+    slack = StepSlack(0.012, smoothing=1.0)
+    slack.observe(16, 0, 0.006)
+    slack.observe(16, 100, 0.008)  # 20 us a prompt token
+    assert slack.room(40) == PROBE_TOKENS  # bucket of 40 decodes: never seen
+    slack.observe(40, PROBE_TOKENS, 0.007 + PROBE_TOKENS * 20e-6)  # a probe beside 40 decodes
+    assert slack.decode_step_s(40) == pytest.approx(0.007)
+    # 250 tokens a step at the target, and the credit the steps so far saved: not a probe's 64
+    assert slack.room(40) == pytest.approx((slack.credit_s + 0.012 - 0.007) / 20e-6, abs=1)
+    assert slack.room(40) > 250
+    assert slack.prompt_tokens_per_s(40) == pytest.approx(250 / 0.012)
+    # Without a token cost yet there is nothing to infer from: a probe it stays.
+    fresh = StepSlack(0.012)
+    fresh.observe(40, PROBE_TOKENS, 0.009)
+    assert fresh.decode_step_s(40) is None and fresh.room(40) == PROBE_TOKENS
+
+
+def test_fed_back_with_prompts_always_waiting_the_steps_fill_the_target_as_the_batch_grows():
+    # A batch growing one sequence every 10 steps, a prompt always waiting: steps stay near the
+    # target (no bucket is stuck at a probe's worth), within it on the mean.
+    base = lambda d: 0.004 + 50e-6 * d  # noqa: E731
+    per, target = 20e-6, 0.012
+    slack = StepSlack(target)
+    slack.observe(8, 0, base(8))
+    times, tokens = [], 0
+    for i in range(800):
+        d = 8 + i // 10
+        chunk = slack.room(d)
+        slack.took(d, chunk)
+        took = base(d) + per * chunk
+        slack.observe(d, chunk, took)
+        times.append(took)
+        tokens += chunk
+    late = times[400:]
+    assert sum(late) / len(late) <= target * 1.03
+    assert sum(late) / len(late) >= target * 0.85  # not stuck at probes (those leave ~4 ms unused)
