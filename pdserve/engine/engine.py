@@ -198,8 +198,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return what it produced.
 
-        Overlapped steps (on with CUDA graphs): while every row that samples takes a greedy
-        token, step n+1 is planned and launched before step n's tokens are read back, its
+        Overlapped steps (on with CUDA graphs): while no row that samples asks for logprobs or a
+        grammar, step n+1 is planned and launched before step n's tokens are read back, its
         sampled rows fed step n's tokens on the device (`overlap_plan`); the host's bookkeeping
         for step n then runs while the device computes step n+1. Decode, prompt and mixed steps
         alike. A sequence that stops at step n had one more token computed in step n+1; it is
@@ -212,7 +212,7 @@ class LLMEngine:
             return []
         self._planned(scheduled)
         if self._overlap and overlappable(scheduled):
-            launch = self.runner.launch_greedy(scheduled, eos_token_ids=self.eos_token_ids)
+            launch = self.runner.launch(scheduled, eos_token_ids=self.eos_token_ids)
             self._inflight = _InFlight(scheduled, launch, chained=False)
             return []
         began = time.perf_counter()
@@ -245,7 +245,7 @@ class LLMEngine:
         launch = None
         if following is not None:
             self._planned(following.scheduled, following.ahead)
-            launch = self.runner.launch_greedy(
+            launch = self.runner.launch(
                 following.scheduled, following.ahead, current.launch, following.feed, self.eos_token_ids
             )
             self.num_overlapped_steps += 1

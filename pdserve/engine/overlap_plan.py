@@ -1,7 +1,8 @@
 """Overlapped steps' plan: which steps may be launched before the previous one's tokens are read
-back, and the step after a launched one. A step qualifies when every row that samples takes a
-greedy argmax (logit bias, min_tokens and penalties included; no logprobs, no grammar) and no row scores its prompt;
-rows that only advance a prompt chunk may be beside them. The step after is planned blind, as
+back, and the step after a launched one. A step qualifies when no row that samples asks for
+logprobs or a grammar (greedy or random, seeded or not, logit bias, min_tokens and penalties
+included: all drawn on the device) and no row scores its prompt; rows that only advance a prompt
+chunk may be beside them. The step after is planned blind, as
 `Scheduler.schedule` would plan it: each running sequence one position past what is in flight (a
 sampled row fed the token still on the device), sequences sure to stop left out, imported and
 waiting requests admitted with the budget left; not launched (None) where a KV block is missing,
@@ -31,7 +32,7 @@ def _launchable(seq: Sequence, sample: bool) -> bool:
     """Whether a row of `seq` (that samples, or not) may be in a step launched blind (see the
     module's docstring)."""
     p = seq.params
-    return p.prompt_logprobs is None and (not sample or (p.greedy and not p.logprobs and p.structured_output is None))
+    return p.prompt_logprobs is None and (not sample or (not p.logprobs and p.structured_output is None))
 
 
 def overlappable(scheduled: list[ScheduledSeq]) -> bool:
@@ -107,8 +108,8 @@ def _same_decodes(sched: Scheduler, current: list[ScheduledSeq]) -> bool:
 
 
 def _following_decodes(sched: Scheduler, current: list[ScheduledSeq], max_model_len: int) -> Following | None:
-    """`plan_following` where `_same_decodes` holds: every row sampled (greedy, checked when
-    it was launched), so each continuing row is fed its own draw."""
+    """`plan_following` where `_same_decodes` holds: every row sampled (launchable, checked
+    when it was launched), so each continuing row is fed its own draw."""
     out: list[ScheduledSeq] = []
     feed: list[tuple[int, int]] = []
     for k, item in enumerate(current):

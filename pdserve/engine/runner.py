@@ -1,7 +1,7 @@
 """Runs scheduled batches on the device: owns the model, the KV pool and the CUDA graphs.
 
-Input preparation, the forward pass, sampling, and greedy decode steps launched without waiting
-for them; `cuda_graphs` captures and replays the graphs. The KV pool is one block-major tensor
+Input preparation, the forward pass, sampling, and steps launched without waiting for them;
+`cuda_graphs` captures and replays the graphs. The KV pool is one block-major tensor
 ``[num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim]``, so a run of consecutive
 blocks is one contiguous region for a transfer; the extra last block is scratch for padded
 graph rows. docs/engine.md, "KV pool layout, and why"."""
@@ -26,7 +26,7 @@ from pdserve.engine.logits_processing import RowTokens, process_logits
 from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.penalty_slots import PenaltySlots
 from pdserve.engine.prompt_logprobs import score_step
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import draw, sample
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.step_graphs import StepGraphs, capture_step_graphs
 from pdserve.engine.step_inputs import StepInputs, build_step_inputs, to_device
@@ -45,9 +45,9 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """A greedy decode step launched on the device and not yet waited for."""
+    """A step launched on the device and not yet waited for."""
 
-    tokens: torch.Tensor  # on the device: the step's greedy tokens, one per sequence
+    tokens: torch.Tensor  # on the device: the step's draws, one per sampled row
     host_tokens: torch.Tensor  # pinned host mirror they are copied to
     done: torch.cuda.Event | None  # recorded after that copy (None on CPU: already done)
 
@@ -156,7 +156,7 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def launch_greedy(
+    def launch(
         self,
         scheduled: list[ScheduledSeq],
         ahead: int | list[int] = 0,
@@ -164,20 +164,26 @@ class ModelRunner:
         feed: list[tuple[int, int]] | tuple = (),
         eos_token_ids: Collection[int] = (),
     ) -> DecodeLaunch:
-        """Start a step whose sampling rows all take the argmax, and return without waiting for
-        it: decode rows, prompt chunks, or both. The host never waits between two such steps, so
-        it does the bookkeeping of one while the device runs the next.
+        """Start a step whose sampled tokens stay on the device, and return without waiting for
+        it: decode rows, prompt chunks, or both; greedy and random rows (no logprobs, no grammar:
+        `overlap_plan`). The host never waits between two such steps, so it does the bookkeeping
+        of one while the device runs the next.
 
         Behind `previous` (the step still running): row i starts `ahead[i]` positions past its
         computed tokens, and each (row, k) of `feed` takes as its input token the k-th draw of
         `previous`, on the device. Rows with logit bias, min_tokens or penalties are processed
-        first, a fed row's draw counting as its last output token (`eos_token_ids`: what
-        min_tokens holds back)."""
+        first, and a seeded row draws as its next output token, a fed row's draw counting as its
+        last output token (`eos_token_ids`: what min_tokens holds back)."""
         sampled, logits, argmax = self._forward(scheduled, ahead, previous, feed)
-        if logits is not None and any(item.seq.params.processes_logits for item in sampled):
-            logits = self._process(scheduled, sampled, logits, previous, feed, tuple(eos_token_ids))
+        pending = self._pending_rows(scheduled, feed) if previous is not None else {}
+        params = [item.seq.params for item in sampled]
+        if logits is not None and any(p.processes_logits for p in params):
+            logits = self._process(sampled, logits, previous, pending, tuple(eos_token_ids))
             argmax = None
-        if argmax is not None:
+        if logits is not None and not all(p.greedy for p in params):
+            gens = [self._generator_for(s, int(j in pending)) for j, s in enumerate(sampled)]
+            tokens = draw(logits, params, gens, self.default_generator)
+        elif argmax is not None:
             tokens = argmax
         elif logits is not None:
             tokens = logits.argmax(dim=-1)
@@ -199,7 +205,7 @@ class ModelRunner:
         feed: list[tuple[int, int]] | tuple = (),
     ) -> tuple[list[ScheduledSeq], torch.Tensor | None, torch.Tensor | None]:
         """Run the model for a step: (the items that sample, their logits, their greedy tokens
-        when the decode graph computed them). `ahead`, `previous`, `feed`: see `launch_greedy`."""
+        when the decode graph computed them). `ahead`, `previous`, `feed`: see `launch`."""
         if self.device.type == "cuda" and self.device.index is not None:
             # Engine loops run on their own threads, whose current device is not ours by default.
             # (A bare "cuda" has no index: torch.cuda.set_device rejects it; nothing to set then.)
@@ -226,24 +232,28 @@ class ModelRunner:
             return [], None, None
         return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None
 
-    def _process(
-        self,
-        scheduled: list[ScheduledSeq],
-        sampled: list[ScheduledSeq],
-        logits: torch.Tensor,
-        previous: DecodeLaunch | None,
-        feed: list[tuple[int, int]] | tuple,
-        eos_token_ids: tuple[int, ...],
-    ) -> torch.Tensor:
-        """`process_logits` for a launched step: a fed row's input token, still on the device,
-        is its pending output token."""
+    @staticmethod
+    def _pending_rows(scheduled: list[ScheduledSeq], feed: list[tuple[int, int]] | tuple) -> dict[int, int]:
+        """Sampled row j -> k for each sampled row whose input is the k-th draw of the step still
+        in flight (`feed` names input rows; a row's input is its last token)."""
         row_end, sampled_at, at = {}, 0, 0
         for item in scheduled:
             at += item.num_new_tokens
             if item.sample:
                 row_end[at - 1] = sampled_at
                 sampled_at += 1
-        pending_rows = {row_end[r]: k for r, k in feed} if previous is not None else {}
+        return {row_end[r]: k for r, k in feed}
+
+    def _process(
+        self,
+        sampled: list[ScheduledSeq],
+        logits: torch.Tensor,
+        previous: DecodeLaunch | None,
+        pending_rows: dict[int, int],
+        eos_token_ids: tuple[int, ...],
+    ) -> torch.Tensor:
+        """`process_logits` for a launched step: a fed row's input token, still on the device,
+        is its pending output token."""
         rows = [
             RowTokens(
                 s.seq.token_array(),
@@ -255,11 +265,11 @@ class ModelRunner:
             for j, s in enumerate(sampled)
         ]
         pending = None
-        if pending_rows:
+        if pending_rows and previous is not None:
             pending = torch.full((len(sampled),), logits.shape[-1], dtype=torch.int64, device=logits.device)
             index = to_device(np.asarray(list(pending_rows.items()), dtype=np.int64).T.copy(), self.device)
             pending.index_copy_(0, index[0], previous.tokens.index_select(0, index[1]))
-        # In place: a launched step reads only the processed logits (its argmax).
+        # In place: a launched step reads only the processed logits (its draw).
         params = [s.seq.params for s in sampled]
         return process_logits(logits, params, rows, eos_token_ids, pending, inplace=True, slots=self._slots(logits))
 
@@ -293,15 +303,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _generator_for(self, item: ScheduledSeq) -> torch.Generator | None:
+    def _generator_for(self, item: ScheduledSeq, pending: int = 0) -> torch.Generator | None:
         """A seeded request draws its i-th token from a generator seeded with (seed, i): the
-        draw depends on neither the batch, a preemption, nor which worker samples it."""
+        draw depends on neither the batch, a preemption, nor which worker samples it. `pending`:
+        its draws still on the device (a step launched behind the one drawing its input)."""
         seq = item.seq
         if seq.params.seed is None or seq.params.greedy:
             return None
         if seq.generator is None:
             seq.generator = torch.Generator(device=self.device)
-        seq.generator.manual_seed(_mix_seed(seq.params.seed, seq.params.output_offset + seq.num_output_tokens))
+        index = seq.params.output_offset + seq.num_output_tokens + pending
+        seq.generator.manual_seed(_mix_seed(seq.params.seed, index))
         return seq.generator
 
     # ----- CUDA graphs for decode steps ----------------------------------------------------

@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.logits_processing import RowTokens, process_logits
 from pdserve.engine.penalty_slots import PenaltySlots
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_inputs import to_device
 
 _TOP_K_ONLY = 1024  # below this top-k for every row, top-k/top-p look at the k largest only
 
@@ -45,11 +47,7 @@ def sample(
     """logits: [B, vocab] float32, one row per params. `rows` (the tokens so far) is needed
     only when some row has penalties or min_tokens; `slots`: the penalties' device state, if kept."""
     processed = process_logits(logits, params, rows, eos_token_ids, slots=slots)
-    tokens = processed.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        tokens[random_rows] = _draw(processed, [params[i] for i in random_rows], [generators[i] for i in random_rows],
-                                    default_generator, random_rows)  # fmt: skip
+    tokens = draw(processed, params, generators, default_generator)
     if not any(p.logprobs for p in params):
         return Sampled(tokens.tolist())
     lp = torch.log_softmax(logits, dim=-1)
@@ -63,27 +61,57 @@ def sample(
     return Sampled(tokens.tolist(), chosen, top)
 
 
+def draw(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> torch.Tensor:
+    """One token per row of the processed `logits`, left on the device: greedy rows the argmax,
+    random rows a draw. Every per-row value goes to the device from pinned memory and rows are
+    picked by device indices, so the host never waits for the device here: a step launched ahead
+    of the one before it draws without ending the overlap."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return tokens
+    if len(random_rows) == len(params):
+        return _draw(logits, list(params), list(generators), default_generator)
+    index = to_device(np.asarray(random_rows, dtype=np.int64), logits.device)
+    drawn = _draw(logits.index_select(0, index), [params[i] for i in random_rows],
+                  [generators[i] for i in random_rows], default_generator)  # fmt: skip
+    return tokens.index_copy_(0, index, drawn)
+
+
 def _draw(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
-    rows: list[int],
 ) -> torch.Tensor:
-    """Tokens of the random `rows` of `logits`, one per row."""
+    """A token for each row of `logits`, every row random."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
-    sub = _filter_top_k_top_p(logits[rows] / temps, [p.top_k for p in params], [p.top_p for p in params])
-    noise = torch.empty_like(sub)
+    temps = _values([p.temperature for p in params], logits)[:, None]
+    sub = _filter_top_k_top_p(logits / temps, [p.top_k for p in params], [p.top_p for p in params])
     unseeded = [j for j, g in enumerate(generators) if g is None]
-    if unseeded:
-        u = torch.rand((len(unseeded), sub.shape[-1]), generator=default_generator, device=default_generator.device)
-        noise[unseeded] = u.to(dev)
-    for j, g in enumerate(generators):
-        if g is not None:
-            noise[j] = torch.rand(sub.shape[-1], generator=g, device=g.device).to(dev)
+    if len(unseeded) == len(generators):
+        noise = torch.rand(sub.shape, generator=default_generator, device=default_generator.device).to(dev, sub.dtype)
+    else:
+        noise = torch.empty_like(sub)
+        if unseeded:
+            u = torch.rand((len(unseeded), sub.shape[-1]), generator=default_generator, device=default_generator.device)
+            noise.index_copy_(0, to_device(np.asarray(unseeded, dtype=np.int64), dev), u.to(dev, sub.dtype))
+        for j, g in enumerate(generators):
+            if g is not None:
+                noise[j] = torch.rand(sub.shape[-1], generator=g, device=g.device).to(dev)
     gumbel = -torch.log(-torch.log(noise.clamp_(1e-20, 1.0)))
     return torch.argmax(sub + gumbel, dim=-1)
+
+
+def _values(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """Per-row floats on `like`'s device in its dtype, from pinned memory (rounded once, from
+    the Python floats, as torch.tensor(values, dtype=...) rounds them)."""
+    return to_device(np.asarray(values, dtype=np.float64), like.device).to(like.dtype)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -104,12 +132,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     else:
         sorted_logits, order = torch.sort(logits, descending=True)
     if use_k:
-        ks = torch.tensor(ks_host, device=dev)
+        ks = to_device(np.asarray(ks_host, dtype=np.int64), dev)
         kth = sorted_logits.gather(1, (ks - 1)[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if use_p:
         # A row without top-p gets a bound no cumulative sum reaches (rounding can pass 1.0).
-        ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], dtype=logits.dtype, device=dev)[:, None]
+        ps = _values([p if p < 1.0 else 2.0 for p in top_p], logits)[:, None]
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > ps
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

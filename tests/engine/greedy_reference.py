@@ -76,6 +76,6 @@ def record_steps(engine) -> list[tuple[int, int]]:
             return launch(scheduled, *rest, **options)
         return run
 
-    engine.runner.launch_greedy = record(engine.runner.launch_greedy, True)
+    engine.runner.launch = record(engine.runner.launch, True)
     engine.runner.execute = record(engine.runner.execute, False)
     return steps

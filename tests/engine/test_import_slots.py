@@ -33,9 +33,9 @@ def test_imports_past_max_num_seqs_wait_for_a_place_and_decode_exactly(tiny_mode
     check_blocks_freed(producer)
     check_blocks_freed(decoder)
     widths: list[int] = []
-    execute, launch = decoder.runner.execute, decoder.runner.launch_greedy
+    execute, launch = decoder.runner.execute, decoder.runner.launch
     decoder.runner.execute = lambda scheduled, *rest: (widths.append(len(scheduled)), execute(scheduled, *rest))[1]
-    decoder.runner.launch_greedy = lambda scheduled, *a, **k: (widths.append(len(scheduled)), launch(scheduled, *a, **k))[1]
+    decoder.runner.launch = lambda scheduled, *a, **k: (widths.append(len(scheduled)), launch(scheduled, *a, **k))[1]
 
     tokens: dict[str, list[int]] = {}
     for i, ids in enumerate(prompts):  # all five handed over before the decoder takes a step

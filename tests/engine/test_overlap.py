@@ -83,13 +83,39 @@ def test_abort_while_a_step_is_in_flight(tiny_model_factory, check_blocks_freed)
     assert engine.num_overlapped_steps > 0
 
 
-def test_sampled_requests_are_not_overlapped(tiny_model_factory):
+def test_sampled_requests_overlap_exactly(tiny_model_factory, check_blocks_freed):
+    """Random rows draw on the device and are launched blind too: seeded rows, unseeded rows
+    (the engine's generator) and greedy rows beside them, top-k and top-p, get the tokens of
+    stepping one at a time, draw for draw."""
+    model_dir, hf_model = tiny_model_factory("llama")
+    on, off = _pair(model_dir, num_kv_blocks=128, seed=5)
+    check_blocks_freed(on.engine)
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=17, lengths=(6, 11, 3, 9))
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=15, temperature=1.1, top_k=20, top_p=0.9),
+        SamplingParams(max_tokens=9, temperature=0.0),
+        SamplingParams(max_tokens=14, temperature=0.7, top_p=0.8, seed=11, presence_penalty=0.5),
+    ]
+    got, want = on.generate(prompts, params), off.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert on.engine.num_overlapped_steps > 5
+    # And the draws are draws: another seed gives other tokens.
+    other = [SamplingParams(max_tokens=12, temperature=0.8, seed=4)] + params[1:]
+    assert on.generate(prompts[:1], other[:1])[0].token_ids != got[0].token_ids
+
+
+def test_seeded_rows_overlap_across_batches(tiny_model_factory):
+    """A seeded request's tokens depend on neither the batch nor the overlap: alone without
+    overlap and beside others with it, the same."""
     model_dir, hf_model = tiny_model_factory("llama")
     on, off = _pair(model_dir, num_kv_blocks=128)
-    prompts = mixed_prompts(hf_model.config.vocab_size, seed=17, lengths=(6, 11))
-    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
-    assert [o.token_ids for o in on.generate(prompts, sp)] == [o.token_ids for o in off.generate(prompts, sp)]
-    assert on.engine.num_overlapped_steps == 0
+    prompts = mixed_prompts(hf_model.config.vocab_size, seed=23, lengths=(7, 4, 12))
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=21)
+    alone = off.generate(prompts[:1], sp)[0].token_ids
+    together = on.generate(prompts, [sp, SamplingParams(max_tokens=10, temperature=1.0), sp])
+    assert together[0].token_ids == alone
+    assert on.engine.num_overlapped_steps > 5
 
 
 def test_mixed_steps_overlap_with_arrivals_chunks_stops_and_aborts(tiny_model_factory, check_blocks_freed):
@@ -109,14 +135,14 @@ def test_mixed_steps_overlap_with_arrivals_chunks_stops_and_aborts(tiny_model_fa
     want = {str(i): o.token_ids for i, o in enumerate(off.generate(prompts, params))}
     engine = on.engine
     mixed_launches = []
-    launch = engine.runner.launch_greedy
+    launch = engine.runner.launch
 
     def record(scheduled, *rest, **options):
         if any(item.num_new_tokens > 1 for item in scheduled) and any(item.sample for item in scheduled):
             mixed_launches.append(len(scheduled))
         return launch(scheduled, *rest, **options)
 
-    engine.runner.launch_greedy = record
+    engine.runner.launch = record
     aborted = []
 
     def abort_in_flight(got: dict[str, list[int]]) -> None:
