@@ -198,8 +198,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return what it produced.
 
-        Overlapped steps (on with CUDA graphs): while no row that samples asks for logprobs or a
-        grammar, step n+1 is planned and launched before step n's tokens are read back, its
+        Overlapped steps (on with CUDA graphs): while no row that samples asks for logprobs,
+        step n+1 is planned and launched before step n's tokens are read back, its
         sampled rows fed step n's tokens on the device (`overlap_plan`); the host's bookkeeping
         for step n then runs while the device computes step n+1. Decode, prompt and mixed steps
         alike. A sequence that stops at step n had one more token computed in step n+1; it is

@@ -103,9 +103,11 @@ class GrammarMasks:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         return self._compiler
 
-    def mask(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> bool:
+    def mask(self, logits: torch.Tensor, items: list[ScheduledSeq], pending: dict[int, int] | None = None) -> bool:
         """Mask `logits` ([len(items), vocab], one row per sampled item) for the rows whose request
-        has structured output; False, and nothing touched, when none has."""
+        has structured output; False, and nothing touched, when none has. `pending`: row -> its
+        output token drawn by the step before, not in its sequence yet (a step launched behind
+        that one); the matcher takes it as the next output token."""
         rows = [i for i, item in enumerate(items) if item.seq.params.structured_output is not None]
         live = {id(items[i].seq) for i in rows}
         for key in [k for k in self._states if k not in live]:
@@ -114,26 +116,30 @@ class GrammarMasks:
             return False
         import xgrammar as xgr
 
-        states = [self._state(items[i].seq) for i in rows]
+        pending = pending or {}
+        states = [self._state(items[i].seq, pending.get(i)) for i in rows]
         if self._bitmask is None or self._bitmask.shape[0] < len(items):
             bitmask = xgr.allocate_token_bitmask(max(len(items), 64), self.vocab_size)
             # Pinned for a device: its copy is then queued behind the forward, not waited for.
             self._bitmask = bitmask.pin_memory() if logits.is_cuda else bitmask
         bitmask = self._bitmask
-        ok = [i for i, s in zip(rows, states) if not s.broken]
+        # A matcher that has ended (its EOS is the draw in flight: the row is dropped) allows EOS.
+        done = [s.broken or s.matcher.is_terminated() for s in states]
+        ok = [i for i, d in zip(rows, done) if not d]
         self._batch.batch_fill_next_token_bitmask(
-            [s.matcher for s in states if not s.broken], bitmask, indices=ok
+            [s.matcher for s, d in zip(states, done) if not d], bitmask, indices=ok
         )
-        for i, s in zip(rows, states):
-            if s.broken:
+        for i, d in zip(rows, done):
+            if d:
                 bitmask[i].copy_(self._only_eos())
         xgr.apply_token_bitmask_inplace(
             logits, bitmask[: len(items)].to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=rows
         )
         return True
 
-    def _state(self, seq: Sequence) -> MatcherState:
-        """The sequence's matcher, fed every output token it has not taken yet."""
+    def _state(self, seq: Sequence, pending: int | None = None) -> MatcherState:
+        """The sequence's matcher, fed every output token it has not taken yet, then `pending`
+        (its next output token, not in the sequence yet)."""
         state = self._states.get(id(seq))
         if state is None or state.seq is not seq:
             import xgrammar as xgr
@@ -141,6 +147,8 @@ class GrammarMasks:
             compiled = self.compiled(seq.params.structured_output)  # type: ignore[arg-type]
             state = self._states[id(seq)] = MatcherState(seq, xgr.GrammarMatcher(compiled))
         new = output_since(seq, state.fed)
+        if pending is not None:
+            new = [*new, pending]
         for token in new:
             if not state.broken and not state.matcher.accept_token(token):
                 # Not one of its own draws (the grammar allowed only tokens it accepts): a token

@@ -1,6 +1,6 @@
 """Overlapped steps' plan: which steps may be launched before the previous one's tokens are read
 back, and the step after a launched one. A step qualifies when no row that samples asks for
-logprobs or a grammar (greedy or random, seeded or not, logit bias, min_tokens and penalties
+logprobs (greedy or random, seeded or not, logit bias, min_tokens, penalties and grammars
 included: all drawn on the device) and no row scores its prompt; rows that only advance a prompt
 chunk may be beside them. The step after is planned blind, as
 `Scheduler.schedule` would plan it: each running sequence one position past what is in flight (a
@@ -32,7 +32,7 @@ def _launchable(seq: Sequence, sample: bool) -> bool:
     """Whether a row of `seq` (that samples, or not) may be in a step launched blind (see the
     module's docstring)."""
     p = seq.params
-    return p.prompt_logprobs is None and (not sample or (not p.logprobs and p.structured_output is None))
+    return p.prompt_logprobs is None and (not sample or not p.logprobs)
 
 
 def overlappable(scheduled: list[ScheduledSeq]) -> bool:

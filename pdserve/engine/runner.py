@@ -165,9 +165,10 @@ class ModelRunner:
         eos_token_ids: Collection[int] = (),
     ) -> DecodeLaunch:
         """Start a step whose sampled tokens stay on the device, and return without waiting for
-        it: decode rows, prompt chunks, or both; greedy and random rows (no logprobs, no grammar:
-        `overlap_plan`). The host never waits between two such steps, so it does the bookkeeping
-        of one while the device runs the next.
+        it: decode rows, prompt chunks, or both; greedy and random rows, with or without a
+        grammar (no logprobs: `overlap_plan`). The host never waits between two such steps, so it
+        does the bookkeeping of one while the device runs the next; only a grammar row fed the
+        step before's draw waits for that draw, while this step's forward runs.
 
         Behind `previous` (the step still running): row i starts `ahead[i]` positions past its
         computed tokens, and each (row, k) of `feed` takes as its input token the k-th draw of
@@ -177,6 +178,12 @@ class ModelRunner:
         sampled, logits, argmax = self._forward(scheduled, ahead, previous, feed)
         pending = self._pending_rows(scheduled, feed) if previous is not None else {}
         params = [item.seq.params for item in sampled]
+        if logits is not None and self.grammar is not None and any(p.structured_output for p in params):
+            # A grammar row's mask needs the draw in flight on the host: wait for the step before
+            # (this one's forward is queued behind it already), then fill while this one runs.
+            drawn = self.collect(previous) if previous is not None and pending else []
+            if self.grammar.mask(logits, sampled, {j: drawn[k] for j, k in pending.items()}):
+                argmax = None
         if logits is not None and any(p.processes_logits for p in params):
             logits = self._process(sampled, logits, previous, pending, tuple(eos_token_ids))
             argmax = None

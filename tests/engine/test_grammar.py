@@ -112,11 +112,33 @@ def test_bad_specs_are_refused_naming_the_field(llm: LLM):
         SamplingParams(min_tokens=2, structured_output=StructuredOutput(json_object=True))
 
 
-def test_grammar_rows_never_take_the_blind_overlapped_path():
+def test_grammar_rows_overlap_but_logprob_rows_do_not():
     plain = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), 0)
     guided = Sequence("b", [1, 2, 3], SamplingParams(temperature=0.0, structured_output=StructuredOutput(regex="x+")), 1)
-    assert overlappable([ScheduledSeq(plain, 1, True)])
-    assert not overlappable([ScheduledSeq(plain, 1, True), ScheduledSeq(guided, 1, True)])
+    scored = Sequence("c", [1, 2, 3], SamplingParams(temperature=0.0, logprobs=True), 2)
+    assert overlappable([ScheduledSeq(plain, 1, True), ScheduledSeq(guided, 1, True)])
+    assert not overlappable([ScheduledSeq(plain, 1, True), ScheduledSeq(scored, 1, True)])
+
+
+def test_overlapped_grammar_rows_give_the_tokens_of_one_step_at_a_time(llm: LLM, check_blocks_freed):
+    """Steps with grammar rows launched blind: each fed row's matcher takes the draw in flight
+    before its mask is filled. Seeded JSON rows, a greedy regex row and a plain row beside them
+    get exactly the tokens of the engine stepping one at a time, and the JSON is valid."""
+    on = LLM(device="cpu", dtype="float32", num_kv_blocks=512, overlap_decode=True)
+    check_blocks_freed(on.engine)
+    so = StructuredOutput(json_schema=json.dumps(SCHEMA))
+    params = [SamplingParams(max_tokens=96, temperature=1.0, seed=i, structured_output=so) for i in range(3)]
+    params += [
+        SamplingParams(max_tokens=12, temperature=0.0, structured_output=StructuredOutput(regex="[a-z ]+")),
+        SamplingParams(max_tokens=20, temperature=0.7, seed=5),
+    ]
+    prompts = _prompts(llm, len(params))
+    got, want = on.generate(prompts, params), llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for out in got[:3]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert on.engine.num_overlapped_steps > 10
 
 
 def test_prepare_compiles_a_grammar_on_the_callers_thread_and_admission_finds_it(llm: LLM):
