@@ -96,11 +96,11 @@ class MaskTimer:
         self.last_ms = 0.0
         masks.mask = self  # type: ignore[method-assign]
 
-    def __call__(self, logits: torch.Tensor, items: list) -> bool:
+    def __call__(self, logits: torch.Tensor, items: list, pending: dict[int, int] | None = None) -> bool:
         # Host time only: on a GPU the mask is filled while the forward runs, and a sync here
         # would take that overlap away from the step times measured beside it.
         t = time.perf_counter()
-        applied = self.inner(logits, items)
+        applied = self.inner(logits, items, pending)
         self.last_ms = (time.perf_counter() - t) * 1e3
         return applied
 

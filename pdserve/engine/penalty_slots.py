@@ -76,13 +76,16 @@ class PenaltySlots:
 
     def add(self, updates: torch.Tensor) -> None:
         """Count the (slot, token) pairs of `updates` ([2, k] on the device) once each."""
-        self.counts.index_put_(
-            (updates[0], updates[1]), torch.ones_like(updates[0], dtype=torch.int32), accumulate=True
-        )
+        self._count(updates[0], updates[1])
 
     def count_pending(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the draws still on the device: token `tokens[j]` in slot `slots[j]`."""
-        self.counts.index_put_((slots, tokens), torch.ones_like(slots, dtype=torch.int32), accumulate=True)
+        self._count(slots, tokens)
+
+    def _count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        # index_add_ on the flat table: one atomic-add kernel, where an accumulating index_put_
+        # sorts its indices first (several launches); integer counts add up the same either way.
+        self.counts.view(-1).index_add_(0, slots * self.vocab + tokens, torch.ones_like(slots, dtype=torch.int32))
 
     def apply(
         self, x: torch.Tensor, slots: torch.Tensor, knobs: torch.Tensor, use_rep: bool, use_counts: bool
