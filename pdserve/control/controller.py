@@ -192,7 +192,12 @@ class Controller:
             short = self.reserve_loads(p, d)
             if (short.prefill if donor is Role.PREFILL else short.decode) >= c.act_above:
                 trigger = max(trigger, c.reserve_cap / (1 - c.hysteresis))
-        wanted = now.worst >= trigger and clears
+        # An overload the move cannot clear is not chased at the cost of the pool still within its
+        # limit: with the receiver over its limit after the move, the donor must not go over its.
+        donor_now, donor_after = (now.prefill, after.prefill) if donor is Role.PREFILL else (now.decode, after.decode)
+        receiver_after = after.decode if donor is Role.PREFILL else after.prefill
+        harms = donor_now < 1.0 <= donor_after and receiver_after >= 1.0
+        wanted = now.worst >= trigger and clears and not harms
         self._track_wanting(donor if wanted else None, s.now)
         if s.change_in_flight:
             return hold("a change is in flight", True)
@@ -218,6 +223,13 @@ class Controller:
             return hold(
                 f"{move} would leave the larger load at {whole.worst:.2f} "
                 f"(now {now.worst:.2f}): under the {margin:.0%} hysteresis",
+                False,
+            )
+        if harms:
+            self._streak = (None, 0)
+            return hold(
+                f"flip {k} {donor.value}->{donor.other.value} would put the {donor.value} pool over its limit "
+                f"({donor_after:.2f}) while the {donor.other.value} pool stays over its own ({receiver_after:.2f})",
                 False,
             )
         if c.flip_refusal is not None:

@@ -62,7 +62,8 @@ class FakeActuator:
 
 
 class Script:
-    """A signal source: prompt-heavy load on whatever pools the actuator has now."""
+    """A signal source: prompt-heavy load on whatever pools the actuator has now, and one sequence
+    decoding (which one decode worker carries within its limit, so a flip to prefill costs it nothing)."""
 
     def __init__(self, act: FakeActuator, prompt_tokens_s: float = 700.0, fail: int = 0) -> None:
         self.act = act
@@ -78,7 +79,7 @@ class Script:
         return Reading(Signals(
             now=now, prefill_workers=p, decode_workers=d, arriving_prompt_tokens_s=self.prompt_tokens_s,
             arriving_requests_s=self.prompt_tokens_s / 512, arriving_output_tokens_s=5.0, queued_prefill_tokens=0.0,
-            decode_seqs=2, decode_context_tokens=1100.0, decode_kv_use=0.05,
+            decode_seqs=1, decode_context_tokens=600.0, decode_kv_use=0.05,
         ))  # fmt: skip
 
 
