@@ -192,11 +192,15 @@ class Controller:
             short = self.reserve_loads(p, d)
             if (short.prefill if donor is Role.PREFILL else short.decode) >= c.act_above:
                 trigger = max(trigger, c.reserve_cap / (1 - c.hysteresis))
-        # An overload the move cannot clear is not chased at the cost of the pool still within its
-        # limit: with the receiver over its limit after the move, the donor must not go over its.
+        # A move that puts the donor over its limit while the receiver stays over its own trades
+        # one pool's misses for the other's: it must lower the receiver's load by twice the margin.
         donor_now, donor_after = (now.prefill, after.prefill) if donor is Role.PREFILL else (now.decode, after.decode)
-        receiver_after = after.decode if donor is Role.PREFILL else after.prefill
-        harms = donor_now < 1.0 <= donor_after and receiver_after >= 1.0
+        receiver_now, receiver_after = (now.decode, after.decode) if donor is Role.PREFILL else (now.prefill, after.prefill)
+        harms = (
+            donor_now < 1.0 <= donor_after
+            and receiver_after >= 1.0
+            and receiver_after > receiver_now * (1 - 2 * c.hysteresis)
+        )
         wanted = now.worst >= trigger and clears and not harms
         self._track_wanting(donor if wanted else None, s.now)
         if s.change_in_flight:
@@ -229,7 +233,8 @@ class Controller:
             self._streak = (None, 0)
             return hold(
                 f"flip {k} {donor.value}->{donor.other.value} would put the {donor.value} pool over its limit "
-                f"({donor_after:.2f}) while the {donor.other.value} pool stays over its own ({receiver_after:.2f})",
+                f"({donor_after:.2f}) for the {donor.other.value} pool's {receiver_now:.2f} -> {receiver_after:.2f}, "
+                f"under twice the {c.hysteresis:.0%} hysteresis",
                 False,
             )
         if c.flip_refusal is not None:
