@@ -75,9 +75,14 @@ class DecodeGraphs:
         longs = torch.zeros(4 * ls, dtype=torch.int64, device=dev)
         ints = torch.zeros(2 * ints_seg + max_b * w, dtype=torch.int32, device=dev)
         self._staging = [
-            (torch.zeros_like(longs, device="cpu").pin_memory(), torch.zeros_like(ints, device="cpu").pin_memory())
+            (torch.zeros_like(longs, device="cpu").pin_memory(), torch.zeros(2 * ints_seg, dtype=torch.int32).pin_memory())
             for _ in range(2)
         ]
+        # The block table travels as only the columns a step uses, rows packed: a table as wide
+        # as a long context (8,192 blocks for 131,072 tokens) is megabytes a step to fill and copy
+        # whole. Columns past them keep what earlier steps wrote: block ids all, never read.
+        self._table_staging = [torch.zeros(max_b * w, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._table_rows = torch.zeros(max_b * w, dtype=torch.int32, device=dev)
         for host_longs, host_ints in self._staging:
             host_ints[: max_b + 1] = torch.arange(max_b + 1, dtype=torch.int32)  # cu_seqlens_q: constant
         self._staging_turn = 0
@@ -205,19 +210,22 @@ class DecodeGraphs:
         b = self.size_for(n)
         bs = self.block_size
         ls, seg, w = self._io_layout
-        host_longs, host_ints = self._staging[self._staging_turn]
+        turn = self._staging_turn
+        host_longs, host_ints = self._staging[turn]
         self._staging_turn ^= 1  # the other mirror may still be feeding the previous copy
         longs, ints = host_longs.numpy(), host_ints.numpy()
         seq_lens = ints[seg : seg + b]
-        tables = ints[2 * seg :].reshape(-1, w)[:b]
         # Row by row only what must be (each table's own blocks, by array copy); the rest as
         # whole-array operations: at a few hundred rows a per-row Python loop is milliseconds.
         seqs = [item.seq for item in scheduled]
         offsets = [ahead] * n if isinstance(ahead, int) else ahead
         pos_list = [seq.num_computed_tokens + m for seq, m in zip(seqs, offsets)]
-        tables.fill(self.scratch_block)
-        for i, seq in enumerate(seqs):
-            blocks = seq.block_array()
+        block_arrays = [seq.block_array() for seq in seqs]
+        cols = min(w, max(len(blocks) for blocks in block_arrays))
+        host_table = self._table_staging[turn][: b * cols]
+        tables = host_table.numpy().reshape(b, cols)
+        tables.fill(self.scratch_block)  # padded rows read column 0: the scratch block
+        for i, blocks in enumerate(block_arrays):
             tables[i, : len(blocks)] = blocks
         pos = np.asarray(pos_list, dtype=np.int64)
         longs[:n] = [known_token(seq, p) for seq, p in zip(seqs, pos_list)]
@@ -230,8 +238,10 @@ class DecodeGraphs:
         seq_lens[n:b] = 1
         dev_longs, dev_ints = self._flat
         dev_longs.copy_(host_longs, non_blocking=True)
-        used = 2 * seg + b * w  # block-table rows past b are never read by this graph
-        dev_ints[:used].copy_(host_ints[:used], non_blocking=True)
+        dev_ints[: 2 * seg].copy_(host_ints, non_blocking=True)
+        packed = self._table_rows[: b * cols]
+        packed.copy_(host_table, non_blocking=True)
+        self.io["block_tables"][:b, :cols].copy_(packed.view(b, cols))  # rows past b: never read by this graph
 
 
 @torch.inference_mode()
