@@ -71,12 +71,12 @@ def draw(
     random rows a draw. Every per-row value goes to the device from pinned memory and rows are
     picked by device indices, so the host never waits for the device here: a step launched ahead
     of the one before it draws without ending the overlap."""
-    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return tokens
-    if len(random_rows) == len(params):
+        return logits.argmax(dim=-1)
+    if len(random_rows) == len(params):  # no greedy row: no argmax to take
         return _draw(logits, list(params), list(generators), default_generator)
+    tokens = logits.argmax(dim=-1)
     index = to_device(np.asarray(random_rows, dtype=np.int64), logits.device)
     drawn = _draw(logits.index_select(0, index), [params[i] for i in random_rows],
                   [generators[i] for i in random_rows], default_generator)  # fmt: skip
