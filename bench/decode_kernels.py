@@ -10,7 +10,7 @@ programmatic dependents, as a decode step does.
     python bench/decode_kernels.py [--json out.json] [--no-sweep]
 
 `--attention-splits` instead sweeps decode attention's splits of the context (1-32) and tiles at
-head_dim 64 and 128, batches 4-96 and contexts 300/1,100/3,000, and sets the splits and tile the
+head_dim 64 and 128, batches 1-128 and contexts 300/1,100/3,000, and sets the splits and tile the
 engine picks (`decode_tiles`) beside the fastest:
 
     python bench/decode_kernels.py --attention-splits
@@ -31,8 +31,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_json  # noqa: E402
-
-from pdserve.engine.kernels.decode_tiles import attention_splits, attention_tile, gemv_tile  # noqa: E402
+from pdserve.engine.kernels.decode_tiles import (  # noqa: E402
+    ATTENTION_BLOCK_N,
+    ATTENTION_STAGES,
+    ATTENTION_WARPS,
+    attention_splits,
+    gemv_tile,
+)
 
 try:
     from pdserve.engine.kernels import decode_kernels as dk  # noqa: E402
@@ -170,16 +175,21 @@ def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
-def _attention_at(q, k_cache, v_cache, tables, lens, splits: int, tile: tuple[int, int]) -> Callable[[int], None]:
-    """decode_attention's two kernels launched with a chosen tile (the engine picks it from the
-    number of programs)."""
+ENGINE_TILE = (ATTENTION_BLOCK_N, ATTENTION_WARPS, ATTENTION_STAGES)
+# The engine's tile and five others: 32 or 64 keys a step, 2 or 4 warps, 2 or 3 tiles in flight.
+SWEPT_TILES = (ENGINE_TILE, (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 3), (128, 4, 2))
+
+
+def _attention_at(q, k_cache, v_cache, tables, lens, splits: int, tile: tuple[int, int, int]) -> Callable[[int], None]:
+    """decode_attention's two kernels launched with a chosen tile (keys a step, warps, tiles in
+    flight; the engine's is fixed)."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     out = torch.empty_like(q)
     part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device) if splits > 1 else out
     part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device) if splits > 1 else out
     kw = dict(GROUP=hq // hk, BLOCK_G=max(16, triton_next_pow2(hq // hk)), HEAD_DIM=d, PAGE=k_cache.shape[1],
-              BLOCK_N=tile[0], SPLITS=splits, ROPE=False, USE_PDL=False, PRECISION="tf32", num_warps=tile[1])
+              BLOCK_N=tile[0], SPLITS=splits, ROPE=False, USE_PDL=False, PRECISION="tf32", STAGES=tile[2], num_warps=tile[1])
 
     def step(i: int) -> None:
         t = tables[i % len(tables)]
@@ -196,13 +206,14 @@ def _attention_at(q, k_cache, v_cache, tables, lens, splits: int, tile: tuple[in
 
 
 def sweep_attention_splits() -> list[dict]:
-    """Every split count (1-32) with the engine's tile and with the two others, per (head_dim,
-    batch, context); 32 query heads, 8 KV heads, pages of 16."""
+    """Per (head_dim, batch, context): each of SWEPT_TILES at the engine's split count, and the
+    engine's tile at every other split count (1-32); 32 query heads, 8 KV heads, pages of 16,
+    each sequence's pages scattered over the pool."""
     hq, hk, page = 32, 8, 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for d in (64, 128):
-        for batch in (4, 8, 16, 24, 32, 48, 64, 96):
+        for batch in (1, 4, 16, 32, 64, 96, 128):
             for ctx in (300, 1100, 3000):
                 pages = -(-ctx // page)
                 per_copy = 2 * batch * pages * page * hk * d * 2
@@ -214,11 +225,10 @@ def sweep_attention_splits() -> list[dict]:
                 lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
                 q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
                 times = {}
-                for splits in (1, 2, 4, 8, 16, 32):
-                    for tile in {attention_tile(batch * hk * splits, sms, d), (32, 2 if d <= 64 else 4), (64, 4)}:
+                picked = (attention_splits(batch, hk, sms), ENGINE_TILE)
+                for splits in (1, 2, 4, 8, 16, 32):  # every tile at the engine's splits, the engine's at the others
+                    for tile in SWEPT_TILES if splits == picked[0] else (ENGINE_TILE,):
                         times[(splits, tile)] = graph_time(_attention_at(q, k_cache, v_cache, tables, lens, splits, tile))
-                picked_splits = attention_splits(batch, hk, sms)
-                picked = (picked_splits, attention_tile(batch * hk * picked_splits, sms, d))
                 best = min(times, key=times.get)
                 rows.append({"head_dim": d, "batch": batch, "context": ctx, "kv_bytes": per_copy,
                              "picked": picked, "picked_s": times[picked], "best": best, "best_s": times[best],
@@ -232,7 +242,7 @@ def sweep_attention_splits() -> list[dict]:
 def print_attention_sweep(card: str, rows: list[dict]) -> None:
     print(f"\n{card}: decode attention, engine's splits and tile against the fastest, µs per call (TB/s of KV)\n")
     print(markdown_table(
-        ["head_dim", "batch", "context", "engine: splits, (BLOCK_N, warps)", "engine", "fastest", "fastest: splits, tile",
+        ["head_dim", "batch", "context", "engine: splits, (keys, warps, stages)", "engine", "fastest", "fastest: splits, tile",
          "engine / fastest", "by splits 1/2/4/8/16/32 (µs)"],
         [[str(r["head_dim"]), str(r["batch"]), str(r["context"]), f"{r['picked'][0]}, {r['picked'][1]}",
           f"{r['picked_s'] * 1e6:.1f} ({r['kv_bytes'] / r['picked_s'] / 1e12:.2f})",

@@ -127,28 +127,26 @@ def main() -> None:
 
 
 def check_warm_up() -> None:
-    """The warm-up launches the kernel once per split count and tile that mixed steps can take,
-    with inputs laid out as theirs are."""
+    """The warm-up launches the kernel once per split count that mixed steps can take (the tile is
+    the same for all), with inputs laid out as theirs are."""
     from pdserve.engine.kernels import decode_kernels
-    from pdserve.engine.kernels.decode_tiles import attention_splits, attention_tile
+    from pdserve.engine.kernels.decode_tiles import attention_splits
     from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention
 
-    launched: list[tuple[int, int, tuple[int, int]]] = []
+    launched: list[tuple[int, int]] = []
 
     class Recording(decode_kernels.SplitKVDecodes):
         def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
             assert block_tables.shape[1] % 16 == 0 and block_tables.is_contiguous()
-            splits = attention_splits(q.shape[0], k_cache.shape[2], self.num_sms)
-            tile = attention_tile(q.shape[0] * k_cache.shape[2] * splits, self.num_sms, q.shape[2])
-            launched.append((q.shape[0], splits, tile))
+            launched.append((q.shape[0], attention_splits(q.shape[0], k_cache.shape[2], self.num_sms)))
             return super().__call__(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
     _, k_cache, v_cache, _ = paged_case([(0, 3)], 16, 4, 2, 16, seed=3)
     MixedDecodeAttention(TorchAttention(), Recording(torch.device("cpu"), num_sms=16)).warm_up(k_cache, v_cache, 4, 8)
-    assert launched == [(1, 32, (64, 4)), (2, 16, (64, 4)), (3, 8, (64, 4)), (5, 4, (64, 4))], launched
-    # 4 SMs: batches 5 to 10 share one split but not the tile (10 and 20 programs)
+    assert launched == [(1, 32), (2, 16), (3, 8), (5, 4)], launched
+    # 4 SMs: batches 5 to 10 share one split count, so one launch covers them
     MixedDecodeAttention(TorchAttention(), Recording(torch.device("cpu"), num_sms=4)).warm_up(k_cache, v_cache, 4, 10)
-    assert launched[4:] == [(1, 8, (64, 4)), (2, 4, (64, 4)), (3, 2, (64, 4)), (5, 1, (64, 4)), (10, 1, (32, 2))], launched
+    assert launched[4:] == [(1, 8), (2, 4), (3, 2), (5, 1)], launched
     print(f"warm-up: {len(launched)} launches")
 
 

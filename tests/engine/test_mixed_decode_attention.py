@@ -137,7 +137,7 @@ def test_split_kv_kernel_in_the_triton_interpreter():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 mixed steps through the split-KV kernel match the reference" in done.stdout
-    assert "warm-up: 9 launches" in done.stdout
+    assert "warm-up: 8 launches" in done.stdout
 
 
 def test_decode_rows_get_padded_copies_of_their_tables():

@@ -9,7 +9,6 @@ from pdserve.engine.kernels.decode_tiles import (
     MAX_ATTENTION_SPLITS,
     MAX_SPLIT_K,
     attention_splits,
-    attention_tile,
     gemv_tile,
 )
 
@@ -58,20 +57,3 @@ def test_attention_splits_keep_about_four_programs_per_sm(batch, kv_heads, split
     assert splits == 1 or programs <= ATTENTION_PROGRAMS_PER_SM * H100_OR_H200_SMS
     # the next power of two would pass the target (or the cap)
     assert splits == MAX_ATTENTION_SPLITS or 2 * programs > ATTENTION_PROGRAMS_PER_SM * H100_OR_H200_SMS
-
-
-@pytest.mark.parametrize(
-    "batch, head_dim, tile",
-    [
-        (1, 64, (64, 4)),
-        (32, 64, (64, 4)),
-        (64, 64, (64, 4)),  # 512 programs: fewer than five per SM at head_dim 64
-        (96, 64, (32, 2)),  # 768 programs: five or more per SM
-        (256, 64, (32, 2)),
-        (32, 128, (64, 4)),  # 256 programs: fewer than two per SM
-        (48, 128, (32, 4)),  # 384 programs: two or more per SM at head_dim 128
-        (64, 128, (32, 4)),
-    ],
-)
-def test_attention_tile_narrows_with_many_programs_per_sm(batch, head_dim, tile):
-    assert attention_tile(batch * 8, H100_OR_H200_SMS, head_dim) == tile

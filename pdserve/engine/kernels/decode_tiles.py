@@ -48,15 +48,13 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     return splits
 
 
-def attention_tile(programs: int, num_sms: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of a decode attention launch of `programs` (sequence, KV head,
-    split) programs. Many programs each take 32 keys a step: at head_dim 128 from two per SM (4
-    warps; at batch 48 and 1,100 tokens 66 against 97 us a layer), at head_dim 64 from five per
-    SM (2 warps; at about four per SM, where the splits put most batches, 64 keys and 4 warps
-    read 10-25 % faster). Fewer programs take 64 keys with 4 warps (bench/decode_kernels.py
-    --attention-splits)."""
-    if head_dim <= 64 and programs >= 5 * num_sms:
-        return 32, 2
-    if head_dim > 64 and programs >= 2 * num_sms:
-        return 32, 4
-    return 64, 4
+# Decode attention's tile: keys a step and warps, and for the pipelined loop (every launch but the
+# batch-1 one with RoPE inside, which holds the next tile in registers) tiles in flight. One shape
+# for every batch and context: on an H200, head_dim 64 and 128, batches 1-128 and contexts of
+# 300-3,000 tokens, it is within 1.05x of the fastest swept in 28 of 42 cases and 1.10x in 32;
+# 1.22x at worst (head_dim 64, batch 64, 1,100 tokens: 128 keys a step win), and 32 keys a step
+# are 1.14-1.15x faster at head_dim 128, batch 96 (bench/decode_kernels.py --attention-splits;
+# docs/engine-gpu.md).
+ATTENTION_BLOCK_N = 64
+ATTENTION_WARPS = 4
+ATTENTION_STAGES = 2
