@@ -62,7 +62,27 @@ def test_streamed_text_is_the_same_through_either_decode(backend):
 
     slow = IncrementalDetokenizer(tok)
     slow._decode = lambda window: tok.decode(window, skip_special_tokens=True)
-    assert stream(IncrementalDetokenizer(tok)) == stream(slow)
+    slow._stream = None  # the windows decoded here, through the library's decode
+    fast = IncrementalDetokenizer(tok)
+    assert fast._stream is not None, "the backend's DecodeStream is taken where the backend decode is exact"
+    assert stream(fast) == stream(slow)
+    assert fast._stream is not None, "the stream ran to the end without handing over"
+
+
+def test_a_stream_that_refuses_a_token_hands_over_to_the_windows_with_the_same_text(backend):
+    tok = _fast(backend, clean_up_tokenization_spaces=False)
+    ids = tok.encode(_TEXT[0], add_special_tokens=False)
+    windowed = IncrementalDetokenizer(tok)
+    windowed._stream = None
+    for t in ids:
+        windowed.add([t])
+    for fail_at in (1, 7, len(ids) // 2, len(ids) - 1):
+        detok = IncrementalDetokenizer(tok)
+        detok._stream = _Refusing(detok._stream, fail_at)
+        for i in range(0, len(ids), 3):  # several tokens an add, as a resumed stream adds them
+            detok.add(ids[i : i + 3])
+        assert detok._stream is None
+        assert detok.text == windowed.text == tok.decode(ids, skip_special_tokens=True), fail_at
 
 
 class _OwnDecode(PreTrainedTokenizerFast):
@@ -85,3 +105,16 @@ def test_a_tokenizer_that_is_not_a_hugging_face_one_is_called_as_it_is():
             return "".join(chr(97 + i) for i in ids)
 
     assert text_decoder(Letters())([0, 1, 2]) == "abc"
+
+
+class _Refusing:
+    """A DecodeStream that raises as the library does after `fail_at` tokens."""
+
+    def __init__(self, real, fail_at: int) -> None:
+        self.real, self.fail_at, self.calls = real, fail_at, 0
+
+    def step(self, backend, token):
+        self.calls += 1
+        if self.calls > self.fail_at:
+            raise Exception("Invalid prefix encountered")  # noqa: TRY002 - the library raises a plain Exception
+        return self.real.step(backend, token)
