@@ -4,8 +4,6 @@ engine after every step; finished requests leave its table here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from pdserve.engine.prompt_logprobs import PromptLogprob, prompt_logprobs_of
 from pdserve.engine.request_table import RequestTable
 from pdserve.engine.runner import SampledToken
@@ -13,25 +11,77 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.sequence import SeqStatus
 
 
-@dataclass
 class RequestOutput:
     """One request's state after a step: every generated token so far, the text, and what
-    this step added."""
+    this step added.
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort"; None while running or when only prefilled
-    num_cached_tokens: int = 0
-    logprobs: list[float] | None = None  # of each generated token, where asked
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, logprob), best first
-    new_token_ids: list[int] = field(default_factory=list)  # generated in this step
-    new_text: str = ""  # text that became final in this step
-    # With params.prompt_logprobs, on the request's first output and its last: None for the
-    # first prompt token, then each token's score (pdserve.engine.prompt_logprobs).
-    prompt_logprobs: list[PromptLogprob | None] | None = None
+    `token_ids`, `logprobs` and `top_logprobs` hold everything so far as of this step. They are
+    sliced from the sequence's lists (which only grow) when read, not copied at every step: a
+    decode worker streams only `new_token_ids`, and copying every token so far for every row
+    at every step made the host's work per step grow with the length of the answers."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "text", "finished", "finish_reason", "num_cached_tokens",
+        "new_token_ids", "new_text", "prompt_logprobs", "_tokens", "_start", "_end", "_logprobs",
+        "_top_logprobs", "_num_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        text: str,
+        finished: bool,
+        finish_reason: str | None,
+        tokens: list[int],
+        num_output: int,
+        *,
+        num_cached_tokens: int = 0,
+        logprobs: list[float] | None = None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
+        new_token_ids: list[int] | None = None,
+        new_text: str = "",
+        prompt_logprobs: list[PromptLogprob | None] | None = None,
+    ) -> None:
+        """`tokens`: the prompt and the generated tokens (the sequence's list), of which the last
+        `num_output` are generated; `logprobs` and `top_logprobs`: the sequence's lists, where
+        asked for."""
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.text = text
+        self.finished = finished
+        self.finish_reason = finish_reason  # "stop", "length", "abort"; None while running or when only prefilled
+        self.num_cached_tokens = num_cached_tokens
+        self.new_token_ids = [] if new_token_ids is None else new_token_ids  # generated in this step
+        self.new_text = new_text  # text that became final in this step
+        # With params.prompt_logprobs, on the request's first output and its last: None for the
+        # first prompt token, then each token's score (pdserve.engine.prompt_logprobs).
+        self.prompt_logprobs = prompt_logprobs
+        self._tokens, self._end = tokens, len(tokens)
+        self._start = self._end - num_output
+        self._logprobs, self._top_logprobs = logprobs, top_logprobs
+        self._num_logprobs = 0 if logprobs is None else len(logprobs)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every generated token so far."""
+        return self._tokens[self._start : self._end]
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        """The logprob of each generated token, where asked for."""
+        return None if self._logprobs is None else self._logprobs[: self._num_logprobs]
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        """Per generated token: (token, logprob) of the most likely, best first, where asked for."""
+        return None if self._top_logprobs is None else self._top_logprobs[: self._num_logprobs]
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, text={self.text!r}, "
+            f"finished={self.finished}, finish_reason={self.finish_reason!r}, new_token_ids={self.new_token_ids!r})"
+        )
 
 
 def step_outputs(
@@ -60,15 +110,16 @@ def step_outputs(
         finished = seq.status in (SeqStatus.FINISHED, SeqStatus.PINNED)
         outputs.append(
             RequestOutput(
-                request_id=rid,
-                prompt_token_ids=seq.prompt_token_ids,
-                token_ids=seq.output_token_ids,
-                text=detok.text,
-                finished=finished,
-                finish_reason=seq.finish_reason,
+                rid,
+                seq.prompt_token_ids,
+                detok.text,
+                finished,
+                seq.finish_reason,
+                seq.token_ids,
+                seq.num_output_tokens,
                 num_cached_tokens=seq.num_cached_tokens,
-                logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-                top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
+                logprobs=seq.logprobs if seq.params.logprobs else None,
+                top_logprobs=seq.top_logprobs if seq.params.top_logprobs else None,
                 new_token_ids=[token],
                 new_text=detok.stream_delta(finished),
                 prompt_logprobs=prompt_logprobs_of(seq) if seq.num_output_tokens == 1 or finished else None,
