@@ -95,7 +95,7 @@ class ServerRun:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not healthy after {timeout_s:.0f} s (see {self.logs})")
-            time.sleep(1.0)
+            time.sleep(0.2)  # the start-up time recorded is this close to the server's
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to each process group, SIGKILL to what is left after grace_s, then to anything
