@@ -145,7 +145,7 @@ start_node() {
       tail -n 20 "$log" >&2
       die "the Ray $role did not start within ${START_TIMEOUT}s ('$SELF down' stops PID $pid); log: $log"
     fi
-    sleep 0.5
+    sleep 0.1
   done
 }
 
@@ -277,18 +277,18 @@ stop_pid() {
   if pid_is "$pid" "$marker"; then
     say "stopping $name (PID $pid)"
     kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 1 60); do
+    for i in $(seq 1 300); do  # a grace period of 30 s
       kill -0 "$pid" 2>/dev/null || break
-      sleep 0.5
+      sleep 0.1
     done
     ! kill -0 "$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
   fi
   # The node's processes share the group `ray start` leads (its PID): stop any that outlived it.
   if [ "$name" != serve ] && [ "$name" != router ] && kill -0 -- "-$pid" 2>/dev/null; then
     kill -TERM -- "-$pid" 2>/dev/null || true
-    for i in $(seq 1 20); do
+    for i in $(seq 1 100); do  # 10 s
       kill -0 -- "-$pid" 2>/dev/null || break
-      sleep 0.5
+      sleep 0.1
     done
     ! kill -0 -- "-$pid" 2>/dev/null || kill -KILL -- "-$pid" 2>/dev/null || true
   fi
