@@ -21,9 +21,21 @@ class RequestOutput:
     at every step made the host's work per step grow with the length of the answers."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "text", "finished", "finish_reason", "num_cached_tokens",
-        "new_token_ids", "new_text", "prompt_logprobs", "_tokens", "_start", "_end", "_logprobs",
-        "_top_logprobs", "_num_logprobs",
+        "_end",
+        "_logprobs",
+        "_num_logprobs",
+        "_start",
+        "_tokens",
+        "_top_logprobs",
+        "finish_reason",
+        "finished",
+        "new_text",
+        "new_token_ids",
+        "num_cached_tokens",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "request_id",
+        "text",
     )
 
     def __init__(
