@@ -40,7 +40,11 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     tokenizer whose decode is the library's own and cleans up no spaces, that is exactly the
     backend's decode, called here directly: the library's path around it costs several times the
     decode itself, and a stream decodes twice per token."""
-    backend = _exact_backend(tokenizer)
+    return _decoder(tokenizer, _exact_backend(tokenizer))
+
+
+def _decoder(tokenizer: Any, backend: Any | None) -> Callable[[list[int]], str]:
+    """`text_decoder` with `_exact_backend(tokenizer)` already found."""
     if backend is not None:
         decode = backend.decode
         return lambda ids: decode(ids, skip_special_tokens=True)
@@ -76,9 +80,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._emitted = 0
-        self._decode = text_decoder(tokenizer) if tokenizer is not None else None
-        # Where the backend's decode is exact, the library runs the same windows itself.
+        # Where the backend's decode is exact, it decodes directly, and the library runs the
+        # same windows itself.
         self._backend = _exact_backend(tokenizer) if tokenizer is not None else None
+        self._decode = _decoder(tokenizer, self._backend) if tokenizer is not None else None
         self._stream = _decode_stream(self._backend) if self._backend is not None else None
 
     def add(self, token_ids: list[int]) -> str | None:
