@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.ray_address import ONE_MACHINE_VAR, running_cluster, system_temp_dir
+from pdserve.cluster.ray_start_retry import start_local_ray
 from pdserve.cluster.stale_ray_dirs import PREFIX, mark_owner, remove_stale
 
 log = logging.getLogger(__name__)
@@ -122,21 +123,12 @@ class LocalRay:
         """Start the head node on loopback with `settings` and connect to it; on any failure
         (SIGINT and SIGTERM included) what started is stopped again."""
         import ray
-        from ray._private.node import Node
-        from ray._private.parameter import RayParams
 
-        # The node as `ray.init()` starts one, but with the ports it offers no argument for.
-        params = RayParams(
-            node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            temp_dir=str(settings.temp_dir),
-            dashboard_agent_listen_port=settings.dashboard_agent_port,
-            metrics_export_port=settings.metrics_export_port,
-            _system_config=dict(system_config),
-        )
         node = None
         try:
-            node = Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
+            # Once more if the raylet misses Ray's start-up wait: the directory, token and ports
+            # `prepare` chose stay (Ray read the token's path at import).
+            node = start_local_ray(lambda: _head_node(settings, system_config))
             ray.init(
                 address=node.gcs_address, namespace=namespace, log_to_driver=log_to_driver,
                 logging_level=logging.WARNING, configure_logging=True,
@@ -149,6 +141,23 @@ class LocalRay:
     def stop(self) -> None:
         """Disconnect, stop every process of the node and remove its directory if created here."""
         _stop(self._node, self.settings)
+
+
+def _head_node(settings: LocalRaySettings, system_config: Mapping[str, Any]) -> Any:
+    """The node as `ray.init()` starts one, but with the ports it offers no argument for (new
+    parameters each attempt: a node that starts writes the ports it picked into them)."""
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    params = RayParams(
+        node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        temp_dir=str(settings.temp_dir),
+        dashboard_agent_listen_port=settings.dashboard_agent_port,
+        metrics_export_port=settings.metrics_export_port,
+        _system_config=dict(system_config),
+    )
+    return Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
 
 
 def _stop(node: Any, settings: LocalRaySettings) -> None:

@@ -3,15 +3,13 @@ local instance on loopback, once more if Ray gives up waiting for its raylet."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-from pathlib import Path
 
 import ray
 
 from pdserve.cluster.actors import NAMESPACE
+from pdserve.cluster.ray_start_retry import start_local_ray
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +18,6 @@ log = logging.getLogger(__name__)
 # share with a nice-0 process (the router relaying their tokens, a client) is nearly all that
 # process's. A local cluster's workers run at the router's priority.
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
-LOCAL_RAY_START_ATTEMPTS = 2
 
 
 def init_ray(address: str | None, worker_logs: bool) -> None:
@@ -43,42 +40,19 @@ def init_ray(address: str | None, worker_logs: bool) -> None:
     level = auth_log.level
     auth_log.setLevel(logging.ERROR)
     try:
-        for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
-            before = _child_pids()
-            try:
-                ray.init(
-                    address="local",  # a new instance, never one that RAY_ADDRESS or Ray's state files name
-                    namespace=NAMESPACE,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                    configure_logging=True,
-                    log_to_driver=worker_logs,
-                    _node_ip_address="127.0.0.1",
-                    _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-                )
-                return
-            except Exception as e:
-                # Ray gives a new raylet a fixed 30 s to register with the GCS; a loaded host
-                # (two cores, a cold disk cache) can miss it once. Anything else is not retried.
-                if "timed out during startup" not in str(e) or attempt == LOCAL_RAY_START_ATTEMPTS:
-                    raise
-                log.warning("the local Ray instance did not come up (%s); starting it again", e)
-                ray.shutdown()
-                # Ray keeps no handle on a node that failed to start: its processes are ended here
-                # rather than left to compete with the next attempt until this process exits.
-                for pid in _child_pids() - before:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
+        start_local_ray(
+            lambda: ray.init(
+                address="local",  # a new instance, never one that RAY_ADDRESS or Ray's state files name
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                configure_logging=True,
+                log_to_driver=worker_logs,
+                _node_ip_address="127.0.0.1",
+                _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+            ),
+            after_failure=ray.shutdown,
+        )
     finally:
         auth_log.setLevel(level)
 
-
-def _child_pids() -> set[int]:
-    """This process's child processes (empty where /proc is not mounted)."""
-    me, children = str(os.getpid()), set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            # Fields after the command name, which is in parentheses and may hold spaces.
-            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
-                children.add(int(stat.parent.name))
-    return children
