@@ -8,7 +8,8 @@ beside the offline engine's, and a latency-throughput plot for them all.
     python bench/gpu_serve.py --report-only --out OUT       (the tables and plot of what OUT holds)
     python bench/gpu_serve.py --engine-steps --profile knee-1b --out OUT   (only the engine's steps)
 
-Servers (names are stable; `--servers` picks some): on 2 GPUs pdserve-1p1d, pdserve-colocated,
+Servers (names are stable; `--servers` picks some): on 1 GPU pdserve-colocated and vllm-serve-dp1
+(the serving path alone, nothing to disaggregate); on 2 GPUs pdserve-1p1d, pdserve-colocated,
 vllm-serve-dp2 and, when named or with --vllm-pd, vllm-serve-1p1d (vLLM's NixlConnector behind
 bench/vllm_pd_proxy.py); on 4 GPUs pdserve-2p2d, pdserve-3p1d, pdserve-colocated, vllm-serve-dp4,
 and, when named or with --profile tp-8b, pdserve-1p2d-tp2 (a TP2 prefill worker, two TP1 decode
@@ -27,7 +28,7 @@ knee-8b (8B; long-prompt 8/16/24, chat 16/32/48), interference (8B; chat 24/32/4
 12/16; TTFT <= 1000 ms, mean ITL <= 12 ms), and 8b-both (every rate of the two 8B profiles on one
 set of servers, each run judged by both ITL SLOs; `--report-only --profile knee-8b` or
 `--profile interference` then writes either table); tp-8b (4 GPUs, the three TP servers at
-knee-8b's rates). Rates are for 2 GPUs, doubled on 4.
+knee-8b's rates). Rates are for 2 GPUs, halved on 1 and doubled on 4.
 --also-slo-itl-ms keeps a run's figures under other ITL SLOs too. The report marks each rate
 where `vllm serve` kept >= 80 % SLO attainment and gives pdserve's best / vLLM (goodput, TTFT
 p99) and disaggregated / colocated goodput.

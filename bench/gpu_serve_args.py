@@ -23,7 +23,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="every JSON, log, table and plot goes here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the default model, tiny workloads")
     p.add_argument(
-        "--gpus", type=int, default=None, choices=[2, 4],
+        "--gpus", type=int, default=None, choices=[1, 2, 4],
         help="GPUs each server configuration takes (default: the profile's, else 2)",
     )  # fmt: skip
     p.add_argument("--gpu-ids", type=_csv, default=None, help="which GPUs (default: 0..gpus-1)")
@@ -130,7 +130,7 @@ def resolve(args: argparse.Namespace) -> Choice:
     if unknown:
         raise ValueError(f"--workloads: unknown {', '.join(unknown)}")
     scale = args.scale if args.scale is not None else (0.05 if cpu else 1.0)
-    per_gpus = 1.0 if cpu else args.gpus / 2  # the rates are for 2 GPUs: 4 serve about twice the load
+    per_gpus = 1.0 if cpu else args.gpus / 2  # the rates are for 2 GPUs: 1 serves about half the load, 4 twice
     # On a CPU a profile picks the workloads only: its GPU rates and SLOs would leave nothing to compare.
     base = DEFAULT_RATES["cpu" if cpu else shape] | ({} if cpu or profile is None else profile.rates)
     rates = parse_rates(args.rates, workloads, {w: tuple(r * per_gpus for r in rs) for w, rs in base.items()})

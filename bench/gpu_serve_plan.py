@@ -56,6 +56,12 @@ class Server:
 
 
 SERVERS: dict[int, tuple[Server, ...]] = {
+    # One GPU: no disaggregation to compare, but the serving path (router, engine loop, mixed
+    # steps) against `vllm serve` on the same card, at half the 2-GPU rates.
+    1: (
+        Server("pdserve-colocated", "pdserve", 1, prefill=0, decode=1),
+        Server("vllm-serve-dp1", "vllm", 1),
+    ),
     2: (
         Server("pdserve-1p1d", "pdserve", 2, prefill=1, decode=1),
         Server("pdserve-colocated", "pdserve", 2, prefill=0, decode=2),

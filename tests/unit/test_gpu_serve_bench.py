@@ -48,6 +48,8 @@ def test_servers_by_gpu_count_and_names():
     assert [s.kind for s in select_servers(2, ["vllm-apiserver-dp2"], False)] == ["vllm-apiserver"]
     with pytest.raises(ValueError, match="vllm-serve-dp4"):
         select_servers(2, ["vllm-serve-dp4"], False)
+    one = select_servers(1, None, False)
+    assert [(s.name, s.gpus_used) for s in one] == [("pdserve-colocated", 1), ("vllm-serve-dp1", 1)]
     with pytest.raises(ValueError, match="--gpus"):
         select_servers(3, None, False)
 
