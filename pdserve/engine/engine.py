@@ -252,13 +252,21 @@ class LLMEngine:
         tokens = iter(self.runner.collect(current.launch))
         collected_at, before = time.perf_counter(), self._collected_at
         self._collected_at = collected_at
-        drawn = {id(item.seq): next(tokens) for item in current.scheduled if item.sample}
         self._count_rows(current.scheduled)
         if current.chained and before is not None:  # from the last step's tokens to this one's: its time
             self._observe(collected_at - before)
         # Aborted while in flight: its token is dropped (its blocks were freed in stream order).
-        live = [item for item in current.scheduled if item.seq.status is SeqStatus.RUNNING]
-        sampled = {item.seq.request_id: SampledToken(drawn[id(item.seq)]) for item in live if item.sample}
+        # One pass over the rows: at a few hundred rows each pass is a measurable part of the step.
+        live: list[ScheduledSeq] = []
+        sampled: dict[str, SampledToken] = {}
+        running = SeqStatus.RUNNING
+        for item in current.scheduled:
+            seq = item.seq
+            token = next(tokens) if item.sample else None
+            if seq.status is running:
+                live.append(item)
+                if token is not None:
+                    sampled[seq.request_id] = SampledToken(token)
         outputs = self._finish_step(live, sampled)
         self._inflight = _InFlight(following.scheduled, launch, chained=True) if launch is not None else None
         return outputs

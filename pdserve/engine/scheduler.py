@@ -25,8 +25,11 @@ def admissible_prefix(full_block_hashes: list[int], num_tokens: int, block_size:
     return full_block_hashes[: (num_tokens - 1) // block_size]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSeq:
+    """One row of a step: `num_new_tokens` of `seq` (not frozen: one is built for every row of
+    every step, and a frozen dataclass's init costs three times as much)."""
+
     seq: Sequence
     num_new_tokens: int
     sample: bool  # the chunk reaches the last known token, so its logits give the next token
@@ -269,7 +272,8 @@ class Scheduler:
         for item in scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self._register_full_blocks(seq, bs)
+            if seq.num_computed_tokens // bs > seq._num_registered:  # a block filled up
+                self._register_full_blocks(seq, bs)
             if not item.sample:
                 continue
             token = sampled[seq.request_id]

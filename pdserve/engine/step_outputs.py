@@ -104,22 +104,29 @@ def step_outputs(
     tokens = {rid: s.token for rid, s in sampled.items()}
     produced = scheduler.update(scheduled, tokens)
     outputs: list[RequestOutput] = []
+    detoks = requests.detok
+    # Every row of every step comes through here: attribute reads are hoisted out of the loop.
+    finished_, pinned = SeqStatus.FINISHED, SeqStatus.PINNED
     for seq in produced:
         rid = seq.request_id
         draw = sampled[rid]
         token = draw.token
-        if seq.params.logprobs and draw.logprob is not None:
+        params = seq.params
+        if params.logprobs and draw.logprob is not None:
             seq.logprobs.append(draw.logprob)
-            if seq.params.top_logprobs:
+            if params.top_logprobs:
                 seq.top_logprobs.append(draw.top_logprobs or [])
-        detok = requests.detok[rid]
-        matched = detok.add([token])
-        if matched is not None and seq.status is SeqStatus.PINNED:
+        detok = detoks[rid]
+        matched = detok.add([token]) if detok.tokenizer is not None else None
+        if matched is not None and seq.status is pinned:
             # Prefill role: the KV stays pinned for its hand-over; the stop is the answer's end.
             seq.finish_reason = "stop"
-        elif matched is not None and seq.status is not SeqStatus.FINISHED:
+        elif matched is not None and seq.status is not finished_:
             scheduler.finish(seq, "stop")
-        finished = seq.status in (SeqStatus.FINISHED, SeqStatus.PINNED)
+        status = seq.status
+        finished = status is finished_ or status is pinned
+        token_ids = seq.token_ids
+        num_output = len(token_ids) - len(seq.prompt_token_ids)
         outputs.append(
             RequestOutput(
                 rid,
@@ -127,16 +134,20 @@ def step_outputs(
                 detok.text,
                 finished,
                 seq.finish_reason,
-                seq.token_ids,
-                seq.num_output_tokens,
+                token_ids,
+                num_output,
                 num_cached_tokens=seq.num_cached_tokens,
-                logprobs=seq.logprobs if seq.params.logprobs else None,
-                top_logprobs=seq.top_logprobs if seq.params.top_logprobs else None,
+                logprobs=seq.logprobs if params.logprobs else None,
+                top_logprobs=seq.top_logprobs if params.top_logprobs else None,
                 new_token_ids=[token],
                 new_text=detok.stream_delta(finished),
-                prompt_logprobs=prompt_logprobs_of(seq) if seq.num_output_tokens == 1 or finished else None,
+                prompt_logprobs=(
+                    prompt_logprobs_of(seq)
+                    if seq.prompt_logprobs is not None and (num_output == 1 or finished)
+                    else None
+                ),
             )
         )
-        if seq.status is SeqStatus.FINISHED:
+        if status is finished_:
             requests.forget(rid)
     return outputs
