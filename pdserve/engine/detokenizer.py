@@ -51,8 +51,8 @@ def _decoder(tokenizer: Any, backend: Any | None) -> Callable[[list[int]], str]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _decode_stream(backend: Any) -> Any | None:
-    """A `tokenizers` DecodeStream (tokenizers >= 0.21) over `backend`, or None: the windowed
+def _decode_stream() -> Any | None:
+    """A `tokenizers` DecodeStream (tokenizers >= 0.21), or None: the windowed
     decode below as one call per token inside the library, about a third of its cost."""
     try:
         from tokenizers.decoders import DecodeStream
@@ -84,7 +84,7 @@ class IncrementalDetokenizer:
         # same windows itself.
         self._backend = _exact_backend(tokenizer) if tokenizer is not None else None
         self._decode = _decoder(tokenizer, self._backend) if tokenizer is not None else None
-        self._stream = _decode_stream(self._backend) if self._backend is not None else None
+        self._stream = _decode_stream() if self._backend is not None else None
 
     def add(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string matched, if any (the text is then cut)."""

@@ -272,8 +272,7 @@ class Scheduler:
         for item in scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens // bs > seq._num_registered:  # a block filled up
-                self._register_full_blocks(seq, bs)
+            self._register_full_blocks(seq, bs)
             if not item.sample:
                 continue
             token = sampled[seq.request_id]

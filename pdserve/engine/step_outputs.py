@@ -117,7 +117,7 @@ def step_outputs(
             if params.top_logprobs:
                 seq.top_logprobs.append(draw.top_logprobs or [])
         detok = detoks[rid]
-        matched = detok.add([token]) if detok.tokenizer is not None else None
+        matched = detok.add([token])
         if matched is not None and seq.status is pinned:
             # Prefill role: the KV stays pinned for its hand-over; the stop is the answer's end.
             seq.finish_reason = "stop"
@@ -141,11 +141,7 @@ def step_outputs(
                 top_logprobs=seq.top_logprobs if params.top_logprobs else None,
                 new_token_ids=[token],
                 new_text=detok.stream_delta(finished),
-                prompt_logprobs=(
-                    prompt_logprobs_of(seq)
-                    if seq.prompt_logprobs is not None and (num_output == 1 or finished)
-                    else None
-                ),
+                prompt_logprobs=prompt_logprobs_of(seq) if num_output == 1 or finished else None,
             )
         )
         if status is finished_:
