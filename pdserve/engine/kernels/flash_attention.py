@@ -14,6 +14,7 @@ import logging
 import torch
 
 from pdserve.engine.kernels.attention import AttentionMetadata
+from pdserve.engine.kernels.fa4_launch import FA4Launcher
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,14 @@ class FlashAttention:
 
     name = "flash"
 
-    def __init__(self) -> None:
+    def __init__(self, fast_launch: bool = True) -> None:
+        """`fast_launch`: launch flash-attn-4's kernels past its wrapper where a call's launch
+        class was recorded (`fa4_launch`); off, every call goes through the wrapper."""
         # No split-KV: flash-attn-4 (4.0.0b36) asserts "SplitKV not supported on SM 9.0" for any
         # num_splits > 1 on Hopper, so decode runs one CTA per (sequence, kv head).
         self.api = API
         self._checked: set[tuple[int, tuple[int, ...]]] = set()
+        self.launcher = FA4Launcher(_fa4_varlen, enabled=fast_launch) if API == "fa4" else None
 
     def attend(
         self,
@@ -127,19 +131,17 @@ class FlashAttention:
     ) -> torch.Tensor:
         self._check_layout(k_cache)
         self._check_layout(v_cache)
-        out, _ = _fa4_varlen(
+        return self.launcher(
             q,
             k_cache,
             v_cache,
-            cu_seqlens_q=meta.cu_seqlens_q,
-            seqused_k=meta.seq_lens,
-            page_table=meta.block_tables,
-            max_seqlen_q=meta.max_query_len,
-            max_seqlen_k=meta.max_seq_len,
-            softmax_scale=scale,
-            causal=True,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            meta.max_seq_len,
+            scale,
         )
-        return out
 
     def _check_layout(self, cache: torch.Tensor) -> None:
         key = (cache.data_ptr(), tuple(cache.stride()))
