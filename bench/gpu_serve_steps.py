@@ -30,6 +30,7 @@ BATCH_BUCKETS = (
 )  # fmt: skip
 DECODE = "decode"
 PREFILL = "prefill"
+MIXED = "mixed"
 # The router's latency histograms a TTFT is made of (means over a run): metric -> name in the record
 ROUTER_PARTS = {
     "pdserve_time_to_first_token_seconds": "ttft_ms",
@@ -195,8 +196,8 @@ def _figures(t: StepTotals) -> dict:
 
 def run_steps(before_text: str, after_text: str) -> dict:
     """A run's `engine_steps` record: the decode workers' summary (with, where the workers
-    export them, each loop's mean turn and the share of its steps launched ahead) and every
-    kind's step counts."""
+    export them, each loop's mean turn and the share of its steps launched ahead), the prefill
+    and mixed steps' summaries and every kind's step counts."""
     steps = delta(parse_steps(before_text), parse_steps(after_text))
     kinds: dict[str, int] = {}
     for (_, k, _), t in steps.items():
@@ -209,8 +210,8 @@ def run_steps(before_text: str, after_text: str) -> dict:
         if worker in decode and d.turns > 0:
             decode[worker]["loop"] = {"turns": round(d.turns), "mean_turn_ms": round(1e3 * d.seconds / d.turns, 4),
                                       "launched_ahead_share": round(d.ahead / ran, 4) if ran else None}  # fmt: skip
-    return {"decode": decode, "prefill": worker_summary(steps, PREFILL), "steps_by_kind": kinds,
-            "router": router_parts(before_text, after_text)}  # fmt: skip
+    return {"decode": decode, "prefill": worker_summary(steps, PREFILL), "mixed": worker_summary(steps, MIXED),
+            "steps_by_kind": kinds, "router": router_parts(before_text, after_text)}  # fmt: skip
 
 
 # ----- the engine's step at the serving batch -------------------------------------------------

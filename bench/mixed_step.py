@@ -51,6 +51,7 @@ class MixedSwitch:
             from pdserve.engine.kernels.decode_kernels import SplitKVDecodes
 
             split = MixedDecodeAttention(runner.backend, SplitKVDecodes(runner.device))
+        split.min_decodes = 1  # the switch decides which steps split, not the engine's threshold
         self.split = split
 
     def set(self, on: bool) -> None:

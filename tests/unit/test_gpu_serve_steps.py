@@ -125,7 +125,7 @@ def test_run_steps_counts_every_kind_and_summarizes_decode():
     assert rec["decode"]["decode-0"]["busiest"]["mean_batch"] == 90.0
     prefill = rec["prefill"]["prefill-0"]["all"]  # +50 steps, 1.5 s, 50 prompts
     assert prefill == {"steps": 50, "mean_step_ms": 30.0, "mean_batch": 1.0}
-    assert run_steps(AFTER, AFTER) == {"decode": {}, "prefill": {}, "steps_by_kind": {}, "router": {}}
+    assert run_steps(AFTER, AFTER) == {"decode": {}, "prefill": {}, "mixed": {}, "steps_by_kind": {}, "router": {}}
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
     assert re.search(r"\| prefill-0 +\| 50 +\| 30\.00 +\| 1\.00 +\| - +\|", table), table
     assert prefill_table([{"server": "vllm-serve-dp2", "workload": "chat", "rate": 24.0}]) == ""
