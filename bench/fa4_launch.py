@@ -125,7 +125,7 @@ def per_step(shape: str, chunks: list[int], decodes: int, reps: int) -> list[lis
         vocab = engine.model_config.vocab_size
         one = SamplingParams(max_tokens=1, temperature=0.0)
 
-        def step_of(chunk: int, on: bool) -> float:
+        def step_of(llm: LLM, chunk: int, on: bool) -> float:
             launcher.enabled = on
             rid = engine.add_request(_random_prompt(rng, chunk, vocab), one)
             dt, outs = timed_step(llm, "cuda")
@@ -139,7 +139,7 @@ def per_step(shape: str, chunks: list[int], decodes: int, reps: int) -> list[lis
                 times: dict[bool, list[float]] = {True: [], False: []}
                 for i in range(reps + 2):
                     for on in (True, False) if i % 2 == 0 else (False, True):
-                        times[on].append(step_of(chunk, on))
+                        times[on].append(step_of(llm, chunk, on))
                 f, w = (statistics.median(times[on][2:]) * 1e3 for on in (True, False))
                 rows.append([shape, kind, str(chunk), f"{w:.2f}", f"{f:.2f}", f"{f / w:.3f}x"])
             stop(llm, ids)
