@@ -1,23 +1,11 @@
 """flash-attn-4's paged varlen forward, launched past its Python wrapper once the wrapper has
 resolved a launch.
 
-`flash_attn_varlen_func` spends most of its host time (170-180 µs a call on an H200's host)
-deciding, from its arguments' shapes and flags, which compiled kernel to run and with what; the
-launch itself is a small part. Prefill and mixed steps call it once per layer between their
-graphed pieces, so on short chunks the step waits on the host, not the GPU.
-
-A *launch class* holds everything that decision reads, as flash-attn-4 4.0.0b36 makes it on
-Hopper (SM 9.x): dtypes, head counts and dims, the cache's shape and strides, the tensors'
-broadcast patterns, the scale, causality, the packed query length's place against the kernel's
-query tiles (64/128/192/256 rows), and whether the batch is past the size where the wrapper adds
-a per-call lookup table. The first call of a class goes through the wrapper with its compile
-cache watched: the compiled kernel it launches and its argument list are kept, each argument
-named as one of this call's tensors (by address) or a constant. Later calls of the class launch
-that kernel with their own tensors in those places and a fresh output, which is exactly what the
-wrapper would have done. A class whose launch cannot be named so (an argument the wrapper
-computed per call, a copied input, more than one launch) keeps using the wrapper, as does every
-call on another architecture or flash-attn-4 version, where the class might not cover the
-decision. docs/engine.md, "flash-attn over the paged pool".
+The wrapper spends most of its host time (170-180 µs a call on an H200's host) deciding which
+compiled kernel to run and with what; prefill and mixed steps call it once per layer between
+their graphed pieces, so short chunks waited on the host. `FA4Launcher` records the wrapper's
+launch once per launch class and repeats it (docs/engine.md, "flash-attn over the paged pool";
+figures in docs/engine-gpu.md).
 """
 
 from __future__ import annotations
@@ -165,7 +153,19 @@ def fast_launch_supported(device: torch.device) -> tuple[bool, str]:
 
 
 class FA4Launcher:
-    """Calls flash-attn-4's paged varlen forward, launching recorded kernels where it can."""
+    """Calls flash-attn-4's paged varlen forward, launching recorded kernels where it can.
+
+    A launch class (`launch_class`) holds everything the wrapper's decision reads, as flash-attn-4
+    4.0.0b36 makes it on Hopper (SM 9.x): dtypes, head counts and dims, the cache's shape and
+    strides, broadcast patterns, scale, causality, the packed query length's place against the
+    query tiles, and whether the batch is past the size where the wrapper adds a per-call lookup
+    table. The first call of a class goes through the wrapper with its compile cache watched; the
+    compiled kernel it launches and its arguments are kept, each named as one of the call's tensors
+    (by address) or a constant. Later calls launch that kernel with their own tensors and a fresh
+    output, as the wrapper would. A class whose launch cannot be named so (an argument computed
+    per call, a copied input, more than one launch) keeps the wrapper, as does every call on
+    another architecture or flash-attn-4 version.
+    """
 
     def __init__(self, varlen: Callable[..., Any], enabled: bool = True) -> None:
         self._varlen = varlen
