@@ -285,6 +285,29 @@ def prefill_table(runs: Sequence[dict]) -> str:
                            "hand-over to first decode ms"], body)  # fmt: skip
 
 
+def kinds_table(runs: Sequence[dict]) -> str:
+    """Per worker and run: decode-only, mixed and prefill-only steps (count, mean ms, mean batch)
+    and each kind's share of the worker's step time, which says what a card spent its time on
+    near the knee (mixed steps there take far longer than decode steps); "" when no run carries
+    them."""
+    body = []
+    for r in sorted(runs, key=lambda r: (r["server"], r["workload"], r["rate"])):
+        rec = r.get("engine_steps") or {}
+        workers = sorted({w for kind in (DECODE, MIXED, PREFILL) for w in rec.get(kind) or {}})
+        for worker in workers:
+            alls = {kind: ((rec.get(kind) or {}).get(worker) or {}).get("all") for kind in (DECODE, MIXED, PREFILL)}
+            total = sum(a["steps"] * a["mean_step_ms"] for a in alls.values() if a)
+            cells = []
+            for a in alls.values():
+                cells.append("-" if not a else f"{a['steps']} × {a['mean_step_ms']:.2f} ms ({a['mean_batch']:.1f}; "
+                             f"{100 * a['steps'] * a['mean_step_ms'] / total:.0f} %)")  # fmt: skip
+            body.append([r["server"], r["workload"], f"{r['rate']:g}", worker, *cells])
+    if not body:
+        return ""
+    return markdown_table(["server", "workload", "rate req/s", "worker", "decode-only steps (batch; time)",
+                           "mixed steps (batch; time)", "prefill-only steps (batch; time)"], body)  # fmt: skip
+
+
 def steps_table(runs: Sequence[dict], engine: Sequence[dict]) -> str:
     """The markdown table of `steps_rows`; "" when no run carries step figures."""
     rows = steps_rows(runs, engine)

@@ -14,6 +14,7 @@ from bench.gpu_serve_steps import (
     decode_context,
     delta,
     engine_jobs,
+    kinds_table,
     parse_steps,
     prefill_table,
     run_steps,
@@ -129,6 +130,17 @@ def test_run_steps_counts_every_kind_and_summarizes_decode():
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
     assert re.search(r"\| prefill-0 +\| 50 +\| 30\.00 +\| 1\.00 +\| - +\|", table), table
     assert prefill_table([{"server": "vllm-serve-dp2", "workload": "chat", "rate": 24.0}]) == ""
+
+
+def test_the_kinds_table_gives_each_kinds_steps_and_share_of_the_workers_time():
+    before = metrics_text([("decode-0", "decode", "33-64", 10, 0.05, 480), ("decode-0", "mixed", "33-64", 0, 0.0, 0)])
+    after = metrics_text([("decode-0", "decode", "33-64", 110, 0.65, 5280), ("decode-0", "mixed", "33-64", 20, 0.6, 980)])
+    rec = run_steps(before, after)  # +100 decode steps in 0.6 s, +20 mixed steps in 0.6 s: half the time each
+    table = kinds_table([{"server": "pdserve-colocated", "workload": "chat", "rate": 20.0, "engine_steps": rec}])
+    row = next(line for line in table.splitlines() if "decode-0" in line)
+    assert "100 × 6.00 ms (48.0; 50 %)" in row and "20 × 30.00 ms (49.0; 50 %)" in row, table
+    assert row.rstrip(" |").endswith("-")  # no prefill-only step
+    assert kinds_table([{"server": "vllm-serve-dp2", "workload": "chat", "rate": 20.0}]) == ""
 
 
 def _loops(turns: float, seconds: float, ahead: float) -> str:
