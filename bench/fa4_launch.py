@@ -31,7 +31,7 @@ from bench.engine import SHAPES, _random_prompt
 from bench.mixed_step import start_decodes, stop, timed_step
 from bench.report import markdown_table
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kernels.attention import AttentionMetadata
+from pdserve.engine.kernels.attention import attend_only_metadata
 
 # (label, [(cached prefix, new tokens) per sequence])
 CALLS = [
@@ -53,22 +53,8 @@ def _case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, gen: torch.Gen
         tables[i, :w] = torch.arange(start, start + w, dtype=torch.int32)
         start += w
     q_lens = [n for _, n in seqs]
-    lens = [c + n for c, n in seqs]
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
-    meta = AttentionMetadata(
-        slot_block=torch.zeros(cu[-1], dtype=torch.int64, device=dev),
-        slot_offset=torch.zeros(cu[-1], dtype=torch.int64, device=dev),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        block_tables=tables.to(dev),
-        max_query_len=max(q_lens),
-        max_seq_len=max(lens),
-        query_lens=q_lens,
-        seq_lens_host=lens,
-    )
-    q = torch.randn((cu[-1], hq, d), generator=gen, device=dev, dtype=torch.bfloat16)
+    meta = attend_only_metadata(q_lens, [c + n for c, n in seqs], tables.to(dev))
+    q = torch.randn((sum(q_lens), hq, d), generator=gen, device=dev, dtype=torch.bfloat16)
     return q, pool[:, 1, 0], pool[:, 1, 1], meta
 
 

@@ -57,7 +57,7 @@ def _random_case(
 ):
     """A block-major pool with random contents, random block tables and the metadata for
     sequences given as (cached prefix length, new query tokens)."""
-    from pdserve.engine.kernels.attention import AttentionMetadata
+    from pdserve.engine.kernels.attention import attend_only_metadata
 
     dev = "cuda"
     need = sum(-(-(c + n) // block_size) for c, n in seqs)
@@ -76,21 +76,8 @@ def _random_case(
     bt = torch.zeros((len(seqs), width), dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
-    meta = AttentionMetadata(
-        slot_block=torch.zeros(cu[-1], dtype=torch.int64, device=dev),  # unused by attend
-        slot_offset=torch.zeros(cu[-1], dtype=torch.int64, device=dev),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        block_tables=bt.to(dev),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens=q_lens,
-        seq_lens_host=seq_lens,
-    )
-    q = torch.randn((cu[-1], hq, d), generator=gen, device=dev, dtype=torch.bfloat16)
+    meta = attend_only_metadata(q_lens, seq_lens, bt.to(dev))
+    q = torch.randn((sum(q_lens), hq, d), generator=gen, device=dev, dtype=torch.bfloat16)
     k_cache, v_cache = pool[:, layer, 0], pool[:, layer, 1]
     return q, k_cache, v_cache, meta
 

@@ -60,3 +60,15 @@ def test_triton_decode_kernels_need_a_power_of_two_head_dim():
     with pytest.raises(ValueError, match="^triton_decode_kernels: head_dim 48 is not a power of two"):
         decode_kernels_for(48, True)
     assert decode_kernels_for(48, None) is None
+
+
+def test_attend_only_metadata_describes_the_sequences_it_is_given():
+    from pdserve.engine.kernels.attention import attend_only_metadata
+
+    tables = torch.tensor([[3, 4, 0], [5, 6, 7]], dtype=torch.int32)
+    meta = attend_only_metadata([5, 1], [37, 40], tables)
+    assert meta.cu_seqlens_q.tolist() == [0, 5, 6] and meta.cu_seqlens_q.dtype == torch.int32
+    assert meta.seq_lens.tolist() == [37, 40] and meta.seq_lens.dtype == torch.int32
+    assert meta.block_tables is tables
+    assert (meta.max_query_len, meta.max_seq_len, meta.query_lens, meta.seq_lens_host) == (5, 40, [5, 1], [37, 40])
+    assert meta.slot_block.tolist() == [0] * 6 and meta.slot_offset.tolist() == [0] * 6

@@ -36,6 +36,24 @@ class AttentionMetadata:
         return len(self.query_lens)
 
 
+def attend_only_metadata(query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
+    """Metadata to attend over K/V already in the cache (kernel checks, benchmarks): sequences
+    of `query_lens` new tokens over contexts of `seq_lens`, on `block_tables`' device. Every new
+    token's slot is block 0, offset 0: attending writes nothing."""
+    dev, total = block_tables.device, sum(query_lens)
+    return AttentionMetadata(
+        slot_block=torch.zeros(total, dtype=torch.int64, device=dev),
+        slot_offset=torch.zeros(total, dtype=torch.int64, device=dev),
+        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens=list(query_lens),
+        seq_lens_host=list(seq_lens),
+    )
+
+
 class AttentionBackend(Protocol):
     name: str
 
