@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.ray_address import ONE_MACHINE_VAR, running_cluster, system_temp_dir
-from pdserve.cluster.ray_start_retry import start_local_ray
+from pdserve.cluster.ray_start_retry import kill_monitor, start_local_ray
 from pdserve.cluster.stale_ray_dirs import PREFIX, mark_owner, remove_stale
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,7 @@ def _stop(node: Any, settings: LocalRaySettings) -> None:
         ray.shutdown()
     finally:
         if node is not None:
+            kill_monitor(node)
             node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
         settings.discard()
 

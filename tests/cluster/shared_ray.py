@@ -44,8 +44,13 @@ class SharedRay:
         """Shut the instance down if this object started it."""
         import ray
 
+        from pdserve.cluster.ray_start_retry import kill_monitor
+
         if self._started:
             self._started = False
+            node = ray._private.worker._global_node  # the node `init_ray` started in this process
+            if node is not None:
+                kill_monitor(node)  # a second of Ray's shutdown otherwise (it ignores SIGTERM)
             ray.shutdown()
 
     def stop(self, cluster: Any, timeout_s: float = ACTORS_GONE_S) -> None:

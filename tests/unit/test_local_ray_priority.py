@@ -97,6 +97,7 @@ def test_serves_own_ray_start_retries_a_time_out_keeping_its_token_and_ending_th
         gcs_address = "127.0.0.1:1"
 
         def __init__(self, params, **kw):
+            self.all_processes: dict = {}  # no monitor for `kill_monitor` to end
             made.append(params)
             if len(made) == 1:
                 # A raylet that did not register leaves its processes and theirs behind.
