@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.gpu.greedy_checks import TIE_ABS, bf16_ulp, identical_or_near_ties, random_prompts
+from tests.gpu.paged_cases import random_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,43 +44,6 @@ def _flash():
 
 
 # ----- (a) flash backend vs torch SDPA on random data ---------------------------------------
-
-
-def _random_case(
-    seqs: list[tuple[int, int]],
-    num_layers: int,
-    block_size: int,
-    hq: int,
-    hkv: int,
-    d: int,
-    gen: torch.Generator,
-    layer: int = 1,
-):
-    """A block-major pool with random contents, random block tables and the metadata for
-    sequences given as (cached prefix length, new query tokens)."""
-    from pdserve.engine.kernels.attention import attend_only_metadata
-
-    dev = "cuda"
-    need = sum(-(-(c + n) // block_size) for c, n in seqs)
-    num_blocks = need + 7
-    pool = torch.randn(
-        (num_blocks + 1, num_layers, 2, block_size, hkv, d), generator=gen, device=dev, dtype=torch.bfloat16
-    )
-    perm = torch.randperm(num_blocks, generator=gen, device=dev).tolist()
-    tables, seq_lens, q_lens = [], [], []
-    for c, n in seqs:
-        nb = -(-(c + n) // block_size)
-        tables.append([perm.pop() for _ in range(nb)])
-        seq_lens.append(c + n)
-        q_lens.append(n)
-    width = max(len(t) for t in tables)
-    bt = torch.zeros((len(seqs), width), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    meta = attend_only_metadata(q_lens, seq_lens, bt.to(dev))
-    q = torch.randn((sum(q_lens), hq, d), generator=gen, device=dev, dtype=torch.bfloat16)
-    k_cache, v_cache = pool[:, layer, 0], pool[:, layer, 1]
-    return q, k_cache, v_cache, meta
 
 
 def _reference(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
@@ -132,7 +96,7 @@ def test_flash_matches_sdpa(case, hq, hkv, d, block_size):
         pytest.skip("classic flash-attn's paged path needs block_size % 256 == 0")
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, hq, hkv, d, block_size)).encode()))
     seqs = PREFILL_SEQS if case == "prefill" else DECODE_SEQS
-    q, k_cache, v_cache, meta = _random_case(seqs, 3, block_size, hq, hkv, d, gen)
+    q, k_cache, v_cache, meta = random_case(seqs, 3, block_size, hq, hkv, d, gen)
     # The block-major pool's per-layer view, as the runner passes it: not contiguous, but aligned,
     # so flash-attn-4 reads it in place (no copy).
     assert not k_cache.is_contiguous() and _aligned_view(k_cache) and _aligned_view(v_cache)
@@ -154,7 +118,7 @@ def test_flash_decode_under_cuda_graph():
         pytest.skip("graph capture is checked for flash-attn-4")
     gen = torch.Generator(device="cuda").manual_seed(7)
     hq, hkv, d, bs, b, max_blocks = 16, 4, 128, 16, 8, 64
-    q, k_cache, v_cache, meta = _random_case([(bs * max_blocks - 1, 1)] * b, 2, bs, hq, hkv, d, gen)
+    q, k_cache, v_cache, meta = random_case([(bs * max_blocks - 1, 1)] * b, 2, bs, hq, hkv, d, gen)
     backend = FlashAttention()
     scale = d**-0.5
     # Static inputs: the graph bounds max_seq_len by the table width, like the runner does.

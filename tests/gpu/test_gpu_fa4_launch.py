@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.gpu.test_gpu_engine import _random_case
+from tests.gpu.paged_cases import random_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,7 +64,7 @@ def test_the_fast_launch_equals_the_wrapper_bit_for_bit(hq, hkv, d, block_size):
     scale = d**-0.5
     compared = 0
     for i in order:
-        q, k_cache, v_cache, meta = _random_case(CASES[i], 2, block_size, hq, hkv, d, gen)
+        q, k_cache, v_cache, meta = random_case(CASES[i], 2, block_size, hq, hkv, d, gen)
         got = fast.attend(q, k_cache, v_cache, meta, scale)
         want = wrapper.attend(q, k_cache, v_cache, meta, scale)
         assert torch.equal(got, want), f"case {CASES[i][:3]}: the fast launch differs from the wrapper"
