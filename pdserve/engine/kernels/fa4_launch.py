@@ -238,7 +238,10 @@ class FA4Launcher:
             host_ints = (q.shape[0], seqused_k.shape[0], max_seqlen_q, max_seqlen_k)
             named = name_launch(args, tensors, host_ints)
         if named is None:
-            log.info("flash-attn-4: a launch class keeps the wrapper (%d launches recorded)", len(watched.launches))
+            # Expected past the lookup-table batch, whose table the wrapper builds per call.
+            log.info("flash-attn-4: calls of %d sequences, up to %d query tokens, keep the wrapper (%d launches, "
+                     "not every argument one of the call's own)", seqused_k.shape[0], max_seqlen_q,
+                     len(watched.launches))  # fmt: skip
             self._templates[key] = None
         else:
             self._templates[key] = LaunchTemplate(kernel, *named)
