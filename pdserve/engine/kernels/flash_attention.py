@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from pdserve.engine.kernels.attention import AttentionMetadata
+from pdserve.engine.kernels.attention import AttentionMetadata, attend_only_metadata
 from pdserve.engine.kernels.fa4_launch import FA4Launcher
 
 log = logging.getLogger(__name__)
@@ -107,20 +107,8 @@ class FlashAttention:
         total = sum(query_lens)
         lens = [max(q, max_len if i == 0 else 1) for i, q in enumerate(query_lens)]
         width = -(-max(lens) // block_size)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
-        meta = AttentionMetadata(
-            slot_block=torch.full((total,), block, dtype=torch.int64, device=dev),
-            slot_offset=torch.zeros(total, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.full((len(query_lens), width), block, dtype=torch.int32, device=dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(lens),
-            query_lens=list(query_lens),
-            seq_lens_host=lens,
-        )
+        tables = torch.full((len(query_lens), width), block, dtype=torch.int32, device=dev)
+        meta = attend_only_metadata(query_lens, lens, tables)
         q = torch.zeros((total, num_heads, cache.shape[3]), dtype=cache.dtype, device=dev)
         return q, meta
 
