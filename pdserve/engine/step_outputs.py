@@ -125,8 +125,7 @@ def step_outputs(
             scheduler.finish(seq, "stop")
         status = seq.status
         finished = status is finished_ or status is pinned
-        token_ids = seq.token_ids
-        num_output = len(token_ids) - len(seq.prompt_token_ids)
+        num_output = seq.num_output_tokens
         outputs.append(
             RequestOutput(
                 rid,
@@ -134,7 +133,7 @@ def step_outputs(
                 detok.text,
                 finished,
                 seq.finish_reason,
-                token_ids,
+                seq.token_ids,
                 num_output,
                 num_cached_tokens=seq.num_cached_tokens,
                 logprobs=seq.logprobs if params.logprobs else None,
