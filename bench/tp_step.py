@@ -3,8 +3,8 @@
 
 For a shape (bench/engine.py's 1b, 8b; "tiny" for CPU checks) with random weights written once
 (bench/random_model.py, so both widths load the same model): the engine's decode step at batch
-1 and 64 (contexts ~512) and one 4096-token prefill, at TP1 (CUDA graphs, and eager as TP2 runs)
-and TP2. Beside each, measured in the same run:
+1 and 64 (contexts ~512) and one 4096-token prefill, at TP1 and TP2, each with its decode steps
+as CUDA graphs and eager (`--modes`). Beside each, measured in the same run:
 
 - the collective floor: the step's collectives alone, on the same ranks and devices, over the
   engine's own group type (`pdserve.engine.model.tp_group.open_group`: NCCL on CUDA, gloo on
@@ -13,8 +13,8 @@ and TP2. Beside each, measured in the same run:
 - the device floor: a decode step's weight and KV bytes on its busiest rank / the copy bandwidth
   (as bench/engine.py reports it), a prefill's matmul FLOPs per rank / the bf16 matmul rate.
 
-Times are medians of synchronized steps. Then greedy agreement of TP2 with TP1 on the run's
-prompts: equal, or first differing at a near-tie of an fp32 reference (tests/gpu/greedy_checks.py's
+Times are medians of synchronized steps. Then greedy agreement of TP2 with TP1 (in the first of
+`--modes`) on the run's prompts: equal, or first differing at a near-tie of an fp32 reference (tests/gpu/greedy_checks.py's
 rule); a prompt that differs elsewhere fails the run (exit status 1).
 
     python bench/tp_step.py --shapes 1b [--json out.json] [--model-dir DIR]
@@ -268,7 +268,7 @@ def engine_options(s: RunSettings, cfg: dict[str, Any], width: int, mode: str) -
         "enable_prefix_caching": False,
     }
     if torch.device(s.device).type == "cuda":
-        opts["use_cuda_graphs"] = mode == "graphs"
+        opts["use_cuda_graphs"] = opts["tp_cuda_graphs"] = mode == "graphs"
         opts["cuda_graph_max_batch"] = max(s.batches)
     return opts
 
@@ -373,7 +373,7 @@ class Fp32Reference:
 
 
 def run_shape(
-    shape: str, s: RunSettings, tp1_modes: tuple[str, ...], model_dir: Path, seed: int
+    shape: str, s: RunSettings, modes: tuple[str, ...], model_dir: Path, seed: int
 ) -> tuple[list[StepRow], list[Agreement], dict[str, Any]]:
     """Every measurement of one shape, engines one at a time; the agreement check last."""
     cfg = TP_SHAPES[shape]
@@ -396,7 +396,7 @@ def run_shape(
     prompts = random_prompts(cfg["vocab_size"], seed=29, lengths=s.prompt_lengths)
     rows: list[StepRow] = []
     tokens: dict[tuple[int, str], list[list[int]]] = {}
-    for width, mode in [(1, m) for m in tp1_modes] + [(2, "eager" if on_cuda else "cpu")]:
+    for width, mode in [(w, m) for w in (1, 2) for m in modes]:
         rng = random.Random(seed)  # every engine gets the same prompts
         t0 = time.perf_counter()
         llm = LLM(str(model_dir), **engine_options(s, cfg, width, mode))
@@ -410,16 +410,14 @@ def run_shape(
             gc.collect()
             if on_cuda:
                 torch.cuda.empty_cache()
-    want = tokens.get((1, "eager")) or tokens[(1, tp1_modes[0])]
     reference = Fp32Reference(str(model_dir), "cuda:0" if on_cuda else "cpu")
-    agreed = agreement(reference, prompts, tokens[(2, "eager" if on_cuda else "cpu")], want)
+    agreed = agreement(reference, prompts, tokens[(2, modes[0])], tokens[(1, modes[0])])
     return rows, agreed, info
 
 
 def format_table(rows: list[StepRow]) -> str:
-    """The steps as a markdown table, in milliseconds; TP2 rows also against TP1 run eagerly (on
-    CPU, against TP1)."""
-    eager = {(r.shape, r.metric.split(", ctx")[0]): r for r in rows if r.width == 1 and r.mode in ("eager", "cpu")}
+    """The steps as a markdown table, in milliseconds; TP2 rows also against TP1 in the same mode."""
+    tp1 = {(r.shape, r.mode, r.metric.split(", ctx")[0]): r for r in rows if r.width == 1}
     head = [
         "shape",
         "TP",
@@ -434,7 +432,7 @@ def format_table(rows: list[StepRow]) -> str:
     ]
     body = []
     for r in rows:
-        base = eager.get((r.shape, r.metric.split(", ctx")[0])) if r.width > 1 else None
+        base = tp1.get((r.shape, r.mode, r.metric.split(", ctx")[0])) if r.width > 1 else None
         body.append([
             r.shape, str(r.width), r.mode, r.metric, f"{r.median_s * 1e3:.3f} ms",
             "" if r.steady_s is None else f"{r.steady_s * 1e3:.3f} ms", f"{r.device_floor_s * 1e3:.3f} ms",
@@ -477,7 +475,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,64", help="decode batch sizes")
     ap.add_argument("--context", type=int, default=512, help="decode context length (tokens of each prompt)")
     ap.add_argument("--prefill-tokens", type=int, default=4096)
-    ap.add_argument("--tp1-modes", default=None, help="cuda: TP1 with 'graphs', 'eager' or both (default graphs,eager)")
+    ap.add_argument(
+        "--modes", default=None, help="cuda: decode steps as 'graphs', 'eager' or both, at both widths (default graphs,eager)"
+    )
     ap.add_argument("--decode-warmup", type=int, default=5)
     ap.add_argument("--decode-reps", type=int, default=30)
     ap.add_argument("--prefill-warmup", type=int, default=2)
@@ -513,16 +513,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--batches, --context, --prefill-tokens and the repetitions must be >= 1")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda":
-        modes = tuple(m.strip() for m in (args.tp1_modes or "graphs,eager").split(",") if m.strip())
+        modes = tuple(m.strip() for m in (args.modes or "graphs,eager").split(",") if m.strip())
         if not modes or set(modes) - {"graphs", "eager"}:
-            ap.error("--tp1-modes: 'graphs', 'eager' or both")
+            ap.error("--modes: 'graphs', 'eager' or both")
         if torch.cuda.device_count() < 2:
             ap.error(f"--device cuda: TP2 needs two GPUs, {torch.cuda.device_count()} visible")
-        args.tp1_modes = modes
+        args.modes = modes
     else:
-        if args.tp1_modes:
-            ap.error("--tp1-modes: CUDA only (CPU has no graphs)")
-        args.tp1_modes = ("cpu",)
+        if args.modes:
+            ap.error("--modes: CUDA only (CPU has no graphs)")
+        args.modes = ("cpu",)
     return args
 
 
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tp-step-") as tmp:
         for shape in args.shapes:
             model_dir = (args.model_dir or Path(tmp)) / f"random-{shape}"
-            r, a, i = run_shape(shape, s, args.tp1_modes, model_dir, args.seed)
+            r, a, i = run_shape(shape, s, args.modes, model_dir, args.seed)
             rows += r
             agreed[shape] = a
             info[shape] = i

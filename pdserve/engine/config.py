@@ -222,6 +222,9 @@ class EngineConfig(EngineArgs):
     load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
     # Ranks the model is split over, one process each (pdserve/engine/parallel/): gloo on CPU, one GPU a rank over NCCL on CUDA.
     tensor_parallel_size: int = 1
+    # At tensor_parallel_size > 1 on CUDA: decode steps as CUDA graphs with the collectives
+    # inside, replayed by every rank (pdserve/engine/parallel/tp_runner.py). Off: every step eager.
+    tp_cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -28,6 +29,16 @@ from pdserve.engine.step_inputs import known_token
 MIN_TRITON_FOR_DECODE_KERNELS = (3, 4)
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphRows:
+    """A decode step's padded graph inputs on the host: `longs` [4, b] (input ids, positions,
+    slot blocks, slot offsets), `seq_lens` [b] and the block tables' used columns [b, cols]."""
+
+    longs: np.ndarray
+    seq_lens: np.ndarray
+    table: np.ndarray
 
 
 class DecodeGraphs:
@@ -86,6 +97,7 @@ class DecodeGraphs:
         for host_longs, host_ints in self._staging:
             host_ints[: max_b + 1] = torch.arange(max_b + 1, dtype=torch.int32)  # cu_seqlens_q: constant
         self._staging_turn = 0
+        self._filled = (0, 0, 0)  # (padded batch, table columns, mirror) of the last fill_inputs
         self._flat = (longs, ints)
         io = {
             "input_ids": longs[:max_b],
@@ -126,7 +138,10 @@ class DecodeGraphs:
         # The graphs hold only their address, so this object must own them for as long as the
         # graphs live (a freed buffer would be handed to other tensors and the counts
         # corrupted), and they are zeroed before the side stream below starts.
-        kv_heads = model.cfg.num_kv_heads
+        kv_heads = model.shard_cfg.num_kv_heads  # this rank's (all of them at width 1)
+        # The fused batch-1 path has no collectives: ranks of a wider group record batch 1 as
+        # every other size.
+        fused_batch1 = kernels is not None and model.parallel.size == 1
         counters = kernels.split_counters(dev) if kernels is not None else None
         self._split_counters = counters
         # Warm up and record on one side stream: kernels compiled, libraries' per-stream state
@@ -136,7 +151,7 @@ class DecodeGraphs:
         for b in reversed(sizes):
             meta = self._meta(b)
             backend, batch1 = self.backend, None
-            if kernels is not None and b == 1:
+            if fused_batch1 and b == 1:
                 batch1 = kernels.Batch1Kernels.create(kv_heads, dev, counters)
                 backend = batch1.attention
                 self.kernel_graphs[b] = "batch-1 fused"
@@ -193,15 +208,48 @@ class DecodeGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a decode step through its graph: (logits, greedy tokens), one row per sequence.
         `feed`, given the step's input tokens on the device, writes those still in flight."""
-        n = len(scheduled)
-        self._fill_inputs(scheduled, ahead)
+        self.fill_inputs(scheduled, ahead)
+        return self.replay_filled(len(scheduled), feed)
+
+    def replay_filled(
+        self, n: int, feed: Callable[[torch.Tensor], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`replay` of the `n` rows `fill_inputs` (or `replay_rows`'s load) wrote."""
         io = self.io
         if feed is not None:
             feed(io["input_ids"][:n])
         self.graphs[self.size_for(n)].replay()
         return io["logits"][:n], io["argmax"][:n]
 
-    def _fill_inputs(self, scheduled: list[ScheduledSeq], ahead: int | list[int]) -> None:
+    def filled_rows(self) -> GraphRows:
+        """The padded rows the last `fill_inputs` wrote, as host arrays: what the other ranks of
+        a tensor-parallel worker load to replay the same graph (`replay_rows`)."""
+        b, cols, turn = self._filled
+        ls, seg, _ = self._io_layout
+        host_longs, host_ints = self._staging[turn]
+        longs = host_longs.numpy()
+        return GraphRows(
+            np.stack([longs[k * ls : k * ls + b] for k in range(4)]),
+            host_ints.numpy()[seg : seg + b].copy(),
+            self._table_staging[turn].numpy()[: b * cols].reshape(b, cols).copy(),
+        )
+
+    def replay_rows(self, rows: GraphRows) -> None:
+        """Replay the graph of `rows`' padded batch over them (a non-zero rank's decode step)."""
+        b, cols = rows.table.shape
+        ls, seg, _ = self._io_layout
+        turn = self._staging_turn
+        host_longs, host_ints = self._staging[turn]
+        self._staging_turn ^= 1
+        longs = host_longs.numpy()
+        for k in range(4):
+            longs[k * ls : k * ls + b] = rows.longs[k]
+        host_ints.numpy()[seg : seg + b] = rows.seq_lens
+        self._table_staging[turn].numpy()[: b * cols] = rows.table.reshape(-1)
+        self._upload(turn, b, cols)
+        self.graphs[b].replay()
+
+    def fill_inputs(self, scheduled: list[ScheduledSeq], ahead: int | list[int]) -> None:
         """Write the step's inputs into a pinned mirror and copy it to the graph's buffers.
         Rows n..b-1 of the padded batch write their (garbage) K/V to the scratch block.
         `ahead` (all rows, or per row): positions that far past the computed tokens; an input
@@ -236,11 +284,18 @@ class DecodeGraphs:
         for k, pad in enumerate((0, 0, self.scratch_block, 0)):
             longs[k * ls + n : k * ls + b] = pad
         seq_lens[n:b] = 1
+        self._filled = (b, cols, turn)
+        self._upload(turn, b, cols)
+
+    def _upload(self, turn: int, b: int, cols: int) -> None:
+        """Copy mirror `turn` (b rows, block tables `cols` wide) to the graph's buffers."""
+        host_longs, host_ints = self._staging[turn]
+        seg = self._io_layout[1]
         dev_longs, dev_ints = self._flat
         dev_longs.copy_(host_longs, non_blocking=True)
         dev_ints[: 2 * seg].copy_(host_ints, non_blocking=True)
         packed = self._table_rows[: b * cols]
-        packed.copy_(host_table, non_blocking=True)
+        packed.copy_(self._table_staging[turn][: b * cols], non_blocking=True)
         self.io["block_tables"][:b, :cols].copy_(packed.view(b, cols))  # rows past b: never read by this graph
 
 

@@ -191,7 +191,7 @@ class LLMEngine:
     def _overlaps(self, role: Role) -> bool:
         if role == "prefill":
             return False
-        return self.cfg.overlap_decode if self.cfg.overlap_decode is not None else self.runner.has_decode_graphs
+        return self.cfg.overlap_decode if self.cfg.overlap_decode is not None else self.runner.overlaps_by_default
 
     # ----- the loop ------------------------------------------------------------------------
 

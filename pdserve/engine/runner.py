@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +70,18 @@ def scores_prompts(inputs: StepInputs, scheduled: list[ScheduledSeq]) -> bool:
     """Whether a step (not launched behind another) may score prompt tokens (`prompt_logprobs`):
     it has prompt rows; a decode-only step scores nothing."""
     return inputs.meta.max_query_len > 1 or len(inputs.sampled) < len(scheduled)
+
+
+def pending_rows(scheduled: list[ScheduledSeq], feed: list[tuple[int, int]] | tuple) -> dict[int, int]:
+    """Sampled row j -> k for each sampled row whose input is the k-th draw of the step still
+    in flight (`feed` names input rows; a row's input is its last token)."""
+    row_end, sampled_at, at = {}, 0, 0
+    for item in scheduled:
+        at += item.num_new_tokens
+        if item.sample:
+            row_end[at - 1] = sampled_at
+            sampled_at += 1
+    return {row_end[r]: k for r, k in feed}
 
 
 class ModelRunner:
@@ -178,7 +190,7 @@ class ModelRunner:
         first, and a seeded row draws as its next output token, a fed row's draw counting as its
         last output token (`eos_token_ids`: what min_tokens holds back)."""
         sampled, logits, argmax = self._forward(scheduled, ahead, previous, feed)
-        pending = self._pending_rows(scheduled, feed) if previous is not None else {}
+        pending = pending_rows(scheduled, feed) if previous is not None else {}
         params = [item.seq.params for item in sampled]
         if logits is not None and self.grammar is not None and any(p.structured_output for p in params):
             # A grammar row's mask needs the draw in flight on the host: wait for the step before
@@ -226,7 +238,7 @@ class ModelRunner:
 
         if self.graphs is not None and self.graphs.fits(scheduled):
             # Decode-only: every row samples, and the graph already holds logits and argmax.
-            logits, argmax = self.graphs.replay(scheduled, ahead, fed)
+            logits, argmax = self._replay_decode_graph(scheduled, ahead, fed)
             return scheduled, logits, argmax
         inputs = self.prepare(scheduled, ahead)
         fed(inputs.input_ids)
@@ -241,17 +253,11 @@ class ModelRunner:
             return [], None, None
         return inputs.sampled, self.model.compute_logits(hidden[inputs.logits_indices]), None
 
-    @staticmethod
-    def _pending_rows(scheduled: list[ScheduledSeq], feed: list[tuple[int, int]] | tuple) -> dict[int, int]:
-        """Sampled row j -> k for each sampled row whose input is the k-th draw of the step still
-        in flight (`feed` names input rows; a row's input is its last token)."""
-        row_end, sampled_at, at = {}, 0, 0
-        for item in scheduled:
-            at += item.num_new_tokens
-            if item.sample:
-                row_end[at - 1] = sampled_at
-                sampled_at += 1
-        return {row_end[r]: k for r, k in feed}
+    def _replay_decode_graph(
+        self, scheduled: list[ScheduledSeq], ahead: int | list[int], fed: Callable[[torch.Tensor], None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.graphs is not None
+        return self.graphs.replay(scheduled, ahead, fed)
 
     def _process(
         self,
@@ -332,6 +338,11 @@ class ModelRunner:
         prefill and mixed steps' pieces around attention (see `step_graphs`). The eager attention
         kernel, and where mixed steps split their decodes off the decode kernel, are compiled
         here too, so no step in serving waits for a compile."""
+        self.warm_up_attention()
+        self.record_graphs()
+
+    def warm_up_attention(self) -> None:
+        """Compile the eager attention kernels (`capture_cuda_graphs`)."""
         k_cache, v_cache = self._layer_caches[0]
         warm_eager = getattr(self.backend, "warm_up", None)
         if warm_eager is not None:
@@ -339,6 +350,9 @@ class ModelRunner:
             warm_eager(k_cache, v_cache, heads, self.scratch_block, self.cfg.max_num_seqs, self.max_model_len)
         if isinstance(self.step_backend, MixedDecodeAttention):
             self.step_backend.warm_up(k_cache, v_cache, self.model.shard_cfg.num_heads, self.cfg.max_num_seqs)
+
+    def record_graphs(self) -> None:
+        """Record the decode graphs and the piecewise step graphs (`capture_cuda_graphs`)."""
         self.graphs = capture_decode_graphs(
             self.model, self.kv_pool, self.backend, self.cfg, self.max_model_len, self.scratch_block
         )
@@ -349,6 +363,12 @@ class ModelRunner:
 
     @property
     def has_decode_graphs(self) -> bool:
+        return self.graphs is not None
+
+    @property
+    def overlaps_by_default(self) -> bool:
+        """Whether decode steps overlap where `overlap_decode` is left unset: where they are
+        graphs, the only place the host's time shows."""
         return self.graphs is not None
 
     @property

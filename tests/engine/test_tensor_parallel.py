@@ -217,11 +217,11 @@ def test_pools_sent_to_each_rank_hold_what_the_ranks_write(tiny_model_factory, c
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="a machine with two GPUs has what width 2 needs")
 def test_too_few_gpus_for_the_ranks_is_refused_naming_the_field() -> None:
-    from pdserve.engine.parallel.tp_runner import eager_cuda_config
+    from pdserve.engine.parallel.tp_runner import cuda_config
 
     cfg = EngineConfig(model="unused", device="cuda", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"^tensor_parallel_size: 2 ranks on cuda need GPUs up to cuda:1; this process sees"):
-        eager_cuda_config(cfg)
+        cuda_config(cfg)
 
 
 def test_a_rank_warms_its_attention_up_as_rank_0s_runner_does(tiny_model_factory) -> None:

@@ -1,6 +1,8 @@
 """Tensor parallelism on two GPUs: rank r of a width-2 engine on cuda:r, NCCL between them, each
-rank's KV pool on its own GPU (allocated by rank 0 and opened by rank 1 over CUDA IPC). Steps run
-eagerly at width 2 (no CUDA graphs), so the width-1 references here run eagerly too.
+rank's KV pool on its own GPU (allocated by rank 0 and opened by rank 1 over CUDA IPC). Most
+tests here run both widths eagerly (no CUDA graphs), so that they compare the same kernels;
+one runs both with their decode graphs (at width 2, the collectives inside, replayed by both
+ranks), and one kills rank 1 during a graph step: the step fails instead of waiting forever.
 
 - bf16: greedy tokens of TP2 equal TP1's, or first differ at a near-tie of the fp32 reference
   (`greedy_checks.identical_or_near_ties`: |logit gap| <= max(0.05, 4 bf16 ulps) in fp32): a
@@ -202,3 +204,100 @@ def test_tp2_prefill_hands_its_kv_to_a_tp1_decode_through_nixl(tiny_model_factor
         decode.close()
         pe.runner.close()
     assert not any(proc.is_alive() for proc in pe.runner.ranks.procs)
+
+
+GRAPHED = {
+    "compile_elementwise": False, "num_kv_blocks": 256, "max_num_batched_tokens": 64, "cuda_graph_max_batch": 16,
+    "tp_cuda_graphs": True,
+}  # fmt: skip
+
+
+def _count_graph_steps(runner) -> list[int]:
+    """Wrap the runner's graph replay: the returned list grows by each replayed batch's size."""
+    seen: list[int] = []
+    replay = runner._replay_decode_graph
+
+    def counted(scheduled, ahead, fed):
+        seen.append(len(scheduled))
+        return replay(scheduled, ahead, fed)
+
+    runner._replay_decode_graph = counted
+    return seen
+
+
+def test_tp2_decode_graphs_replay_on_both_ranks_and_agree_with_tp1(tiny_model_factory, check_blocks_freed):
+    """Both widths with their decode graphs (Triton split-KV attention, bf16): the same
+    near-tie rule as the eager test. Width 2 records no piecewise prefill graphs and overlaps
+    no step (the other rank takes its inputs from the host)."""
+    from pdserve import LLM
+    from tests.gpu.greedy_checks import identical_or_near_ties, random_prompts
+
+    model_dir, hf_cpu = tiny_model_factory("llama")
+    prompts = random_prompts(hf_cpu.config.vocab_size, seed=34)
+    single_llm = LLM(str(model_dir), device="cuda:0", dtype="bfloat16", **GRAPHED)
+    assert single_llm.engine.runner.graphs is not None
+    single = _tokens(single_llm, prompts)
+    del single_llm
+    torch.cuda.empty_cache()
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", tensor_parallel_size=2, **GRAPHED)
+    check_blocks_freed(llm.engine)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.step_graphs is None
+    assert not llm.engine._overlap, "width 2 overlapped its decode steps"
+    assert "batch-1 fused" not in runner.decode_kernel_graphs.values(), "the fused batch-1 path has no collectives"
+    seen = _count_graph_steps(runner)
+    try:
+        got = _tokens(llm, prompts)
+    finally:
+        _close(llm)
+    assert [len(t) for t in got] == [MAX_NEW] * len(prompts)
+    assert len(seen) >= MAX_NEW - 1 and 1 in seen and max(seen) > 1, f"graph steps by batch: {seen}"
+    identical = identical_or_near_ties(hf_cpu, prompts, got, single, "TP2 and TP1, both graphed (bf16)")
+    print(f"graphed bf16: {identical} of {len(prompts)} prompts token for token; {len(seen)} graph steps")
+    assert identical >= len(prompts) // 2, f"only {identical} of {len(prompts)} prompts equal TP1's tokens"
+
+
+def test_a_rank_killed_during_a_graph_step_fails_it_instead_of_hanging(tiny_model_factory):
+    """Rank 1 is killed right after rank 0 sends it a graph step: rank 0's replay waits at an
+    all-reduce no watchdog watches, until the rank watcher sees the exit and aborts the group.
+    The step is an error naming the rank, within a bound."""
+    import threading
+
+    import numpy as np
+
+    from pdserve import LLM, SamplingParams
+
+    model_dir, _ = tiny_model_factory("llama")
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", tensor_parallel_size=2, **GRAPHED)
+    runner = llm.engine.runner
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 8
+    sender, rank1 = runner.ranks.sender, runner.ranks.procs[0]
+    send = sender.send
+
+    def send_then_kill(payload: bytes) -> None:
+        send(payload)
+        if int(np.frombuffer(payload, dtype=np.int64, count=1)[0]) == 2:  # a graph step
+            rank1.kill()
+            rank1.join(10)
+
+    sender.send = send_then_kill
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            llm.generate([[4, 5, 6]], params)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
+    worker.start()
+    worker.join(90)
+    try:
+        assert not worker.is_alive(), "the step still waits on the dead rank after 90 s"
+        assert isinstance(outcome[0], RuntimeError) and "rank 1 exited" in str(outcome[0]), outcome
+        print(f"failed after {time.monotonic() - started:.1f} s: {outcome[0]}")
+    finally:
+        runner.close()

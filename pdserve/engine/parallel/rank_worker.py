@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.cuda_graphs import decode_kernels_for
+from pdserve.engine.cuda_graphs import DecodeGraphs, GraphRows, capture_decode_graphs, decode_kernels_for
 from pdserve.engine.kernels.attention import AttentionBackend
 from pdserve.engine.kernels.backends import make_backend
 from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention, mixed_step_backend
@@ -25,7 +25,7 @@ from pdserve.engine.model.model import CausalLM, ForwardContext, layer_caches
 from pdserve.engine.model.tp_group import LOOPBACK, ParallelContext, close_group, open_group
 from pdserve.engine.model_loading import build_model
 from pdserve.engine.parallel.shared_pools import SharedPools
-from pdserve.engine.parallel.step_channel import receive_step
+from pdserve.engine.parallel.step_channel import CaptureGraphs, receive_step
 from pdserve.engine.prompt_logprobs import SLICE_ROWS
 
 
@@ -111,11 +111,10 @@ def rank_main(spec: RankSpec, pipe: Connection) -> None:
         close_group(parallel.group)
 
 
-def step_backend(cfg: EngineConfig, device: torch.device, head_dim: int) -> AttentionBackend:
-    """The backend a step attends through: the one rank 0's runner picks for the same settings
-    (`ModelRunner`: the configured backend, split by `MixedDecodeAttention` where it would be), so
-    every rank computes its heads with the same kernels."""
-    backend = make_backend(cfg.attention_backend, device, cfg.dtype)
+def step_backend(backend: AttentionBackend, cfg: EngineConfig, device: torch.device, head_dim: int) -> AttentionBackend:
+    """The backend an eager step attends through: the one rank 0's runner picks for the same
+    settings (`ModelRunner`: the configured `backend`, split by `MixedDecodeAttention` where it
+    would be), so every rank computes its heads with the same kernels."""
     wanted = cfg.mixed_decode_attention
     load = wanted or (wanted is None and cfg.triton_decode_kernels is not False)
     kernels = decode_kernels_for(head_dim, None) if device.type == "cuda" and load else None
@@ -138,16 +137,41 @@ def warm_up(
 
 
 def run_steps(model: CausalLM, cfg: EngineConfig, kv_pool: torch.Tensor, pipe: Connection, max_model_len: int) -> None:
-    """Run every step received over this rank's KV pool (its KV heads only)."""
+    """Run every step received over this rank's KV pool (its KV heads only): eager steps, and
+    decode steps through this rank's copies of rank 0's graphs once it has them recorded."""
     device = torch.device(cfg.device)
     caches = layer_caches(kv_pool)
-    backend = step_backend(cfg, device, model.cfg.head_dim)
+    graph_backend = make_backend(cfg.attention_backend, device, cfg.dtype)
+    backend = step_backend(graph_backend, cfg, device, model.cfg.head_dim)
     warm_up(backend, kv_pool, model, cfg, max_model_len)
+    graphs: DecodeGraphs | None = None
     with torch.inference_mode():
         while (step := receive_step(pipe, device)) is not None:
+            if isinstance(step, CaptureGraphs):
+                graphs = capture_graphs(model, kv_pool, graph_backend, cfg, max_model_len, pipe)
+                continue
+            if isinstance(step, GraphRows):
+                if graphs is None:
+                    raise RuntimeError("a graph step came before the graphs were recorded")
+                graphs.replay_rows(step)
+                continue
             ctx = ForwardContext(step.meta, kv_pool, backend, layer_caches=caches)
             hidden = model(step.input_ids, step.positions, ctx)
             for at in range(0, step.score_rows.numel(), SLICE_ROWS):  # meets rank 0's prompt scoring
                 model.compute_logits(hidden[step.score_rows[at : at + SLICE_ROWS]])
             if step.logits_indices.numel():
                 model.compute_logits(hidden[step.logits_indices])  # meets rank 0's gather
+
+
+def capture_graphs(
+    model: CausalLM, kv_pool: torch.Tensor, backend: AttentionBackend, cfg: EngineConfig, max_model_len: int, pipe: Connection
+) -> DecodeGraphs | None:
+    """Record the decode graphs as rank 0 does (the same ladder, in the same order: the warm-up
+    steps' collectives pair up with rank 0's), then tell rank 0 ("captured", or "error", why)."""
+    try:
+        graphs = capture_decode_graphs(model, kv_pool, backend, cfg, max_model_len, kv_pool.shape[0] - 1)
+    except Exception as exc:
+        pipe.send(("error", f"rank {model.parallel.rank}: recording the decode graphs: {type(exc).__name__}: {exc}"))
+        raise
+    pipe.send(("captured", None))
+    return graphs

@@ -1,7 +1,9 @@
 """The step rank 0 hands to the other ranks of a tensor-parallel worker: the flattened inputs
 its runner prepared (token ids, positions, KV slots, block tables, rows to take logits of,
-rows whose logits score prompt tokens), as bytes. The other ranks only execute what they get,
-so every rank runs the same forward in the same order and meets the same collectives.
+rows whose logits score prompt tokens), as bytes; for a decode step it replays as a CUDA graph,
+the graph's padded rows (`GraphRows`), which every rank replays its own copy of. The other
+ranks only execute what they get, so every rank runs the same forward in the same order and
+meets the same collectives (`capture_message`: record the graphs, in rank 0's order).
 
 The steps go over a pipe from rank 0 to each other rank: an idle rank waits as long as rank 0
 is idle, and one whose rank 0 is gone reads the pipe's end and stops."""
@@ -14,10 +16,11 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
+from pdserve.engine.cuda_graphs import GraphRows
 from pdserve.engine.kernels.attention import AttentionMetadata
 
 _HEADER = 8  # kind, tokens, sequences, block-table width, logits rows, max query len, max seq len, scored rows
-_STEP, _STOP = 1, 0
+_STEP, _STOP, _GRAPH, _CAPTURE = 1, 0, 2, 3
 
 
 @dataclass(frozen=True)
@@ -49,13 +52,47 @@ def encode_step(
     return header.tobytes() + longs.astype(np.int64).tobytes() + ints.astype(np.int32).tobytes() + scored.tobytes()
 
 
-def decode_step(payload: bytes, device: torch.device | None = None) -> RankStep | None:
-    """`encode_step`'s step back, its tensors on `device` (None: the host), None for the stop
-    message."""
+@dataclass(frozen=True)
+class CaptureGraphs:
+    """Record the decode graphs now (`capture_message`)."""
+
+
+def encode_graph_step(rows: GraphRows) -> bytes:
+    """A decode step rank 0 replays as a graph: the graph's padded rows."""
+    b, cols = rows.table.shape
+    header = np.array([_GRAPH, b, cols] + [0] * (_HEADER - 3), dtype=np.int64)
+    return (
+        header.tobytes()
+        + rows.longs.astype(np.int64).tobytes()
+        + rows.seq_lens.astype(np.int32).tobytes()
+        + rows.table.astype(np.int32).tobytes()
+    )
+
+
+def capture_message() -> bytes:
+    return np.array([_CAPTURE] + [0] * (_HEADER - 1), dtype=np.int64).tobytes()
+
+
+def _graph_rows(payload: bytes, b: int, cols: int) -> GraphRows:
+    at = _HEADER * 8
+    longs = np.frombuffer(payload, dtype=np.int64, count=4 * b, offset=at).reshape(4, b)
+    at += 4 * b * 8
+    seq_lens = np.frombuffer(payload, dtype=np.int32, count=b, offset=at)
+    table = np.frombuffer(payload, dtype=np.int32, count=b * cols, offset=at + b * 4).reshape(b, cols)
+    return GraphRows(longs, seq_lens, table)
+
+
+def decode_step(payload: bytes, device: torch.device | None = None) -> RankStep | GraphRows | CaptureGraphs | None:
+    """`encode_step`'s step back, its tensors on `device` (None: the host); the graph step's
+    rows (`encode_graph_step`); `CaptureGraphs`; None for the stop message."""
     header = np.frombuffer(payload, dtype=np.int64, count=_HEADER)
     kind, t, b, width, n_logits, max_q, max_seq, n_scored = (int(v) for v in header)
     if kind == _STOP:
         return None
+    if kind == _GRAPH:
+        return _graph_rows(payload, t, b)
+    if kind == _CAPTURE:
+        return CaptureGraphs()
     at = _HEADER * 8
     longs = torch.from_numpy(np.frombuffer(payload, dtype=np.int64, count=4 * t + n_logits, offset=at).copy())
     at += longs.numel() * 8
@@ -98,7 +135,7 @@ class StepSender:
             pipe.send_bytes(payload)
 
 
-def receive_step(pipe: Connection, device: torch.device | None = None) -> RankStep | None:
+def receive_step(pipe: Connection, device: torch.device | None = None) -> RankStep | GraphRows | CaptureGraphs | None:
     """A non-zero rank's next step, on `device`; None once rank 0 stops, or is gone (its end closed)."""
     try:
         return decode_step(pipe.recv_bytes(), device)

@@ -2,16 +2,19 @@
 part, and runs the engine's runner, which sends every step it prepares to the other ranks
 before running it itself. `start_runner` is what an engine calls for any width; at width 1 it
 builds the single-process runner exactly as before. On CUDA rank r runs on the worker's r-th
-GPU, eagerly (`eager_cuda_config`), and rank 0 allocates every rank's KV pool on its GPU."""
+GPU (`cuda_config`), every rank replays the same decode graphs, and rank 0 allocates every
+rank's KV pool on its GPU."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -25,9 +28,15 @@ from pdserve.engine.model.tp_layout import check_tensor_parallel, shard_config, 
 from pdserve.engine.model_loading import build_model
 from pdserve.engine.parallel.rank_worker import RankSpec, join_group, rank_config, rank_device, rank_main
 from pdserve.engine.parallel.shared_pools import PoolsPlan, SharedPools, plan_pools
-from pdserve.engine.parallel.step_channel import StepSender, encode_step, stop_message
+from pdserve.engine.parallel.step_channel import (
+    StepSender,
+    capture_message,
+    encode_graph_step,
+    encode_step,
+    stop_message,
+)
 from pdserve.engine.prompt_logprobs import plan_rows
-from pdserve.engine.runner import ModelRunner, StepInputs, scores_prompts
+from pdserve.engine.runner import ModelRunner, SampledToken, StepInputs, scores_prompts
 from pdserve.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -37,6 +46,7 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 COLLECTIVE_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+WATCH_INTERVAL_S = 1.0  # how soon the rank watcher sees `close`
 
 
 def pools_plan(cfg: EngineConfig, mc: ModelConfig, num_blocks: int, kv_heads: tuple[tuple[int, ...], ...]) -> PoolsPlan:
@@ -61,7 +71,7 @@ def start_runner(
     check_tensor_parallel(mc, size)
     on_cuda = torch.device(cfg.device).type == "cuda"
     if on_cuda:
-        cfg = eager_cuda_config(cfg)
+        cfg = cuda_config(cfg)
     # On CPU every rank's pool lives on this host: each sizes for its share of the memory.
     sizing = cfg if on_cuda else replace(cfg, workers_on_host=cfg.workers_on_host * size)
     per_rank = on_cuda if pools_per_rank is None else pools_per_rank
@@ -85,11 +95,14 @@ def start_runner(
         raise
 
 
-def eager_cuda_config(cfg: EngineConfig) -> EngineConfig:
+def cuda_config(cfg: EngineConfig) -> EngineConfig:
     """Rank 0's settings on CUDA: on the worker's first GPU (as an index, so that every thread
-    steps there), with the ranks' GPUs checked to be there, and no CUDA graphs: a graph would have
-    to hold the collectives, captured by every rank at the same sizes in the same order, which is
-    not built yet; without graphs no step is overlapped either."""
+    steps there), with the ranks' GPUs checked to be there. With `tp_cuda_graphs`, decode steps
+    are CUDA graphs with the collectives inside, which every rank records at the same sizes in
+    the same order and replays from the rows rank 0 sends; without, every step runs eagerly.
+    Prefill and mixed steps run eagerly either way (their piecewise graphs are not recorded on
+    the other ranks), and no step is overlapped: the other ranks get a step's input tokens from
+    the host."""
     size = cfg.tensor_parallel_size
     last = torch.device(rank_device(cfg.device, size - 1)).index
     if last is None or last >= torch.cuda.device_count():
@@ -97,8 +110,12 @@ def eager_cuda_config(cfg: EngineConfig) -> EngineConfig:
             f"tensor_parallel_size: {size} ranks on {cfg.device} need GPUs up to cuda:{last}; "
             f"this process sees {torch.cuda.device_count()}"
         )
-    log.info("tensor_parallel_size %d on CUDA: steps run eagerly (no CUDA graphs, no overlapped steps)", size)
-    cfg = replace(rank_config(cfg, 0), use_cuda_graphs=False)
+    graphs = cfg.use_cuda_graphs and cfg.tp_cuda_graphs
+    log.info(
+        "tensor_parallel_size %d on CUDA: %s, none overlapped",
+        size, "decode steps as CUDA graphs, the others eager" if graphs else "every step eager",
+    )  # fmt: skip
+    cfg = replace(rank_config(cfg, 0), use_cuda_graphs=graphs, prefill_cuda_graphs=False, overlap_decode=False)
     torch.cuda.set_device(torch.device(cfg.device))
     return cfg
 
@@ -128,6 +145,10 @@ class RankProcesses:
             self.procs.append(proc)
         self.sender = StepSender(self.pipes)
         self._closed = False
+        self.lost: int | None = None  # a rank that exited before `close`
+        self._group_lock = threading.Lock()
+        self._group_closed = False
+        threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
         for rank in range(1, size):
             self._expect(rank, "joining")
         _, self.parallel = join_group(spec, self.store)
@@ -151,8 +172,40 @@ class RankProcesses:
 
     def wait_ready(self) -> None:
         """Wait until every rank has loaded its part (an error there is raised here)."""
+        self.expect_all("ready")
+
+    def expect_all(self, what: str) -> None:
+        """Wait until every rank has said `what` (an error there is raised here)."""
         for rank in range(1, len(self.procs) + 1):
-            self._expect(rank, "ready")
+            self._expect(rank, what)
+
+    def check_alive(self) -> None:
+        """Raise if a rank has exited (on its own: `close` was not called)."""
+        lost = self.lost
+        if lost is None and not self._closed:
+            lost = next((rank for rank, proc in enumerate(self.procs, start=1) if not proc.is_alive()), None)
+        if lost is not None:
+            raise RuntimeError(f"tensor_parallel_size: rank {lost} exited; this worker cannot step")
+
+    def _watch(self) -> None:
+        """Until `close`: when a rank exits, mark it lost and abort the group. A step replayed as
+        a graph has no watchdog on its collectives (NCCL's watches eager ones only), so without
+        this a rank's death would leave rank 0 waiting in the graph forever."""
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs, start=1)}
+        while not self._closed:
+            ready = wait(list(sentinels), timeout=WATCH_INTERVAL_S)
+            if ready and not self._closed:
+                self.lost = sentinels[ready[0]]
+                log.error("tensor_parallel_size: rank %d exited; aborting the group", self.lost)
+                self._close_group()
+                return
+
+    def _close_group(self) -> None:
+        with self._group_lock:
+            parallel = getattr(self, "parallel", None)  # not there when joining the group failed
+            if parallel is not None and not self._group_closed:
+                self._group_closed = True
+                close_group(parallel.group)
 
     def share_pools(self, plan: PoolsPlan) -> SharedPools:
         """Create the ranks' KV pools (every rank has the same blocks, of its own KV heads), have
@@ -197,9 +250,7 @@ class RankProcesses:
                 proc.join(STOP_TIMEOUT_S)
         for pipe in self.pipes:
             pipe.close()
-        parallel = getattr(self, "parallel", None)  # not there when joining the group failed
-        if parallel is not None:
-            close_group(parallel.group)
+        self._close_group()
 
 
 class TensorParallelRunner(ModelRunner):
@@ -241,6 +292,7 @@ class TensorParallelRunner(ModelRunner):
         self._finalizer = weakref.finalize(self, ranks.close)
 
     def prepare(self, scheduled: list[ScheduledSeq], ahead: int | list[int] = 0) -> StepInputs:
+        self.ranks.check_alive()
         inputs = super().prepare(scheduled, ahead)
         scored = None
         if scores_prompts(inputs, scheduled):  # the rows `_forward` scores: the ranks join those gathers
@@ -248,6 +300,37 @@ class TensorParallelRunner(ModelRunner):
             scored = None if plan is None else plan.rows
         self.ranks.sender.send(encode_step(inputs.token_rows, inputs.logits_indices, inputs.meta, scored))
         return inputs
+
+    def capture_cuda_graphs(self) -> None:
+        """Record the decode graphs on every rank at once: the other ranks record theirs in the
+        same order (`rank_worker.capture_graphs`), so that each graph's collectives pair up. They
+        have compiled their attention kernels already; this rank compiles its own first, so that
+        no rank waits at a collective through a compile."""
+        self.warm_up_attention()
+        self.ranks.sender.send(capture_message())
+        self.record_graphs()
+        self.ranks.expect_all("captured")
+
+    @property
+    def overlaps_by_default(self) -> bool:
+        return False  # the other ranks take a step's input tokens from the host
+
+    def _replay_decode_graph(
+        self, scheduled: list[ScheduledSeq], ahead: int | list[int], fed: Callable[[torch.Tensor], None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        graphs = self.graphs
+        assert graphs is not None
+        self.ranks.check_alive()
+        graphs.fill_inputs(scheduled, ahead)
+        self.ranks.sender.send(encode_graph_step(graphs.filled_rows()))
+        return graphs.replay_filled(len(scheduled), fed)
+
+    def execute(self, scheduled: list[ScheduledSeq], eos_token_ids: Collection[int] = ()) -> dict[str, SampledToken]:
+        out = super().execute(scheduled, eos_token_ids)
+        # A rank that died mid-step had its group aborted, which ends the collectives it left
+        # waiting: whatever this step computed is not kept.
+        self.ranks.check_alive()
+        return out
 
     def close(self) -> None:
         """Stop the other ranks now."""
