@@ -116,6 +116,9 @@ class Cluster:
         check_ports(cfg.host, {"--port": cfg.port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port})
         progress("preparing the model" if cfg.model is None else f"preparing the model {cfg.model}")
         model_dir = resolve_model(cfg.model)  # convert once here, not in every actor
+        # The router's tokenizer (seconds: transformers' import, a large vocabulary) loads while
+        # Ray and the workers start.
+        tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, model_dir)
         # Joining a cluster, the workers' device is the cluster's (below), never looked up here.
         device = cfg.device if cfg.ray_address else resolve_device(cfg.device)
         cfg = replace(cfg, model=str(model_dir), device=device, kv_net_devices=kv_net_devices(cfg, os.environ))
@@ -176,7 +179,7 @@ class Cluster:
             )
             router = Router(
                 router_cfg,
-                load_tokenizer(model_dir),
+                await tokenizer,
                 [WorkerClient(i.worker_id, RayWorker(a), router_id=router_id) for i, a in zip(p_infos, prefills)],
                 [WorkerClient(i.worker_id, RayWorker(a), router_id=router_id) for i, a in zip(d_infos, decodes)],
                 tracer=telemetry.tracing.tracer,
