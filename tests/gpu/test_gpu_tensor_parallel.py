@@ -257,47 +257,85 @@ def test_tp2_decode_graphs_replay_on_both_ranks_and_agree_with_tp1(tiny_model_fa
     assert identical >= len(prompts) // 2, f"only {identical} of {len(prompts)} prompts equal TP1's tokens"
 
 
-def test_a_rank_killed_during_a_graph_step_fails_it_instead_of_hanging(tiny_model_factory):
-    """Rank 1 is killed right after rank 0 sends it a graph step: rank 0's replay waits at an
-    all-reduce no watchdog watches, until the rank watcher sees the exit and aborts the group.
-    The step is an error naming the rank, within a bound."""
+def _fault_at_a_graph_step(llm, fault) -> tuple[BaseException | None, float]:
+    """Run a request whose first graph step calls `fault` right after rank 0 sends it; return
+    what the request raised (None: nothing) and how long it took, failing past 90 s."""
     import threading
 
     import numpy as np
 
-    from pdserve import LLM, SamplingParams
+    from pdserve import SamplingParams
 
-    model_dir, _ = tiny_model_factory("llama")
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", tensor_parallel_size=2, **GRAPHED)
-    runner = llm.engine.runner
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 8
-    sender, rank1 = runner.ranks.sender, runner.ranks.procs[0]
-    send = sender.send
+    sender = llm.engine.runner.ranks.sender
+    send, fired = sender.send, []
 
-    def send_then_kill(payload: bytes) -> None:
+    def send_then_fault(payload: bytes) -> None:
         send(payload)
-        if int(np.frombuffer(payload, dtype=np.int64, count=1)[0]) == 2:  # a graph step
-            rank1.kill()
-            rank1.join(10)
+        if not fired and int(np.frombuffer(payload, dtype=np.int64, count=1)[0]) == 2:  # a graph step
+            fired.append(True)
+            fault()
 
-    sender.send = send_then_kill
+    sender.send = send_then_fault
     outcome: list[BaseException | None] = []
 
     def run() -> None:
         try:
             llm.generate([[4, 5, 6]], params)
             outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - asserted below
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
             outcome.append(exc)
 
     worker = threading.Thread(target=run, daemon=True)
     started = time.monotonic()
     worker.start()
     worker.join(90)
+    assert not worker.is_alive(), "the step still waits on rank 1 after 90 s"
+    assert fired, "no graph step was sent"
+    return outcome[0], time.monotonic() - started
+
+
+def test_a_rank_killed_during_a_graph_step_fails_it_instead_of_hanging(tiny_model_factory):
+    """Rank 1 is killed right after rank 0 sends it a graph step: rank 0 sees it before it
+    replays the graph (whose all-reduces no watchdog watches) and the step is an error naming
+    the rank; the watcher has aborted the group."""
+    from pdserve import LLM
+
+    model_dir, _ = tiny_model_factory("llama")
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", tensor_parallel_size=2, **GRAPHED)
+    runner = llm.engine.runner
+    rank1 = runner.ranks.procs[0]
     try:
-        assert not worker.is_alive(), "the step still waits on the dead rank after 90 s"
-        assert isinstance(outcome[0], RuntimeError) and "rank 1 exited" in str(outcome[0]), outcome
-        print(f"failed after {time.monotonic() - started:.1f} s: {outcome[0]}")
+        error, took = _fault_at_a_graph_step(llm, lambda: (rank1.kill(), rank1.join(10)))
+        assert isinstance(error, RuntimeError) and "rank 1 exited" in str(error), error
+        deadline = time.monotonic() + 5
+        while runner.ranks.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner.ranks.lost == 1
+        print(f"failed after {took:.1f} s: {error}")
     finally:
+        runner.close()
+
+
+def test_a_rank_stopped_during_a_graph_step_fails_it_past_the_step_deadline(tiny_model_factory):
+    """Rank 1 is stopped (SIGSTOP: alive, never answering) right after rank 0 sends it a graph
+    step: the watcher aborts the group once the step overruns its deadline (5 s here)."""
+    import os
+    import signal
+
+    from pdserve import LLM
+
+    model_dir, _ = tiny_model_factory("llama")
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", tensor_parallel_size=2, **GRAPHED)
+    runner = llm.engine.runner
+    runner.ranks.step_deadline_s = 5.0
+    rank1 = runner.ranks.procs[0]
+    try:
+        error, took = _fault_at_a_graph_step(llm, lambda: os.kill(rank1.pid, signal.SIGSTOP))
+        assert isinstance(error, RuntimeError) and "waited over 5 s" in str(error), error
+        assert 5.0 <= took < 60, f"the step failed after {took:.1f} s"
+        print(f"failed after {took:.1f} s: {error}")
+    finally:
+        rank1.kill()
         runner.close()

@@ -8,6 +8,7 @@ rank's KV pool on its GPU."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -146,6 +147,10 @@ class RankProcesses:
         self.sender = StepSender(self.pipes)
         self._closed = False
         self.lost: int | None = None  # a rank that exited before `close`
+        self.step_began: float | None = None  # when the step in flight began (monotonic), set by the runner
+        # A step's bound where the group can be aborted (NCCL); a gloo collective has its own.
+        self.step_deadline_s = COLLECTIVE_TIMEOUT_S if torch.device(cfg.device).type == "cuda" else math.inf
+        self.stalled = False  # a step overran step_deadline_s
         self._group_lock = threading.Lock()
         self._group_closed = False
         threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
@@ -180,25 +185,41 @@ class RankProcesses:
             self._expect(rank, what)
 
     def check_alive(self) -> None:
-        """Raise if a rank has exited (on its own: `close` was not called)."""
+        """Raise if a rank has exited (on its own: `close` was not called), or a step overran
+        `step_deadline_s`."""
         lost = self.lost
         if lost is None and not self._closed:
             lost = next((rank for rank, proc in enumerate(self.procs, start=1) if not proc.is_alive()), None)
         if lost is not None:
             raise RuntimeError(f"tensor_parallel_size: rank {lost} exited; this worker cannot step")
+        if self.stalled:
+            raise RuntimeError(
+                f"tensor_parallel_size: a step waited over {self.step_deadline_s:g} s for the other ranks; "
+                "this worker cannot step"
+            )
 
     def _watch(self) -> None:
-        """Until `close`: when a rank exits, mark it lost and abort the group. A step replayed as
-        a graph has no watchdog on its collectives (NCCL's watches eager ones only), so without
-        this a rank's death would leave rank 0 waiting in the graph forever."""
+        """Until `close`: when a rank exits, or a step (`step_began`) overruns `step_deadline_s`,
+        mark it and abort the group. A step replayed as a graph has no watchdog on its
+        collectives (NCCL's watches eager ones only): without this a rank's death or hang would
+        leave rank 0 waiting in the graph forever. (A gloo group cannot be aborted: on CPU its
+        own timeout ends the wait.)"""
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs, start=1)}
         while not self._closed:
             ready = wait(list(sentinels), timeout=WATCH_INTERVAL_S)
-            if ready and not self._closed:
+            if self._closed:
+                return
+            began = self.step_began
+            if ready:
                 self.lost = sentinels[ready[0]]
                 log.error("tensor_parallel_size: rank %d exited; aborting the group", self.lost)
-                self._close_group()
-                return
+            elif began is not None and time.monotonic() - began > self.step_deadline_s:
+                self.stalled = True
+                log.error("tensor_parallel_size: a step overran %g s; aborting the group", self.step_deadline_s)
+            else:
+                continue
+            self._close_group()
+            return
 
     def _close_group(self) -> None:
         with self._group_lock:
@@ -323,12 +344,18 @@ class TensorParallelRunner(ModelRunner):
         self.ranks.check_alive()
         graphs.fill_inputs(scheduled, ahead)
         self.ranks.sender.send(encode_graph_step(graphs.filled_rows()))
+        # Not onto a group the watcher has aborted: a graph's collectives would run on freed state.
+        self.ranks.check_alive()
         return graphs.replay_filled(len(scheduled), fed)
 
     def execute(self, scheduled: list[ScheduledSeq], eos_token_ids: Collection[int] = ()) -> dict[str, SampledToken]:
-        out = super().execute(scheduled, eos_token_ids)
-        # A rank that died mid-step had its group aborted, which ends the collectives it left
-        # waiting: whatever this step computed is not kept.
+        self.ranks.step_began = time.monotonic()
+        try:
+            out = super().execute(scheduled, eos_token_ids)
+        finally:
+            self.ranks.step_began = None
+        # A rank that died or hung mid-step had the group aborted, which ends the collectives
+        # left waiting: whatever this step computed is not kept.
         self.ranks.check_alive()
         return out
 
