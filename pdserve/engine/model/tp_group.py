@@ -60,14 +60,16 @@ class ParallelContext:
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's slice of the logits [T, vocab_part] put together into [T, vocab_size]
-        on every rank (slices padded to one width: gloo and NCCL gather equal sizes)."""
+        on every rank (slices padded to one width: gloo and NCCL gather equal sizes), gathered
+        into one tensor (a list of outputs costs a copy per rank after the gather)."""
         if self.group is None:
             return logits
         width = math.ceil(vocab_size / self.size)
         padded = logits.new_zeros(logits.shape[0], width)
         padded[:, : logits.shape[1]] = logits
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self.group.allgather([parts], [padded]).wait()
+        gathered = padded.new_empty(self.size * padded.shape[0], width)
+        self.group._allgather_base(gathered, padded).wait()
+        parts = gathered.view(self.size, *padded.shape)
         counts = [split_range(vocab_size, r, self.size).count for r in range(self.size)]
         return torch.cat([p[:, :n] for p, n in zip(parts, counts)], dim=-1)
 
