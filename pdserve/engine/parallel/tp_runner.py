@@ -224,9 +224,12 @@ class RankProcesses:
     def _close_group(self) -> None:
         with self._group_lock:
             parallel = getattr(self, "parallel", None)  # not there when joining the group failed
-            if parallel is not None and not self._group_closed:
-                self._group_closed = True
-                close_group(parallel.group)
+            if parallel is None or self._group_closed:
+                return
+            self._group_closed = True
+        # Outside the lock: with graphs still holding the group's collectives, NCCL's teardown
+        # waits for them (torch bounds that wait) after it has ended the collectives in flight.
+        close_group(parallel.group)
 
     def share_pools(self, plan: PoolsPlan) -> SharedPools:
         """Create the ranks' KV pools (every rank has the same blocks, of its own KV heads), have
@@ -361,4 +364,8 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         """Stop the other ranks now."""
+        if self.graphs is not None:
+            # NCCL's teardown waits until no graph holds its collectives: the graphs go first.
+            torch.cuda.synchronize(self.device)
+            self.graphs = None
         self._finalizer()
