@@ -65,3 +65,31 @@ def test_a_dead_rank_makes_the_next_step_an_error_naming_it(tiny_model_factory) 
         assert runner.ranks.lost == 1, "the watcher did not mark the rank lost"
     finally:
         runner.close()
+
+
+def test_the_ranks_drop_the_decode_graphs_before_they_close_the_group(tiny_model_factory, monkeypatch) -> None:
+    """NCCL's teardown waits until no CUDA graph holds the group's collectives, so stopping the
+    ranks (`close`, or the runner's finalizer at exit) drops the graphs, after a device sync,
+    before it closes the group. On CPU there are no graphs: a stand-in, and the sync and the
+    group's close recorded."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.parallel import tp_runner
+
+    model_dir = tiny_model_factory("llama")[0]
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    runner = llm.engine.runner
+    events: list[str] = []
+    monkeypatch.setattr(tp_runner.torch.cuda, "synchronize", lambda device=None: events.append(f"sync {device}"))
+    close_group = tp_runner.close_group
+
+    def recorded(group) -> None:
+        events.append(f"close group, graphs {'held' if runner.ranks.graphs is not None else 'dropped'}")
+        close_group(group)
+
+    monkeypatch.setattr(tp_runner, "close_group", recorded)
+    runner.graphs = SimpleNamespace(device="cuda:0")
+    assert runner.ranks.graphs is runner.graphs
+    runner._finalizer()  # what the interpreter's exit runs; `close` calls the same
+    assert events == ["sync cuda:0", "close group, graphs dropped"]
+    assert runner.graphs is None

@@ -63,9 +63,9 @@ def encode_graph_step(rows: GraphRows) -> bytes:
     header = np.array([_GRAPH, b, cols] + [0] * (_HEADER - 3), dtype=np.int64)
     return (
         header.tobytes()
-        + rows.longs.astype(np.int64).tobytes()
-        + rows.seq_lens.astype(np.int32).tobytes()
-        + rows.table.astype(np.int32).tobytes()
+        + rows.longs.astype(np.int64, copy=False).tobytes()
+        + rows.seq_lens.astype(np.int32, copy=False).tobytes()
+        + rows.table.astype(np.int32, copy=False).tobytes()
     )
 
 

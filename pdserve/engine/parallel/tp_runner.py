@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_memory import kv_pool_blocks
 from pdserve.engine.model.model import CausalLM, layer_caches
 from pdserve.engine.model.tp_group import LOOPBACK, close_group
@@ -147,6 +148,8 @@ class RankProcesses:
         self.sender = StepSender(self.pipes)
         self._closed = False
         self.lost: int | None = None  # a rank that exited before `close`
+        # Rank 0's decode graphs, which hold this group's collectives (`TensorParallelRunner.graphs`).
+        self.graphs: DecodeGraphs | None = None
         self.step_began: float | None = None  # when the step in flight began (monotonic), set by the runner
         # A step's bound where the group can be aborted (NCCL); a gloo collective has its own.
         self.step_deadline_s = COLLECTIVE_TIMEOUT_S if torch.device(cfg.device).type == "cuda" else math.inf
@@ -261,6 +264,10 @@ class RankProcesses:
         if self._closed:
             return
         self._closed = True
+        if self.graphs is not None:
+            # NCCL's teardown waits until no graph holds its collectives: the graphs go first.
+            torch.cuda.synchronize(self.graphs.device)
+            self.graphs = None
         for pipe in self.pipes:
             try:
                 pipe.send_bytes(stop_message())
@@ -293,6 +300,7 @@ class TensorParallelRunner(ModelRunner):
         """kv_heads: the model's KV head in each KV slot of each rank (its pool's fifth dimension).
         shared: the ranks' pools in one host mapping (CPU); None: each rank's pool allocated
         here on its device and sent to it (CUDA)."""
+        self.ranks = ranks  # before the base class sets `graphs`, which live on the ranks' object
         super().__init__(model, cfg, num_blocks, max_model_len)
         if shared is not None:
             # Rank 0's pool is its part of the shared mapping (the one the base class allocated
@@ -311,7 +319,6 @@ class TensorParallelRunner(ModelRunner):
             pools = [self.kv_pool, *ranks.send_device_pools(shapes, cfg.dtype, devices)]
             self.kv_region = None
         self.kv_shards = tuple(zip(kv_heads, pools))
-        self.ranks = ranks
         # The ranks stop with this runner, or at the latest when the interpreter exits.
         self._finalizer = weakref.finalize(self, ranks.close)
 
@@ -362,10 +369,16 @@ class TensorParallelRunner(ModelRunner):
         self.ranks.check_alive()
         return out
 
+    @property  # type: ignore[override]
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode graphs, kept on `ranks`: however the ranks are stopped (`close`, or this
+        runner's finalizer), they drop the graphs before they close the group."""
+        return self.ranks.graphs
+
+    @graphs.setter
+    def graphs(self, value: DecodeGraphs | None) -> None:
+        self.ranks.graphs = value
+
     def close(self) -> None:
         """Stop the other ranks now."""
-        if self.graphs is not None:
-            # NCCL's teardown waits until no graph holds its collectives: the graphs go first.
-            torch.cuda.synchronize(self.device)
-            self.graphs = None
         self._finalizer()
