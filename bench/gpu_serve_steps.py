@@ -31,10 +31,14 @@ BATCH_BUCKETS = (
 DECODE = "decode"
 PREFILL = "prefill"
 MIXED = "mixed"
-# The router's latency histograms a TTFT is made of (means over a run): metric -> name in the record
+# The router's latency histograms a TTFT is made of (means over a run): metric, with a label
+# where one series of it is meant -> name in the record. In the prefill table's column order.
 ROUTER_PARTS = {
     "pdserve_time_to_first_token_seconds": "ttft_ms",
     "pdserve_prefill_queue_seconds": "prefill_queue_ms",
+    "pdserve_prefill_compute_seconds": "prefill_compute_ms",
+    'pdserve_prefill_overhead_seconds{part="worker"}': "prefill_worker_rest_ms",
+    'pdserve_prefill_overhead_seconds{part="transport"}': "prefill_transport_ms",
     "pdserve_prefill_duration_seconds": "prefill_call_ms",
     "pdserve_decode_queue_seconds": "decode_queue_ms",
 }
@@ -104,7 +108,11 @@ def parse_router_parts(metrics_text: str) -> dict[str, tuple[float, float]]:
         if m is None:
             continue
         name, value = m.group(1), _number(m.group(3))
-        for metric, field in ROUTER_PARTS.items():
+        labels = _labels(m.group(2))
+        for series, field in ROUTER_PARTS.items():
+            metric, _, wanted = series.partition("{")
+            if any(labels.get(k) != v for k, v in _labels(wanted).items()):
+                continue
             if name in (metric + "_count", metric + "_sum"):
                 count, total = out.get(field, (0.0, 0.0))
                 out[field] = (count + value, total) if name.endswith("_count") else (count, total + value)
@@ -281,7 +289,8 @@ def prefill_table(runs: Sequence[dict]) -> str:
     if not body:
         return ""
     return markdown_table(["server", "workload", "rate req/s", "worker", "prefill steps", "mean step ms",
-                           "prompts a step", "router: TTFT ms", "prefill queue ms", "prefill call ms",
+                           "prompts a step", "router: TTFT ms", "prefill queue ms", "prefill compute ms",
+                           "prefill worker's rest ms", "prefill transport ms", "prefill call ms",
                            "hand-over to first decode ms"], body)  # fmt: skip
 
 

@@ -216,7 +216,7 @@ class KvEventsRequest(_message.Message):
     def __init__(self, wait_s: _Optional[float] = ..., full: _Optional[bool] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("handle", "first_token", "finish_reason", "cached_prompt_tokens", "queue_seconds", "first_logprob", "first_top_logprobs", "prompt_logprobs")
+    __slots__ = ("handle", "first_token", "finish_reason", "cached_prompt_tokens", "queue_seconds", "first_logprob", "first_top_logprobs", "prompt_logprobs", "compute_seconds", "worker_seconds")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,8 @@ class PrefillResult(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     handle: _kv_pb2.KvHandle
     first_token: int
     finish_reason: str
@@ -233,7 +235,9 @@ class PrefillResult(_message.Message):
     first_logprob: float
     first_top_logprobs: _inference_pb2.TopLogprobs
     prompt_logprobs: _inference_pb2.PromptLogprobs
-    def __init__(self, handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., first_logprob: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_inference_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
+    compute_seconds: float
+    worker_seconds: float
+    def __init__(self, handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., first_logprob: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_inference_pb2.PromptLogprobs, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., worker_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeStart(_message.Message):
     __slots__ = ("reused_tokens", "pulled_blocks", "recomputed", "transfer_bytes", "transfer_seconds", "transfer_retries", "prefetched_blocks", "waited_for_blocks_s")

@@ -49,7 +49,7 @@ class _Prefilled:
     step, and the call would return a step later (a prefill worker's steps are ~30-100 ms)."""
 
     pinned: PinnedKv
-    queued_ns: int  # when it was added
+    queued_ns: int  # when the call arrived (before it waited for the loop's lock)
     started_ns: int  # when the step that took it out of the waiting queue began
     done_ns: int
     lease_deadline: float
@@ -135,6 +135,7 @@ class PrefillWorker(WorkerBase):
             finish_reason=pinned.finish_reason or "",
             cached_prompt_tokens=pinned.num_cached_tokens,
             queue_seconds=max(0, done.started_ns - done.queued_ns) / 1e9,
+            compute_seconds=max(0, done.done_ns - done.started_ns) / 1e9,
         )
         if pinned.first_logprob is not None:  # the decode worker samples the rest; this one's travels back
             result.first_logprob = pinned.first_logprob
@@ -143,6 +144,9 @@ class PrefillWorker(WorkerBase):
             result.first_top_logprobs.logprobs.extend(lp for _, lp in top)
         if pinned.prompt_logprobs is not None:
             result.prompt_logprobs.CopyFrom(prompt_logprobs_msg(pinned.prompt_logprobs))
+        # The rest of the call beyond queue and compute (the checksums, this answer): the router
+        # sets the whole against what it waited, which leaves the transport's share.
+        result.worker_seconds = max(0, time.time_ns() - done.queued_ns) / 1e9
         return result
 
     def _run_prefill(
@@ -151,6 +155,9 @@ class PrefillWorker(WorkerBase):
     ) -> _Prefilled:
         """The prompt's pinned KV once prefilled, with when it was queued, started and done."""
         fut: Future[_Prefilled] = Future()
+        # Its wait starts here: the loop holds the lock for the whole step running now, and a
+        # prompt that waits for it waits as surely as one in the engine's queue.
+        arrived = time.time_ns()
         self.engine.prepare(params)  # its grammar compiles here, not under the loop's lock
         with self.loop.lock:
             self.loop.check()
@@ -160,7 +167,7 @@ class PrefillWorker(WorkerBase):
             if progress_to:
                 self._progress.follow(request_id, progress_to)
             self._pending[request_id] = fut
-            self._queued_at[request_id] = time.time_ns()
+            self._queued_at[request_id] = arrived
         self.loop.wake()
         try:
             done = fut.result(timeout=timeout_s)

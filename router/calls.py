@@ -55,16 +55,29 @@ class WorkerCalls:
             raise
         finally:
             cached_tokens = handle.cached_prompt_tokens if handle is not None else None
+            waited = time.monotonic() - sent
             r.prefill_ended(time.monotonic(), cached_tokens)
-            self.metrics.prefill_wait.observe(time.monotonic() - sent)
+            self.metrics.prefill_wait.observe(waited)
             if cached_tokens is not None:
                 span.set_attribute("pdserve.cached_tokens", cached_tokens)
             span.end()
-        self.metrics.prefill_queue.observe(handle.queue_seconds)
+        self._observe_phases(handle, waited)
         if self.prefill_times is not None:
             computed = len(r.ids) - handle.cached_prompt_tokens
             self.prefill_times.add(r.p_at.worker, computed, time.monotonic() - sent - handle.queue_seconds)
         return handle
+
+    def _observe_phases(self, handle: worker_pb2.PrefillResult, waited: float) -> None:
+        """Where a prefill call's time went: queue, compute, the worker's own rest, the transport
+        (a worker that does not report its whole time leaves the last two unmeasured)."""
+        m = self.metrics
+        m.prefill_queue.observe(handle.queue_seconds)
+        if handle.worker_seconds <= 0:
+            return
+        m.prefill_compute.observe(handle.compute_seconds)
+        rest = handle.worker_seconds - handle.queue_seconds - handle.compute_seconds
+        m.prefill_overhead.labels("worker").observe(max(0.0, rest))
+        m.prefill_overhead.labels("transport").observe(max(0.0, waited - handle.worker_seconds))
 
     async def start(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
         """Hand the KV over to the decode worker (it READs the missing blocks) and record the transfer."""

@@ -79,6 +79,18 @@ class RouterMetrics:
             "(reported by the worker; part of pdserve_prefill_duration_seconds).",
             buckets=_LATENCY, registry=r,
         )
+        self.prefill_compute = Histogram(
+            "pdserve_prefill_compute_seconds",
+            "From a prompt's first prefill step to the end of its last (reported by the worker; part of "
+            "pdserve_prefill_duration_seconds).",
+            buckets=_LATENCY, registry=r,
+        )
+        self.prefill_overhead = Histogram(
+            "pdserve_prefill_overhead_seconds",
+            "What a prefill call cost beyond queue and compute: part=worker, the worker's own (block checksums, "
+            "the answer); part=transport, the call's way there and back (the router's wait less the worker's time).",
+            ["part"], buckets=_LATENCY, registry=r,
+        )
         self.decode_wait = Histogram(
             "pdserve_decode_queue_seconds", "From the KV hand-over to the first token the decode worker produced.",
             buckets=_LATENCY, registry=r,

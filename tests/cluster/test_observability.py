@@ -147,6 +147,14 @@ def test_metrics_pass_promtool_and_count_known_requests(cluster, channel):
     assert delta("pdserve_kv_transfer_duration_seconds_count") == 2
     assert delta("pdserve_prefill_queue_seconds_count") == 2  # reported by the prefill worker
     assert delta("pdserve_prefill_queue_seconds_sum") <= delta("pdserve_prefill_duration_seconds_sum")
+    # The call's parts, each reported once a call, add up to the router's wait (rounding aside).
+    parts = ["pdserve_prefill_queue_seconds_sum", "pdserve_prefill_compute_seconds_sum"]
+    assert delta("pdserve_prefill_compute_seconds_count") == 2 and delta(parts[1]) > 0
+    for part in ("worker", "transport"):
+        assert delta("pdserve_prefill_overhead_seconds_count", part=part) == 2
+    whole = sum(delta(p) for p in parts) + sum(
+        delta("pdserve_prefill_overhead_seconds_sum", part=part) for part in ("worker", "transport"))
+    assert whole == pytest.approx(delta("pdserve_prefill_duration_seconds_sum"), abs=0.01)
     assert delta("pdserve_kv_transfer_bytes_total") > 0
     assert delta("pdserve_prefills_total", location="remote") == 2  # disaggregated: no prompt prefilled locally
     assert delta("pdserve_prefills_total", location="local") == 0

@@ -65,3 +65,46 @@ def test_a_finished_prefill_returns_while_the_loop_runs_its_next_step(model_dir:
         go.set()
         pool.shutdown(wait=True)
         worker.close()
+
+
+def test_a_prompt_that_came_during_a_step_counts_that_step_as_its_queue(model_dir: Any, wait_until: Any) -> None:
+    """A call that arrives while the loop runs a step waits for the loop's lock until that step
+    ends: its `queue_seconds` starts at its arrival, not when it got the lock, and the call's
+    parts (queue, compute, the worker's rest) add up to the worker's whole time."""
+    engine_args = EngineArgs(num_kv_blocks=64, max_num_batched_tokens=64)
+    base = build_prefill("prefill-queue", ServeConfig(model=str(model_dir), device="cpu", dtype="float32", engine=engine_args))
+    base.close()
+    worker = PrefillWorker("prefill-queue", base.engine, base.agent)
+    engine, real_step = worker.engine, worker.engine.step
+    in_step, gate = threading.Event(), threading.Event()
+    hold_s = 0.5
+
+    def step() -> list:
+        if not engine.scheduler.waiting and not engine.scheduler.running:
+            return real_step()
+        if not gate.is_set():  # a's step, held open while b arrives
+            in_step.set()
+            gate.wait(60)
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    pool = ThreadPoolExecutor(2)
+    try:
+        a = pool.submit(worker.prefill, list(range(10, 30)), params, "a", 60.0)
+        assert in_step.wait(30), "a's step never began"
+        b = pool.submit(worker.prefill, list(range(100, 140)), params, "b", 60.0)
+        time.sleep(hold_s)
+        gate.set()
+        ra, rb = a.result(timeout=60), b.result(timeout=60)
+        assert rb.queue_seconds >= hold_s * 0.9, rb.queue_seconds
+        for r in (ra, rb):
+            assert r.compute_seconds > 0
+            assert r.worker_seconds >= r.queue_seconds + r.compute_seconds
+        assert ra.compute_seconds >= hold_s * 0.9  # a's step was the one held open
+        assert worker.release("a") and worker.release("b")
+        wait_until(lambda: worker.stats().kv_blocks_in_use == 0, 10, "blocks freed")
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)
+        worker.close()
