@@ -140,8 +140,10 @@ class ChecksumStreams:
     default stream, so a checksum queued there waits for every step launched ahead of it: a
     prefill call for one more whole step. The blocks are final when they are checksummed (the
     step that wrote them was read back, or their READ ended); only copies still queued into them
-    (`after`: a staged READ's copies out) order the checksum. (A stream's first allocations take
-    new memory segments, which waits for the device once.)"""
+    (`after`: a staged READ's copies out) order the checksum. The stream has the device's highest
+    priority: a step's kernels fill the GPU, and a checksum's few small kernels would otherwise
+    each wait for whole kernels of it, milliseconds on a prefill call's way to its first token.
+    (A stream's first allocations take new memory segments, which waits for the device once.)"""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -151,7 +153,8 @@ class ChecksumStreams:
         with self._lock:
             stream = self._streams.get(device)
             if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device=device)
+                highest = torch.cuda.Stream.priority_range()[1]  # (least, greatest): lower is sooner
+                stream = self._streams[device] = torch.cuda.Stream(device=device, priority=highest)
             return stream
 
     @contextlib.contextmanager

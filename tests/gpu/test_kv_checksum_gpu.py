@@ -48,6 +48,8 @@ def test_checksums_on_their_own_stream_do_not_wait_for_the_default_streams_work(
     streams = ChecksumStreams()
     with streams.on([pool]):
         assert block_checksums(pool, ids) == expected
+        # Ahead of a step's kernels that fill the device: the highest priority it has.
+        assert torch.cuda.current_stream().priority == torch.cuda.Stream.priority_range()[1] < 0
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of a busy default stream
     with streams.on([pool]):
