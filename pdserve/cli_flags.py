@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.args import ATTENTION_BACKENDS, CPU_LIMITS, LARGE_GPU_LIMITS, SMALL_GPU_LIMITS, EngineArgs
+from pdserve.engine.args import (
+    ATTENTION_BACKENDS, CPU_LIMITS, LARGE_GPU_LIMITS, LOAD_FORMATS, SMALL_GPU_LIMITS, EngineArgs,
+)
 from pdserve.router.edge.http_options import HttpOptions
 from pdserve.router.edge.limits import InputLimits
 from pdserve.router.edge.tool_parsers import PARSERS
@@ -68,6 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-cuda-graphs", dest="prefill_cuda_graphs", action=argparse.BooleanOptionalAction, default=unset,
         help="GPU: run prefill and mixed steps as CUDA graphs of everything but attention, by token count "
         "(default: on wherever decode steps are CUDA graphs)",
+    )
+    p.add_argument(
+        "--load-format", dest="load_format", default=unset, choices=LOAD_FORMATS,
+        help="auto: the model's safetensors; dummy: random weights of its shape, from its config.json alone, "
+        f"for benchmarks (default: {d.load_format})",
     )
 
 

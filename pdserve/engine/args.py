@@ -14,6 +14,9 @@ from typing import Any
 ATTENTION_BACKENDS = ("auto", "flash", "torch")
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineArgs:
     block_size: int = 16  # tokens per KV block; prefill and decode workers must agree
@@ -40,8 +43,13 @@ class EngineArgs:
     # Prefill and mixed steps as piecewise CUDA graphs (all but attention, by token bucket; see
     # pdserve/engine/step_graphs.py). None or True: on wherever decode steps are CUDA graphs.
     prefill_cuda_graphs: bool | None = None
+    # "dummy": random weights of the model's shape, from its config.json alone (benchmarks, as
+    # vLLM's --load-format dummy); "auto": the model's safetensors.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: must be {' or '.join(LOAD_FORMATS)}, not {self.load_format!r}")
         if self.block_size < 1:
             raise ValueError("block_size: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -219,7 +219,6 @@ class EngineConfig(EngineArgs):
     mixed_decode_attention: bool | None = None
     seed: int = 0
     detokenize: bool = True  # False where another process turns tokens into text (`worker_detokenizes`)
-    load_format: str = "auto"  # "auto": safetensors in the model dir; "dummy": random weights (benchmarks)
     # Ranks the model is split over, one process each (pdserve/engine/parallel/): gloo on CPU, one GPU a rank over NCCL on CUDA.
     tensor_parallel_size: int = 1
     # At tensor_parallel_size > 1 on CUDA: decode steps as CUDA graphs with the collectives
@@ -240,8 +239,6 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"tensor_parallel_size: more than 1 rank runs on CPU (gloo) or CUDA (NCCL), not on {self.device}")
         if self.tensor_parallel_size > 1 and self.overlap_decode:
             raise ValueError("overlap_decode: not available with tensor_parallel_size > 1")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format: must be auto or dummy, not {self.load_format!r}")
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:
             limits = default_batch_limits(torch.device(self.device).type, _device_memory_bytes(self.device))
             if self.max_num_seqs is None:
