@@ -9,16 +9,22 @@ first step's start to its last's end) and the worker's rest (block checksums, th
 the whole call timed by its caller and the worker's steps. Queue + compute is what the steps
 alone make a prompt wait; the rest is what serving adds in the worker. Variants in one run:
 `--checksum on,off` (per-block KV checksums) and `--switch-interval-ms` (the interpreter's
-thread switch interval: the loop's thread and the callers' share the GIL).
+thread switch interval: the loop's thread and the callers' share the GIL). `--via ray` hosts the
+worker as `pdserve serve` does, in its Ray actor on a local Ray instance, and calls it from an
+event loop over the router's own transport: the caller's extra time is then the call's way
+there and back (`pdserve_prefill_overhead_seconds{part="transport"}` in serving).
 
     python bench/prefill_call.py --device cuda --shape 8b --workload chat --rates 12,24 --checksum on,off
+    python bench/prefill_call.py --device cuda --shape 8b --rates 24,32 --via ray
     python bench/prefill_call.py --device cpu        (the default model, small rates: checks the script)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -32,6 +38,9 @@ import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# `--via ray`: the local Ray instance's listeners stay on loopback, as `pdserve serve` keeps them
+# (read when Ray is imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from bench.engine import SHAPES
 from bench.gpu_serve_workloads import WORKLOADS
@@ -101,6 +110,81 @@ def drive(worker: PrefillWorker, prompts: list[list[int]], rate: float, seed: in
     return calls
 
 
+def drive_ray(actor: object, prompts: list[list[int]], rate: float, seed: int, tag: str) -> list[Call]:
+    """`drive` through the router's Ray transport (`RayWorker`), every call a task of one event loop."""
+    from pdserve.cluster.actors import RayWorker
+    from pdserve.router.calls import worker_params
+    from pdserve_proto import worker_pb2
+
+    transport = RayWorker(actor, token_channel=False)
+    wire = worker_params(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(prompts))
+    calls: list[Call] = []
+
+    async def one(i: int, ids: list[int]) -> None:
+        rid = f"{tag}-{i}"
+        began = time.perf_counter()
+        request = worker_pb2.PrefillRequest(prompt_token_ids=ids, params=wire, request_id=rid, timeout_s=120.0)
+        r = await transport.prefill(request)
+        took = time.perf_counter() - began
+        if not isinstance(r, worker_pb2.PrefillResult):
+            raise RuntimeError(f"prefill of {rid}: {r}")
+        await transport.release(worker_pb2.ReleaseRequest(request_id=rid))
+        calls.append(Call(len(ids), r.queue_seconds, r.compute_seconds, r.worker_seconds, took))
+
+    async def offer() -> None:
+        tasks, due = [], time.perf_counter()
+        for i, (ids, gap) in enumerate(zip(prompts, gaps)):
+            due += gap
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(i, ids)))
+        await asyncio.gather(*tasks)
+
+    asyncio.run(offer())
+    return calls
+
+
+def run_ray(args: argparse.Namespace) -> list[list[str]]:
+    """The worker in its Ray actor, one checksum setting (the engine is built once per actor)."""
+    import ray
+
+    from pdserve.cluster.actors import remote_class
+    from pdserve.cluster.ray_init import init_ray
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.engine.args import EngineArgs
+
+    rows = []
+    checksum = args.checksum[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.device == "cpu":
+            model, fmt, dtype = None, "auto", "float32"
+        else:
+            (Path(tmp) / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+            model, fmt, dtype = tmp, "dummy", "bfloat16"
+        cfg = ServeConfig(model=model, device=args.device, dtype=dtype, kv_checksum=checksum,
+                          engine=EngineArgs(load_format=fmt, max_model_len=8192))  # fmt: skip
+        init_ray(None, worker_logs=True)
+        try:
+            gpus = 1 if args.device == "cuda" else 0
+            actor = remote_class(num_gpus=gpus).remote("prefill", "prefill-bench", cfg)
+            ray.get(actor.identity.remote(), timeout=600)  # built
+            workload = WORKLOADS[args.workload]
+            scale = CPU_SCALE if args.device == "cpu" else 1.0
+            drive_ray(actor, [r.prompt for r in workload.requests(4, 99, scale)], 1000.0, 0, "warm")
+            for rate in args.rates:
+                n = max(4, round(rate * args.duration_s))
+                before = ray.get(actor.stats.remote(None), timeout=60)
+                calls = drive_ray(actor, [r.prompt for r in workload.requests(n, args.seed, scale)], rate, args.seed,
+                                  f"r{rate:g}")  # fmt: skip
+                after = ray.get(actor.stats.remote(None), timeout=60)
+                turns = after.loop_turns - before.loop_turns
+                rows.append(row(rate, checksum, 0, calls, turns, after.loop_seconds - before.loop_seconds))
+                print(" | ".join(rows[-1]), flush=True)
+        finally:
+            ray.shutdown()
+    return rows
+
+
 def ms(values: list[float], q: float | None = None) -> str:
     if not values:
         return "-"
@@ -164,15 +248,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration-s", type=float, default=8.0, help="seconds of arrivals at each rate")
     p.add_argument("--checksum", default="on", help="on, off or on,off: per-block KV checksums in the answer")
     p.add_argument("--switch-interval-ms", default="0", help="sys.setswitchinterval values, ms (0: the default)")
+    p.add_argument("--via", default="process", choices=("process", "ray"),
+                   help="the worker in this process, or in its Ray actor called over the router's transport")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here too")
     args = p.parse_args(argv)
     args.rates = [float(r) for r in (args.rates or ("12,24" if args.device == "cuda" else "1,2")).split(",")]
     args.checksum = [{"on": True, "off": False}[c.strip()] for c in args.checksum.split(",")]
     args.switch_interval_ms = [float(x) for x in args.switch_interval_ms.split(",")]
-    rows = run(args)
+    rows = run_ray(args) if args.via == "ray" else run(args)
     print()
-    print(f"{args.device} {args.shape if args.device == 'cuda' else 'default model'}, {args.workload}, "
+    print(f"{args.device} {args.shape if args.device == 'cuda' else 'default model'}, {args.workload}, via {args.via}, "
           f"{args.duration_s:g} s of arrivals a rate; means unless marked")
     print(markdown_table(HEAD, rows))
     if args.json:
