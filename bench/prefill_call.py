@@ -114,6 +114,7 @@ def drive_ray(actor: object, prompts: list[list[int]], rate: float, seed: int, t
     """`drive` through the router's Ray transport (`RayWorker`), every call a task of one event loop."""
     from pdserve.cluster.actors import RayWorker
     from pdserve.router.calls import worker_params
+    from pdserve.router.errors import from_worker_error
     from pdserve_proto import worker_pb2
 
     transport = RayWorker(actor, token_channel=False)
@@ -127,8 +128,8 @@ def drive_ray(actor: object, prompts: list[list[int]], rate: float, seed: int, t
         request = worker_pb2.PrefillRequest(prompt_token_ids=ids, params=wire, request_id=rid, timeout_s=120.0)
         r = await transport.prefill(request)
         took = time.perf_counter() - began
-        if not isinstance(r, worker_pb2.PrefillResult):
-            raise RuntimeError(f"prefill of {rid}: {r}")
+        if isinstance(r, worker_pb2.WorkerError):
+            raise from_worker_error(r, f"prefill of {rid}")
         await transport.release(worker_pb2.ReleaseRequest(request_id=rid))
         calls.append(Call(len(ids), r.queue_seconds, r.compute_seconds, r.worker_seconds, took))
 
