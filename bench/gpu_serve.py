@@ -46,8 +46,9 @@ JSON and table.md are written as each run ends, so a call cut short keeps what i
 --dry-run prints the plan with its estimated time and, past --budget-s, how to split it with
 --servers into calls that fit.
 
-The model is a random-weight Llama directory (--shape 1b|8b) written once into --model-dir:
-pdserve loads its safetensors, vLLM the same config and tokenizer with --load-format dummy. vLLM
+The model is a random-shape Llama directory (--shape 1b|8b), its config and tokenizer written
+once into --model-dir: pdserve and vLLM both draw random weights at start-up (--load-format
+dummy); --model runs a real model directory instead, loaded by both. vLLM
 runs with PYTHONPATH set to --vllm-site alone (the folder vLLM was installed into with pip
 --target) and --vllm-python; pdserve with the checkout, --pdserve-site and the PYTHONPATH this
 script runs with, never vLLM's folder.
@@ -307,9 +308,10 @@ def machine(device: str, gpus: int) -> dict:
     return info
 
 
-def _model(args: argparse.Namespace, shape: str, weights: bool) -> tuple[str, dict]:
-    """The model directory. weights False (no pdserve server to load them): config and tokenizer
-    only, in a folder of their own; vLLM and the engine-step child draw random weights."""
+def _model(args: argparse.Namespace, shape: str) -> tuple[str, dict]:
+    """The model directory: --model, the default model on CPU, or a random shape's config and
+    tokenizer alone, in a folder of their own; every server and the engine-step child then draw
+    random weights (--load-format dummy)."""
     if args.model:
         return args.model, {"dir": args.model}
     if args.device == "cpu":
@@ -321,22 +323,14 @@ def _model(args: argparse.Namespace, shape: str, weights: bool) -> tuple[str, di
 
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
     target = args.model_dir or cache / "bench-models" / f"llama-{shape}-random"
-    if not weights:
-        target = target.with_name(target.name + "-config")
+    target = target.with_name(target.name + "-config")
     if args.dry_run:
         return str(target), {"dir": str(target)}
     cfg = shape_config(shape)
-    if not weights:
-        target.mkdir(parents=True, exist_ok=True)
-        (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        write_tokenizer(target, cfg["vocab_size"], cfg.get("bos_token_id"), cfg.get("eos_token_id"))
-        return str(target), {"dir": str(target), "weights": False}
-    # In a child: this process never holds a CUDA context (memory the servers would not have).
-    argv = [sys.executable, str(REPO / "bench" / "random_model.py"), "--shape", shape, "--out", str(target)]
-    done = subprocess.run(argv, check=True, capture_output=True, text=True)
-    info = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"gpu_serve: model {target}: {info['bytes'] / 1e9:.1f} GB, {info['seconds']} s", file=sys.stderr)
-    return str(target), info
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_tokenizer(target, cfg["vocab_size"], cfg.get("bos_token_id"), cfg.get("eos_token_id"))
+    return str(target), {"dir": str(target), "weights": False}
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -367,13 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         signal.signal(signal.SIGTERM, _on_sigterm)
     engine_only = args.engine_steps
-    weights = not engine_only and any(s.kind == "pdserve" for s in servers)
-    model, model_info = _model(args, shape, weights)
+    model, model_info = _model(args, shape)
     cpu = args.device == "cpu"
+    random_shape = not args.model and not cpu
     ctx = LaunchContext(
         python=sys.executable, repo=str(REPO), model=model, device=args.device,
         dtype="float32" if cpu else "bfloat16", max_model_len=max_len,
         gpu_ids=tuple(int(g) for g in args.gpu_ids) if args.gpu_ids else tuple(range(args.gpus)),
+        load_format="dummy" if random_shape else "auto",
         inherited_pythonpath=os.environ.get("PYTHONPATH", ""), pdserve_site=args.pdserve_site,
         vllm_site=args.vllm_site, vllm_python=args.vllm_python, pdserve_args=tuple(shlex.split(args.pdserve_args)),
         vllm_args=tuple(shlex.split(args.vllm_args)),

@@ -35,7 +35,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--shape", default=None, choices=["1b", "8b"], help="the random-weight model's shape (default: 1b)")
     p.add_argument("--model", default=None, help="serve this model directory instead of writing a random one")
-    p.add_argument("--model-dir", type=Path, default=None, help="where the random model is written (and reused)")
+    p.add_argument("--model-dir", type=Path, default=None, help="where the random shape's config and tokenizer are written")
     p.add_argument("--workloads", type=_csv, default=None, help=f"of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--rates", action="append", default=[], metavar="[WORKLOAD=]R1,R2,...", help="Poisson rates")
     p.add_argument(

@@ -140,6 +140,9 @@ class LaunchContext:
     dtype: str  # bfloat16 on GPUs
     max_model_len: int
     gpu_ids: tuple[int, ...] = (0, 1)
+    # pdserve's --load-format: "dummy" where the model directory is a random shape's config and
+    # tokenizer alone (random weights drawn at start-up, as vLLM's --load-format dummy draws them).
+    load_format: str = "auto"
     inherited_pythonpath: str = ""  # the PYTHONPATH gpu_serve.py itself runs with
     pdserve_site: str | None = None
     vllm_site: str | None = None
@@ -255,6 +258,8 @@ def launch(server: Server, ctx: LaunchContext, port: int, extra_ports: Sequence[
         flags = {"--model": ctx.model, "--device": ctx.device, "--dtype": ctx.dtype, "--prefill": server.prefill}
         flags |= {"--decode": server.decode, "--port": grpc_port, "--http-port": port}
         flags |= {"--max-model-len": ctx.max_model_len}
+        if ctx.load_format != "auto":
+            flags["--load-format"] = ctx.load_format
         if metrics_port is not None:
             flags["--metrics-port"] = metrics_port
         flags |= _pdserve_widths(server)

@@ -84,7 +84,9 @@ def test_profiles_are_one_flag_each_with_their_rates_and_slos(tmp_path, capsys):
     assert main([*args, "--profile", "interference"]) == 0
     err = capsys.readouterr().err
     assert "chat: " in err and "rates 24, 32, 40 req/s" in err and "rates 12, 16 req/s" in err
-    assert "prefix-sharing" not in err and "/bench-models/llama-8b-random " in err
+    assert "prefix-sharing" not in err and "/bench-models/llama-8b-random-config " in err
+    pdserve_lines = [line for line in err.splitlines() if "pdserve.cli -v serve" in line]
+    assert pdserve_lines and all("--load-format dummy" in line for line in pdserve_lines)  # random weights, as vLLM's
     assert "vllm.entrypoints.cli.main serve" in err and "--data-parallel-size 2" in err
     assert "over the 540 s budget" in err and "call 1: --servers " in err
     # 8 s of arrivals a run (24+32+40+12+16 req/s, three servers); a flag given wins
