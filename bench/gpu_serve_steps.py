@@ -41,6 +41,7 @@ ROUTER_PARTS = {
     'pdserve_prefill_overhead_seconds{part="transport"}': "prefill_transport_ms",
     "pdserve_prefill_duration_seconds": "prefill_call_ms",
     "pdserve_decode_queue_seconds": "decode_queue_ms",
+    "pdserve_router_event_loop_lag_seconds": "router_loop_lag_ms",
 }
 LOOP_COUNTERS = {  # metric -> LoopTotals field
     "pdserve_engine_loop_turns_total": "turns",
@@ -291,7 +292,7 @@ def prefill_table(runs: Sequence[dict]) -> str:
     return markdown_table(["server", "workload", "rate req/s", "worker", "prefill steps", "mean step ms",
                            "prompts a step", "router: TTFT ms", "prefill queue ms", "prefill compute ms",
                            "prefill worker's rest ms", "prefill transport ms", "prefill call ms",
-                           "hand-over to first decode ms"], body)  # fmt: skip
+                           "hand-over to first decode ms", "router loop lag ms"], body)  # fmt: skip
 
 
 def kinds_table(runs: Sequence[dict]) -> str:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.telemetry.cluster_collector import ClusterCollector
 from pdserve.telemetry.http import MetricsServer
+from pdserve.telemetry.loop_health import GcPauses, LoopLag
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.tracing import Tracing, build_tracing
 
@@ -29,6 +30,9 @@ class RouterTelemetry:
         self.tracing = tracing
         self.metrics = metrics
         self.server: MetricsServer | None = None
+        # Sampled while /metrics is served: the loop's lag and the process's collections.
+        self.loop_lag = LoopLag(metrics.loop_lag)
+        self.gc_pauses = GcPauses(metrics.gc_pause)
 
     @classmethod
     def create(cls, cfg: ServeConfig) -> RouterTelemetry:
@@ -59,9 +63,13 @@ class RouterTelemetry:
 
         self.metrics.registry.register(ClusterCollector(read_stats, worker_series))
         self.server = MetricsServer.start(self.metrics.registry, host, port)
+        self.loop_lag.start(loop)
+        self.gc_pauses.install()
         return self.server.port
 
     def stop(self) -> None:
+        self.loop_lag.stop()
+        self.gc_pauses.remove()
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # Latency buckets in seconds: sub-millisecond inter-token gaps up to minute-long requests.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TRANSFER = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_PAUSE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class RouterMetrics:
@@ -90,6 +91,17 @@ class RouterMetrics:
             "What a prefill call cost beyond queue and compute: part=worker, the worker's own (block checksums, "
             "the answer); part=transport, the call's way there and back (the router's wait less the worker's time).",
             ["part"], buckets=_LATENCY, registry=r,
+        )
+        self.loop_lag = Histogram(
+            "pdserve_router_event_loop_lag_seconds",
+            "How much later than asked the router's event loop woke a task sleeping 20 ms: how long a callback "
+            "that became ready (a worker's answer, a token to relay) waited behind the loop's other work.",
+            buckets=_PAUSE, registry=r,
+        )
+        self.gc_pause = Histogram(
+            "pdserve_router_gc_pause_seconds",
+            "Garbage collections of the router's process, by generation; every thread of it stops for one.",
+            ["generation"], buckets=_PAUSE, registry=r,
         )
         self.decode_wait = Histogram(
             "pdserve_decode_queue_seconds", "From the KV hand-over to the first token the decode worker produced.",

@@ -159,6 +159,7 @@ def test_metrics_pass_promtool_and_count_known_requests(cluster, channel):
     assert delta("pdserve_prefills_total", location="remote") == 2  # disaggregated: no prompt prefilled locally
     assert delta("pdserve_prefills_total", location="local") == 0
     assert value(after, "pdserve_requests_in_flight") == 0
+    assert value(after, "pdserve_router_event_loop_lag_seconds_count") > 0  # sampled while /metrics is served
     assert value(after, "pdserve_kv_link_test_bytes_per_second", decode="decode-0", prefill="prefill-0") > 0
 
     # Workers' figures, read through the router at scrape time.

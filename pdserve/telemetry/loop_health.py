@@ -1,0 +1,67 @@
+"""How promptly the router's process answers: its event loop's lag and the garbage collector's
+pauses. Every worker's answer and every relayed token waits behind whatever the loop runs before
+it, and a collection stops every thread of the process; both show in TTFT and ITL without a trace
+of their own, so the router measures them (docs/observability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from typing import Any
+
+from prometheus_client import Histogram
+
+
+class LoopLag:
+    """A task that sleeps `interval_s` again and again: how much later than asked the loop wakes
+    it is how long a callback that became ready then waited behind the loop's other work."""
+
+    def __init__(self, histogram: Histogram, interval_s: float = 0.02) -> None:
+        self.histogram = histogram
+        self.interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sample on `loop` from now on (callable from another thread)."""
+        loop.call_soon_threadsafe(self._spawn, loop)
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._task is None:
+            self._task = loop.create_task(self._sample())
+
+    def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    async def _sample(self) -> None:
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.histogram.observe(max(0.0, time.perf_counter() - began - self.interval_s))
+
+
+class GcPauses:
+    """Each garbage collection of the process, timed (`gc.callbacks`) by its generation."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self._began = 0.0
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+
+    def remove(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._callback)
+            self._installed = False
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.histogram.labels(str(info.get("generation", "?"))).observe(time.perf_counter() - self._began)
