@@ -8,11 +8,13 @@ call's arrival to its first step, the step running when it came included), the c
 first step's start to its last's end) and the worker's rest (block checksums, the answer), beside
 the whole call timed by its caller and the worker's steps. Queue + compute is what the steps
 alone make a prompt wait; the rest is what serving adds in the worker. Variants in one run:
-`--checksum on,off` (per-block KV checksums) and `--switch-interval-ms` (the interpreter's
-thread switch interval: the loop's thread and the callers' share the GIL). `--via ray` hosts the
+`--checksum on,off` (per-block KV checksums) and `--switch-interval-ms` (this process's thread
+switch interval: the worker's loop thread and its callers', or with `--via ray` the caller's event
+loop and Ray's threads, share the GIL). `--via ray` hosts the
 worker as `pdserve serve` does, in its Ray actor on a local Ray instance, and calls it from an
 event loop over the router's own transport: the caller's extra time is then the call's way
-there and back (`pdserve_prefill_overhead_seconds{part="transport"}` in serving).
+there and back (`pdserve_prefill_overhead_seconds{part="transport"}` in serving); `--loop-busy`
+keeps that loop busy with other Python work, as relaying tokens keeps a router's.
 
     python bench/prefill_call.py --device cuda --shape 8b --workload chat --rates 12,24 --checksum on,off
     python bench/prefill_call.py --device cuda --shape 8b --rates 24,32 --via ray
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -110,8 +113,27 @@ def drive(worker: PrefillWorker, prompts: list[list[int]], rate: float, seed: in
     return calls
 
 
-def drive_ray(actor: object, prompts: list[list[int]], rate: float, seed: int, tag: str) -> list[Call]:
-    """`drive` through the router's Ray transport (`RayWorker`), every call a task of one event loop."""
+def spin(seconds: float) -> None:
+    """Pure-Python work for `seconds`, holding the GIL as a router's relay does between awaits."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def busy_loop(share: float, slice_s: float = 0.0005) -> None:
+    """Keep the event loop `share` busy, in slices of Python work between its other callbacks
+    (a router relaying tokens: short callbacks, each holding the GIL)."""
+    idle = slice_s * (1.0 - share) / share
+    while True:
+        spin(slice_s)
+        await asyncio.sleep(idle)
+
+
+def drive_ray(
+    actor: object, prompts: list[list[int]], rate: float, seed: int, tag: str, loop_busy: float = 0.0
+) -> list[Call]:
+    """`drive` through the router's Ray transport (`RayWorker`), every call a task of one event
+    loop, which `loop_busy` > 0 keeps that share busy with other work."""
     from pdserve.cluster.actors import RayWorker
     from pdserve.router.calls import worker_params
     from pdserve.router.errors import from_worker_error
@@ -134,12 +156,15 @@ def drive_ray(actor: object, prompts: list[list[int]], rate: float, seed: int, t
         calls.append(Call(len(ids), r.queue_seconds, r.compute_seconds, r.worker_seconds, took))
 
     async def offer() -> None:
+        load = asyncio.create_task(busy_loop(loop_busy)) if loop_busy > 0 else None
         tasks, due = [], time.perf_counter()
         for i, (ids, gap) in enumerate(zip(prompts, gaps)):
             due += gap
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             tasks.append(asyncio.create_task(one(i, ids)))
         await asyncio.gather(*tasks)
+        if load is not None:
+            load.cancel()
 
     asyncio.run(offer())
     return calls
@@ -172,14 +197,20 @@ def run_ray(args: argparse.Namespace) -> list[list[str]]:
             workload = WORKLOADS[args.workload]
             scale = CPU_SCALE if args.device == "cpu" else 1.0
             drive_ray(actor, [r.prompt for r in workload.requests(4, 99, scale)], 1000.0, 0, "warm")
-            for rate in args.rates:
+            for busy, interval_ms, rate in itertools.product(args.loop_busy, args.switch_interval_ms, args.rates):
                 n = max(4, round(rate * args.duration_s))
-                before = ray.get(actor.stats.remote(None), timeout=60)
-                calls = drive_ray(actor, [r.prompt for r in workload.requests(n, args.seed, scale)], rate, args.seed,
-                                  f"r{rate:g}")  # fmt: skip
-                after = ray.get(actor.stats.remote(None), timeout=60)
+                default = sys.getswitchinterval()
+                if interval_ms > 0:
+                    sys.setswitchinterval(interval_ms / 1e3)
+                try:
+                    before = ray.get(actor.stats.remote(None), timeout=60)
+                    prompts = [r.prompt for r in workload.requests(n, args.seed, scale)]
+                    calls = drive_ray(actor, prompts, rate, args.seed, f"r{rate:g}-{busy}-{interval_ms}", busy)
+                    after = ray.get(actor.stats.remote(None), timeout=60)
+                finally:
+                    sys.setswitchinterval(default)
                 turns = after.loop_turns - before.loop_turns
-                rows.append(row(rate, checksum, 0, calls, turns, after.loop_seconds - before.loop_seconds))
+                rows.append(row(rate, checksum, interval_ms, calls, turns, after.loop_seconds - before.loop_seconds, busy))
                 print(" | ".join(rows[-1]), flush=True)
         finally:
             ray.shutdown()
@@ -224,18 +255,21 @@ def run(args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
-def row(rate: float, checksum: bool, interval_ms: float, calls: list[Call], turns: int, turn_s: float) -> list[str]:
+def row(
+    rate: float, checksum: bool, interval_ms: float, calls: list[Call], turns: int, turn_s: float, busy: float = 0.0
+) -> list[str]:
     queue, compute = [c.queue for c in calls], [c.compute for c in calls]
     rest, whole = [c.rest for c in calls], [c.call for c in calls]
     transport = [max(0.0, c.call - c.worker) for c in calls]
     return [
-        f"{rate:g}", "on" if checksum else "off", f"{interval_ms:g}" if interval_ms > 0 else "default", str(len(calls)),
+        f"{rate:g}", "on" if checksum else "off", f"{interval_ms:g}" if interval_ms > 0 else "default",
+        f"{100 * busy:.0f} %", str(len(calls)),
         f"{turns}", f"{1e3 * turn_s / turns:.1f}" if turns else "-", f"{len(calls) / turns:.2f}" if turns else "-",
         ms(queue), ms(compute), ms(rest), ms(rest, 99), ms(transport), ms(whole), ms(whole, 50), ms(whole, 99),
     ]  # fmt: skip
 
 
-HEAD = ["rate req/s", "checksums", "switch interval ms", "calls", "loop turns", "mean turn ms", "prompts a turn",
+HEAD = ["rate req/s", "checksums", "switch interval ms", "caller's loop busy", "calls", "loop turns", "mean turn ms", "prompts a turn",
         "queue ms", "compute ms", "worker's rest ms", "rest p99 ms", "caller's extra ms", "call ms", "call p50 ms",
         "call p99 ms"]  # fmt: skip
 
@@ -251,12 +285,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--switch-interval-ms", default="0", help="sys.setswitchinterval values, ms (0: the default)")
     p.add_argument("--via", default="process", choices=("process", "ray"),
                    help="the worker in this process, or in its Ray actor called over the router's transport")
+    p.add_argument("--loop-busy", default="0", help="--via ray: shares of the calling event loop kept busy with "
+                   "Python work, as a router's relay keeps it (comma-separated, 0 to <1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here too")
     args = p.parse_args(argv)
     args.rates = [float(r) for r in (args.rates or ("12,24" if args.device == "cuda" else "1,2")).split(",")]
     args.checksum = [{"on": True, "off": False}[c.strip()] for c in args.checksum.split(",")]
     args.switch_interval_ms = [float(x) for x in args.switch_interval_ms.split(",")]
+    args.loop_busy = [float(x) for x in args.loop_busy.split(",")]
+    if any(not 0 <= b < 1 for b in args.loop_busy):
+        p.error("--loop-busy: shares from 0 to below 1")
     rows = run_ray(args) if args.via == "ray" else run(args)
     print()
     print(f"{args.device} {args.shape if args.device == 'cuda' else 'default model'}, {args.workload}, via {args.via}, "
