@@ -21,7 +21,8 @@ data-parallel rank), with vLLM's defaults for the card and only --load-format du
 lines are in OUT/commands__<server>.sh. Each server starts once and every workload and rate runs
 against it. Workloads (bench/gpu_serve_workloads.py): long-prompt, chat, prefix-sharing, sent as
 token ids with ignore_eos and greedy sampling, so every server does the same work. Goodput counts
-requests within TTFT <= --slo-ttft-ms and mean ITL <= --slo-itl-ms.
+requests within TTFT <= --slo-ttft-ms and mean ITL <= --slo-itl-ms. --repeats N runs each rate N
+times, each with its own prompts; the tables show the run of the median goodput, with the range.
 
 Profiles (--profile, one flag each): knee-1b (1B; long-prompt and chat at 48/96/160 req/s),
 knee-8b (8B; long-prompt 8/16/24, chat 16/32/48), interference (8B; chat 24/32/40, long-prompt
@@ -59,13 +60,13 @@ is done, on an error and on Ctrl-C / SIGTERM. Logs: OUT/logs/<server>.<process>.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -77,7 +78,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_serve_args import build_parser, resolve, with_profile
+from bench.gpu_serve_args import build_parser, model_dir, resolve, with_profile
 from bench.gpu_serve_diag import BUDGET_S, Target, collect, scrape
 from bench.gpu_serve_engine import engine_phase
 from bench.gpu_serve_plan import (
@@ -120,6 +121,7 @@ from bench.serve_metrics import Slo, summarize
 from bench.serve_workload import Request
 
 SCRAPE_TIMEOUT_S = 10.0
+REPEAT_SEED = 104729  # a repeat's prompts: seeds apart from every rate's (7919 apart)
 
 
 # ----- one server -----------------------------------------------------------------------------
@@ -187,60 +189,73 @@ async def _drive(
     pdserve = launch_.server.kind == "pdserve"
     for w in plan.workloads:
         for k, rate in enumerate(plan.rates[w]):
-            # Each rate its own prompts (the same on every server): a rate must not find the
-            # previous rate's prompts in the prefix cache.
-            seed = st.seed + 7919 * k
-            if why := alive():
-                raise RuntimeError(why)
-            n = requests_per_run(rate, plan.duration_s, plan.requests)
-            if time.monotonic() + n / rate > st.deadline:
-                record.setdefault("not_run", []).append(f"{w} at {rate:g}/s: past --deadline-s")
-                continue
-            if not st.run_fits(n, rate):
-                record.setdefault("not_run", []).append(f"{w} at {rate:g}/s: past --budget-s")
-                continue
-            reqs = WORKLOADS[w].requests(n, seed, st.scale)
-            cfg = LoadConfig(launch_.url, model, rate, None, seed, st.request_timeout_s, False)
-            before = await _scrape(launch_.metrics_url) if pdserve else (None, None)
-            stop_watch = asyncio.Event()
-            watcher = asyncio.create_task(watch(launch_.metrics_url, stop_watch)) if launch_.metrics_url else None
-            try:
-                results, duration = await run_load(cfg, reqs)
-            finally:
-                stop_watch.set()
-                samples = await watcher if watcher is not None else []
-            after = await _scrape(launch_.metrics_url) if pdserve else (None, None)
-            summary = summarize(results, duration, st.slo)
-            extra = {"requests_sent": n, "scale": st.scale, "seed": seed}
-            run = run_record(record, w, rate, summary, extra)
-            run["failures"] = failure_report(results, st.failures_listed)
-            if st.also:
-                run["summaries"] = {slo_key(o.ttft_s * 1e3, o.itl_s * 1e3): summarize(results, duration, o) for o in st.also}
-            if pdserve:
-                run["engine_steps"] = _steps(before, after)
-            if watcher is not None:
-                write_watch(out / watch_file(record["server"], w, rate), samples)
-                run["watch"] = summarize_watch(samples)
-            path = out / run_file(record["server"], w, rate)
-            path.write_text(json.dumps(run, indent=1) + "\n")
-            # Looked at before the next run or the server's stop, while a stall may still be there.
-            why = diagnosis_reason(summary, st.diagnose_below, st.stop_below) if st.diagnose_s > 0 else None
-            if why:
-                print(f"gpu_serve: {record['server']} {w} {rate:g}/s: {why}; looking at the server",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                budget = min(st.diagnose_s, st.left() - STOP_S - st.request_timeout_s)
-                run["diagnostics"] = diagnose(run_folder(record["server"], w, rate), why, max(1.0, budget))
-                path.write_text(json.dumps(run, indent=1) + "\n")
-            progress()
-            print(
-                f"gpu_serve: {record['server']} {w} {rate:g}/s: {summary['completed']}/{n} ok, goodput "
-                f"{summary['goodput_req_s']:.2f} req/s, TTFT p99 {summary['ttft_ms']['p99']} ms, "
-                f"ITL p50 {summary['itl_ms']['p50']} ms",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
-            if (summary["slo_attainment"] or 0.0) < st.stop_below:
+            attained = []
+            for j in range(plan.repeats):
+                # Each rate and repeat its own prompts (the same on every server): a run must not
+                # find an earlier run's prompts in the prefix cache.
+                seed = st.seed + 7919 * k + REPEAT_SEED * j
+                if why := alive():
+                    raise RuntimeError(why)
+                n = requests_per_run(rate, plan.duration_s, plan.requests)
+                label = f"{w} at {rate:g}/s" + (f" (repeat {j + 1})" if j else "")
+                if time.monotonic() + n / rate > st.deadline:
+                    record.setdefault("not_run", []).append(f"{label}: past --deadline-s")
+                    continue
+                if not st.run_fits(n, rate):
+                    record.setdefault("not_run", []).append(f"{label}: past --budget-s")
+                    continue
+                summary = await _run_once(launch_, st, out, record, (w, rate, j), seed, n, pdserve, diagnose)
+                attained.append(summary["slo_attainment"] or 0.0)
+                progress()
+            if attained and statistics.median(attained) < st.stop_below:
                 record.setdefault("saturated_at", {})[w] = rate
                 break
+
+
+async def _run_once(
+    launch_: Launch, st: Settings, out: Path, record: dict, key: tuple[str, float, int], seed: int, n: int,
+    pdserve: bool, diagnose: Diagnose,
+) -> dict:  # fmt: skip
+    """One run: n requests of workload w at `rate` (repeat j), its JSON written; its summary."""
+    w, rate, j = key
+    reqs = WORKLOADS[w].requests(n, seed, st.scale)
+    cfg = LoadConfig(launch_.url, record["model_id"], rate, None, seed, st.request_timeout_s, False)
+    before = await _scrape(launch_.metrics_url) if pdserve else (None, None)
+    stop_watch = asyncio.Event()
+    watcher = asyncio.create_task(watch(launch_.metrics_url, stop_watch)) if launch_.metrics_url else None
+    try:
+        results, duration = await run_load(cfg, reqs)
+    finally:
+        stop_watch.set()
+        samples = await watcher if watcher is not None else []
+    after = await _scrape(launch_.metrics_url) if pdserve else (None, None)
+    summary = summarize(results, duration, st.slo)
+    run = run_record(record, w, rate, summary, {"requests_sent": n, "scale": st.scale, "seed": seed, "repeat": j})
+    run["failures"] = failure_report(results, st.failures_listed)
+    if st.also:
+        run["summaries"] = {slo_key(o.ttft_s * 1e3, o.itl_s * 1e3): summarize(results, duration, o) for o in st.also}
+    if pdserve:
+        run["engine_steps"] = _steps(before, after)
+    if watcher is not None:
+        write_watch(out / watch_file(record["server"], w, rate, j), samples)
+        run["watch"] = summarize_watch(samples)
+    path = out / run_file(record["server"], w, rate, j)
+    path.write_text(json.dumps(run, indent=1) + "\n")
+    # Looked at before the next run or the server's stop, while a stall may still be there.
+    why = diagnosis_reason(summary, st.diagnose_below, st.stop_below) if st.diagnose_s > 0 else None
+    if why:
+        print(f"gpu_serve: {record['server']} {w} {rate:g}/s: {why}; looking at the server",
+              file=sys.stderr, flush=True)  # fmt: skip
+        budget = min(st.diagnose_s, st.left() - STOP_S - st.request_timeout_s)
+        run["diagnostics"] = diagnose(run_folder(record["server"], w, rate, j), why, max(1.0, budget))
+        path.write_text(json.dumps(run, indent=1) + "\n")
+    print(
+        f"gpu_serve: {record['server']} {w} {rate:g}/s{f' (repeat {j + 1})' if j else ''}: {summary['completed']}/{n} "
+        f"ok, goodput {summary['goodput_req_s']:.2f} req/s, TTFT p99 {summary['ttft_ms']['p99']} ms, "
+        f"ITL p50 {summary['itl_ms']['p50']} ms",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    return summary
 
 
 def run_server(
@@ -308,31 +323,6 @@ def machine(device: str, gpus: int) -> dict:
     return info
 
 
-def _model(args: argparse.Namespace, shape: str) -> tuple[str, dict]:
-    """The model directory: --model, the default model on CPU, or a random shape's config and
-    tokenizer alone, in a folder of their own; every server and the engine-step child then draw
-    random weights (--load-format dummy)."""
-    if args.model:
-        return args.model, {"dir": args.model}
-    if args.device == "cpu":
-        from pdserve.models.resolve import resolve_model
-
-        path = str(resolve_model(None))
-        return path, {"dir": path, "default": True}
-    from bench.random_model import shape_config, write_tokenizer
-
-    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
-    target = args.model_dir or cache / "bench-models" / f"llama-{shape}-random"
-    target = target.with_name(target.name + "-config")
-    if args.dry_run:
-        return str(target), {"dir": str(target)}
-    cfg = shape_config(shape)
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    write_tokenizer(target, cfg["vocab_size"], cfg.get("bos_token_id"), cfg.get("eos_token_id"))
-    return str(target), {"dir": str(target), "weights": False}
-
-
 def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through every `finally`: servers are stopped
 
@@ -361,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         signal.signal(signal.SIGTERM, _on_sigterm)
     engine_only = args.engine_steps
-    model, model_info = _model(args, shape)
+    model, model_info = model_dir(args, shape)
     cpu = args.device == "cpu"
     random_shape = not args.model and not cpu
     ctx = LaunchContext(
@@ -378,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         launch(s, ctx, free_port(), [free_port() for _ in range(extra_ports.get(s.kind, 0))]) for s in servers
     )  # fmt: skip
     plan = Plan(launches, workloads, rates, args.duration_s, args.requests, scale, args.request_timeout_s,
-                engine_steps=not args.no_engine_steps)  # fmt: skip
+                engine_steps=not args.no_engine_steps, repeats=args.repeats)  # fmt: skip
     print(describe(plan, out, args.budget_s), file=sys.stderr)
     if args.dry_run:
         return 0

@@ -4,6 +4,8 @@ the device's defaults are applied (shape, workloads, rates, scale, context cap, 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -43,6 +45,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="seconds of arrivals per run: rate x this requests (default: the profile's, else 4)",
     )
     p.add_argument("--requests", type=int, default=None, help="a fixed number of requests per run instead")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="runs per rate, each with its own prompts; the tables show the median goodput's run, "
+                   "with the goodputs' range")
     p.add_argument("--scale", type=float, default=None, help="multiply the workloads' lengths (cpu default: 0.05)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (default: 1000; cpu 3000)")
     p.add_argument("--slo-itl-ms", type=float, default=None, help="mean ITL SLO per request (default: 50; cpu 250)")
@@ -129,6 +134,8 @@ def resolve(args: argparse.Namespace) -> Choice:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"--workloads: unknown {', '.join(unknown)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: {args.repeats}; at least 1 run per rate")
     scale = args.scale if args.scale is not None else (0.05 if cpu else 1.0)
     per_gpus = 1.0 if cpu else args.gpus / 2  # the rates are for 2 GPUs: 1 serves about half the load, 4 twice
     # On a CPU a profile picks the workloads only: its GPU rates and SLOs would leave nothing to compare.
@@ -145,3 +152,28 @@ def resolve(args: argparse.Namespace) -> Choice:
     itl = args.slo_itl_ms or (250.0 if cpu else profile.slo_itl_ms if profile else 50.0)
     also = args.also_slo_itl_ms if args.also_slo_itl_ms is not None else (profile.also_itl_ms if profile else ())
     return Choice(shape, workloads, rates, scale, max_len, ttft, itl, tuple(a for a in also if a != itl))
+
+
+def model_dir(args: argparse.Namespace, shape: str) -> tuple[str, dict]:
+    """The model directory: --model, the default model on CPU, or a random shape's config and
+    tokenizer alone, in a folder of their own; every server and the engine-step child then draw
+    random weights (--load-format dummy)."""
+    if args.model:
+        return args.model, {"dir": args.model}
+    if args.device == "cpu":
+        from pdserve.models.resolve import resolve_model
+
+        path = str(resolve_model(None))
+        return path, {"dir": path, "default": True}
+    from bench.random_model import shape_config, write_tokenizer
+
+    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    target = args.model_dir or cache / "bench-models" / f"llama-{shape}-random"
+    target = target.with_name(target.name + "-config")
+    if args.dry_run:
+        return str(target), {"dir": str(target)}
+    cfg = shape_config(shape)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_tokenizer(target, cfg["vocab_size"], cfg.get("bos_token_id"), cfg.get("eos_token_id"))
+    return str(target), {"dir": str(target), "weights": False}

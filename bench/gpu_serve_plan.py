@@ -323,6 +323,7 @@ class Plan:
     scale: float
     request_timeout_s: float = 30.0
     engine_steps: bool = False  # time the engine's decode step after the servers
+    repeats: int = 1  # runs per (workload, rate), each with its own prompts
 
     def runs(self) -> list[tuple[str, str, float, int]]:
         """(server, workload, rate, requests) in the order they run: each server once, every
@@ -334,6 +335,7 @@ class Plan:
             (lc.server.name, w, r, requests_per_run(r, self.duration_s, self.requests))
             for w in self.workloads
             for r in self.rates[w]
+            for _ in range(self.repeats)
         ]
 
     def server_s(self, lc: Launch, worst: bool = False) -> float:

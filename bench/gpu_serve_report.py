@@ -22,26 +22,31 @@ ENGINE_JOBS = "engine_jobs.json"
 MACHINE = "machine.json"
 
 
-def run_file(server: str, workload: str, rate: float) -> str:
-    return f"run__{server}__{workload}__{rate:g}.json"
+def _repeat(repeat: int) -> str:
+    """A run's name beyond its rate: the first of a rate has none, a repeat `__r<k>`."""
+    return f"__r{repeat}" if repeat else ""
+
+
+def run_file(server: str, workload: str, rate: float, repeat: int = 0) -> str:
+    return f"run__{server}__{workload}__{rate:g}{_repeat(repeat)}.json"
 
 
 def server_runs_glob(server: str) -> str:
     return f"run__{server}__*__*.json"
 
 
-def run_folder(server: str, workload: str, rate: float) -> str:
+def run_folder(server: str, workload: str, rate: float, repeat: int = 0) -> str:
     """A run's folder, beside its JSON: what was looked at in the server after a bad run."""
-    return f"run__{server}__{workload}__{rate:g}.diag"
+    return f"run__{server}__{workload}__{rate:g}{_repeat(repeat)}.diag"
 
 
 def server_folders_glob(server: str) -> str:
     return f"run__{server}__*__*.diag"
 
 
-def watch_file(server: str, workload: str, rate: float) -> str:
+def watch_file(server: str, workload: str, rate: float, repeat: int = 0) -> str:
     """A run's /metrics reads during its load (bench/gpu_serve_watch.py), one JSON object a line."""
-    return f"run__{server}__{workload}__{rate:g}.watch.jsonl"
+    return f"run__{server}__{workload}__{rate:g}{_repeat(repeat)}.watch.jsonl"
 
 
 def server_watch_glob(server: str) -> str:
@@ -97,10 +102,30 @@ def under_slo(runs: Sequence[dict], ttft_ms: float, itl_ms: float) -> list[dict]
 
 
 def load(out: Path) -> tuple[list[dict], list[dict]]:
-    """The runs and the servers written in `out` (in name order)."""
+    """The runs and the servers written in `out` (in name order); a rate's repeats as one run
+    (`median_of_repeats`)."""
     runs = [json.loads(p.read_text()) for p in sorted(out.glob(RUN_GLOB))]
     servers = [json.loads(p.read_text()) for p in sorted(out.glob(SERVER_GLOB))]
-    return runs, servers
+    return median_of_repeats(runs), servers
+
+
+def median_of_repeats(runs: Sequence[dict]) -> list[dict]:
+    """One run per (server, workload, rate): where a rate ran more than once, the run of the
+    median goodput (the lower middle one of an even count) stands for them, with every
+    goodput of its repeats in `repeats`. Machines are noisy; a run's other figures stay whole
+    rather than mixing runs."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["server"], r["workload"], r["rate"]), []).append(r)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        ranked = sorted(group, key=lambda r: r["summary"]["goodput_req_s"])
+        median = ranked[(len(ranked) - 1) // 2]
+        out.append(median | {"repeats": [r["summary"]["goodput_req_s"] for r in ranked]})
+    return out
 
 
 def _order(names: Sequence[str], preferred: Sequence[str]) -> list[str]:
@@ -125,11 +150,18 @@ def runs_table(runs: Sequence[dict], workloads: Sequence[str] = (), servers: Seq
                 m, g = r["summary"], r["per_gpu"]
                 body.append([
                     w, s, str(r["gpus"]), f"{r['rate']:g}", f"{m['completed']}/{m['requests']}",
-                    f"{m['goodput_req_s']:.2f}", f"{g['goodput_req_s']:.2f}", f"{m['output_tok_s']:,.0f}",
+                    _goodput(r), f"{g['goodput_req_s']:.2f}", f"{m['output_tok_s']:,.0f}",
                     f"{g['output_tok_s']:,.0f}", _ms(m["ttft_ms"]["p50"]), _ms(m["ttft_ms"]["p99"]),
                     _ms(m["itl_ms"]["p50"]), _ms(m["itl_ms"]["p99"]),
                 ])  # fmt: skip
     return markdown_table(head, body)
+
+
+def _goodput(run: dict) -> str:
+    """The run's goodput, and with repeats their range and count."""
+    g = f"{run['summary']['goodput_req_s']:.2f}"
+    repeats = run.get("repeats")
+    return f"{g} ({min(repeats):.2f}-{max(repeats):.2f}, {len(repeats)} runs)" if repeats else g
 
 
 def servers_table(servers: Sequence[dict], order: Sequence[str] = ()) -> str:

@@ -258,3 +258,44 @@ def test_a_bad_run_is_looked_at_only_with_time_given_for_it(fakes, diagnose_s):
         assert "metrics.txt" in run["diagnostics"]["files"] and "py-spy: not on PATH" in run["diagnostics"]["errors"][0]
     else:
         assert "diagnostics" not in run
+
+
+def test_repeats_run_each_rate_with_new_prompts_and_the_median_run_stands_for_them(fakes):
+    """--repeats 3: three runs of the rate, each its own seed (no prompt found in the prefix
+    cache from the run before), three files; the tables show the median goodput's run and the range."""
+    out = fakes / "out-repeats"
+    (out / "logs").mkdir(parents=True)
+    ctx = LaunchContext(python=sys.executable, repo=str(Path(gpu_serve.__file__).resolve().parents[1]),
+                        model=str(fakes / "model"), device="cpu", dtype="float32", max_model_len=2048)  # fmt: skip
+    port = free_port()
+    fake = Launch(
+        Server("pdserve-1p1d", "pdserve", 2, 1, 1),
+        (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
+                 health_url=f"http://127.0.0.1:{port}/health"),),
+        f"http://127.0.0.1:{port}", None, None,
+    )
+    plan = Plan((fake,), ("chat",), {"chat": (4.0,)}, 1.0, None, 0.1, 10.0, repeats=3)
+    assert len(plan.server_runs(fake)) == 3
+    st = Settings(Slo(3.0, 0.25), 1.0, None, 0.1, 0, 10.0, 60.0, 0.25, 1, float("inf"), py_spy=None)
+    assert run_server(fake, plan, st, ctx, out)["error"] is None
+    files = sorted(p.name for p in out.glob("run__*.json"))
+    assert files == ["run__pdserve-1p1d__chat__4.json", "run__pdserve-1p1d__chat__4__r1.json",
+                     "run__pdserve-1p1d__chat__4__r2.json"]  # fmt: skip
+    raw = [json.loads((out / f).read_text()) for f in files]
+    assert [r["repeat"] for r in raw] == [0, 1, 2] and len({r["seed"] for r in raw}) == 3
+    runs, _ = load(out)
+    assert len(runs) == 1 and sorted(runs[0]["repeats"]) == sorted(r["summary"]["goodput_req_s"] for r in raw)
+    assert runs[0]["summary"]["goodput_req_s"] == sorted(runs[0]["repeats"])[1]
+    assert "3 runs)" in write_report(out, ("chat",), (), with_plot=False)
+
+
+def test_the_median_of_an_even_count_of_repeats_is_the_lower_middle_run():
+    from bench.gpu_serve_report import median_of_repeats
+
+    def run(goodput: float, repeat: int) -> dict:
+        return {"server": "s", "workload": "chat", "rate": 8.0, "repeat": repeat, "summary": {"goodput_req_s": goodput}}
+
+    one = median_of_repeats([run(5.0, 0)])
+    assert one == [run(5.0, 0)]  # a single run stays as it is, without `repeats`
+    (m,) = median_of_repeats([run(4.0, 0), run(1.0, 1), run(3.0, 2), run(2.0, 3)])
+    assert m["repeat"] == 3 and m["repeats"] == [1.0, 2.0, 3.0, 4.0]  # goodput 2.0 (repeat 3): the lower middle
