@@ -23,7 +23,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from pdserve.kv_transfer.checksum import ChecksumStreams, block_checksums, shard_weight_tensors, sharded_block_checksums
+from pdserve.kv_transfer.checksum import (
+    ChecksumStreams,
+    PendingChecksums,
+    block_checksums,
+    queue_block_checksums,
+    shard_weight_tensors,
+    sharded_block_checksums,
+)
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION, KvLayout, check_compatible
 from pdserve.kv_transfer.descriptors import coalesce, plan_reads, split_large
 from pdserve.kv_transfer.shards import (
@@ -340,6 +347,16 @@ class KvTransferAgent:
             if not self._sharded:
                 return block_checksums(self.pool, block_ids)
             return sharded_block_checksums(self._pools, self._weights, block_ids)
+
+    def start_block_checksums(self, block_ids: list[int]) -> PendingChecksums:
+        """`block_checksums`, begun now and read later. On one GPU they are queued at once, on
+        the checksum stream with their copy to the host: a prefill worker asks right after the
+        step that wrote the blocks, before it launches the next. A sharded pool or a CPU one
+        computes them when read, as `block_checksums`."""
+        if self._sharded or not self.pool.is_cuda:
+            return PendingChecksums(compute=lambda: self.block_checksums(block_ids))
+        with self._checksum_streams.on(self._pools, after=self._staging.copies):
+            return queue_block_checksums(self.pool, block_ids)
 
     def plan(self, remote_ids: list[int], local_ids: list[int]) -> list[list[tuple[int, int, int]]]:
         """The READs a block list becomes: per READ, its descriptors as (remote, local, blocks)."""

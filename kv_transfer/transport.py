@@ -4,9 +4,12 @@ and tests wrap it with a double that drops, delays or fails reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve_proto import kv_pb2
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.checksum import PendingChecksums
 
 
 class KvTransferError(RuntimeError):
@@ -63,6 +66,11 @@ class KvTransport(Protocol):
     def block_checksums(self, block_ids: list[int]) -> list[int]:
         """The checksum of each of this end's blocks over every KV head (`kv_transfer.checksum`),
         equal for equal KV whatever the tensor-parallel width of either end."""
+        ...
+
+    def start_block_checksums(self, block_ids: list[int]) -> PendingChecksums:
+        """`block_checksums` begun now, for blocks whose writes have ended, and read later
+        (`PendingChecksums.result`)."""
         ...
 
     def link_test(self, remote_agent: str, local_ids: list[int], remote_ids: list[int], repeats: int = 3) -> float:

@@ -24,6 +24,7 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.handover import PinnedKv
 from pdserve.engine.loop import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.checksum import PendingChecksums
 from pdserve.kv_transfer.compat import PROTOCOL_VERSION
 from pdserve.kv_transfer.notice import progress_notice, pulled_request, send_notice
 from pdserve.kv_transfer.transport import KvTransferError, KvTransport
@@ -49,6 +50,7 @@ class _Prefilled:
     step, and the call would return a step later (a prefill worker's steps are ~30-100 ms)."""
 
     pinned: PinnedKv
+    checksums: PendingChecksums | None  # queued by the loop when the prefill ended (None: off)
     queued_ns: int  # when the call arrived (before it waited for the loop's lock)
     started_ns: int  # when the step that took it out of the waiting queue began
     done_ns: int
@@ -113,10 +115,8 @@ class PrefillWorker(WorkerBase):
             pinned = done.pinned
             span.set_attribute("pdserve.cached_tokens", pinned.num_cached_tokens)
             span.set_attribute("pdserve.blocks", len(pinned.block_ids))
-            # Pinned blocks are written no more, so this runs outside the engine's lock; on a GPU
-            # their writes have ended (the step that wrote the last was read back), and it runs
-            # on a stream of its own, not behind the steps launched since.
-            checksums = self.agent.block_checksums(pinned.block_ids) if self.config.kv_checksum else []
+            # Queued by the loop on an idle device (`_on_step`); read outside the engine's lock.
+            checksums = done.checksums.result() if done.checksums is not None else []
         handle = kv_pb2.KvHandle(
             protocol_version=PROTOCOL_VERSION,
             request_id=request_id,
@@ -234,7 +234,11 @@ class PrefillWorker(WorkerBase):
             # Not out of the waiting queue at an earlier turn's tick: it started in this step.
             started = self._started_at.pop(out.request_id, max(queued, self._last_turn_ns))
             pinned = self.engine.pinned_kv(out.request_id)
-            fut.set_result(_Prefilled(pinned, queued, started, time.time_ns(), deadline))
+            # The step that wrote its blocks was read back and the next is not launched: queued
+            # now, the checksums' kernels run on an idle device, not each behind whole kernels
+            # of the next step (milliseconds on the way to the first token).
+            sums = self.agent.start_block_checksums(pinned.block_ids) if self.config.kv_checksum else None
+            fut.set_result(_Prefilled(pinned, sums, queued, started, time.time_ns(), deadline))
 
     def _tick(self) -> None:
         now = time.time_ns()

@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from pdserve.kv_transfer.checksum import PendingChecksums
 from pdserve.kv_transfer.transport import KvTransferError, KvTransport, TransferStats
 from pdserve_proto import kv_pb2
 
@@ -108,6 +109,9 @@ class FaultyTransport:
 
     def block_checksums(self, block_ids: list[int]) -> list[int]:
         return self.inner.block_checksums(block_ids)
+
+    def start_block_checksums(self, block_ids: list[int]) -> PendingChecksums:
+        return self.inner.start_block_checksums(block_ids)
 
     def link_test(self, remote_agent: str, local_ids: list[int], remote_ids: list[int], repeats: int = 3) -> float:
         return self.inner.link_test(remote_agent, local_ids, remote_ids, repeats)

@@ -69,3 +69,26 @@ def test_checksums_on_their_own_stream_do_not_wait_for_the_default_streams_work(
     torch.cuda.synchronize()
     assert after_write == block_checksums(pool, ids)
     assert after_write[ids.index(5)] != expected[ids.index(5)]
+
+
+def test_checksums_queued_now_and_read_later_equal_those_taken_at_once():
+    """`queue_block_checksums` (what a prefill worker's loop queues right after a step): on the
+    checksum stream, read after the default stream has become busy, without waiting for it, and
+    equal to the checksums taken at once."""
+    from pdserve.kv_transfer.checksum import ChecksumStreams, queue_block_checksums
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    pool = torch.randn((40, 4, 2, 16, 8, 128), device="cuda", generator=g).to(torch.bfloat16)
+    ids = [3, 4, 5, 9, 10, 30]
+    expected = block_checksums(pool, ids)
+    streams = ChecksumStreams()
+    with streams.on([pool]):
+        queue_block_checksums(pool, ids).result()  # warm: the stream's first allocations
+    torch.cuda.synchronize()
+    with streams.on([pool]):
+        pending = queue_block_checksums(pool, ids)
+    torch.cuda._sleep(1_000_000_000)  # the next step, launched after the checksums were queued
+    assert pending.result() == expected
+    assert not torch.cuda.current_stream().query(), "reading the checksums waited for the default stream"
+    torch.cuda.synchronize()
+
