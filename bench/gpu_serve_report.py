@@ -140,8 +140,9 @@ def _ms(v: float | None) -> str:
 def runs_table(runs: Sequence[dict], workloads: Sequence[str] = (), servers: Sequence[str] = ()) -> str:
     """One row per (workload, server, rate)."""
     head = [
-        "workload", "server", "GPUs", "rate req/s", "ok/sent", "goodput req/s", "goodput req/s/GPU",
-        "output tok/s", "output tok/s/GPU", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+        "workload", "server", "GPUs", "rate req/s", "ok/sent", "SLO met", "run s", "goodput req/s",
+        "goodput req/s/GPU", "output tok/s", "output tok/s/GPU", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+        "ITL p99 ms",
     ]  # fmt: skip
     body = []
     for w in _order([r["workload"] for r in runs], workloads):
@@ -149,12 +150,19 @@ def runs_table(runs: Sequence[dict], workloads: Sequence[str] = (), servers: Seq
             for r in sorted((r for r in runs if r["workload"] == w and r["server"] == s), key=lambda r: r["rate"]):
                 m, g = r["summary"], r["per_gpu"]
                 body.append([
-                    w, s, str(r["gpus"]), f"{r['rate']:g}", f"{m['completed']}/{m['requests']}",
-                    _goodput(r), f"{g['goodput_req_s']:.2f}", f"{m['output_tok_s']:,.0f}",
+                    w, s, str(r["gpus"]), f"{r['rate']:g}", f"{m['completed']}/{m['requests']}", _share(m),
+                    f"{m['duration_s']:.2f}", _goodput(r), f"{g['goodput_req_s']:.2f}", f"{m['output_tok_s']:,.0f}",
                     f"{g['output_tok_s']:,.0f}", _ms(m["ttft_ms"]["p50"]), _ms(m["ttft_ms"]["p99"]),
                     _ms(m["itl_ms"]["p50"]), _ms(m["itl_ms"]["p99"]),
                 ])  # fmt: skip
     return markdown_table(head, body)
+
+
+def _share(summary: dict) -> str:
+    """The share of requests within the SLO; with goodput and the run's seconds (its last
+    arrivals' drain included), what sets a goodput below the knee."""
+    met = summary.get("slo_attainment")
+    return "-" if met is None else f"{100 * met:.0f} %"
 
 
 def _goodput(run: dict) -> str:

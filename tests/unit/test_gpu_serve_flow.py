@@ -187,8 +187,8 @@ def test_a_whole_invocation_against_fake_servers_then_the_engine_at_their_batche
     assert len(judged) == 4 and all(r["summary"]["goodput_req_s"] == 0 and r["per_gpu"]["goodput_req_s"] == 0 for r in judged)
     cells = [[c.strip() for c in line.split("|")] for line in strict.splitlines()]
     rows = [c for c in cells if len(c) > 6 and c[2] in ("pdserve-1p1d", "vllm-serve-dp2")]
-    assert sorted((r[2].strip(), r[4].strip(), r[6].strip()) for r in rows) == [
-        ("pdserve-1p1d", "8", "0.00"), ("vllm-serve-dp2", "8", "0.00")
+    assert sorted((r[2], r[4], r[6], r[8]) for r in rows) == [  # server, rate, SLO met, goodput
+        ("pdserve-1p1d", "8", "0 %", "0.00"), ("vllm-serve-dp2", "8", "0 %", "0.00")
     ]
     assert under_slo(load(out)[0], 1000.0, 50.0) == []  # neither measured nor kept under that SLO
     assert "No runs." in write_report(out, ("chat",), (), with_plot=False, slo=(1000.0, 50.0))
