@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """A decode worker's loop while KV arrives, against the same loop with none arriving.
 
-One prefill and one decode worker in this process (real engines and NIXL agents, on one device),
-as a 1P1D cluster's are: every prompt is prefilled first and left pinned, so the prefill worker
-computes nothing while the decode worker is timed. Then:
+A decode worker in this process and a prefill worker in its Ray actor, as `pdserve serve` hosts
+it (real engines and NIXL agents, both on one device; two agents in one process stalled their
+READs), connected as a 1P1D cluster's are: every prompt is prefilled first and left pinned, so
+the prefill worker computes nothing while the decode worker is timed. Then:
 
 - **arrivals**: hand-overs (`DecodeWorker.start`, what the router calls) at Poisson --rate, each
   request decoding --output-len tokens, its tokens taken by `poll` as the router takes them;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +38,7 @@ import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's listeners on loopback, as `pdserve serve`
 
 from bench.engine import SHAPES
 from bench.report import markdown_table
@@ -45,23 +48,44 @@ from pdserve.decode_worker.decoder import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.models.resolve import resolve_model
-from pdserve.prefill_worker.prefiller import PrefillConfig, PrefillWorker
 
 _TOKENS = (1000, 30000)  # ordinary token ids of every model here
 
 
-def engine(args: argparse.Namespace, tmp: Path, role: str, blocks: int) -> LLMEngine:
+def _model(args: argparse.Namespace, tmp: Path) -> tuple[str, str]:
+    if args.device == "cpu":
+        return str(resolve_model(None)), "auto"
+    (tmp / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    return str(tmp), "dummy"
+
+
+def decode_engine(args: argparse.Namespace, tmp: Path, blocks: int) -> LLMEngine:
     import torch
 
-    if args.device == "cpu":
-        model, fmt, dtype = str(resolve_model(None)), "auto", torch.float32
-    else:
-        (tmp / "config.json").write_text(json.dumps(SHAPES[args.shape]))
-        model, fmt, dtype = str(tmp), "dummy", torch.bfloat16
+    model, fmt = _model(args, tmp)
     return LLMEngine(EngineConfig(
-        model=model, device=args.device, dtype=dtype, load_format=fmt, role=role, num_kv_blocks=blocks,
-        max_model_len=args.prompt_len + args.output_len + 64, enable_prefix_caching=False, seed=7,
+        model=model, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
+        load_format=fmt, role="decode", num_kv_blocks=blocks, max_model_len=args.prompt_len + args.output_len + 64,
+        enable_prefix_caching=False, seed=7,
     ))  # fmt: skip
+
+
+def prefill_actor(args: argparse.Namespace, tmp: Path, blocks: int) -> object:
+    """The prefill worker in its Ray actor (`pdserve.cluster.actors`), its KV leased for an hour."""
+    import ray
+
+    from pdserve.cluster.actors import remote_class
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.engine.args import EngineArgs
+
+    model, fmt = _model(args, tmp)
+    cfg = ServeConfig(
+        model=model, device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16", lease_s=3600.0,
+        engine=EngineArgs(load_format=fmt, num_kv_blocks=blocks, max_model_len=args.prompt_len + args.output_len + 64),
+    )  # fmt: skip
+    actor = remote_class(num_gpus=1 if args.device == "cuda" else 0).remote("prefill", "p0", cfg)
+    ray.get(actor.identity.remote(), timeout=600)
+    return actor
 
 
 class Tokens:
@@ -124,21 +148,32 @@ def run(args: argparse.Namespace) -> list[list[str]]:
     rng = np.random.default_rng(args.seed)
     n_arrivals = max(4, round(args.rate * args.duration_s))
     per_seq = -(-(args.prompt_len + args.output_len + 16) // 16)
+    import ray
+
+    from pdserve.cluster.ray_init import init_ray
+    from pdserve.router.calls import worker_params
+    from pdserve_proto import worker_pb2
+
+    init_ray(None, worker_logs=True)
     with tempfile.TemporaryDirectory() as tmp:
-        pe = engine(args, Path(tmp), "prefill", per_seq * (n_arrivals + args.steady_max + 8))
-        de = engine(args, Path(tmp), "decode", per_seq * (args.steady_max + n_arrivals // 2 + 8))
-        prefill = PrefillWorker("p0", pe, build_agent("p0", pe), PrefillConfig(lease_s=3600))
+        prefill = prefill_actor(args, Path(tmp), per_seq * (n_arrivals + args.steady_max + 8))
+        de = decode_engine(args, Path(tmp), per_seq * (args.steady_max + n_arrivals // 2 + 8))
         decode = DecodeWorker("d0", de, build_agent("d0", de))
-        decode.agent.connect(prefill.agent.info())
-        prefill.agent.connect(decode.agent.info())
+        decode.agent.connect(ray.get(prefill.agent_info.remote(), timeout=60))
+        ray.get(prefill.connect.remote(decode.agent.info()), timeout=60)
         tokens = Tokens(decode)
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        wire = worker_params(params)
         prompts: dict[str, list[int]] = {}
         pool = ThreadPoolExecutor(64)
 
         def prefilled(rid: str):
             prompts[rid] = rng.integers(*_TOKENS, args.prompt_len).tolist()
-            return rid, prefill.prefill(prompts[rid], params, rid, 600.0)
+            call = worker_pb2.PrefillRequest(prompt_token_ids=prompts[rid], params=wire, request_id=rid, timeout_s=600)
+            result = ray.get(prefill.prefill.remote(call), timeout=660)
+            if not isinstance(result, worker_pb2.PrefillResult):
+                raise RuntimeError(f"prefill of {rid}: {result}")  # noqa: TRY004 - a worker's error answer
+            return rid, result
 
         def hand_over(rid: str, result, starts: list[float]) -> None:
             t = time.perf_counter()
@@ -180,8 +215,8 @@ def run(args: argparse.Namespace) -> list[list[str]]:
         finally:
             tokens.stop()
             pool.shutdown(wait=True)
-            prefill.close()
             decode.close()
+            ray.shutdown()
     return rows
 
 
