@@ -2,9 +2,10 @@
 """A decode worker's loop while KV arrives, against the same loop with none arriving.
 
 A decode worker in this process and a prefill worker in its Ray actor, as `pdserve serve` hosts
-it (real engines and NIXL agents, both on one device; two agents in one process stalled their
-READs), connected as a 1P1D cluster's are: every prompt is prefilled first and left pinned, so
-the prefill worker computes nothing while the decode worker is timed. Then:
+it (real engines and NIXL agents; on CUDA two GPUs, decode on the second: on one GPU UCX READs
+between the two fell back to TCP at ~12 MB/s), connected as a 1P1D cluster's are: every prompt
+is prefilled first and left pinned, so the prefill worker computes nothing while the decode
+worker is timed. Then:
 
 - **arrivals**: hand-overs (`DecodeWorker.start`, what the router calls) at Poisson --rate, each
   request decoding --output-len tokens, its tokens taken by `poll` as the router takes them;
@@ -64,7 +65,8 @@ def decode_engine(args: argparse.Namespace, tmp: Path, blocks: int) -> LLMEngine
 
     model, fmt = _model(args, tmp)
     return LLMEngine(EngineConfig(
-        model=model, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
+        model=model, device="cpu" if args.device == "cpu" else "cuda:1",
+        dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
         load_format=fmt, role="decode", num_kv_blocks=blocks, max_model_len=args.prompt_len + args.output_len + 64,
         enable_prefix_caching=False, seed=7,
     ))  # fmt: skip
@@ -154,10 +156,14 @@ def run(args: argparse.Namespace) -> list[list[str]]:
     from pdserve.router.calls import worker_params
     from pdserve_proto import worker_pb2
 
-    init_ray(None, worker_logs=True)
     with tempfile.TemporaryDirectory() as tmp:
-        prefill = prefill_actor(args, Path(tmp), per_seq * (n_arrivals + args.steady_max + 8))
+        # The decode worker first, on the second GPU; then Ray, started with the first alone
+        # visible, places the prefill worker there (CUDA in this process already has both).
         de = decode_engine(args, Path(tmp), per_seq * (args.steady_max + n_arrivals // 2 + 8))
+        if args.device == "cuda":
+            os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+        init_ray(None, worker_logs=True)
+        prefill = prefill_actor(args, Path(tmp), per_seq * (n_arrivals + args.steady_max + 8))
         decode = DecodeWorker("d0", de, build_agent("d0", de))
         decode.agent.connect(ray.get(prefill.agent_info.remote(), timeout=60))
         ray.get(prefill.connect.remote(decode.agent.info()), timeout=60)
@@ -233,6 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="write the rows here too")
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
+    if gpu:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            p.error("--device cuda needs two GPUs (prefill on the first, decode on the second)")
     args.rate = args.rate or (24.0 if gpu else 2.0)
     args.prompt_len = args.prompt_len or (1000 if gpu else 48)
     args.output_len = args.output_len or (256 if gpu else 24)
