@@ -190,13 +190,13 @@ async def _drive(
     for w in plan.workloads:
         for k, rate in enumerate(plan.rates[w]):
             attained = []
+            n = requests_per_run(rate, plan.duration_s, plan.requests)
             for j in range(plan.repeats):
                 # Each rate and repeat its own prompts (the same on every server): a run must not
                 # find an earlier run's prompts in the prefix cache.
                 seed = st.seed + 7919 * k + REPEAT_SEED * j
                 if why := alive():
                     raise RuntimeError(why)
-                n = requests_per_run(rate, plan.duration_s, plan.requests)
                 label = f"{w} at {rate:g}/s" + (f" (repeat {j + 1})" if j else "")
                 if time.monotonic() + n / rate > st.deadline:
                     record.setdefault("not_run", []).append(f"{label}: past --deadline-s")

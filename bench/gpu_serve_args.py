@@ -168,8 +168,7 @@ def model_dir(args: argparse.Namespace, shape: str) -> tuple[str, dict]:
     from bench.random_model import shape_config, write_tokenizer
 
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
-    target = args.model_dir or cache / "bench-models" / f"llama-{shape}-random"
-    target = target.with_name(target.name + "-config")
+    target = args.model_dir or cache / "bench-models" / f"llama-{shape}-random-config"
     if args.dry_run:
         return str(target), {"dir": str(target)}
     cfg = shape_config(shape)

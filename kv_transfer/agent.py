@@ -354,7 +354,7 @@ class KvTransferAgent:
         step that wrote the blocks, before it launches the next. A sharded pool or a CPU one
         computes them when read, as `block_checksums`."""
         if self._sharded or not self.pool.is_cuda:
-            return PendingChecksums(compute=lambda: self.block_checksums(block_ids))
+            return PendingChecksums(lambda: self.block_checksums(block_ids))
         with self._checksum_streams.on(self._pools, after=self._staging.copies):
             return queue_block_checksums(self.pool, block_ids)
 

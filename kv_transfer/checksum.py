@@ -75,22 +75,15 @@ def block_checksums(pool: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
 
 
 class PendingChecksums:
-    """Blocks' checksums asked for now and read later: queued on a GPU, their copy to pinned host
-    memory behind them (`queue_block_checksums`), or on a CPU computed by whoever reads them."""
+    """Blocks' checksums asked for now and read later: `read` waits for them (queued on a GPU,
+    `queue_block_checksums`) or computes them (a CPU pool: whoever reads them pays)."""
 
-    def __init__(
-        self, compute: Callable[[], list[int]] | None = None, host: torch.Tensor | None = None,
-        done: torch.cuda.Event | None = None,
-    ) -> None:  # fmt: skip
-        self._compute, self._host, self._done = compute, host, done
+    def __init__(self, read: Callable[[], list[int]]) -> None:
+        self._read = read
 
     def result(self) -> list[int]:
         """The checksums, unsigned 64-bit, in block order (waits for the device's work only)."""
-        if self._compute is not None:
-            return self._compute()
-        assert self._host is not None and self._done is not None
-        self._done.synchronize()
-        return as_fixed64(self._host)
+        return self._read()
 
 
 def queue_block_checksums(pool: torch.Tensor, block_ids: Sequence[int]) -> PendingChecksums:
@@ -103,7 +96,12 @@ def queue_block_checksums(pool: torch.Tensor, block_ids: Sequence[int]) -> Pendi
     host.copy_(sums, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    return PendingChecksums(host=host, done=done)
+
+    def read() -> list[int]:
+        done.synchronize()
+        return as_fixed64(host)
+
+    return PendingChecksums(read)
 
 
 def mismatched(expected: Sequence[int], got: Sequence[int]) -> list[int]:
@@ -173,8 +171,8 @@ class ChecksumStreams:
     prefill call for one more whole step. The blocks are final when they are checksummed (the
     step that wrote them was read back, or their READ ended); only copies still queued into them
     (`after`: a staged READ's copies out) order the checksum. The stream has the device's highest
-    priority: a step's kernels fill the GPU, and a checksum's few small kernels would otherwise
-    each wait for whole kernels of it, milliseconds on a prefill call's way to its first token.
+    priority, though beside a running step's matmuls its kernels still wait for whole ones of
+    them (a prefill worker therefore queues its checksums between steps, `queue_block_checksums`).
     (A stream's first allocations take new memory segments, which waits for the device once.)"""
 
     def __init__(self) -> None:

@@ -55,8 +55,9 @@ class WorkerCalls:
             raise
         finally:
             cached_tokens = handle.cached_prompt_tokens if handle is not None else None
-            waited = time.monotonic() - sent
-            r.prefill_ended(time.monotonic(), cached_tokens)
+            ended = time.monotonic()
+            waited = ended - sent
+            r.prefill_ended(ended, cached_tokens)
             self.metrics.prefill_wait.observe(waited)
             if cached_tokens is not None:
                 span.set_attribute("pdserve.cached_tokens", cached_tokens)
