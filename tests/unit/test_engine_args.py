@@ -88,6 +88,8 @@ def test_a_bad_engine_setting_is_refused_when_the_flags_are_read():
         EngineArgs(max_num_seqs=0)
     with pytest.raises(ValueError, match="^attention_backend:"):
         EngineArgs(attention_backend="xformers")
+    with pytest.raises(ValueError, match="^load_format: must be auto or dummy, not 'gguf'"):
+        EngineArgs(load_format="gguf")
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

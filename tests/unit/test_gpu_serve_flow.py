@@ -299,3 +299,8 @@ def test_the_median_of_an_even_count_of_repeats_is_the_lower_middle_run():
     assert one == [run(5.0, 0)]  # a single run stays as it is, without `repeats`
     (m,) = median_of_repeats([run(4.0, 0), run(1.0, 1), run(3.0, 2), run(2.0, 3)])
     assert m["repeat"] == 3 and m["repeats"] == [1.0, 2.0, 3.0, 4.0]  # goodput 2.0 (repeat 3): the lower middle
+
+
+def test_repeats_below_one_are_refused_naming_the_flag(tmp_path, capsys):
+    assert main(["--dry-run", "--out", str(tmp_path), "--repeats", "0"]) == 2
+    assert "gpu_serve: --repeats: 0; at least 1 run per rate" in capsys.readouterr().err
