@@ -117,7 +117,7 @@ from bench.gpu_serve_workloads import WORKLOADS, requests_per_run
 from bench.report import cpu_name
 from bench.serve import LoadConfig, run_load, served_model
 from bench.serve_failures import diagnosis_reason, failure_report
-from bench.serve_metrics import Slo, summarize
+from bench.serve_metrics import Slo, summarize, timeline
 from bench.serve_workload import Request
 
 SCRAPE_TIMEOUT_S = 10.0
@@ -232,6 +232,7 @@ async def _run_once(
     summary = summarize(results, duration, st.slo)
     run = run_record(record, w, rate, summary, {"requests_sent": n, "scale": st.scale, "seed": seed, "repeat": j})
     run["failures"] = failure_report(results, st.failures_listed)
+    run["timeline"] = timeline(results)
     if st.also:
         run["summaries"] = {slo_key(o.ttft_s * 1e3, o.itl_s * 1e3): summarize(results, duration, o) for o in st.also}
     if pdserve:

@@ -140,7 +140,7 @@ def _ms(v: float | None) -> str:
 def runs_table(runs: Sequence[dict], workloads: Sequence[str] = (), servers: Sequence[str] = ()) -> str:
     """One row per (workload, server, rate)."""
     head = [
-        "workload", "server", "GPUs", "rate req/s", "ok/sent", "SLO met", "run s", "goodput req/s",
+        "workload", "server", "GPUs", "rate req/s", "ok/sent", "SLO met", "run s (drain)", "goodput req/s",
         "goodput req/s/GPU", "output tok/s", "output tok/s/GPU", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
         "ITL p99 ms",
     ]  # fmt: skip
@@ -151,11 +151,18 @@ def runs_table(runs: Sequence[dict], workloads: Sequence[str] = (), servers: Seq
                 m, g = r["summary"], r["per_gpu"]
                 body.append([
                     w, s, str(r["gpus"]), f"{r['rate']:g}", f"{m['completed']}/{m['requests']}", _share(m),
-                    f"{m['duration_s']:.2f}", _goodput(r), f"{g['goodput_req_s']:.2f}", f"{m['output_tok_s']:,.0f}",
+                    _run_s(m), _goodput(r), f"{g['goodput_req_s']:.2f}", f"{m['output_tok_s']:,.0f}",
                     f"{g['output_tok_s']:,.0f}", _ms(m["ttft_ms"]["p50"]), _ms(m["ttft_ms"]["p99"]),
                     _ms(m["itl_ms"]["p50"]), _ms(m["itl_ms"]["p99"]),
                 ])  # fmt: skip
     return markdown_table(head, body)
+
+
+def _run_s(summary: dict) -> str:
+    """The run's seconds, first start to last end, with (where recorded) its drain: from the
+    last arrival to the last end."""
+    drain = summary.get("drain_s")
+    return f"{summary['duration_s']:.2f}" + ("" if drain is None else f" ({drain:.2f})")
 
 
 def _share(summary: dict) -> str:

@@ -76,6 +76,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": round(duration_s, 3),
+        "drain_s": drain_s(results),
+        "last_to_finish": last_to_finish(results),
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "itl_ms": percentiles([r.itl for r in ok if r.itl is not None]),
         "e2e_ms": percentiles([r.e2e for r in ok]),
@@ -90,6 +92,41 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
         "slo": {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000},
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
+
+
+def drain_s(results: Sequence[RequestResult]) -> float | None:
+    """Seconds from the last request's start to the last end: below the knee every server keeps
+    the SLO for every request, and this tail (the last arrivals' TTFT and decode) is what sets
+    goodput apart."""
+    if not results:
+        return None
+    return round(max(r.end for r in results) - max(r.start for r in results), 3)
+
+
+def last_to_finish(results: Sequence[RequestResult]) -> dict | None:
+    """The request that ended the run: when it started (seconds after the first), its TTFT and
+    end-to-end time (ms) and its output tokens."""
+    if not results:
+        return None
+    first = min(r.start for r in results)
+    r = max(results, key=lambda r: r.end)
+    return {
+        "start_s": round(r.start - first, 3), "ttft_ms": None if r.ttft is None else round(r.ttft * 1e3, 1),
+        "e2e_ms": round(r.e2e * 1e3, 1), "output_tokens": r.output_tokens, "ok": r.ok,
+    }
+
+
+def timeline(results: Sequence[RequestResult]) -> list[list[float | int | None]]:
+    """Each request as [start s after the first, TTFT ms, end-to-end ms, output tokens], in
+    request order (failed ones with TTFT None): what a run's tail can be read back from."""
+    if not results:
+        return []
+    first = min(r.start for r in results)
+    return [
+        [round(r.start - first, 4), None if r.ttft is None else round(r.ttft * 1e3, 2), round(r.e2e * 1e3, 2),
+         r.output_tokens]
+        for r in results
+    ]  # fmt: skip
 
 
 def knee(xs: Sequence[float], ys: Sequence[float], min_rise: float = 0.5) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.serve_metrics import RequestResult, Slo, knee, percentiles, summarize
+from bench.serve_metrics import RequestResult, Slo, knee, percentiles, summarize, timeline
 from bench.serve_workload import SHAPES, poisson_arrivals, synthetic
 
 SLO = Slo(ttft_s=0.5, itl_s=0.05)
@@ -34,6 +34,21 @@ def test_goodput_counts_only_finished_requests_meeting_both_slos():
     assert s["slo_attainment"] == pytest.approx(0.25)
     assert s["output_tok_s"] == pytest.approx(15.0)
     assert s["errors"] == ["HTTP 503"]
+
+
+def test_the_run_says_its_drain_and_which_request_ended_it():
+    rs = [
+        result(start=10.0, ttft=0.05, end=12.0, out=100),
+        result(start=17.5, ttft=0.30, end=19.0, out=40),  # the last to start, not the last to end
+        result(start=16.0, ttft=0.10, end=20.5, out=400),  # a long output that started earlier
+    ]
+    s = summarize(rs, duration_s=10.5, slo=SLO)
+    assert s["drain_s"] == pytest.approx(3.0)  # 20.5, the last end, less 17.5, the last start
+    assert s["last_to_finish"] == {"start_s": 6.0, "ttft_ms": 100.0, "e2e_ms": 4500.0, "output_tokens": 400, "ok": True}
+    assert timeline(rs)[1] == [7.5, 300.0, 1500.0, 40]
+    failed = result(start=10.2, ttft=None, end=11.0, out=0, error="HTTP 503")
+    assert timeline([*rs, failed])[3] == [0.2, None, 800.0, 0]
+    assert summarize([], duration_s=1.0, slo=SLO)["drain_s"] is None and timeline([]) == []
 
 
 def test_percentiles_in_ms():
