@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.gpu_serve_capacity import capacity_table
 from bench.gpu_serve_compare import compare_table
 from bench.gpu_serve_steps import kinds_table, prefill_table, steps_table
 from bench.report import markdown_table
@@ -234,7 +235,7 @@ def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
     steps_head = "Decode step in serving (busiest batch bucket of each decode worker) beside the engine's:"
     prefill = prefill_table(runs)
     kinds = kinds_table(runs)
-    parts = [header, runs_table(runs, workloads, order), note, compare_table(runs, saturated),
+    parts = [header, runs_table(runs, workloads, order), note, compare_table(runs, saturated), capacity_table(runs),
              servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0]),
              prefill and f"Prefill steps in serving (each prefill worker, every batch size), and the router's means of what a TTFT is made of:\n\n{prefill}",
              kinds and f"Each worker's steps by kind (count × mean, mean sequences a step; share of its step time):\n\n{kinds}"]  # fmt: skip
