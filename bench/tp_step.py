@@ -402,7 +402,9 @@ def run_shape(
         llm = LLM(str(model_dir), **engine_options(s, cfg, width, mode))
         info[f"load_s_tp{width}_{mode}"] = round(time.perf_counter() - t0, 1)
         try:
-            rows += measure_engine(llm, s, shape, cfg, width, mode, rates, floors if width > 1 else {}, rng)
+            measured = measure_engine(llm, s, shape, cfg, width, mode, rates, floors if width > 1 else {}, rng)
+            rows += measured
+            _progress(measured)
             tokens[(width, mode)] = greedy_tokens(llm, prompts, s.max_new)
         finally:
             _stop_ranks(llm)
@@ -413,6 +415,14 @@ def run_shape(
     reference = Fp32Reference(str(model_dir), "cuda:0" if on_cuda else "cpu")
     agreed = agreement(reference, prompts, tokens[(2, modes[0])], tokens[(1, modes[0])])
     return rows, agreed, info
+
+
+def _progress(rows: list[StepRow]) -> None:
+    """Each engine's steps as soon as they are measured (stderr): a run cut short before the
+    agreement check, whose fp32 reference of a large shape takes minutes, keeps them."""
+    for r in rows:
+        print(f"tp_step: {r.shape} TP{r.width} {r.mode} {r.metric}: {r.median_s * 1e3:.3f} ms "
+              f"({r.median_s / r.floor_s:.2f}x its floors)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def format_table(rows: list[StepRow]) -> str:

@@ -30,8 +30,12 @@ def test_the_cpu_run_has_every_row_with_positive_numbers_and_tp2_agrees(tmp_path
         assert (r["collective_floor_s"] > 0) == (width == 2), r  # measured over the two ranks only
         assert (r["steady_s"] is not None and r["steady_s"] > 0) == metric.startswith("decode"), r
     assert [a["ok"] for a in result["agreement"]["tiny"]] == [True] * 3
-    table = capsys.readouterr().out
+    printed = capsys.readouterr()
+    table = printed.out
     assert table.count("| tiny  |") == 6 and "TP2 vs TP1 greedy: 3 of 3 prompts token for token" in table
+    # Each row was said as its engine finished, before the agreement check.
+    progress = [line for line in printed.err.splitlines() if line.startswith("tp_step: tiny TP")]
+    assert len(progress) == 6 and progress[0].startswith("tp_step: tiny TP1 cpu decode batch 1")
 
 
 def test_agreement_is_equal_or_a_first_difference_at_a_near_tie() -> None:
