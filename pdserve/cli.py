@@ -101,7 +101,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-prefill-queue-tokens", type=int, default=0, metavar="N",
         help="overflow: prefill a prompt on its decode worker when every prefill worker has N or more tokens of "
         "prefill in flight, so that past the prefill pool's rate the decode workers take the excess instead of the "
-        "queue growing; pair it with --max-prefill-tokens-with-decodes (default: 0, never)",
+        "queue growing; pair it with --itl-target-ms (or --max-prefill-tokens-with-decodes): without either a decode "
+        "worker prefills an overflowed prompt in one step, and its running streams wait for it (default: 0, never)",
     )
     flags.add_edge_args(srv)
     srv.add_argument(
