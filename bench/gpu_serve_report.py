@@ -237,7 +237,7 @@ def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
     kinds = kinds_table(runs)
     parts = [header, runs_table(runs, workloads, order), note, compare_table(runs, saturated), capacity_table(runs),
              servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0]),
-             prefill and f"Prefill steps in serving (each prefill worker, every batch size), and the router's means of what a TTFT is made of:\n\n{prefill}",
+             prefill and f"Prefill steps in serving (each prefill worker, every batch size), and the router's means (and two p90s) of what a TTFT is made of:\n\n{prefill}",
              kinds and f"Each worker's steps by kind (count × mean, mean sequences a step; share of its step time):\n\n{kinds}"]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
 

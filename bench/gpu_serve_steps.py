@@ -32,7 +32,7 @@ DECODE = "decode"
 PREFILL = "prefill"
 MIXED = "mixed"
 # The router's latency histograms a TTFT is made of (means over a run): metric, with a label
-# where one series of it is meant -> name in the record. In the prefill table's column order.
+# where one series of it is meant -> name in the record (the prefill table: `PREFILL_COLUMNS`).
 ROUTER_PARTS = {
     "pdserve_time_to_first_token_seconds": "ttft_ms",
     "pdserve_prefill_queue_seconds": "prefill_queue_ms",
@@ -42,6 +42,11 @@ ROUTER_PARTS = {
     "pdserve_prefill_duration_seconds": "prefill_call_ms",
     "pdserve_decode_queue_seconds": "decode_queue_ms",
     "pdserve_router_event_loop_lag_seconds": "router_loop_lag_ms",
+}
+# Where a mean hides whether a part is slow always or now and then: its p90 over the run too.
+ROUTER_TAILS = {
+    'pdserve_prefill_overhead_seconds{part="transport"}': "prefill_transport_p90_ms",
+    "pdserve_prefill_duration_seconds": "prefill_call_p90_ms",
 }
 LOOP_COUNTERS = {  # metric -> LoopTotals field
     "pdserve_engine_loop_turns_total": "turns",
@@ -127,6 +132,58 @@ def router_parts(before_text: str, after_text: str) -> dict[str, float]:
         c0, t0 = before.get(field, (0.0, 0.0))
         if count > c0 and total >= t0:
             out[field] = round(1e3 * (total - t0) / (count - c0), 3)
+    return out
+
+
+def parse_router_buckets(metrics_text: str) -> dict[str, dict[float, float]]:
+    """The cumulative bucket counts (upper bound -> count) of each `ROUTER_TAILS` histogram in
+    one /metrics read, its series added up."""
+    out: dict[str, dict[float, float]] = {}
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m is None or not m.group(1).endswith("_bucket"):
+            continue
+        labels = _labels(m.group(2))
+        le = labels.pop("le", None)
+        if le is None:
+            continue
+        for series, field in ROUTER_TAILS.items():
+            metric, _, wanted = series.partition("{")
+            if m.group(1) != metric + "_bucket" or any(labels.get(k) != v for k, v in _labels(wanted).items()):
+                continue
+            bound = math.inf if le == "+Inf" else float(le)
+            counts = out.setdefault(field, {})
+            counts[bound] = counts.get(bound, 0.0) + _number(m.group(3))
+    return out
+
+
+def bucket_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The q-quantile of a histogram's cumulative bucket counts, as Prometheus's
+    `histogram_quantile` takes it: linear within the bucket the rank falls in (from 0 in the
+    first), the highest finite bound where it falls past them. None without observations."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, low, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return low
+            return low + (bound - low) * ((rank - below) / (count - below) if count > below else 0.0)
+        low, below = bound, count
+    return low
+
+
+def router_tails(before_text: str, after_text: str, q: float = 0.9) -> dict[str, float]:
+    """Each `ROUTER_TAILS` histogram's q-quantile over the run, in ms (none without samples)."""
+    before, out = parse_router_buckets(before_text), {}
+    for field, counts in parse_router_buckets(after_text).items():
+        start = before.get(field, {})
+        value = bucket_quantile(q, {b: max(0.0, c - start.get(b, 0.0)) for b, c in counts.items()})
+        if value is not None:
+            out[field] = round(1e3 * value, 3)
     return out
 
 
@@ -220,7 +277,8 @@ def run_steps(before_text: str, after_text: str) -> dict:
             decode[worker]["loop"] = {"turns": round(d.turns), "mean_turn_ms": round(1e3 * d.seconds / d.turns, 4),
                                       "launched_ahead_share": round(d.ahead / ran, 4) if ran else None}  # fmt: skip
     return {"decode": decode, "prefill": worker_summary(steps, PREFILL), "mixed": worker_summary(steps, MIXED),
-            "steps_by_kind": kinds, "router": router_parts(before_text, after_text)}  # fmt: skip
+            "steps_by_kind": kinds,
+            "router": router_parts(before_text, after_text) | router_tails(before_text, after_text)}  # fmt: skip
 
 
 # ----- the engine's step at the serving batch -------------------------------------------------
@@ -275,6 +333,13 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
     return rows
 
 
+# The router's columns of the prefill table: each mean, with the p90s beside theirs.
+PREFILL_COLUMNS = (
+    "ttft_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_worker_rest_ms", "prefill_transport_ms",
+    "prefill_transport_p90_ms", "prefill_call_ms", "prefill_call_p90_ms", "decode_queue_ms", "router_loop_lag_ms",
+)  # fmt: skip
+
+
 def prefill_table(runs: Sequence[dict]) -> str:
     """Per prefill worker and run: its prefill-only steps in serving (all buckets), their mean
     time and prompts a step, beside the router's means of the parts of a TTFT; "" when no run
@@ -282,7 +347,7 @@ def prefill_table(runs: Sequence[dict]) -> str:
     body = []
     for r in sorted(runs, key=lambda r: (r["server"], r["workload"], r["rate"])):
         parts = (r.get("engine_steps") or {}).get("router") or {}
-        cells = [f"{parts[k]:.1f}" if k in parts else "-" for k in ROUTER_PARTS.values()]
+        cells = [f"{parts[k]:.1f}" if k in parts else "-" for k in PREFILL_COLUMNS]
         for worker, w in sorted(((r.get("engine_steps") or {}).get("prefill") or {}).items()):
             a = w["all"]
             body.append([r["server"], r["workload"], f"{r['rate']:g}", worker, str(a["steps"]),
@@ -291,7 +356,8 @@ def prefill_table(runs: Sequence[dict]) -> str:
         return ""
     return markdown_table(["server", "workload", "rate req/s", "worker", "prefill steps", "mean step ms",
                            "prompts a step", "router: TTFT ms", "prefill queue ms", "prefill compute ms",
-                           "prefill worker's rest ms", "prefill transport ms", "prefill call ms",
+                           "prefill worker's rest ms", "prefill transport ms", "prefill transport p90 ms",
+                           "prefill call ms", "prefill call p90 ms",
                            "hand-over to first decode ms", "router loop lag ms"], body)  # fmt: skip
 
 

@@ -4,6 +4,7 @@ the engine jobs those give, the serving/engine table, and the comparison with `v
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from bench.gpu_serve_compare import compare_rows, compare_table
 from bench.gpu_serve_steps import (
     StepTotals,
+    bucket_quantile,
     decode_context,
     delta,
     engine_jobs,
@@ -179,9 +181,11 @@ def test_the_router_parts_of_a_ttft_are_means_over_the_run():
     before = BEFORE + _router((100, 5.0), (100, 1.0), (100, 3.0))
     after = AFTER + _router((196, 14.6), (196, 3.4), (196, 9.72))  # 96 requests: 100, 25 and 70 ms
     rec = run_steps(before, after)
-    assert rec["router"] == {"ttft_ms": 100.0, "prefill_queue_ms": 25.0, "prefill_call_ms": 70.0}
+    # The call's p90 from its one bucket (le 0.1 s, all 96 calls in it): 90 % of the way to 100 ms.
+    assert rec["router"] == {"ttft_ms": 100.0, "prefill_queue_ms": 25.0, "prefill_call_ms": 70.0,
+                             "prefill_call_p90_ms": 90.0}  # fmt: skip
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| 70\.0 +\| - +\| - +\|", table), table
+    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| - +\| 70\.0 +\| 90\.0 +\| - +\| - +\|$", table, re.MULTILINE), table
 
 
 def test_the_prefill_calls_overhead_is_read_per_part():
@@ -195,7 +199,28 @@ def test_the_prefill_calls_overhead_is_read_per_part():
     rec = run_steps(BEFORE + parts(10, 0.3, 0.01, 0.02), AFTER + parts(20, 0.7, 0.06, 0.22))
     assert rec["router"] == {"prefill_compute_ms": 40.0, "prefill_worker_rest_ms": 5.0, "prefill_transport_ms": 20.0}
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| - +\| - +\|", table), table
+    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| - +\| - +\| - +\| - +\|$", table, re.MULTILINE), table
+
+
+def test_a_parts_p90_tells_a_slow_tail_from_a_slow_mean():
+    """Two runs with the same mean transport (20 ms): every call at 20 ms, or 1 in 10 at 155 ms."""
+    name = "pdserve_prefill_overhead_seconds"
+
+    def transport(counts: dict[str, int], total: float) -> str:
+        lines = [f'{name}_bucket{{le="{le}",part="transport"}} {n}' for le, n in counts.items()]
+        lines += [f'{name}_bucket{{le="{le}",part="worker"}} 999' for le in counts]  # another series: not read
+        n = counts["+Inf"]
+        return "\n".join(lines) + f'\n{name}_count{{part="transport"}} {n}\n{name}_sum{{part="transport"}} {total}\n'
+
+    zero = transport({"0.01": 0, "0.025": 0, "0.25": 0, "+Inf": 0}, 0.0)
+    steady = run_steps(BEFORE + zero, AFTER + transport({"0.01": 0, "0.025": 100, "0.25": 100, "+Inf": 100}, 2.0))
+    tail = run_steps(BEFORE + zero, AFTER + transport({"0.01": 90, "0.025": 90, "0.25": 100, "+Inf": 100}, 2.0))
+    assert steady["router"]["prefill_transport_ms"] == tail["router"]["prefill_transport_ms"] == 20.0
+    assert steady["router"]["prefill_transport_p90_ms"] == pytest.approx(23.5)  # 90 % into (10, 25] ms
+    assert tail["router"]["prefill_transport_p90_ms"] == pytest.approx(10.0)  # the 90th call is the last fast one
+    assert bucket_quantile(0.99, {0.01: 90, 0.025: 90, 0.25: 100, math.inf: 100}) == pytest.approx(0.2275)
+    assert bucket_quantile(0.9, {0.01: 0, math.inf: 10}) == 0.01  # past the finite bounds: the highest of them
+    assert bucket_quantile(0.5, {0.01: 0, math.inf: 0}) is None and bucket_quantile(0.5, {}) is None
 
 
 def test_decode_context_weights_each_request_by_its_decode_steps():
