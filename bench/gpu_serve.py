@@ -79,6 +79,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_serve_args import build_parser, model_dir, resolve, with_profile
+from bench.gpu_serve_capacity import refine_rate
 from bench.gpu_serve_diag import BUDGET_S, Target, collect, scrape
 from bench.gpu_serve_engine import engine_phase
 from bench.gpu_serve_plan import (
@@ -122,6 +123,7 @@ from bench.serve_workload import Request
 
 SCRAPE_TIMEOUT_S = 10.0
 REPEAT_SEED = 104729  # a repeat's prompts: seeds apart from every rate's (7919 apart)
+REFINE_SEED = 1299709  # a refining rate's prompts: apart from the profile's rates' and repeats'
 
 
 # ----- one server -----------------------------------------------------------------------------
@@ -187,29 +189,47 @@ async def _drive(
         reqs = [Request(r.prompt, min(r.output_len, 8)) for r in sample]
         await run_load(LoadConfig(launch_.url, model, None, 2, st.seed, st.request_timeout_s, False), reqs)
     pdserve = launch_.server.kind == "pdserve"
+
+    async def at_rate(w: str, rate: float, seed0: int) -> list[float]:
+        """Every repeat of one rate; the SLO attainment of each that ran."""
+        attained = []
+        n = requests_per_run(rate, plan.duration_s, plan.requests)
+        for j in range(plan.repeats):
+            # Each rate and repeat its own prompts (the same on every server): a run must not
+            # find an earlier run's prompts in the prefix cache.
+            seed = seed0 + REPEAT_SEED * j
+            if why := alive():
+                raise RuntimeError(why)
+            label = f"{w} at {rate:g}/s" + (f" (repeat {j + 1})" if j else "")
+            if time.monotonic() + n / rate > st.deadline:
+                record.setdefault("not_run", []).append(f"{label}: past --deadline-s")
+                continue
+            if not st.run_fits(n, rate):
+                record.setdefault("not_run", []).append(f"{label}: past --budget-s")
+                continue
+            summary = await _run_once(launch_, st, out, record, (w, rate, j), seed, n, pdserve, diagnose)
+            attained.append(summary["slo_attainment"] or 0.0)
+            progress()
+        return attained
+
     for w in plan.workloads:
+        points: list[tuple[float, float]] = []
         for k, rate in enumerate(plan.rates[w]):
-            attained = []
-            n = requests_per_run(rate, plan.duration_s, plan.requests)
-            for j in range(plan.repeats):
-                # Each rate and repeat its own prompts (the same on every server): a run must not
-                # find an earlier run's prompts in the prefix cache.
-                seed = st.seed + 7919 * k + REPEAT_SEED * j
-                if why := alive():
-                    raise RuntimeError(why)
-                label = f"{w} at {rate:g}/s" + (f" (repeat {j + 1})" if j else "")
-                if time.monotonic() + n / rate > st.deadline:
-                    record.setdefault("not_run", []).append(f"{label}: past --deadline-s")
-                    continue
-                if not st.run_fits(n, rate):
-                    record.setdefault("not_run", []).append(f"{label}: past --budget-s")
-                    continue
-                summary = await _run_once(launch_, st, out, record, (w, rate, j), seed, n, pdserve, diagnose)
-                attained.append(summary["slo_attainment"] or 0.0)
-                progress()
+            attained = await at_rate(w, rate, st.seed + 7919 * k)
+            if attained:
+                points.append((rate, statistics.median(attained)))
             if attained and statistics.median(attained) < st.stop_below:
                 record.setdefault("saturated_at", {})[w] = rate
                 break
+        for _ in range(plan.refine):  # bisect where attainment fell under the sustained rate's share
+            rate = refine_rate(points)
+            if rate is None:
+                break
+            # Prompts by the rate itself: a server that refines to the same rate gets the same.
+            attained = await at_rate(w, rate, st.seed + REFINE_SEED + round(rate * 100))
+            if not attained:
+                break
+            points.append((rate, statistics.median(attained)))
 
 
 async def _run_once(
@@ -369,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         launch(s, ctx, free_port(), [free_port() for _ in range(extra_ports.get(s.kind, 0))]) for s in servers
     )  # fmt: skip
     plan = Plan(launches, workloads, rates, args.duration_s, args.requests, scale, args.request_timeout_s,
-                engine_steps=not args.no_engine_steps, repeats=args.repeats)  # fmt: skip
+                engine_steps=not args.no_engine_steps, repeats=args.repeats, refine=args.refine)  # fmt: skip
     print(describe(plan, out, args.budget_s), file=sys.stderr)
     if args.dry_run:
         return 0

@@ -48,6 +48,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="runs per rate, each with its own prompts; the tables show the median goodput's run, "
                    "with the goodputs' range")
+    p.add_argument("--refine", type=int, default=0, metavar="N",
+                   help="after a workload's rates, up to N more runs a server, each at the midpoint of the two rates "
+                   "around where its SLO attainment first fell under 90 %%: the sustained rate (table.md) is then "
+                   "read between closer rates (default: 0)")
     p.add_argument("--scale", type=float, default=None, help="multiply the workloads' lengths (cpu default: 0.05)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO (default: 1000; cpu 3000)")
     p.add_argument("--slo-itl-ms", type=float, default=None, help="mean ITL SLO per request (default: 50; cpu 250)")
@@ -136,6 +140,8 @@ def resolve(args: argparse.Namespace) -> Choice:
         raise ValueError(f"--workloads: unknown {', '.join(unknown)}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: {args.repeats}; at least 1 run per rate")
+    if args.refine < 0:
+        raise ValueError(f"--refine: {args.refine}; a number of runs, 0 or more")
     scale = args.scale if args.scale is not None else (0.05 if cpu else 1.0)
     per_gpus = 1.0 if cpu else args.gpus / 2  # the rates are for 2 GPUs: 1 serves about half the load, 4 twice
     # On a CPU a profile picks the workloads only: its GPU rates and SLOs would leave nothing to compare.

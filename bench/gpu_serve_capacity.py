@@ -51,6 +51,21 @@ def sustained_rate(points: Sequence[tuple[float, float]], target: float = TARGET
     return Sustained(pts[-1][0], ">=")
 
 
+def refine_rate(points: Sequence[tuple[float, float]], target: float = TARGET, least_gap: float = 0.05) -> float | None:
+    """The rate to run next to read the sustained rate closer: the midpoint of the two measured
+    rates around the first that missed `target` (None where no rate kept it, every rate kept it,
+    or the two are within `least_gap` of the lower one already)."""
+    pts = sorted(points)
+    for i, (rate, attained) in enumerate(pts):
+        if attained >= target:
+            continue
+        if i == 0:
+            return None
+        low = pts[i - 1][0]
+        return None if rate - low <= least_gap * low else round((low + rate) / 2, 2)
+    return None
+
+
 def _ratio(a: Sustained | None, b: Sustained | None) -> str:
     """a / b where both crossed the target; with a bound, what the bounds allow ("-" where they
     allow nothing)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -324,6 +325,7 @@ class Plan:
     request_timeout_s: float = 30.0
     engine_steps: bool = False  # time the engine's decode step after the servers
     repeats: int = 1  # runs per (workload, rate), each with its own prompts
+    refine: int = 0  # more rates per workload and server, bisecting where SLO attainment fell
 
     def runs(self) -> list[tuple[str, str, float, int]]:
         """(server, workload, rate, requests) in the order they run: each server once, every
@@ -331,10 +333,12 @@ class Plan:
         return [run for lc in self.launches for run in self.server_runs(lc)]
 
     def server_runs(self, lc: Launch) -> list[tuple[str, str, float, int]]:
+        """The runs planned for one server; a refining run is counted at its workload's middle
+        rate (which rates it runs depends on the runs before it)."""
         return [
             (lc.server.name, w, r, requests_per_run(r, self.duration_s, self.requests))
             for w in self.workloads
-            for r in self.rates[w]
+            for r in (*self.rates[w], *[statistics.median(self.rates[w])] * self.refine)
             for _ in range(self.repeats)
         ]
 

@@ -1,12 +1,18 @@
 """The rate each server sustains at a share of its requests within the SLOs
 (`bench.gpu_serve_capacity`): the first crossing interpolated, the bounds where a sweep never
-crosses, the ratios those allow, and the table in `bench/gpu_serve.py`'s report."""
+crosses, the ratios those allow, the table in `bench/gpu_serve.py`'s report, and `--refine`'s
+runs that bisect where attainment fell."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from bench.gpu_serve_capacity import Sustained, _ratio, capacity_rows, capacity_table, sustained_rate
+from bench import gpu_serve
+from bench.gpu_serve import Settings
+from bench.gpu_serve_capacity import Sustained, _ratio, capacity_rows, capacity_table, refine_rate, sustained_rate
+from bench.gpu_serve_plan import Launch, Plan, Server
 from bench.gpu_serve_report import report_text, run_record
 from bench.serve_metrics import RequestResult, Slo, summarize
 
@@ -77,3 +83,42 @@ def test_each_workload_compares_the_best_of_each_kind():
 def test_no_table_without_two_rates_to_go_between():
     assert capacity_table([_run("pdserve-1p1d", "chat", 24, 1.0), _run("vllm-serve-dp2", "chat", 24, 1.0)]) == ""
     assert capacity_table([]) == ""
+
+
+def test_refining_bisects_the_two_rates_around_the_first_miss():
+    assert refine_rate([(24, 1.0), (32, 0.99), (40, 0.77)]) == 36.0
+    assert refine_rate([(24, 1.0), (32, 0.99), (40, 0.77), (36, 0.95)]) == 38.0  # the new point narrows it
+    assert refine_rate([(24, 1.0), (32, 0.99)]) is None  # no miss: nothing to bisect
+    assert refine_rate([(24, 0.5), (32, 0.2)]) is None  # a miss at the lowest rate: no interval
+    assert refine_rate([(24, 1.0), (25, 0.5)]) is None  # within 5 % of each other already
+    assert refine_rate([]) is None
+
+
+def test_refine_runs_go_where_attainment_fell_and_stop_when_there_is_nothing_to_bisect(monkeypatch, tmp_path):
+    """`_drive` with --refine 3 against a server that keeps the SLOs up to 35 req/s: after the
+    profile's 24/32/40 it runs 36, 34 and 35; each refining rate's prompts come from the rate."""
+    ran: list[tuple[float, int]] = []
+
+    async def run_once(launch_, st, out, record, key, seed, n, pdserve, diagnose):
+        ran.append((key[1], seed))
+        return {"slo_attainment": 1.0 if key[1] <= 35 else 0.5}
+
+    async def nothing(*args, **kwargs):
+        return "m"
+
+    monkeypatch.setattr(gpu_serve, "_run_once", run_once)
+    monkeypatch.setattr(gpu_serve, "served_model", nothing)
+    monkeypatch.setattr(gpu_serve, "run_load", nothing)
+    server = Server("pdserve-1p1d", "pdserve", 2, 1, 1)
+    launch_ = Launch(server, (), "http://127.0.0.1:1", None, None)
+    plan = Plan((launch_,), ("chat",), {"chat": (24.0, 32.0, 40.0)}, 1.0, None, 0.1, 10.0, refine=3)
+    assert len(plan.server_runs(launch_)) == 6  # three refining runs counted in the time plan
+    st = Settings(Slo(3.0, 0.25), 1.0, None, 0.1, 0, 10.0, 60.0, 0.25, 1, float("inf"))
+    asyncio.run(gpu_serve._drive(launch_, plan, st, tmp_path, {}, lambda: None, lambda *a: {}, lambda: None))
+    assert [rate for rate, _ in ran] == [24.0, 32.0, 40.0, 36.0, 34.0, 35.0]
+    seeds = dict(ran)
+    assert seeds[36.0] == gpu_serve.REFINE_SEED + 3600 and len(set(seeds.values())) == 6
+    ran.clear()
+    plan = Plan((launch_,), ("chat",), {"chat": (24.0, 32.0)}, 1.0, None, 0.1, 10.0, refine=3)
+    asyncio.run(gpu_serve._drive(launch_, plan, st, tmp_path, {}, lambda: None, lambda *a: {}, lambda: None))
+    assert [rate for rate, _ in ran] == [24.0, 32.0]  # both kept: no refining run
