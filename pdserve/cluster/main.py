@@ -19,6 +19,7 @@ from pdserve.cluster.ray_init import LOCAL_RAY_SYSTEM_CONFIG
 from pdserve.cluster.router_replicas import RouterReplicas
 from pdserve.cluster.serve import Cluster
 from pdserve.cluster.serve_config import ControllerSettings, ServeConfig
+from pdserve.cluster.startup_lines import overflow_warning
 from pdserve.cluster.status import NAMESPACE
 from pdserve.control.perf_model import load_perf_model
 from pdserve.control.signals import Slo
@@ -281,6 +282,10 @@ def _checked(cfg: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     check_required_key(cfg, args.require_api_key)
     if (warning := exposure_warning(cfg)) is not None:
         print(f"pdserve: {warning}", file=sys.stderr, flush=True)
+    overflow = overflow_warning(cfg.placement.max_prefill_queue_tokens, cfg.engine.itl_target_ms,
+                                cfg.engine.max_prefill_tokens_with_decodes)  # fmt: skip
+    if overflow is not None:
+        print(f"pdserve: {overflow}", file=sys.stderr, flush=True)
     return cfg
 
 

@@ -29,3 +29,17 @@ def worker_ready_line(role: str, info: kv_pb2.KvAgentInfo, links: Sequence[tuple
     if links:
         line += ", KV link self-test " + ", ".join(f"from {peer} {gbps:.2f} GB/s" for peer, gbps in links)
     return line
+
+
+def overflow_warning(
+    max_prefill_queue_tokens: int, itl_target_ms: float | None, chunk_tokens: int | None
+) -> str | None:
+    """The warning for overflow (`--max-prefill-queue-tokens`) with nothing to bound what an
+    overflowed prompt costs a decode worker's streams: with neither `--itl-target-ms` nor
+    `--max-prefill-tokens-with-decodes`, a prompt is prefilled in one step beside the decodes,
+    and every running stream waits out that step (serving-gpu.md measured it missing a tight ITL
+    SLO). None where overflow is off or bounded."""
+    if max_prefill_queue_tokens <= 0 or itl_target_ms is not None or chunk_tokens is not None:
+        return None
+    return ("warning: --max-prefill-queue-tokens without --itl-target-ms (or --max-prefill-tokens-with-decodes): "
+            "a decode worker prefills each overflowed prompt in one step, and its streams wait for it")  # fmt: skip
