@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from bench.report import markdown_table
+from bench.report import markdown_table, percent
 
 KEPT = 0.8  # SLO attainment at which vLLM counts as still serving the rate
 
@@ -113,7 +113,7 @@ def compare_table(runs: Sequence[dict], saturated: dict[str, dict[str, float]] |
         if r["vllm"] is None:
             vllm = f"- ({r['vllm_note']})" if r["vllm_note"] else "-"
         else:
-            vllm = f"{r['vllm_goodput']:.1f} ({r['vllm_attainment']:.0%})"
+            vllm = f"{r['vllm_goodput']:.1f} ({percent(r['vllm_attainment'], '')})"
             vllm += f" {r['vllm']}" if "-tp" in r["vllm"] else ""  # which form, where not plain DP
         best = "-" if r["best"] is None else f"{r['best']} {r['best_goodput']:.1f}"
         ttft = "-" if r["best_ttft_p99_ms"] is None else f"{_num(r['best_ttft_p99_ms'])} / {_num(r['vllm_ttft_p99_ms'])}"

@@ -14,7 +14,7 @@ from pathlib import Path
 from bench.gpu_serve_capacity import capacity_table
 from bench.gpu_serve_compare import compare_table
 from bench.gpu_serve_steps import kinds_table, prefill_table, steps_table
-from bench.report import markdown_table
+from bench.report import markdown_table, percent
 
 RUN_GLOB = "run__*.json"
 SERVER_GLOB = "server__*.json"
@@ -170,7 +170,7 @@ def _share(summary: dict) -> str:
     """The share of requests within the SLO; with goodput and the run's seconds (its last
     arrivals' drain included), what sets a goodput below the knee."""
     met = summary.get("slo_attainment")
-    return "-" if met is None else f"{100 * met:.0f} %"
+    return "-" if met is None else percent(met)
 
 
 def _goodput(run: dict) -> str:
