@@ -80,7 +80,7 @@ if __package__ in (None, ""):
 
 from bench.gpu_serve_args import build_parser, model_dir, resolve, with_profile
 from bench.gpu_serve_capacity import refine_rate
-from bench.gpu_serve_diag import BUDGET_S, Target, collect, scrape
+from bench.gpu_serve_diag import BUDGET_S, Target, collect, look_during, scrape
 from bench.gpu_serve_engine import engine_phase
 from bench.gpu_serve_plan import (
     STARTUP_S,
@@ -147,6 +147,7 @@ class Settings:
     end: float = float("inf")  # time.monotonic() by which the invocation must be over (--budget-s)
     also: tuple[Slo, ...] = ()  # other SLOs each run is judged by too (its `summaries`)
     diagnose_s: float = BUDGET_S  # the most one look at the server may take; 0: no look
+    look_mid_run: bool = False  # also look at a pdserve server halfway through each run's arrivals
 
     def left(self) -> float:
         return self.end - time.monotonic()
@@ -243,16 +244,24 @@ async def _run_once(
     before = await _scrape(launch_.metrics_url) if pdserve else (None, None)
     stop_watch = asyncio.Event()
     watcher = asyncio.create_task(watch(launch_.metrics_url, stop_watch)) if launch_.metrics_url else None
+    folder = run_folder(record["server"], w, rate, j)
+    looking = None
+    if st.look_mid_run and st.diagnose_s > 0 and pdserve:  # halfway through the arrivals
+        later = look_during(diagnose, folder.removesuffix(".diag") + ".mid", n / rate / 2, st.diagnose_s)
+        looking = asyncio.create_task(later)
     try:
         results, duration = await run_load(cfg, reqs)
     finally:
         stop_watch.set()
         samples = await watcher if watcher is not None else []
+        looked = await looking if looking is not None else None  # a failed look is in its index
     after = await _scrape(launch_.metrics_url) if pdserve else (None, None)
     summary = summarize(results, duration, st.slo)
     run = run_record(record, w, rate, summary, {"requests_sent": n, "scale": st.scale, "seed": seed, "repeat": j})
     run["failures"] = failure_report(results, st.failures_listed)
     run["timeline"] = timeline(results)
+    if looked is not None:
+        run["mid_run"] = looked
     if st.also:
         run["summaries"] = {slo_key(o.ttft_s * 1e3, o.itl_s * 1e3): summarize(results, duration, o) for o in st.also}
     if pdserve:
@@ -268,7 +277,7 @@ async def _run_once(
         print(f"gpu_serve: {record['server']} {w} {rate:g}/s: {why}; looking at the server",
               file=sys.stderr, flush=True)  # fmt: skip
         budget = min(st.diagnose_s, st.left() - STOP_S - st.request_timeout_s)
-        run["diagnostics"] = diagnose(run_folder(record["server"], w, rate, j), why, max(1.0, budget))
+        run["diagnostics"] = diagnose(folder, why, max(1.0, budget))
         path.write_text(json.dumps(run, indent=1) + "\n")
     print(
         f"gpu_serve: {record['server']} {w} {rate:g}/s{f' (repeat {j + 1})' if j else ''}: {summary['completed']}/{n} "
@@ -398,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         scale=scale, seed=args.seed, request_timeout_s=args.request_timeout_s,
         startup_timeout_s=args.startup_timeout_s, stop_below=args.stop_below, warmup=args.warmup,
         deadline=start + args.deadline_s if args.deadline_s else float("inf"),
-        diagnose_below=args.diagnose_below, py_spy=args.py_spy,
+        diagnose_below=args.diagnose_below, py_spy=args.py_spy, look_mid_run=args.look_mid_run,
         end=start + args.budget_s if args.budget_s else float("inf"),
         also=tuple(Slo(slo.ttft_s, itl / 1e3) for itl in c.also_itl_ms), diagnose_s=args.diagnose_s,
     )  # fmt: skip

@@ -69,6 +69,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         "--diagnose-s", type=float, default=120.0, metavar="S",
         help="the most one such look may take, py-spy dumps included (default: 120; 0: no look)",
     )
+    p.add_argument(
+        "--look-mid-run", action="store_true",
+        help="also take that look at each pdserve run halfway through its arrivals, into the run's folder + .mid: "
+        "where the time goes under load (each py-spy dump pauses its process a moment: for diagnosis, not figures)",
+    )  # fmt: skip
     p.add_argument("--py-spy", default=shutil.which("py-spy"), metavar="PATH", help="py-spy (default: on PATH)")
     p.add_argument("--max-model-len", type=int, default=None, help="context cap of every server (default: 8192)")
     p.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,7 @@ could not be had is an error line, not an exception.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -131,3 +132,15 @@ def collect(
         files.append("processes.json")
     return {"reason": reason, "folder": folder.name, "files": files, "errors": errors,
             "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+async def look_during(look: Callable[[str, str, float], dict], folder: str, after_s: float, budget_s: float) -> dict:
+    """`look` (folder, reason, budget) taken `after_s` into a run, on a thread, while the load is
+    on: where the time goes under load, which a look after the run cannot see. Each py-spy dump
+    pauses its process for a moment, so a run looked into is for diagnosis, not for its figures."""
+    await asyncio.sleep(after_s)
+    reason = f"a look {after_s:.1f} s into the run"
+    try:
+        return await asyncio.to_thread(look, folder, reason, budget_s)
+    except Exception as exc:  # noqa: BLE001 - the run goes on; its JSON says the look failed
+        return {"reason": reason, "folder": folder, "files": [], "errors": [f"{type(exc).__name__}: {exc}"[:300]]}

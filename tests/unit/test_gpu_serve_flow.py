@@ -260,6 +260,29 @@ def test_a_bad_run_is_looked_at_only_with_time_given_for_it(fakes, diagnose_s):
         assert "diagnostics" not in run
 
 
+def test_a_look_mid_run_is_taken_while_the_load_is_on_into_a_folder_of_its_own(fakes):
+    """--look-mid-run: halfway through the arrivals (not after the run), /metrics and the dumps
+    go into the run's folder + .mid, and the run's JSON indexes them."""
+    out = fakes / "out-mid"
+    (out / "logs").mkdir(parents=True)
+    port = free_port()
+    lc = Launch(
+        Server("pdserve-colocated", "pdserve", 2, 0, 2),
+        (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
+                 health_url=f"http://127.0.0.1:{port}/health"),),
+        f"http://127.0.0.1:{port}", None, f"http://127.0.0.1:{port}/metrics",
+    )
+    ctx = LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+    plan = Plan((lc,), ("chat",), {"chat": (8.0,)}, 2.0, None, 0.05, 10.0)
+    st = Settings(Slo(3.0, 0.25), 2.0, None, 0.05, 0, 10.0, 60.0, 0.25, 1, float("inf"), look_mid_run=True)
+    assert run_server(lc, plan, st, ctx, out)["error"] is None
+    (run,), _ = load(out)
+    mid = run["mid_run"]
+    assert mid["reason"] == "a look 1.0 s into the run" and "metrics.txt" in mid["files"], mid
+    assert (out / "run__pdserve-colocated__chat__8.mid" / "metrics.txt").is_file()
+    assert "diagnostics" not in run  # the run went well: no look after it
+
+
 def test_repeats_run_each_rate_with_new_prompts_and_the_median_run_stands_for_them(fakes):
     """--repeats 3: three runs of the rate, each its own seed (no prompt found in the prefix
     cache from the run before), three files; the tables show the median goodput's run and the range."""
