@@ -195,8 +195,8 @@ def test_a_whole_invocation_against_fake_servers_then_the_engine_at_their_batche
     assert engine_phase(out, ctx, 0.1, 0, left_s=10.0).startswith("engine steps: not run, 10 s left")
 
 
-def test_a_budget_too_short_for_a_run_leaves_it_listed_and_the_server_record_says_why(fakes):
-    out = fakes / "out"
+def _fake_colocated(fakes: Path, out: Path) -> tuple[Launch, LaunchContext]:
+    """A fake pdserve colocated server (its /metrics included) and a context, with `out/logs` made."""
     (out / "logs").mkdir(parents=True)
     port = free_port()
     lc = Launch(
@@ -204,8 +204,13 @@ def test_a_budget_too_short_for_a_run_leaves_it_listed_and_the_server_record_say
         (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
                  health_url=f"http://127.0.0.1:{port}/health"),),
         f"http://127.0.0.1:{port}", None, f"http://127.0.0.1:{port}/metrics",
-    )
-    ctx = LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+    )  # fmt: skip
+    return lc, LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+
+
+def test_a_budget_too_short_for_a_run_leaves_it_listed_and_the_server_record_says_why(fakes):
+    out = fakes / "out"
+    lc, ctx = _fake_colocated(fakes, out)
     plan = Plan((lc,), ("chat",), {"chat": (4.0,)}, 1.0, None, 0.02, 30.0)
     import time
 
@@ -239,15 +244,7 @@ def test_engine_batches_grow_in_place_on_target_and_stop_where_the_kv_pool_ends(
 @pytest.mark.parametrize("diagnose_s", [0.0, 30.0])
 def test_a_bad_run_is_looked_at_only_with_time_given_for_it(fakes, diagnose_s):
     out = fakes / "out"
-    (out / "logs").mkdir(parents=True)
-    port = free_port()
-    lc = Launch(
-        Server("pdserve-colocated", "pdserve", 2, 0, 2),
-        (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
-                 health_url=f"http://127.0.0.1:{port}/health"),),
-        f"http://127.0.0.1:{port}", None, f"http://127.0.0.1:{port}/metrics",
-    )
-    ctx = LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+    lc, ctx = _fake_colocated(fakes, out)
     plan = Plan((lc,), ("chat",), {"chat": (4.0, 8.0)}, 1.0, None, 0.05, 10.0)
     # A 0.01 ms ITL SLO: no request meets it, so the sweep stops after its first rate.
     st = Settings(Slo(3.0, 0.00001), 1.0, None, 0.05, 0, 10.0, 60.0, 0.25, 1, float("inf"), diagnose_s=diagnose_s)
@@ -264,15 +261,7 @@ def test_a_look_mid_run_is_taken_while_the_load_is_on_into_a_folder_of_its_own(f
     """--look-mid-run: halfway through the arrivals (not after the run), /metrics and the dumps
     go into the run's folder + .mid, and the run's JSON indexes them."""
     out = fakes / "out-mid"
-    (out / "logs").mkdir(parents=True)
-    port = free_port()
-    lc = Launch(
-        Server("pdserve-colocated", "pdserve", 2, 0, 2),
-        (Process("server", (sys.executable, str(fakes / "fake_server.py"), "--model", "m", "--port", str(port)),
-                 health_url=f"http://127.0.0.1:{port}/health"),),
-        f"http://127.0.0.1:{port}", None, f"http://127.0.0.1:{port}/metrics",
-    )
-    ctx = LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+    lc, ctx = _fake_colocated(fakes, out)
     plan = Plan((lc,), ("chat",), {"chat": (8.0,)}, 2.0, None, 0.05, 10.0)
     st = Settings(Slo(3.0, 0.25), 2.0, None, 0.05, 0, 10.0, 60.0, 0.25, 1, float("inf"), look_mid_run=True)
     assert run_server(lc, plan, st, ctx, out)["error"] is None
