@@ -82,8 +82,9 @@ def _ratio(a: Sustained | None, b: Sustained | None) -> str:
 
 
 def _best_of(per: dict[str, Sustained], pick: Callable[[str], bool]) -> str | None:
-    """The server `pick` accepts with the highest sustained rate (None: none)."""
-    return max((s for s in per if pick(s)), key=lambda s: (per[s].rate, s), default=None)
+    """The server `pick` accepts with the highest sustained rate (None: none); one that missed
+    even its lowest rate ranks below every one that kept some."""
+    return max((s for s in per if pick(s)), key=lambda s: (per[s].bound != "<", per[s].rate, s), default=None)
 
 
 def _sustained_by_server(runs: Sequence[dict], workload: str, target: float) -> dict[str, Sustained]:

@@ -80,6 +80,13 @@ def test_each_workload_compares_the_best_of_each_kind():
     assert text.index("Sustained rate") > text.index("| workload")
 
 
+def test_a_server_that_missed_its_lowest_rate_is_not_the_best():
+    runs = [_run("pdserve-1p1d", "chat", 24, 0.5), _run("pdserve-1p1d", "chat", 32, 0.2),  # < 24
+            _run("pdserve-colocated", "chat", 16, 1.0), _run("pdserve-colocated", "chat", 24, 0.5)]  # fmt: skip
+    (row,) = capacity_rows(runs)
+    assert row["best"] == "pdserve-colocated" and str(row["sustained"]["pdserve-1p1d"]) == "<24.0"
+
+
 def test_no_table_without_two_rates_to_go_between():
     assert capacity_table([_run("pdserve-1p1d", "chat", 24, 1.0), _run("vllm-serve-dp2", "chat", 24, 1.0)]) == ""
     assert capacity_table([]) == ""
