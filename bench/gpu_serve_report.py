@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.gpu_serve_capacity import TARGET as SUSTAINED_SHARE
 from bench.gpu_serve_capacity import capacity_table
 from bench.gpu_serve_compare import compare_table
 from bench.gpu_serve_steps import kinds_table, prefill_table, steps_table
@@ -279,8 +280,9 @@ def write_report(
 def plot(
     runs: Sequence[dict], path: Path, title: str, workloads: Sequence[str] = (), order: Sequence[str] = ()
 ) -> None:
-    """Goodput (top) and TTFT p99 (bottom, log scale, the SLO dashed) against the offered rate,
-    one line per server, one column per workload."""
+    """Goodput (top), SLO attainment (middle, the sustained rate's share dashed: where a line
+    crosses it is the server's sustained rate) and TTFT p99 (bottom, log scale, the SLO dashed)
+    against the offered rate, one line per server, one column per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,26 +291,31 @@ def plot(
     names = _order([r["workload"] for r in runs], workloads)
     if not names:
         raise ValueError("plot: no runs")
-    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.0), squeeze=False)
+    fig, axes = plt.subplots(3, len(names), figsize=(4.6 * len(names), 10.0), squeeze=False)
     for col, w in enumerate(names):
-        top, bottom = axes[0][col], axes[1][col]
+        top, middle, bottom = axes[0][col], axes[1][col], axes[2][col]
         mine = [r for r in runs if r["workload"] == w]
         for s in _order([r["server"] for r in mine], order):
             pts = sorted((r for r in mine if r["server"] == s), key=lambda r: r["rate"])
             xs = [r["rate"] for r in pts]
             top.plot(xs, [r["summary"]["goodput_req_s"] for r in pts], marker="o", label=s)
+            middle.plot(xs, [100 * (r["summary"]["slo_attainment"] or 0.0) for r in pts], marker="o", label=s)
             ttft = [r["summary"]["ttft_ms"]["p99"] for r in pts]
             bottom.plot(xs, [math.nan if v is None else v for v in ttft], marker="o", label=s)
         hi = max(r["rate"] for r in mine)
         top.plot([0, hi], [0, hi], color="grey", linestyle=":", linewidth=1, label="offered")
+        middle.axhline(100 * SUSTAINED_SHARE, color="red", linestyle="--", linewidth=1,
+                       label=f"{100 * SUSTAINED_SHARE:g} %: the sustained rate")  # fmt: skip
+        middle.set_ylim(0, 105)
         slo = mine[0]["summary"]["slo"]["ttft_ms"]
         bottom.axhline(slo, color="red", linestyle="--", linewidth=1, label=f"TTFT SLO {slo:g} ms")
         bottom.set_yscale("log")
         top.set_title(w, fontsize=10)
         top.set_ylabel("goodput (req/s within SLOs)")
+        middle.set_ylabel("SLO attainment (%)")
         bottom.set_ylabel("TTFT p99 (ms)")
         bottom.set_xlabel("offered rate (req/s, Poisson)")
-        for ax in (top, bottom):
+        for ax in (top, middle, bottom):
             ax.set_xlim(left=0)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
