@@ -39,6 +39,8 @@ ROUTER_PARTS = {
     "pdserve_prefill_compute_seconds": "prefill_compute_ms",
     'pdserve_prefill_overhead_seconds{part="worker"}': "prefill_worker_rest_ms",
     'pdserve_prefill_overhead_seconds{part="transport"}': "prefill_transport_ms",
+    'pdserve_prefill_overhead_seconds{part="send"}': "prefill_send_ms",
+    'pdserve_prefill_overhead_seconds{part="reply"}': "prefill_reply_ms",
     "pdserve_prefill_duration_seconds": "prefill_call_ms",
     "pdserve_decode_queue_seconds": "decode_queue_ms",
     "pdserve_router_event_loop_lag_seconds": "router_loop_lag_ms",
@@ -336,7 +338,8 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
 # The router's columns of the prefill table: each mean, with the p90s beside theirs.
 PREFILL_COLUMNS = (
     "ttft_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_worker_rest_ms", "prefill_transport_ms",
-    "prefill_transport_p90_ms", "prefill_call_ms", "prefill_call_p90_ms", "decode_queue_ms", "router_loop_lag_ms",
+    "prefill_transport_p90_ms", "prefill_send_ms", "prefill_reply_ms", "prefill_call_ms", "prefill_call_p90_ms",
+    "decode_queue_ms", "router_loop_lag_ms",
 )  # fmt: skip
 
 
@@ -357,7 +360,7 @@ def prefill_table(runs: Sequence[dict]) -> str:
     return markdown_table(["server", "workload", "rate req/s", "worker", "prefill steps", "mean step ms",
                            "prompts a step", "router: TTFT ms", "prefill queue ms", "prefill compute ms",
                            "prefill worker's rest ms", "prefill transport ms", "prefill transport p90 ms",
-                           "prefill call ms", "prefill call p90 ms",
+                           "transport: there ms", "transport: back ms", "prefill call ms", "prefill call p90 ms",
                            "hand-over to first decode ms", "router loop lag ms"], body)  # fmt: skip
 
 

@@ -216,7 +216,7 @@ class KvEventsRequest(_message.Message):
     def __init__(self, wait_s: _Optional[float] = ..., full: _Optional[bool] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("handle", "first_token", "finish_reason", "cached_prompt_tokens", "queue_seconds", "first_logprob", "first_top_logprobs", "prompt_logprobs", "compute_seconds", "worker_seconds")
+    __slots__ = ("handle", "first_token", "finish_reason", "cached_prompt_tokens", "queue_seconds", "first_logprob", "first_top_logprobs", "prompt_logprobs", "compute_seconds", "worker_seconds", "arrived_unix_s")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class PrefillResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     handle: _kv_pb2.KvHandle
     first_token: int
     finish_reason: str
@@ -237,7 +238,8 @@ class PrefillResult(_message.Message):
     prompt_logprobs: _inference_pb2.PromptLogprobs
     compute_seconds: float
     worker_seconds: float
-    def __init__(self, handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., first_logprob: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_inference_pb2.PromptLogprobs, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., worker_seconds: _Optional[float] = ...) -> None: ...
+    arrived_unix_s: float
+    def __init__(self, handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., first_logprob: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_inference_pb2.PromptLogprobs, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., worker_seconds: _Optional[float] = ..., arrived_unix_s: _Optional[float] = ...) -> None: ...
 
 class DecodeStart(_message.Message):
     __slots__ = ("reused_tokens", "pulled_blocks", "recomputed", "transfer_bytes", "transfer_seconds", "transfer_retries", "prefetched_blocks", "waited_for_blocks_s")

@@ -136,6 +136,7 @@ class PrefillWorker(WorkerBase):
             cached_prompt_tokens=pinned.num_cached_tokens,
             queue_seconds=max(0, done.started_ns - done.queued_ns) / 1e9,
             compute_seconds=max(0, done.done_ns - done.started_ns) / 1e9,
+            arrived_unix_s=done.queued_ns / 1e9,
         )
         if pinned.first_logprob is not None:  # the decode worker samples the rest; this one's travels back
             result.first_logprob = pinned.first_logprob

@@ -42,7 +42,7 @@ class WorkerCalls:
         assert r.prefill is not None and r.p_at is not None
         span = self.tracer.start_span("pdserve.prefill", context=r.ctx, kind=trace.SpanKind.CLIENT,
                                       attributes={"pdserve.worker_id": r.p_at.worker})
-        sent = time.monotonic()
+        sent, sent_wall = time.monotonic(), time.time()
         handle = None
         try:
             request = worker_pb2.PrefillRequest(
@@ -62,15 +62,17 @@ class WorkerCalls:
             if cached_tokens is not None:
                 span.set_attribute("pdserve.cached_tokens", cached_tokens)
             span.end()
-        self._observe_phases(handle, waited)
+        self._observe_phases(handle, waited, sent_wall, sent_wall + waited)
         if self.prefill_times is not None:
             computed = len(r.ids) - handle.cached_prompt_tokens
             self.prefill_times.add(r.p_at.worker, computed, time.monotonic() - sent - handle.queue_seconds)
         return handle
 
-    def _observe_phases(self, handle: worker_pb2.PrefillResult, waited: float) -> None:
+    def _observe_phases(self, handle: worker_pb2.PrefillResult, waited: float, sent: float, received: float) -> None:
         """Where a prefill call's time went: queue, compute, the worker's own rest, the transport
-        (a worker that does not report its whole time leaves the last two unmeasured)."""
+        (a worker that does not report its whole time leaves the last two unmeasured), and the
+        transport's way there (`sent` to the worker's arrival) apart from its way back (its
+        answer to `received`), by the two wall clocks: exact on one host, offset across hosts."""
         m = self.metrics
         m.prefill_queue.observe(handle.queue_seconds)
         if handle.worker_seconds <= 0:
@@ -79,6 +81,10 @@ class WorkerCalls:
         rest = handle.worker_seconds - handle.queue_seconds - handle.compute_seconds
         m.prefill_overhead.labels("worker").observe(max(0.0, rest))
         m.prefill_overhead.labels("transport").observe(max(0.0, waited - handle.worker_seconds))
+        if handle.arrived_unix_s > 0:
+            m.prefill_overhead.labels("send").observe(max(0.0, handle.arrived_unix_s - sent))
+            answered = handle.arrived_unix_s + handle.worker_seconds
+            m.prefill_overhead.labels("reply").observe(max(0.0, received - answered))
 
     async def start(self, r: InFlight, handle: worker_pb2.PrefillResult) -> worker_pb2.DecodeStart:
         """Hand the KV over to the decode worker (it READs the missing blocks) and record the transfer."""

@@ -89,7 +89,9 @@ class RouterMetrics:
         self.prefill_overhead = Histogram(
             "pdserve_prefill_overhead_seconds",
             "What a prefill call cost beyond queue and compute: part=worker, the worker's own (block checksums, "
-            "the answer); part=transport, the call's way there and back (the router's wait less the worker's time).",
+            "the answer); part=transport, the call's way there and back (the router's wait less the worker's time); "
+            "part=send and part=reply, that way there and that way back apart, by the router's and the worker's wall "
+            "clocks (exact on one host).",
             ["part"], buckets=_LATENCY, registry=r,
         )
         self.loop_lag = Histogram(

@@ -155,6 +155,10 @@ def test_metrics_pass_promtool_and_count_known_requests(cluster, channel):
     whole = sum(delta(p) for p in parts) + sum(
         delta("pdserve_prefill_overhead_seconds_sum", part=part) for part in ("worker", "transport"))
     assert whole == pytest.approx(delta("pdserve_prefill_duration_seconds_sum"), abs=0.01)
+    # On one host the transport's way there and way back, by the two wall clocks, make up the transport.
+    legs = [delta("pdserve_prefill_overhead_seconds_sum", part=part) for part in ("send", "reply")]
+    assert all(delta("pdserve_prefill_overhead_seconds_count", part=part) == 2 for part in ("send", "reply"))
+    assert sum(legs) == pytest.approx(delta("pdserve_prefill_overhead_seconds_sum", part="transport"), abs=0.005)
     assert delta("pdserve_kv_transfer_bytes_total") > 0
     assert delta("pdserve_prefills_total", location="remote") == 2  # disaggregated: no prompt prefilled locally
     assert delta("pdserve_prefills_total", location="local") == 0

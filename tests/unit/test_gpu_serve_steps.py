@@ -185,21 +185,25 @@ def test_the_router_parts_of_a_ttft_are_means_over_the_run():
     assert rec["router"] == {"ttft_ms": 100.0, "prefill_queue_ms": 25.0, "prefill_call_ms": 70.0,
                              "prefill_call_p90_ms": 90.0}  # fmt: skip
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| - +\| 70\.0 +\| 90\.0 +\| - +\| - +\|$", table, re.MULTILINE), table
+    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\| 70\.0 +\| 90\.0 +\| - +\| - +\|$",
+                     table, re.MULTILINE), table  # fmt: skip
 
 
 def test_the_prefill_calls_overhead_is_read_per_part():
     """`pdserve_prefill_overhead_seconds` has a series per part: each is its own column, not their sum."""
-    def parts(n: int, compute: float, worker: float, transport: float) -> str:
+    def parts(n: int, compute: float, worker: float, transport: float, send: float, reply: float) -> str:
         name = "pdserve_prefill_overhead_seconds"
-        return (f"pdserve_prefill_compute_seconds_count {n}\npdserve_prefill_compute_seconds_sum {compute}\n"
-                f'{name}_count{{part="worker"}} {n}\n{name}_sum{{part="worker"}} {worker}\n'
-                f'{name}_count{{part="transport"}} {n}\n{name}_sum{{part="transport"}} {transport}\n')
+        out = f"pdserve_prefill_compute_seconds_count {n}\npdserve_prefill_compute_seconds_sum {compute}\n"
+        for part, total in (("worker", worker), ("transport", transport), ("send", send), ("reply", reply)):
+            out += f'{name}_count{{part="{part}"}} {n}\n{name}_sum{{part="{part}"}} {total}\n'
+        return out
 
-    rec = run_steps(BEFORE + parts(10, 0.3, 0.01, 0.02), AFTER + parts(20, 0.7, 0.06, 0.22))
-    assert rec["router"] == {"prefill_compute_ms": 40.0, "prefill_worker_rest_ms": 5.0, "prefill_transport_ms": 20.0}
+    rec = run_steps(BEFORE + parts(10, 0.3, 0.01, 0.02, 0.01, 0.01), AFTER + parts(20, 0.7, 0.06, 0.22, 0.16, 0.05))
+    assert rec["router"] == {"prefill_compute_ms": 40.0, "prefill_worker_rest_ms": 5.0, "prefill_transport_ms": 20.0,
+                             "prefill_send_ms": 15.0, "prefill_reply_ms": 4.0}  # fmt: skip
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| - +\| - +\| - +\| - +\|$", table, re.MULTILINE), table
+    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| 15\.0 +\| 4\.0 +\| - +\| - +\| - +\| - +\|$",
+                     table, re.MULTILINE), table  # fmt: skip
 
 
 def test_a_parts_p90_tells_a_slow_tail_from_a_slow_mean():
