@@ -32,6 +32,11 @@ class Sustained:
         return f"{self.bound}{self.rate:.1f}" if self.bound else f"{self.rate:.1f}"
 
 
+def _first_miss(pts: Sequence[tuple[float, float]], target: float) -> int | None:
+    """Index of the first of the sorted (rate, attainment) points under `target` (None: none)."""
+    return next((i for i, (_, attained) in enumerate(pts) if attained < target), None)
+
+
 def sustained_rate(points: Sequence[tuple[float, float]], target: float = TARGET) -> Sustained | None:
     """From (rate, SLO attainment) points, the rate sustained at `target` (see `Sustained`);
     None without points. Below the first rate that misses the target, attainment is taken to
@@ -41,14 +46,13 @@ def sustained_rate(points: Sequence[tuple[float, float]], target: float = TARGET
     pts = sorted(points)
     if not pts:
         return None
-    for i, (rate, attained) in enumerate(pts):
-        if attained >= target:
-            continue
-        if i == 0:
-            return Sustained(rate, "<")
-        r0, a0 = pts[i - 1]
-        return Sustained(round(r0 + (rate - r0) * (a0 - target) / (a0 - attained), 2))
-    return Sustained(pts[-1][0], ">=")
+    i = _first_miss(pts, target)
+    if i is None:
+        return Sustained(pts[-1][0], ">=")
+    if i == 0:
+        return Sustained(pts[0][0], "<")
+    (r0, a0), (r1, a1) = pts[i - 1], pts[i]
+    return Sustained(round(r0 + (r1 - r0) * (a0 - target) / (a0 - a1), 2))
 
 
 def refine_rate(points: Sequence[tuple[float, float]], target: float = TARGET, least_gap: float = 0.05) -> float | None:
@@ -56,14 +60,11 @@ def refine_rate(points: Sequence[tuple[float, float]], target: float = TARGET, l
     rates around the first that missed `target` (None where no rate kept it, every rate kept it,
     or the two are within `least_gap` of the lower one already)."""
     pts = sorted(points)
-    for i, (rate, attained) in enumerate(pts):
-        if attained >= target:
-            continue
-        if i == 0:
-            return None
-        low = pts[i - 1][0]
-        return None if rate - low <= least_gap * low else round((low + rate) / 2, 2)
-    return None
+    i = _first_miss(pts, target)
+    if not i:  # None: every rate kept it; 0: none did
+        return None
+    low, high = pts[i - 1][0], pts[i][0]
+    return None if high - low <= least_gap * low else round((low + high) / 2, 2)
 
 
 def _ratio(a: Sustained | None, b: Sustained | None) -> str:

@@ -118,13 +118,17 @@ def parse_router_parts(metrics_text: str) -> dict[str, tuple[float, float]]:
         name, value = m.group(1), _number(m.group(3))
         labels = _labels(m.group(2))
         for series, field in ROUTER_PARTS.items():
-            metric, _, wanted = series.partition("{")
-            if any(labels.get(k) != v for k, v in _labels(wanted).items()):
-                continue
-            if name in (metric + "_count", metric + "_sum"):
+            if _is_series(series, name, labels, "_count", "_sum"):
                 count, total = out.get(field, (0.0, 0.0))
                 out[field] = (count + value, total) if name.endswith("_count") else (count, total + value)
     return out
+
+
+def _is_series(series: str, name: str, labels: Mapping[str, str], *suffixes: str) -> bool:
+    """Whether a sample (`name`, `labels`) is one of `series` ("metric" or `metric{label="v"}`)
+    under one of the metric's `suffixes` (`_count`, `_bucket`, ...)."""
+    metric, _, wanted = series.partition("{")
+    return name in {metric + x for x in suffixes} and all(labels.get(k) == v for k, v in _labels(wanted).items())
 
 
 def router_parts(before_text: str, after_text: str) -> dict[str, float]:
@@ -150,8 +154,7 @@ def parse_router_buckets(metrics_text: str) -> dict[str, dict[float, float]]:
         if le is None:
             continue
         for series, field in ROUTER_TAILS.items():
-            metric, _, wanted = series.partition("{")
-            if m.group(1) != metric + "_bucket" or any(labels.get(k) != v for k, v in _labels(wanted).items()):
+            if not _is_series(series, m.group(1), labels, "_bucket"):
                 continue
             bound = math.inf if le == "+Inf" else float(le)
             counts = out.setdefault(field, {})
