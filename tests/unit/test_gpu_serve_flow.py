@@ -316,3 +316,8 @@ def test_the_median_of_an_even_count_of_repeats_is_the_lower_middle_run():
 def test_repeats_below_one_are_refused_naming_the_flag(tmp_path, capsys):
     assert main(["--dry-run", "--out", str(tmp_path), "--repeats", "0"]) == 2
     assert "gpu_serve: --repeats: 0; at least 1 run per rate" in capsys.readouterr().err
+
+
+def test_a_negative_refine_is_refused_naming_the_flag(tmp_path, capsys):
+    assert main(["--dry-run", "--out", str(tmp_path), "--refine", "-1"]) == 2
+    assert "gpu_serve: --refine: -1; a number of runs, 0 or more" in capsys.readouterr().err
