@@ -72,6 +72,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default: on wherever decode steps are CUDA graphs)",
     )
     p.add_argument(
+        "--enforce-eager", dest="use_cuda_graphs", action="store_false", default=unset,
+        help="GPU: run every step eagerly, recording no CUDA graphs (default: decode steps as CUDA graphs, "
+        "at every tensor-parallel width)",
+    )
+    p.add_argument(
         "--load-format", dest="load_format", default=unset, choices=LOAD_FORMATS,
         help="auto: the model's safetensors; dummy: random weights of its shape, from its config.json alone, "
         f"for benchmarks (default: {d.load_format})",

@@ -46,6 +46,9 @@ class EngineArgs:
     # "dummy": random weights of the model's shape, from its config.json alone (benchmarks, as
     # vLLM's --load-format dummy); "auto": the model's safetensors.
     load_format: str = "auto"
+    # False (`--enforce-eager`, as vLLM's flag): every step eager, no CUDA graph recorded; for
+    # debugging and for a GPU too short of memory for the graphs.
+    use_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

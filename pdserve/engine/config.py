@@ -198,7 +198,6 @@ class EngineConfig(EngineArgs):
     cpu_kv_cache_bytes: int | None = None
     workers_on_host: int = 1  # engines sharing this host's memory, for sizing the CPU KV pool
     enable_prefix_caching: bool = True
-    use_cuda_graphs: bool = True
     compile_elementwise: bool | None = None  # fuse norm/RoPE/SiLU chains with torch.compile; None: on CUDA only
     # CPU: matmul weights reordered once for oneDNN (small-batch matmuls several times faster
     # than torch's default sgemm); None: on wherever this torch build supports it.
@@ -222,8 +221,9 @@ class EngineConfig(EngineArgs):
     # Ranks the model is split over, one process each (pdserve/engine/parallel/): gloo on CPU, one GPU a rank over NCCL on CUDA.
     tensor_parallel_size: int = 1
     # At tensor_parallel_size > 1 on CUDA: decode steps as CUDA graphs with the collectives
-    # inside, replayed by every rank (pdserve/engine/parallel/tp_runner.py). Off: every step eager.
-    tp_cuda_graphs: bool = False
+    # inside, replayed by every rank (pdserve/engine/parallel/tp_runner.py); an eager step there
+    # is host-bound, several times a graphed one (docs/tensor-parallel.md). Off: every step eager.
+    tp_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

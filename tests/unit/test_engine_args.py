@@ -30,6 +30,8 @@ def _other_value(action: argparse.Action, default: Any) -> tuple[list[str], Any]
     """Flags that set the action's field to a value other than its default, and that value."""
     if isinstance(action, argparse.BooleanOptionalAction):
         return [action.option_strings[0]], True
+    if isinstance(action, argparse._StoreConstAction):  # store_true / store_false: the flag alone
+        return [action.option_strings[0]], action.const
     if action.choices:
         value = next(c for c in action.choices if c != default)
         return [action.option_strings[0], value], value
