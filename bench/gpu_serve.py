@@ -322,7 +322,12 @@ def run_server(
             print(f"gpu_serve: starting {s.name}", file=sys.stderr, flush=True)
             srv.start()
             limit = min(st.startup_timeout_s, st.deadline - time.monotonic(), st.left() - STOP_S)
-            srv.wait_healthy(max(1.0, limit))
+            try:
+                srv.wait_healthy(max(1.0, limit))
+            except RuntimeError as exc:
+                if limit < st.startup_timeout_s:  # say so: a server slow to start needs a longer budget
+                    raise RuntimeError(f"{exc}: all the time --budget-s or --deadline-s left it") from exc
+                raise
             record["startup_s"] = round(time.monotonic() - t0, 1)
             print(f"gpu_serve: {s.name} up in {record['startup_s']} s", file=sys.stderr, flush=True)
             asyncio.run(_drive(launch_, plan, st, out, record, srv.dead, diagnose, progress))

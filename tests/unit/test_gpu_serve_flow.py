@@ -15,7 +15,7 @@ import pytest
 from bench import gpu_serve
 from bench.gpu_serve import Settings, main, run_server
 from bench.gpu_serve_engine import engine_phase
-from bench.gpu_serve_plan import Launch, LaunchContext, Plan, Process, Server, launch, select_servers
+from bench.gpu_serve_plan import STOP_S, Launch, LaunchContext, Plan, Process, Server, launch, select_servers
 from bench.gpu_serve_procs import free_port
 from bench.gpu_serve_report import commands_file, load, load_engine, server_file, under_slo, write_report
 from bench.gpu_serve_workloads import DEFAULT_RATES, PROFILES
@@ -321,3 +321,32 @@ def test_repeats_below_one_are_refused_naming_the_flag(tmp_path, capsys):
 def test_a_negative_refine_is_refused_naming_the_flag(tmp_path, capsys):
     assert main(["--dry-run", "--out", str(tmp_path), "--refine", "-1"]) == 2
     assert "gpu_serve: --refine: -1; a number of runs, 0 or more" in capsys.readouterr().err
+
+
+def _never_healthy(out: Path) -> Launch:
+    """A server process that runs but never answers its health check."""
+    (out / "logs").mkdir(parents=True)
+    port = free_port()
+    return Launch(
+        Server("pdserve-colocated", "pdserve", 2, 0, 2),
+        (Process("server", (sys.executable, "-c", "import time; time.sleep(60)"), health_url=f"http://127.0.0.1:{port}/health"),),
+        f"http://127.0.0.1:{port}", None, None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("budget_cut", [True, False])
+def test_a_start_up_cut_short_by_the_budget_says_so(tmp_path, budget_cut):
+    """A server that is not up when the time --budget-s leaves runs out is reported as that, not as
+    one slower than --startup-timeout-s: the cure differs (a longer budget, or a split)."""
+    import time
+
+    out = tmp_path / "out"
+    lc = _never_healthy(out)
+    ctx = LaunchContext(sys.executable, "/src", "m", "cpu", "float32", 2048)
+    plan = Plan((lc,), ("chat",), {"chat": (4.0,)}, 1.0, None, 0.02, 30.0)
+    startup_s, left_s = (60.0, 2.0) if budget_cut else (1.0, 60.0)
+    st = Settings(Slo(3.0, 0.25), 1.0, None, 0.02, 0, 30.0, startup_s, 0.25, 1, float("inf"),
+                  end=time.monotonic() + STOP_S + left_s)  # fmt: skip
+    rec = run_server(lc, plan, st, ctx, out)
+    assert rec["error"].startswith("RuntimeError: not healthy after")
+    assert ("all the time --budget-s or --deadline-s left it" in rec["error"]) is budget_cut
