@@ -358,15 +358,30 @@ class Fp32Reference:
     def __init__(self, model_dir: str, device: str) -> None:
         self.model_dir, self.device, self.model = model_dir, device, None
 
-    def __call__(self, ids: list[int]) -> torch.Tensor:
+    def _loaded(self) -> Any:
         if self.model is None:
             from transformers import AutoModelForCausalLM
 
             self.model = (
                 AutoModelForCausalLM.from_pretrained(self.model_dir, torch_dtype=torch.float32).to(self.device).eval()
             )
+        return self.model
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(torch.tensor([ids], device=self.device)).logits[0, -1].float().cpu()
+            return self._loaded()(torch.tensor([ids], device=self.device)).logits[0, -1].float().cpu()
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """n greedy tokens after `ids` in float32, end-of-sequence ignored as the engines ignore it."""
+        model, out, past = self._loaded(), [], None
+        x = torch.tensor([ids], device=self.device)
+        with torch.no_grad():
+            for _ in range(n):
+                step = model(x, past_key_values=past, use_cache=True)
+                past, token = step.past_key_values, int(step.logits[0, -1].float().argmax())
+                out.append(token)
+                x = torch.tensor([[token]], device=self.device)
+        return out
 
 
 # ----- the run ------------------------------------------------------------------------------
@@ -414,6 +429,10 @@ def run_shape(
                 torch.cuda.empty_cache()
     reference = Fp32Reference(str(model_dir), "cuda:0" if on_cuda else "cpu")
     agreed = agreement(reference, prompts, tokens[(2, modes[0])], tokens[(1, modes[0])])
+    # The same rule between TP1 and float32: where the one-GPU engine itself parts from exact
+    # arithmetic, and at what gaps, is the yardstick for TP2's parting from TP1.
+    fp32_tokens = [reference.greedy(p, s.max_new) for p in prompts]
+    info["tp1_vs_fp32"] = [asdict(a) | {"ok": a.ok} for a in agreement(reference, prompts, tokens[(1, modes[0])], fp32_tokens)]
     return rows, agreed, info
 
 
@@ -472,6 +491,23 @@ def format_agreement(shape: str, agreed: list[Agreement]) -> str:
                 f"  prompt of {a.prompt_len} tokens: differs at token {a.first_diff}, fp32 gap {a.gap:.4f} (tolerance {a.tolerance:.4f}): {verdict}"
             )
     return "\n".join(lines)
+
+
+def format_baseline(shape: str, tp2: list[Agreement], tp1: list[Agreement]) -> str:
+    """TP1 (the engine on one GPU) against the float32 reference's own greedy tokens, by the same
+    rule, and the largest gap at which each pair first parts."""
+    equal = sum(a.first_diff is None for a in tp1)
+    past = sum(not a.ok for a in tp1)
+
+    def widest(agreed: list[Agreement]) -> str:
+        gaps = [a.gap for a in agreed if a.first_diff is not None and a.gap is not None]
+        return f"{max(gaps):.4f}" if gaps else "-"
+
+    return (
+        f"{shape}: TP1 vs the fp32 reference's greedy: {equal} of {len(tp1)} prompts token for token, "
+        f"{past} part past a near-tie; widest gap where they first part: TP2 vs TP1 {widest(tp2)}, "
+        f"TP1 vs fp32 {widest(tp1)}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -567,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for shape, a in agreed.items():
         print(format_agreement(shape, a))
+        print(format_baseline(shape, a, [Agreement(**{k: v for k, v in x.items() if k != "ok"}) for x in info[shape]["tp1_vs_fp32"]]))
     if args.json is not None:
         payload = {
             "info": info,

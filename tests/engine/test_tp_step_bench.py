@@ -33,6 +33,9 @@ def test_the_cpu_run_has_every_row_with_positive_numbers_and_tp2_agrees(tmp_path
     printed = capsys.readouterr()
     table = printed.out
     assert table.count("| tiny  |") == 6 and "TP2 vs TP1 greedy: 3 of 3 prompts token for token" in table
+    # The yardstick: TP1 (float32 on CPU) against the float32 reference's own greedy tokens.
+    assert [a["ok"] for a in result["info"]["tiny"]["tp1_vs_fp32"]] == [True] * 3
+    assert "tiny: TP1 vs the fp32 reference's greedy: " in table and "TP2 vs TP1 -, TP1 vs fp32" in table
     # Each row was said as its engine finished, before the agreement check.
     progress = [line for line in printed.err.splitlines() if line.startswith("tp_step: tiny TP")]
     assert len(progress) == 6 and progress[0].startswith("tp_step: tiny TP1 cpu decode batch 1")
@@ -57,3 +60,28 @@ def test_a_tp2_rank_reads_half_the_8b_layers_and_its_kv_heads_only() -> None:
     assert halves[0] == halves[1] and one / 2 < halves[0] < one / 2 * 1.001  # norms are whole on each rank
     kv = tp_step.rank_step_bytes(tp_step.rank_configs(cfg, 2)[0], 1000, 2) - halves[0]
     assert kv == 1000 * 32 * 2 * 4 * 128 * 2  # 4 of the 8 KV heads
+
+
+def test_the_fp32_reference_greedy_is_the_argmax_of_its_own_logits_step_by_step(tmp_path) -> None:
+    """`Fp32Reference.greedy` (a KV cache, one token a step) gives what re-running the whole
+    sequence and taking its last position's argmax gives, token after token."""
+    out = tmp_path / "m"
+    tp_step.write_model(out, tp_step.TP_SHAPES["tiny"], 0, "cpu", torch.float32)
+    ref = tp_step.Fp32Reference(str(out), "cpu")
+    ids = [5, 17, 3]
+    got = ref.greedy(ids, 5)
+    seq = list(ids)
+    for token in got:
+        assert token == int(ref(seq).argmax())
+        seq.append(token)
+
+
+def test_the_baseline_line_names_the_widest_gap_of_each_pair() -> None:
+    A = tp_step.Agreement
+    tp2 = [A(1), A(7, 2, 0.17, 0.125), A(9, 0, 0.05, 0.125)]
+    tp1 = [A(1, 3, 0.21, 0.125), A(7), A(9)]
+    line = tp_step.format_baseline("8b", tp2, tp1)
+    assert line == (
+        "8b: TP1 vs the fp32 reference's greedy: 2 of 3 prompts token for token, 1 part past a near-tie; "
+        "widest gap where they first part: TP2 vs TP1 0.1700, TP1 vs fp32 0.2100"
+    )
