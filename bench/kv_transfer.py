@@ -41,11 +41,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kv_widths import parse_widths, rank_devices, shard_base, widths_name, widths_of, worker_shards
+from bench.kv_widths import (
+    own_streams_of,
+    parse_staging_streams,
+    parse_widths,
+    rank_devices,
+    shard_base,
+    widths_name,
+    widths_of,
+    worker_shards,
+)
 from bench.report import add_json_option, cpu_name, markdown_table, write_json
 from pdserve.engine.hashing import HASH_VERSION
 from pdserve.kv_transfer.compat import KvLayout
 from pdserve.kv_transfer.descriptors import coalesce, split_large
+from pdserve.kv_transfer.staging import wait_for
 
 # Llama-3-8B KV shape, bf16, block_size 16 -> 2 MiB per block.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -412,6 +422,41 @@ def _raw_read(agent: Any, remote_name: str, remote_ids: list[int], local_ids: li
         nx.release_xfer_handle(handle)
 
 
+class BusyDevice:
+    """A thread that keeps a GPU's current stream busy as a decode worker's loop does: kernels of
+    about `ms` each (`torch.cuda._sleep`, calibrated here), two queued at a time."""
+
+    def __init__(self, device: torch.device, ms: float) -> None:
+        torch.cuda.set_device(device)
+        probe = 1_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        self.cycles = max(1, int(probe * ms / max(start.elapsed_time(end), 1e-3)))
+        self.kernel_ms = ms
+        self.device = device
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy-device", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)
+        queued: list[torch.cuda.Event] = []
+        while not self._stop.is_set():
+            torch.cuda._sleep(self.cycles)
+            event = torch.cuda.Event()
+            event.record()
+            queued.append(event)
+            if len(queued) >= 2:
+                queued.pop(0).synchronize()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 def consumer_main(ctl, peer, cfg: dict[str, Any]) -> None:
     try:
         _consumer(ctl, peer, cfg)
@@ -510,11 +555,17 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
     remote_info = kv_pb2.KvAgentInfo.FromString(_expect(peer, "info"))
     t0 = time.perf_counter()
     k = reads_in_flight(cfg.get("agent_variant", cfg["variant"]))
-    agent = pools_agent("bench-consumer", pools, shards is not None, **({} if k is None else {"reads_in_flight": k}))
+    options: dict[str, Any] = {} if k is None else {"reads_in_flight": k}
+    if cfg.get("staged_copy_streams"):
+        options["staged_copy_streams"] = True
+    agent = pools_agent("bench-consumer", pools, shards is not None, **options)
     info["reads_in_flight"] = agent.reads_in_flight
     agent.connect(remote_info)
     info["agent_setup_s"] = time.perf_counter() - t0
     info["consumer_idle_cpu"] = cpu_use(IDLE_CPU_WINDOW_S)
+    busy = BusyDevice(device, cfg["busy_ms"]) if cfg.get("busy_ms") else None
+    if busy is not None:
+        info["busy_kernel_ms"] = busy.kernel_ms
     info["nixl"] = nixl_module_name()
     remote = remote_info.agent_name
     reads = 0
@@ -545,8 +596,11 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
             else:
                 _raw_read(agent, remote, remote_ids, local_ids, notify)
                 stats = None
-            for d in devices:
-                _sync(d)
+            if busy is None:
+                for d in devices:
+                    _sync(d)
+            else:  # until the bytes are in place: the staging area's copies out, not the busy kernels
+                wait_for(agent._staging.copies)
             dt = time.perf_counter() - t0
             reads += 1
             for heads, part, part_base in pools:  # each rank's heads against the producer's blocks
@@ -564,6 +618,8 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
                     inner.append(stats.seconds)
         extra = {"read_internal_gbps": n * BLOCK_BYTES / statistics.median(inner) / 1e9} if inner else {}
         record(case, samples, n * BLOCK_BYTES, ndesc, reads=nreads, **extra)
+    if busy is not None:
+        busy.stop()
     peer.send(("stop", reads))
     info["producer_notifications"], info["producer_idle_cpu"] = _expect(peer, "stopped")
     info["reads"] = reads
@@ -640,6 +696,8 @@ def run_variant(
         cfg["producer_shards"], cfg["consumer_shards"] = sides
         cfg["producer_device"], cfg["consumer_device"] = (rank_devices(w, args.device, args.gpus)[0] for w in widths)
         cfg["staged"] = widths[0] != widths[1]  # the ranks split the KV heads otherwise: kv_transfer stages
+        cfg["staged_copy_streams"] = own_streams_of(variant)
+    cfg["busy_ms"] = getattr(args, "busy_consumer_ms", 0.0)
     peer_p, peer_c = ctx.Pipe()
     ctl_parent, ctl_child = ctx.Pipe()
     producer = ctx.Process(target=producer_main, args=(peer_p, cfg), name="kvbench-producer", daemon=True)
@@ -801,6 +859,17 @@ def main() -> None:
         default="",
         help="also hand-overs between tensor-parallel widths, PRODUCER:CONSUMER pairs from 2:1, 1:2 (e.g. 2:1,1:2)",
     )
+    ap.add_argument(
+        "--staging-streams", default="shared",
+        help="--widths runs that stage (different splits): the consumer copies out of its staging area on the "
+        "device's current stream ('shared', as workers do by default), on streams of its own ('own'), or both",
+    )
+    ap.add_argument(
+        "--busy-consumer-ms", type=float, default=0.0, metavar="MS",
+        help="--device cuda: keep the consumer's GPU busy with kernels of MS ms on its current stream, two "
+        "queued at a time, as a decode worker's steps keep it; READs are then timed until their blocks hold "
+        "the bytes (default 0: an idle GPU)",
+    )
     ap.add_argument("--ucx-tls", default=None, help="set UCX_TLS for both processes (e.g. 'cma,tcp' or '^cma')")
     ap.add_argument("--no-ucx-info", action="store_true", help="don't ask UCX to log its transport choice")
     ap.add_argument("--no-sockets", action="store_true", help="--device cpu: skip the socket baselines")
@@ -824,9 +893,13 @@ def main() -> None:
             ap.error(f"--variants: {exc}")
     variants = ["shipped"] + [v for v in variants if v != "shipped"]
     try:
-        variants += [widths_name(p, d) for p, d in parse_widths(args.widths)]
+        streams = parse_staging_streams(args.staging_streams)
+        variants += [widths_name(p, d, own and p != d) for p, d in parse_widths(args.widths) for own in streams]
     except ValueError as exc:
         ap.error(str(exc))
+    variants = list(dict.fromkeys(variants))  # equal widths never stage: one run for both settings
+    if args.busy_consumer_ms < 0 or (args.busy_consumer_ms and args.device != "cuda"):
+        ap.error("--busy-consumer-ms: a number of ms >= 0, with --device cuda")
     if args.reps < 1 or args.warmup < 0:
         ap.error("--reps must be >= 1 and --warmup >= 0")
     if args.device == "cuda":

@@ -13,18 +13,34 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.tp_layout import shard_layout
 
 WIDTHS = ((2, 1), (1, 2))  # (producer, consumer) pairs measured
-_NAME = re.compile(r"tp([0-9]+)->tp([0-9]+)")
+OWN_STREAMS = "+own-streams"  # a run whose consumer copies out of its staging area on streams of its own
+_NAME = re.compile(r"tp([0-9]+)->tp([0-9]+)(" + re.escape(OWN_STREAMS) + ")?")
+STAGING_STREAMS = ("shared", "own")  # --staging-streams: the device's current stream, or the area's own
 
 
-def widths_name(producer: int, consumer: int) -> str:
-    """The label of a between-widths run in the bench's table ("tp2->tp1")."""
-    return f"tp{producer}->tp{consumer}"
+def widths_name(producer: int, consumer: int, own_streams: bool = False) -> str:
+    """The label of a between-widths run in the bench's table ("tp2->tp1", "tp2->tp1+own-streams")."""
+    return f"tp{producer}->tp{consumer}" + (OWN_STREAMS if own_streams else "")
 
 
 def widths_of(name: str) -> tuple[int, int] | None:
     """(producer, consumer) widths of a run's label; None for an agent variant ("shipped", ...)."""
     m = _NAME.fullmatch(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def own_streams_of(name: str) -> bool:
+    """Whether a between-widths run's consumer copies out of its staging area on its own streams."""
+    m = _NAME.fullmatch(name)
+    return bool(m and m.group(3))
+
+
+def parse_staging_streams(text: str) -> list[bool]:
+    """'shared,own' as [False, True] (own streams); ValueError naming the flag otherwise."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or set(names) - set(STAGING_STREAMS):
+        raise ValueError(f"--staging-streams: {text!r}; one or both of {', '.join(STAGING_STREAMS)}")
+    return [n == "own" for n in dict.fromkeys(names)]
 
 
 def parse_widths(text: str) -> list[tuple[int, int]]:

@@ -47,9 +47,7 @@ from pdserve.kv_transfer.staging import (
     STAGING_BLOCKS,
     Desc,
     StagingArea,
-    copy_out,
     direct_descriptors,
-    queued_copies,
     staged_descriptors,
     wait_for,
 )
@@ -109,6 +107,7 @@ class KvTransferAgent:
         net_devices: str | None = None,
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
         shards: Sequence[tuple[tuple[int, ...], torch.Tensor]] | None = None,
+        staged_copy_streams: bool = False,
     ) -> None:
         """net_devices: the network devices UCX may listen and connect on ("lo" keeps the KV
         side channel on loopback); None leaves UCX's choice. UCX reads it from the environment
@@ -118,7 +117,7 @@ class KvTransferAgent:
         worker's pools, (the model's KV head in each slot, pool) per rank, all inside `pool`, the
         region registered, or, with `pool` None, each registered where it lies (ranks on their own
         GPUs; the descriptors then carry each shard's address and device); None: `pool` is the
-        worker's one pool."""
+        worker's one pool. staged_copy_streams: `StagingArea.own_streams`."""
         if isinstance(reads_in_flight, bool) or not isinstance(reads_in_flight, int) or reads_in_flight < 1:
             raise ValueError(f"reads_in_flight: must be an integer >= 1, got {reads_in_flight!r}")
         if net_devices is not None:
@@ -145,7 +144,7 @@ class KvTransferAgent:
         self._checksum_streams = ChecksumStreams()
         # Per peer: its shards, and the slot runs of a staged READ (None: same split, direct).
         self._peers: dict[str, tuple[tuple[ShardSpec, ...], list[SlotRun] | None]] = {}
-        self._staging = StagingArea(self.pool.device)  # where READs between other head splits land
+        self._staging = StagingArea(self.pool.device, staged_copy_streams)  # where READs between other head splits land
         self.memory_type = "VRAM" if self.pool.is_cuda else "DRAM"
         self.device_id = (self.pool.device.index or 0) if self.pool.is_cuda else 0
         # NIXL's progress thread polls without ever sleeping: a whole CPU core per worker, and
@@ -318,9 +317,9 @@ class KvTransferAgent:
                 # A copy out still queued on a GPU would read what this READ writes over.
                 wait_for(staging.copies)
                 self._run_reads(remote_agent, [(local, remote_descs)], b"", what, start, timeout_s)
-                copy_out(area, areas, specs, runs, self._pools, local_ids[at : at + STAGING_BLOCKS])
-                staging.copies = queued_copies(area, self._pools)
+                staging.copy_into(area, areas, specs, runs, self._pools, local_ids[at : at + STAGING_BLOCKS])
                 descriptors += len(local)
+            staging.settle()
             if notify:
                 with self._lock, _nixl_errors(f"notifying {remote_agent} after the {what}"):
                     self._agent.send_notif(remote_agent, notify)

@@ -11,8 +11,9 @@ copies, queued on the GPU (`queued_copies`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -119,13 +120,48 @@ def wait_for(events: list[torch.cuda.Event]) -> None:
 class StagingArea:
     """A worker's staging area: grown and registered on demand (`area`), used by one staged READ
     at a time (`take`/`give_back`), and the copies out of it still queued on the GPU (`copies`:
-    a READ into it, a checksum of where they land and the area's release wait for them)."""
+    a READ into it, a checksum of where they land and the area's release wait for them).
 
-    def __init__(self, device: torch.device) -> None:
+    `own_streams`: the copies out run on streams of the area's own (`copying`), not behind the
+    engine's steps on the device's current stream, so a turn waits for its copies alone; the
+    READ then waits for its last copies before it returns, as a direct READ returns with its
+    bytes in place. A transfer writes only blocks the engine's in-flight steps are done with
+    (`ImportPlan.wait_writable`), so the copies need no order with those steps."""
+
+    def __init__(self, device: torch.device, own_streams: bool = False) -> None:
         self.device = device
+        self.own_streams = own_streams
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._turn = threading.Lock()
         self._area: tuple[torch.Tensor, object] | None = None  # the tensor and its registration
         self.copies: list[torch.cuda.Event] = []
+
+    @contextlib.contextmanager
+    def copying(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """With `own_streams`, each GPU among `tensors` runs this thread's work on the area's
+        stream there (a copy between two GPUs orders itself with both current streams)."""
+        with contextlib.ExitStack() as stack:
+            for device in {t.device for t in tensors if t.is_cuda and self.own_streams}:
+                if device not in self._streams:
+                    self._streams[device] = torch.cuda.Stream(device=device)
+                stack.enter_context(torch.cuda.stream(self._streams[device]))
+            yield
+
+    def copy_into(
+        self, area: torch.Tensor, areas: dict[int, int], remote: Sequence[ShardSpec], runs: Sequence[SlotRun],
+        pools: Sequence[torch.Tensor], local_ids: Sequence[int],
+    ) -> None:
+        """`copy_out` of what a turn READ into `area` (on the area's own streams where it has
+        them); those copies are then the ones the next READ into the area waits for."""
+        with self.copying((area, *pools)):
+            copy_out(area, areas, remote, runs, pools, local_ids)
+            self.copies = queued_copies(area, pools)
+
+    def settle(self) -> None:
+        """Before a READ returns: with streams of its own, its last copies have run (the engine's
+        steps are not ordered after them); on the current stream, they are ordered already."""
+        if self.own_streams:
+            wait_for(self.copies)
 
     def take(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for this READ's turn at the area."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -107,18 +108,19 @@ def test_a_peer_whose_shards_do_not_fit_the_model_is_refused_naming_the_field() 
 
 
 def _agent(
-    name: str, kv_heads: int, pool: torch.Tensor, heads: list[tuple[int, ...]] | None, own_regions: bool = False
+    name: str, kv_heads: int, pool: torch.Tensor, heads: list[tuple[int, ...]] | None, own_regions: bool = False,
+    **options: Any,
 ) -> KvTransferAgent:
     """own_regions: each rank's pool a tensor of its own, registered where it lies (as ranks on
-    their own GPUs keep them), instead of shards of one region."""
+    their own GPUs keep them), instead of shards of one region. options: the agent's own."""
     layout = KvLayout("m", "float32", LAYERS, kv_heads, HEAD_DIM, BLOCK, hash_version=1)
     if heads is None:
-        return KvTransferAgent(name, pool, layout, net_devices="lo")
+        return KvTransferAgent(name, pool, layout, net_devices="lo", **options)
     if own_regions:
         parts = [pool[:, :, :, :, list(h)].contiguous() for h in heads]
-        return KvTransferAgent(name, None, layout, net_devices="lo", shards=list(zip(heads, parts)))
+        return KvTransferAgent(name, None, layout, net_devices="lo", shards=list(zip(heads, parts)), **options)
     region, shards = _region(pool, heads)
-    return KvTransferAgent(name, region, layout, net_devices="lo", shards=list(zip(heads, shards)))
+    return KvTransferAgent(name, region, layout, net_devices="lo", shards=list(zip(heads, shards)), **options)
 
 
 def _whole(agent: KvTransferAgent, kv_heads: int) -> torch.Tensor:
@@ -131,22 +133,28 @@ def _whole(agent: KvTransferAgent, kv_heads: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "widths", "own_regions"),
+    ("heads", "kv_heads", "widths", "own_regions", "copy_streams"),
     [
-        (6, 3, (2, 1), False), (6, 3, (1, 2), False), (4, 2, (2, 2), False), (4, 1, (1, 2), False),
+        (6, 3, (2, 1), False, False), (6, 3, (1, 2), False, False), (4, 2, (2, 2), False, False),
+        (4, 1, (1, 2), False, False),
         # Each rank's pool a region of its own, as on CUDA: descriptors carry each shard's address.
-        (6, 3, (2, 1), True), (6, 3, (1, 2), True), (4, 2, (2, 2), True),
+        (6, 3, (2, 1), True, False), (6, 3, (1, 2), True, False), (4, 2, (2, 2), True, False),
+        # The staging area's copies on streams of its own (on CPU there are none: the same copies).
+        (6, 3, (2, 1), True, True), (6, 3, (1, 2), False, True),
     ],
 )
 def test_nixl_reads_between_widths_land_every_head_in_place(
-    heads: int, kv_heads: int, widths: tuple[int, int], own_regions: bool, monkeypatch: pytest.MonkeyPatch
+    heads: int, kv_heads: int, widths: tuple[int, int], own_regions: bool, copy_streams: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(agent_mod, "STAGING_BLOCKS", 3)  # a staged read of 4 blocks goes in two turns
     producer_w, consumer_w = widths
     source = _canonical(kv_heads, seed=1)
     layouts = {w: None if w == 1 else _heads(heads, kv_heads, w) for w in widths}
     producer = _agent("p", kv_heads, source, layouts[producer_w], own_regions)
-    consumer = _agent("d", kv_heads, torch.zeros_like(source), layouts[consumer_w], own_regions)
+    consumer = _agent(
+        "d", kv_heads, torch.zeros_like(source), layouts[consumer_w], own_regions, staged_copy_streams=copy_streams
+    )
     notes: list[bytes] = []
     stop = threading.Event()
 
