@@ -372,15 +372,11 @@ class Fp32Reference:
             return self._loaded()(torch.tensor([ids], device=self.device)).logits[0, -1].float().cpu()
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
-        """n greedy tokens after `ids` in float32, end-of-sequence ignored as the engines ignore it."""
-        model, out, past = self._loaded(), [], None
-        x = torch.tensor([ids], device=self.device)
-        with torch.no_grad():
-            for _ in range(n):
-                step = model(x, past_key_values=past, use_cache=True)
-                past, token = step.past_key_values, int(step.logits[0, -1].float().argmax())
-                out.append(token)
-                x = torch.tensor([[token]], device=self.device)
+        """n greedy tokens after `ids` in float32, end-of-sequence ignored as the engines ignore it.
+        The whole sequence each step, no cache: transformers' cache argument has changed names."""
+        out: list[int] = []
+        for _ in range(n):
+            out.append(int(self(ids + out).argmax()))
         return out
 
 

@@ -62,18 +62,19 @@ def test_a_tp2_rank_reads_half_the_8b_layers_and_its_kv_heads_only() -> None:
     assert kv == 1000 * 32 * 2 * 4 * 128 * 2  # 4 of the 8 KV heads
 
 
-def test_the_fp32_reference_greedy_is_the_argmax_of_its_own_logits_step_by_step(tmp_path) -> None:
-    """`Fp32Reference.greedy` (a KV cache, one token a step) gives what re-running the whole
-    sequence and taking its last position's argmax gives, token after token."""
+def test_the_fp32_reference_greedy_equals_the_engines_float32_greedy(tmp_path) -> None:
+    """`Fp32Reference.greedy` (transformers, float32) gives the float32 engine's greedy tokens on
+    the tiny shape, end-of-sequence ignored by both."""
+    from pdserve import LLM, SamplingParams
+
     out = tmp_path / "m"
     tp_step.write_model(out, tp_step.TP_SHAPES["tiny"], 0, "cpu", torch.float32)
     ref = tp_step.Fp32Reference(str(out), "cpu")
-    ids = [5, 17, 3]
-    got = ref.greedy(ids, 5)
-    seq = list(ids)
-    for token in got:
-        assert token == int(ref(seq).argmax())
-        seq.append(token)
+    prompts = [[5, 17, 3], [9] * 20]
+    llm = LLM(str(out), device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [ref.greedy(p, 6) for p in prompts] == want
 
 
 def test_the_baseline_line_names_the_widest_gap_of_each_pair() -> None:
