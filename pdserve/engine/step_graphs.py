@@ -5,7 +5,7 @@ cannot be one graph. The model is cut at each attention call: per token bucket, 
 recorded over static buffers and attention runs eagerly between them on the real tokens. A step
 pads to its bucket (padded rows write to the scratch block and are dropped). `capture=False`
 keeps the pieces as plain calls, which is how the CPU tests check the cutting.
-docs/engine.md, "Attention backends" and "Piecewise graphs: padding"."""
+docs/engine-kernels.md, "Attention backends", and docs/engine.md, "Piecewise graphs: padding"."""
 
 from __future__ import annotations
 

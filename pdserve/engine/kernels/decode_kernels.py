@@ -5,7 +5,7 @@ folded into its prologue, splits K where N gives too few programs, and as the LM
 the greedy token. `decode_attention` is paged decode attention split over the context (RoPE and
 the cache write inside at batch 1), merged by a small kernel. At batch 1 each kernel is launched
 as a programmatic dependent of the one before: it loads weights first and waits on the grid
-dependency before it touches activations. Why and how: docs/engine.md, "Batch-1 decode kernels"."""
+dependency before it touches activations. Why and how: docs/engine-kernels.md, "Batch-1 decode kernels"."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ resolved a launch.
 The wrapper spends most of its host time (170-180 µs a call on an H200's host) deciding which
 compiled kernel to run and with what; prefill and mixed steps call it once per layer between
 their graphed pieces, so short chunks waited on the host. `FA4Launcher` records the wrapper's
-launch once per launch class and repeats it (docs/engine.md, "flash-attn over the paged pool";
+launch once per launch class and repeats it (docs/engine-kernels.md, "flash-attn over the paged pool";
 figures in docs/engine-gpu.md).
 """
 

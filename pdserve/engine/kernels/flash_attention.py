@@ -5,7 +5,7 @@ importing this module raises ImportError when neither imports (`backends.flash_a
 One varlen call per layer and step covers prefill, chunked prefill and decode, reading K/V
 through `page_table` up to `seqused_k`. The pool's strided per-layer views are passed as they
 are (checked once per view for flash-attn-4's alignment rule), and nothing in the call syncs with
-the host, so decode steps can be graphed. docs/engine.md, "flash-attn over the paged pool"."""
+the host, so decode steps can be graphed. docs/engine-kernels.md, "flash-attn over the paged pool"."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A mixed step (a prompt chunk beside running decodes) is split: the one-query row
 kernel (the Triton split-KV kernel on CUDA), the rest to the wrapped backend, both writing into
 one output in the step's row order; decode-only and prefill-only steps pass through unchanged.
 The split is planned once per step from the host query lengths (`row_split`) and nothing syncs
-with the host. docs/engine.md, "Attention backends"."""
+with the host. docs/engine-kernels.md, "Attention backends"."""
 
 from __future__ import annotations
 
