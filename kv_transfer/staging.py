@@ -141,7 +141,7 @@ class StagingArea:
         """With `own_streams`, each GPU among `tensors` runs this thread's work on the area's
         stream there (a copy between two GPUs orders itself with both current streams)."""
         with contextlib.ExitStack() as stack:
-            for device in {t.device for t in tensors if t.is_cuda and self.own_streams}:
+            for device in {t.device for t in tensors if t.is_cuda} if self.own_streams else ():
                 if device not in self._streams:
                     self._streams[device] = torch.cuda.Stream(device=device)
                 stack.enter_context(torch.cuda.stream(self._streams[device]))
