@@ -123,3 +123,13 @@ def test_an_engine_config_always_holds_numbers():
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (CPU_LIMITS.max_num_seqs, CPU_LIMITS.max_num_batched_tokens)
     cfg = EngineConfig(model="m", device="cpu", max_num_seqs=3)
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (3, CPU_LIMITS.max_num_batched_tokens)
+
+
+def test_decode_graphs_are_on_at_every_width_unless_enforce_eager():
+    """Graphed decode steps are the default at width 1 and at width > 1 (an eager TP2 step is
+    host-bound); `--enforce-eager` turns every graph off."""
+    cfg = EngineConfig(model="m", tensor_parallel_size=2)
+    assert cfg.use_cuda_graphs and cfg.tp_cuda_graphs
+    serve = _subparser("serve")
+    assert EngineArgs.from_options(vars(serve.parse_args([]))).use_cuda_graphs is True
+    assert EngineArgs.from_options(vars(serve.parse_args(["--enforce-eager"]))).use_cuda_graphs is False

@@ -6,6 +6,8 @@ of a rank's pool, which catches a KV head put in the wrong slot."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -73,3 +75,9 @@ def test_a_run_label_says_its_widths_and_whether_its_staging_copies_have_streams
     assert parse_staging_streams("shared,own") == [False, True] and parse_staging_streams("own") == [True]
     with pytest.raises(ValueError, match="^--staging-streams: 'mine'"):
         parse_staging_streams("mine")
+
+
+def test_a_busy_consumer_is_refused_off_a_gpu_naming_the_flag() -> None:
+    argv = [sys.executable, kvb.__file__, "--device", "cpu", "--busy-consumer-ms", "6"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "--busy-consumer-ms: a number of ms >= 0, with --device cuda" in done.stderr
