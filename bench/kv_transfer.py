@@ -42,11 +42,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kv_widths import (
-    own_streams_of,
     parse_staging_streams,
     parse_widths,
     rank_devices,
     shard_base,
+    shared_stream_of,
     widths_name,
     widths_of,
     worker_shards,
@@ -556,8 +556,8 @@ def _consumer(ctl, peer, cfg: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     k = reads_in_flight(cfg.get("agent_variant", cfg["variant"]))
     options: dict[str, Any] = {} if k is None else {"reads_in_flight": k}
-    if cfg.get("staged_copy_streams"):
-        options["staged_copy_streams"] = True
+    if cfg.get("staged"):
+        options["staged_copy_streams"] = not cfg["shared_stream"]
     agent = pools_agent("bench-consumer", pools, shards is not None, **options)
     info["reads_in_flight"] = agent.reads_in_flight
     agent.connect(remote_info)
@@ -696,7 +696,7 @@ def run_variant(
         cfg["producer_shards"], cfg["consumer_shards"] = sides
         cfg["producer_device"], cfg["consumer_device"] = (rank_devices(w, args.device, args.gpus)[0] for w in widths)
         cfg["staged"] = widths[0] != widths[1]  # the ranks split the KV heads otherwise: kv_transfer stages
-        cfg["staged_copy_streams"] = own_streams_of(variant)
+        cfg["shared_stream"] = shared_stream_of(variant)
     cfg["busy_ms"] = getattr(args, "busy_consumer_ms", 0.0)
     peer_p, peer_c = ctx.Pipe()
     ctl_parent, ctl_child = ctx.Pipe()
@@ -860,9 +860,10 @@ def main() -> None:
         help="also hand-overs between tensor-parallel widths, PRODUCER:CONSUMER pairs from 2:1, 1:2 (e.g. 2:1,1:2)",
     )
     ap.add_argument(
-        "--staging-streams", default="shared",
-        help="--widths runs that stage (different splits): the consumer copies out of its staging area on the "
-        "device's current stream ('shared', as workers do by default), on streams of its own ('own'), or both",
+        "--staging-streams", default="own",
+        help="--widths runs that stage (different splits): the consumer copies out of its staging area on "
+        "streams of its own ('own', as workers do), on the device's current stream behind its other work "
+        "('shared'), or both",
     )
     ap.add_argument(
         "--busy-consumer-ms", type=float, default=0.0, metavar="MS",
@@ -894,7 +895,7 @@ def main() -> None:
     variants = ["shipped"] + [v for v in variants if v != "shipped"]
     try:
         streams = parse_staging_streams(args.staging_streams)
-        variants += [widths_name(p, d, own and p != d) for p, d in parse_widths(args.widths) for own in streams]
+        variants += [widths_name(p, d, shared and p != d) for p, d in parse_widths(args.widths) for shared in streams]
     except ValueError as exc:
         ap.error(str(exc))
     variants = list(dict.fromkeys(variants))  # equal widths never stage: one run for both settings

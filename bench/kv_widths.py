@@ -13,14 +13,14 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.tp_layout import shard_layout
 
 WIDTHS = ((2, 1), (1, 2))  # (producer, consumer) pairs measured
-OWN_STREAMS = "+own-streams"  # a run whose consumer copies out of its staging area on streams of its own
-_NAME = re.compile(r"tp([0-9]+)->tp([0-9]+)(" + re.escape(OWN_STREAMS) + ")?")
-STAGING_STREAMS = ("shared", "own")  # --staging-streams: the device's current stream, or the area's own
+SHARED_STREAM = "+shared-stream"  # a run whose consumer copies out of its staging area on the device's current stream
+_NAME = re.compile(r"tp([0-9]+)->tp([0-9]+)(" + re.escape(SHARED_STREAM) + ")?")
+STAGING_STREAMS = ("own", "shared")  # --staging-streams: the area's own streams (as workers do), or the current one
 
 
-def widths_name(producer: int, consumer: int, own_streams: bool = False) -> str:
-    """The label of a between-widths run in the bench's table ("tp2->tp1", "tp2->tp1+own-streams")."""
-    return f"tp{producer}->tp{consumer}" + (OWN_STREAMS if own_streams else "")
+def widths_name(producer: int, consumer: int, shared_stream: bool = False) -> str:
+    """The label of a between-widths run in the bench's table ("tp2->tp1", "tp2->tp1+shared-stream")."""
+    return f"tp{producer}->tp{consumer}" + (SHARED_STREAM if shared_stream else "")
 
 
 def widths_of(name: str) -> tuple[int, int] | None:
@@ -29,18 +29,19 @@ def widths_of(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def own_streams_of(name: str) -> bool:
-    """Whether a between-widths run's consumer copies out of its staging area on its own streams."""
+def shared_stream_of(name: str) -> bool:
+    """Whether a between-widths run's consumer copies out of its staging area on the device's
+    current stream, behind whatever else runs there, instead of on the area's own streams."""
     m = _NAME.fullmatch(name)
     return bool(m and m.group(3))
 
 
 def parse_staging_streams(text: str) -> list[bool]:
-    """'shared,own' as [False, True] (own streams); ValueError naming the flag otherwise."""
+    """'own,shared' as [False, True] (on the shared stream); ValueError naming the flag otherwise."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names or set(names) - set(STAGING_STREAMS):
         raise ValueError(f"--staging-streams: {text!r}; one or both of {', '.join(STAGING_STREAMS)}")
-    return [n == "own" for n in dict.fromkeys(names)]
+    return [n == "shared" for n in dict.fromkeys(names)]
 
 
 def parse_widths(text: str) -> list[tuple[int, int]]:

@@ -107,7 +107,7 @@ class KvTransferAgent:
         net_devices: str | None = None,
         reads_in_flight: int = DEFAULT_READS_IN_FLIGHT,
         shards: Sequence[tuple[tuple[int, ...], torch.Tensor]] | None = None,
-        staged_copy_streams: bool = False,
+        staged_copy_streams: bool = True,
     ) -> None:
         """net_devices: the network devices UCX may listen and connect on ("lo" keeps the KV
         side channel on loopback); None leaves UCX's choice. UCX reads it from the environment

@@ -122,13 +122,14 @@ class StagingArea:
     at a time (`take`/`give_back`), and the copies out of it still queued on the GPU (`copies`:
     a READ into it, a checksum of where they land and the area's release wait for them).
 
-    `own_streams`: the copies out run on streams of the area's own (`copying`), not behind the
-    engine's steps on the device's current stream, so a turn waits for its copies alone; the
-    READ then waits for its last copies before it returns, as a direct READ returns with its
-    bytes in place. A transfer writes only blocks the engine's in-flight steps are done with
+    `own_streams` (the default): the copies out run on streams of the area's own (`copying`), not
+    behind the engine's steps on the device's current stream, so a turn waits for its copies
+    alone; the READ then waits for its last copies before it returns, as a direct READ returns
+    with its bytes in place. Behind a busy decode loop's steps, the current stream made each
+    turn wait for them (kv-transfer.md). A transfer writes only blocks the engine's in-flight steps are done with
     (`ImportPlan.wait_writable`), so the copies need no order with those steps."""
 
-    def __init__(self, device: torch.device, own_streams: bool = False) -> None:
+    def __init__(self, device: torch.device, own_streams: bool = True) -> None:
         self.device = device
         self.own_streams = own_streams
         self._streams: dict[torch.device, torch.cuda.Stream] = {}

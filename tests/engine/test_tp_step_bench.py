@@ -48,9 +48,26 @@ def test_agreement_is_equal_or_a_first_difference_at_a_near_tie() -> None:
     def reference(ids: list[int]) -> torch.Tensor:
         return logits
 
-    got = tp_step.agreement(reference, [[1], [1], [1]], [[3, 3], [3, 4], [3, 3]], [[3, 3], [3, 3], [3, 5]])
+    got = tp_step.agreement(reference, [[1], [1], [1]], [[3, 3], [3, 4], [3, 5]], [[3, 3], [3, 3], [3, 3]])
     assert [(a.first_diff, a.ok) for a in got] == [(None, True), (1, True), (1, False)]
     assert got[2].gap == pytest.approx(2.0) and got[2].tolerance == pytest.approx(0.25)
+    assert not any(a.takes_reference for a in got)
+
+
+def test_a_parting_past_a_near_tie_passes_only_where_tp2_takes_the_fp32_token() -> None:
+    """TP1 (bf16) itself parts from float32 past the near-tie rule on the 8B shape; where TP2 then
+    keeps float32's token, TP1 is the one that strayed, and TP2 passes."""
+    logits = torch.zeros(10)
+    logits[3], logits[5] = 8.0, 6.0
+
+    def reference(ids: list[int]) -> torch.Tensor:
+        return logits
+
+    kept, strayed = tp_step.agreement(reference, [[1], [1]], [[3, 3], [3, 5]], [[3, 5], [3, 3]])
+    assert (kept.first_diff, kept.gap, kept.takes_reference, kept.ok) == (1, pytest.approx(2.0), True, True)
+    assert (strayed.takes_reference, strayed.ok) == (False, False)
+    line = tp_step.format_agreement("8b", [kept, strayed])
+    assert "NOT a near-tie; TP2 takes fp32's token" in line and "NOT every other at a near-tie or fp32's token" in line
 
 
 def test_a_tp2_rank_reads_half_the_8b_layers_and_its_kv_heads_only() -> None:

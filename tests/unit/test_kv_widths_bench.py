@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import kv_transfer as kvb
-from bench.kv_widths import own_streams_of, parse_staging_streams, parse_widths, rank_heads, widths_name, widths_of
+from bench.kv_widths import parse_staging_streams, parse_widths, rank_heads, shared_stream_of, widths_name, widths_of
 
 
 class _Bar:
@@ -24,13 +24,13 @@ class _Bar:
         pass
 
 
-@pytest.mark.parametrize(("widths", "own_streams"), [((2, 1), False), ((1, 2), False), ((2, 1), True)])
-def test_a_read_between_widths_lands_every_head_and_is_timed(widths: tuple[int, int], own_streams: bool, tmp_path) -> None:
+@pytest.mark.parametrize(("widths", "shared_stream"), [((2, 1), False), ((1, 2), False), ((2, 1), True)])
+def test_a_read_between_widths_lands_every_head_and_is_timed(widths: tuple[int, int], shared_stream: bool, tmp_path) -> None:
     args = argparse.Namespace(
         device="cpu", gpus="0,1", pool_blocks=12, seed=0, reps=2, warmup=1, no_sockets=True, no_raw=True,
         sizes=[6], main_blocks=6,
     )  # fmt: skip
-    name = widths_name(*widths, own_streams)
+    name = widths_name(*widths, shared_stream)
     rows, info = kvb.run_variant(args, name, _Bar(), str(tmp_path))
     assert [r["pattern"] for r in rows] == ["contiguous", "fragmented"]
     for r in rows:
@@ -69,10 +69,10 @@ def test_widths_flag() -> None:
 
 
 def test_a_run_label_says_its_widths_and_whether_its_staging_copies_have_streams_of_their_own() -> None:
-    assert widths_name(2, 1) == "tp2->tp1" and widths_name(2, 1, True) == "tp2->tp1+own-streams"
-    assert widths_of("tp2->tp1+own-streams") == (2, 1) and widths_of("shipped") is None
-    assert own_streams_of("tp2->tp1+own-streams") and not own_streams_of("tp2->tp1")
-    assert parse_staging_streams("shared,own") == [False, True] and parse_staging_streams("own") == [True]
+    assert widths_name(2, 1) == "tp2->tp1" and widths_name(2, 1, True) == "tp2->tp1+shared-stream"
+    assert widths_of("tp2->tp1+shared-stream") == (2, 1) and widths_of("shipped") is None
+    assert shared_stream_of("tp2->tp1+shared-stream") and not shared_stream_of("tp2->tp1")
+    assert parse_staging_streams("own,shared") == [False, True] and parse_staging_streams("shared") == [True]
     with pytest.raises(ValueError, match="^--staging-streams: 'mine'"):
         parse_staging_streams("mine")
 

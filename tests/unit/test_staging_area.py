@@ -18,16 +18,17 @@ class _Event:
 
 
 def test_settle_waits_for_the_last_copies_only_with_streams_of_its_own() -> None:
-    own, shared = StagingArea(torch.device("cpu"), own_streams=True), StagingArea(torch.device("cpu"))
+    own, shared = StagingArea(torch.device("cpu")), StagingArea(torch.device("cpu"), own_streams=False)
     for area in (own, shared):
         area.copies = [_Event(), _Event()]
         area.settle()
+    assert own.own_streams and not shared.own_streams  # streams of its own unless asked otherwise
     assert [e.waited for e in own.copies] == [1, 1]
     assert [e.waited for e in shared.copies] == [0, 0]
 
 
 def test_copying_off_a_gpu_leaves_the_current_stream_alone() -> None:
-    area = StagingArea(torch.device("cpu"), own_streams=True)
+    area = StagingArea(torch.device("cpu"))
     with area.copying([torch.zeros(4)]):
         pass
     assert area._streams == {}
