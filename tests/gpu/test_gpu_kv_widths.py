@@ -41,7 +41,9 @@ class _Bar:
         ((2, 1), True, 6.0), ((1, 2), True, 0.0),
     ],
 )
-def test_reads_between_widths_through_several_staging_turns_land_every_head(widths, shared_stream, busy_ms, tmp_path) -> None:
+def test_reads_between_widths_through_several_staging_turns_land_every_head(
+    widths, shared_stream, busy_ms, tmp_path
+) -> None:
     blocks = 4 * STAGING_BLOCKS
     args = argparse.Namespace(
         device="cuda", gpus=[0, 1], pool_blocks=2 * blocks, seed=0, reps=3, warmup=1, no_sockets=True, no_raw=True,

@@ -25,7 +25,9 @@ class _Bar:
 
 
 @pytest.mark.parametrize(("widths", "shared_stream"), [((2, 1), False), ((1, 2), False), ((2, 1), True)])
-def test_a_read_between_widths_lands_every_head_and_is_timed(widths: tuple[int, int], shared_stream: bool, tmp_path) -> None:
+def test_a_read_between_widths_lands_every_head_and_is_timed(
+    widths: tuple[int, int], shared_stream: bool, tmp_path
+) -> None:
     args = argparse.Namespace(
         device="cpu", gpus="0,1", pool_blocks=12, seed=0, reps=2, warmup=1, no_sockets=True, no_raw=True,
         sizes=[6], main_blocks=6,
