@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads, rates, scale, shape, max_len = c.workloads, c.rates, c.scale, c.shape, c.max_len
     slo = Slo(c.slo_ttft_ms / 1000, c.slo_itl_ms / 1000)
     if args.report_only:
-        # Judged by the SLO asked for, and only the profile's rates, where they were named.
+        # Judged by the SLO asked for, and only within the profile's rates (refined ones too), where named.
         asked = args.slo_ttft_ms or args.slo_itl_ms or args.profile
         only = rates if args.profile else None
         print(write_report(out, workloads, order, slo=(c.slo_ttft_ms, c.slo_itl_ms) if asked else None, rates=only))

@@ -255,17 +255,25 @@ def header(info: dict) -> str:
     return f"{where(info)}; " + "; then ".join(f"`{c}`" for c in commands)
 
 
+def in_rate_range(runs: Sequence[dict], rates: dict[str, tuple[float, ...]]) -> list[dict]:
+    """The runs of each workload from its lowest to its highest rate in `rates`: a profile's
+    points and the rates `--refine` ran between them, not another profile's outside them."""
+    spans = {w: (min(r), max(r)) for w, r in rates.items() if r}
+    return [r for r in runs if r["workload"] in spans and spans[r["workload"]][0] <= r["rate"] <= spans[r["workload"]][1]]
+
+
 def write_report(
     out: Path, workloads: Sequence[str] = (), order: Sequence[str] = (), with_plot: bool = True,
     slo: tuple[float, float] | None = None, rates: dict[str, tuple[float, ...]] | None = None,
 ) -> str:  # fmt: skip
     """OUT/table.md (and, with_plot, OUT/serve-gpu.png) from what OUT holds; returns the text.
-    slo (TTFT ms, ITL ms): judge the runs by it (`under_slo`); rates: only these rates."""
+    slo (TTFT ms, ITL ms): judge the runs by it (`under_slo`); rates: only runs within these
+    rates (`in_rate_range`)."""
     runs, servers = load(out)
     if slo is not None:
         runs = under_slo(runs, *slo)
     if rates is not None:
-        runs = [r for r in runs if r["rate"] in rates.get(r["workload"], ())]
+        runs = in_rate_range(runs, rates)
     info = json.loads((out / MACHINE).read_text()) if (out / MACHINE).is_file() else {}
     text = report_text(runs, servers, header(info) if info else "", workloads, order, load_engine(out))
     (out / "table.md").write_text(text)

@@ -129,3 +129,19 @@ def test_refine_runs_go_where_attainment_fell_and_stop_when_there_is_nothing_to_
     plan = Plan((launch_,), ("chat",), {"chat": (24.0, 32.0)}, 1.0, None, 0.1, 10.0, refine=3)
     asyncio.run(gpu_serve._drive(launch_, plan, st, tmp_path, {}, lambda: None, lambda *a: {}, lambda: None))
     assert [rate for rate, _ in ran] == [24.0, 32.0]  # both kept: no refining run
+
+
+def test_a_report_over_a_profile_keeps_its_refined_rates_and_drops_another_profiles():
+    """`--report-only --profile interference` over a folder that also holds knee-8b's runs: the
+    rates `--refine` ran between interference's (chat 36, long-prompt 14) stay in its report,
+    knee-8b's outside them (chat 16 and 48, long-prompt 8 and 24) do not."""
+    from bench.gpu_serve_report import in_rate_range
+
+    swept = (("chat", (16, 24, 32, 36, 40, 48)), ("long-prompt", (8, 12, 14, 16, 24)))
+    runs = [{"workload": w, "rate": r} for w, rs in swept for r in rs]
+    runs.append({"workload": "other", "rate": 24})
+    kept = in_rate_range(runs, {"chat": (24.0, 32.0, 40.0), "long-prompt": (12.0, 16.0)})
+    assert [(r["workload"], r["rate"]) for r in kept] == [
+        ("chat", 24), ("chat", 32), ("chat", 36), ("chat", 40),
+        ("long-prompt", 12), ("long-prompt", 14), ("long-prompt", 16),
+    ]  # fmt: skip
