@@ -9,7 +9,8 @@ ranks), and one kills rank 1 during a graph step: the step fails instead of wait
   row-parallel layer's two partial products are each rounded to bf16 before NCCL sums them.
 - bf16 on the 1B shape (bench/random_model.py's Llama-3.2-1B config, random weights written once):
   the same rule, on a 128k vocabulary. The 8B shape is left to bench/tp_step.py's agreement check
-  (writing and loading it twice takes longer than this file's budget).
+  (writing and loading it twice takes longer than this file's budget), which also passes a
+  parting where TP2 keeps the fp32 reference's own token: there TP1 itself parts from float32.
 - float32 with the torch attention backend: token for token, as on CPU.
 - every KV block free after; the ranks gone once the runner is closed.
 - a TP2 prefill worker hands its KV to a TP1 decode worker through NIXL (VRAM, the two ranks'
