@@ -57,7 +57,7 @@ class WorkerCalls:
             cached_tokens = handle.cached_prompt_tokens if handle is not None else None
             ended = time.monotonic()
             waited = ended - sent
-            r.prefill_ended(ended, cached_tokens)
+            r.prefill_ended(ended, cached_tokens, handle.compute_seconds if handle is not None else 0.0)
             self.metrics.prefill_wait.observe(waited)
             if cached_tokens is not None:
                 span.set_attribute("pdserve.cached_tokens", cached_tokens)

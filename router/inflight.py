@@ -164,11 +164,12 @@ class InFlight:
         self.p_at, self.prefill = p_at, self._books.pools.prefills[p_at.worker]
         self._prefill_slot = True
 
-    def prefill_ended(self, now: float, cached_tokens: int | None) -> None:
-        """The prefill call returned or failed: the prefill pool learns what it really cost."""
+    def prefill_ended(self, now: float, cached_tokens: int | None, compute_s: float = 0.0) -> None:
+        """The prefill call returned or failed: the prefill pool learns what it really cost
+        (`compute_s`: the seconds the worker's steps spent on it, as it reported)."""
         if self._prefill_slot and self.p_at is not None:
             self._prefill_slot = False
-            self._books.pools.prefill_policy.finish(self.p_at, now, cached_tokens)
+            self._books.pools.prefill_policy.finish(self.p_at, now, cached_tokens, compute_s)
 
     def leave_decode_worker(self) -> None:
         """Its decode worker failed it: nothing more from that worker reaches its stream."""

@@ -249,11 +249,14 @@ class PrefillPolicy(_Pool):
         self.drains[w].add(cost[w] * self.block_size, now)
         return self._placed(Placement(w, matched.get(w, 0), home, cost[w], num_tokens, now))
 
-    def finish(self, p: Placement, now: float | None = None, cached_tokens: int | None = None) -> None:
+    def finish(
+        self, p: Placement, now: float | None = None, cached_tokens: int | None = None, compute_s: float = 0.0
+    ) -> None:
         """The prefill is over. With `cached_tokens` (what the worker reported) the worker's
         recent load is corrected from the estimate to the work it really did, so a stale index
         or a policy that ignores the cache still bounds real load; the counters behind the hit
-        rate are updated too."""
+        rate are updated too. `compute_s`: the seconds the worker's steps spent on the prompt
+        (its drain rate's `computed`)."""
         super().finish(p)
         if p.worker not in self.queued:
             return
@@ -262,6 +265,7 @@ class PrefillPolicy(_Pool):
             drain.drop(p.cost * self.block_size)
         else:
             drain.done(p.cost * self.block_size, now)
+            drain.computed(max(1, p.num_tokens - cached_tokens), compute_s, now)
         # Subtract what was added; an idle worker reads exactly 0 whatever the rounding.
         self.queued[p.worker] = max(0.0, self.queued[p.worker] - p.cost) if self.inflight[p.worker] else 0.0
         if cached_tokens is not None:

@@ -120,3 +120,68 @@ def test_a_decode_worker_whose_steps_fill_its_target_is_not_sent_prompts_to_wait
     decode.remove_worker("d1")
     decode.report_prompt_rate("d1", 500.0)
     assert "d1" not in decode.prompt_rates
+
+
+def test_below_capacity_the_rate_is_what_the_worker_computed_not_its_calls_latency():
+    """One 882-token prompt at a time, each call 65 ms end to end of which the worker's steps
+    spent 27 ms: drained, it looks like 13.6 k tokens/s; it computes 32.7 k."""
+    d = DrainRate(half_life_s=1e9)
+    for i in range(10):
+        t = i * 0.2
+        d.add(882, t)
+        d.done(882, t + 0.065)
+        d.computed(882, 0.027, t + 0.065)
+    assert d.tokens_per_s() == pytest.approx(882 / 0.027)
+    d.add(882 * 4, 2.0)  # a burst: the wait is the backlog at the rate it computes
+    assert d.wait_s(882, now=2.0) == pytest.approx(882 * 5 / (882 / 0.027))
+
+
+def test_backed_up_the_drained_rate_holds_and_a_stall_still_slows_it_at_once():
+    d = DrainRate(half_life_s=1e9)
+    t = 0.0
+    d.add(1000, t)
+    for _ in range(20):  # always backed up: 1,000 tokens every 50 ms, in steps of two prompts
+        d.add(1000, t)
+        t += 0.05
+        d.done(1000, t)
+        d.computed(1000, 0.1, t)  # each prompt's steps took 0.1 s, shared with another prompt
+    assert d.tokens_per_s() == pytest.approx(20000.0, rel=0.01)  # drained: above 10 k computed
+    # Nothing finishes for as long again as it was measured: both rates halve.
+    assert d.tokens_per_s(now=t + 1.0) == pytest.approx(10000.0, rel=0.01)
+    d2 = DrainRate(half_life_s=1e9)
+    d2.add(882, 0.0)
+    d2.done(882, 0.065)
+    d2.computed(882, 0.027, 0.065)
+    d2.computed(882, 0.027, 0.1)
+    d2.add(882, 0.1)
+    running = 882 / 0.027
+    assert d2.tokens_per_s() == pytest.approx(running)
+    assert d2.tokens_per_s(now=0.1 + 0.065) == pytest.approx(running / 2)  # stalled as long as it ran
+    d2.computed(0, 1.0, 0.2)  # nothing computed: ignored
+    assert d2.tokens_per_s() == pytest.approx(running)
+
+
+def test_a_prefill_worker_below_capacity_keeps_a_burst_that_the_drained_rate_would_overflow():
+    """The burst of chat 24 (8B, 2× H200): 882-token prompts, 65 ms calls that computed for
+    27 ms, then four more in flight past a 2048-token queue bound. A decode worker that tells
+    16.4 k tokens/s of room takes the next prompt sooner only by the drained rate."""
+    cfg = PlacementConfig()
+    prefill = PrefillPolicy(cfg, ["p0"], block_size=16)
+    for i in range(10):
+        p = prefill.place([], 896, now=i * 0.2)
+        prefill.finish(p, now=i * 0.2 + 0.065, cached_tokens=0, compute_s=0.027)
+    for _ in range(4):
+        prefill.place([], 896, now=2.0)
+    decode = DecodePolicy(cfg, ["d0"], block_size=16)
+    decode.report_prompt_rate("d0", 16400.0)
+    d = decode.place([], 896)
+    for _ in range(3):  # three of the burst overflowed there already
+        decode.add_overflow(d.worker, 896, now=2.0)
+    backlog = decode.overflow_backlog[d.worker]
+    queued, wait_p = prefill.least_queued_tokens(), prefill.least_wait_s(896, now=2.0)
+    wait_d = decode.overflow_wait_s(d.worker, 896, now=2.0)
+    assert wait_d == pytest.approx(896 * 4 / 16400.0)
+    assert queued >= 2048 and wait_p == pytest.approx(896 * 5 / (896 / 0.027), rel=0.01)
+    assert not overflow_to_decode(queued, backlog, 2048, prefill_wait_s=wait_p, decode_wait_s=wait_d)
+    drained = 896 * 10 / 0.65  # the calls' latency alone: the prompt would have overflowed
+    assert overflow_to_decode(queued, backlog, 2048, prefill_wait_s=896 * 5 / drained, decode_wait_s=wait_d)

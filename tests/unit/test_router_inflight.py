@@ -166,9 +166,11 @@ def test_decoding_lets_go_of_the_prefill_worker_and_close_does_not_again():
     w = World()
     r = w.request()
     r.open()
-    r.prefill_ended(1.0, 0)  # the prefill call ended: its slot is back, with what it cost
-    r.prefill_ended(2.0, 0)
+    r.prefill_ended(1.0, 0, 0.06)  # the prefill call ended: its slot is back, with what it cost
+    r.prefill_ended(2.0, 0, 0.06)
     assert w.pools.prefill_policy.inflight == {"prefill-0": 0}
+    # What the worker's steps spent on it is the pool's rate (once: the second end is no call).
+    assert w.pools.prefill_policy.drains["prefill-0"].tokens_per_s() == pytest.approx(r.p_at.num_tokens / 0.06)
     for phase in (Phase.PREFILLING, Phase.HANDING_OVER, Phase.DECODING):
         r.enter(phase)
     assert w.pools.busy("prefill-0") == 0
