@@ -126,8 +126,9 @@ class StagingArea:
     behind the engine's steps on the device's current stream, so a turn waits for its copies
     alone; the READ then waits for its last copies before it returns, as a direct READ returns
     with its bytes in place. Behind a busy decode loop's steps, the current stream made each
-    turn wait for them (kv-transfer.md). A transfer writes only blocks the engine's in-flight steps are done with
-    (`ImportPlan.wait_writable`), so the copies need no order with those steps."""
+    turn wait for them (kv-transfer.md). A transfer writes only blocks the engine's in-flight
+    steps are done with (`ImportPlan.wait_writable`), so the copies need no order with those
+    steps."""
 
     def __init__(self, device: torch.device, own_streams: bool = True) -> None:
         self.device = device
