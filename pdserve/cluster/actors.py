@@ -17,6 +17,7 @@ from pdserve.cluster.token_channel import ChannelInfo, ChannelUnavailable, Token
 from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve.cluster.worker_client import WorkerUnreachable
 from pdserve.cluster.worker_host import Role, WorkerHost
+from pdserve.telemetry.loop_health import freeze_heap, release_heap
 from pdserve.telemetry.tracing import build_tracing
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
@@ -47,6 +48,9 @@ class WorkerActor(WorkerBoundary):
         self._channel = (
             TokenChannelServer(self.poll, ray.util.get_node_ip_address()) if cfg.token_transport == "socket" else None
         )
+        # The engine built and warmed: its objects out of the collector's scans, so a full
+        # collection does not stall the worker's steps for the whole start-up heap.
+        freeze_heap()
 
     def token_channel(self) -> ChannelInfo | None:
         """Where this worker serves `poll` outside Ray, and its key (None: only over Ray)."""
@@ -75,7 +79,10 @@ class WorkerActor(WorkerBoundary):
         self.host.connect(info)
 
     def switch_role(self, role: Role, idle_timeout_s: float = 10.0) -> worker_pb2.WorkerHealth:
-        return self.host.switch_role(role, idle_timeout_s)
+        health = self.host.switch_role(role, idle_timeout_s)
+        release_heap()  # the old role's objects, frozen at start-up, collectable again
+        freeze_heap()
+        return health
 
     def link_test(self, prefill_agent: str) -> float:
         from pdserve.cluster.workers import link_self_test

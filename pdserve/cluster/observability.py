@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.telemetry.cluster_collector import ClusterCollector
 from pdserve.telemetry.http import MetricsServer
-from pdserve.telemetry.loop_health import GcPauses, LoopLag
+from pdserve.telemetry.loop_health import GcPauses, LoopLag, freeze_heap, release_heap
 from pdserve.telemetry.metrics import RouterMetrics
 from pdserve.telemetry.tracing import Tracing, build_tracing
 
@@ -33,6 +33,7 @@ class RouterTelemetry:
         # Sampled while /metrics is served: the loop's lag and the process's collections.
         self.loop_lag = LoopLag(metrics.loop_lag)
         self.gc_pauses = GcPauses(metrics.gc_pause)
+        self.frozen_objects = 0  # the start-up heap frozen out of the collector's reach (`freeze`)
 
     @classmethod
     def create(cls, cfg: ServeConfig) -> RouterTelemetry:
@@ -67,9 +68,18 @@ class RouterTelemetry:
         self.gc_pauses.install()
         return self.server.port
 
+    def freeze(self) -> int:
+        """Once the router is up: its start-up heap out of the collector's scans (`freeze_heap`)."""
+        self.frozen_objects = freeze_heap()
+        log.info("router: %d start-up objects frozen out of the garbage collector's scans", self.frozen_objects)
+        return self.frozen_objects
+
     def stop(self) -> None:
         self.loop_lag.stop()
         self.gc_pauses.remove()
+        if self.frozen_objects:
+            release_heap()
+            self.frozen_objects = 0
         if self.server is not None:
             self.server.stop()
             self.server = None

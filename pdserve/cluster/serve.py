@@ -374,6 +374,7 @@ async def start_edge(
         telemetry.serve_metrics(
             cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop(), cfg.export_worker_metrics
         )
+    telemetry.freeze()  # all that start-up loaded, out of every later full collection's scan
     return server, port, http
 
 
