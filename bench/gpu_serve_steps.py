@@ -44,7 +44,10 @@ ROUTER_PARTS = {
     "pdserve_prefill_duration_seconds": "prefill_call_ms",
     "pdserve_decode_queue_seconds": "decode_queue_ms",
     "pdserve_router_event_loop_lag_seconds": "router_loop_lag_ms",
+    # A full collection stops the router's every thread: answers and tokens wait it out.
+    'pdserve_router_gc_pause_seconds{generation="2"}': "router_full_gc_ms",
 }
+COUNTED_PARTS = {"router_full_gc_ms": "router_full_gcs"}  # parts whose number in the run is recorded too
 # Where a mean hides whether a part is slow always or now and then: its p90 over the run too.
 ROUTER_TAILS = {
     'pdserve_prefill_overhead_seconds{part="transport"}': "prefill_transport_p90_ms",
@@ -138,6 +141,8 @@ def router_parts(before_text: str, after_text: str) -> dict[str, float]:
         c0, t0 = before.get(field, (0.0, 0.0))
         if count > c0 and total >= t0:
             out[field] = round(1e3 * (total - t0) / (count - c0), 3)
+            if field in COUNTED_PARTS:
+                out[COUNTED_PARTS[field]] = count - c0
     return out
 
 
@@ -342,7 +347,7 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
 PREFILL_COLUMNS = (
     "ttft_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_worker_rest_ms", "prefill_transport_ms",
     "prefill_transport_p90_ms", "prefill_send_ms", "prefill_reply_ms", "prefill_call_ms", "prefill_call_p90_ms",
-    "decode_queue_ms", "router_loop_lag_ms",
+    "decode_queue_ms", "router_loop_lag_ms", "router_full_gcs", "router_full_gc_ms",
 )  # fmt: skip
 
 
@@ -364,7 +369,8 @@ def prefill_table(runs: Sequence[dict]) -> str:
                            "prompts a step", "router: TTFT ms", "prefill queue ms", "prefill compute ms",
                            "prefill worker's rest ms", "prefill transport ms", "prefill transport p90 ms",
                            "transport: there ms", "transport: back ms", "prefill call ms", "prefill call p90 ms",
-                           "hand-over to first decode ms", "router loop lag ms"], body)  # fmt: skip
+                           "hand-over to first decode ms", "router loop lag ms", "router full GCs",
+                           "router full GC ms"], body)  # fmt: skip
 
 
 def kinds_table(runs: Sequence[dict]) -> str:

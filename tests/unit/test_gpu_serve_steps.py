@@ -185,7 +185,7 @@ def test_the_router_parts_of_a_ttft_are_means_over_the_run():
     assert rec["router"] == {"ttft_ms": 100.0, "prefill_queue_ms": 25.0, "prefill_call_ms": 70.0,
                              "prefill_call_p90_ms": 90.0}  # fmt: skip
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\| 70\.0 +\| 90\.0 +\| - +\| - +\|$",
+    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\| 70\.0 +\| 90\.0 +\| - +\| - +\| - +\| - +\|$",
                      table, re.MULTILINE), table  # fmt: skip
 
 
@@ -202,8 +202,23 @@ def test_the_prefill_calls_overhead_is_read_per_part():
     assert rec["router"] == {"prefill_compute_ms": 40.0, "prefill_worker_rest_ms": 5.0, "prefill_transport_ms": 20.0,
                              "prefill_send_ms": 15.0, "prefill_reply_ms": 4.0}  # fmt: skip
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| 15\.0 +\| 4\.0 +\| - +\| - +\| - +\| - +\|$",
+    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| 15\.0 +\| 4\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\|$",
                      table, re.MULTILINE), table  # fmt: skip
+
+
+def test_the_routers_full_collections_in_a_run_are_counted_and_their_mean_pause_kept():
+    """Generation 2 only: the collections that scan the whole heap (the younger ones are ms)."""
+    name = "pdserve_router_gc_pause_seconds"
+
+    def pauses(full: int, full_s: float, young: int) -> str:
+        return (f'{name}_count{{generation="2"}} {full}\n{name}_sum{{generation="2"}} {full_s}\n'
+                f'{name}_count{{generation="0"}} {young}\n{name}_sum{{generation="0"}} {young * 0.001}\n')  # fmt: skip
+
+    rec = run_steps(BEFORE + pauses(1, 0.3, 100), AFTER + pauses(3, 1.1, 400))
+    assert rec["router"] == {"router_full_gc_ms": 400.0, "router_full_gcs": 2}
+    table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 32.0, "engine_steps": rec}])
+    assert re.search(r"\| - +\| 2\.0 +\| 400\.0 +\|$", table, re.MULTILINE), table
+    assert run_steps(BEFORE + pauses(3, 1.1, 100), AFTER + pauses(3, 1.1, 400)).get("router", {}) == {}  # none in it
 
 
 def test_a_parts_p90_tells_a_slow_tail_from_a_slow_mean():
