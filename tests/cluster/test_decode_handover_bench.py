@@ -1,5 +1,5 @@
 """bench/decode_handover.py runs on CPU: both phases decode, each request's tokens reach `poll`,
-and a loop's turn holds its step."""
+and the loop's turns hold its steps."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def test_both_phases_decode_and_a_turn_holds_its_step(tmp_path: Path) -> None:
     assert set(rows) == {"arrivals", "steady"}
     for r in rows.values():
         assert int(r["decode steps"]) > 0 and float(r["mean batch"]) >= 1
-        assert float(r["mean turn ms"]) >= float(r["mean step ms"]) > 0
+        # Every decode step runs in a loop turn; turns that found other work (KV still arriving)
+        # count too, so the turns' total time holds the steps', though not always their mean.
+        # A turn is counted after it hands the lock to waiters, `stats` among them: a phase's
+        # counters may hold one step whose turn they do not yet.
+        steps, turns = int(r["decode steps"]), int(r["loop turns"])
+        step_ms, turn_ms = float(r["mean step ms"]), float(r["mean turn ms"])
+        assert turns >= steps - 1 and turns * turn_ms >= (steps - 1) * step_ms and step_ms > 0
         assert float(r["mean ITL ms (poll)"]) > 0
     assert float(rows["arrivals"]["start call ms (median)"]) > 0
