@@ -329,9 +329,14 @@ class Agreement:
     takes_reference: bool = False
 
     @property
+    def at_near_tie(self) -> bool:
+        """They part where the reference has the two tokens within the tolerance."""
+        return self.gap is not None and self.gap <= self.tolerance
+
+    @property
     def ok(self) -> bool:
         """Equal, or parting at a near-tie, or where the first list took exact arithmetic's token."""
-        return self.first_diff is None or self.takes_reference or (self.gap is not None and self.gap <= self.tolerance)
+        return self.first_diff is None or self.takes_reference or self.at_near_tie
 
 
 def agreement(
@@ -354,9 +359,8 @@ def agreement(
             out.append(Agreement(len(p), min(len(a), len(b)), math.inf, 0.0))
             continue
         row = reference(p + a[:k])
-        gap = abs((row[a[k]] - row[b[k]]).item())
-        best = row[a[k]].item() >= row.max().item()
-        out.append(Agreement(len(p), k, gap, max(TIE_ABS, 4 * bf16_ulp(row.max().item())), best))
+        gap, top = abs((row[a[k]] - row[b[k]]).item()), row.max().item()
+        out.append(Agreement(len(p), k, gap, max(TIE_ABS, 4 * bf16_ulp(top)), row[a[k]].item() >= top))
     return out
 
 
@@ -493,7 +497,7 @@ def format_agreement(shape: str, agreed: list[Agreement]) -> str:
     lines = [f"{shape}: TP2 vs TP1 greedy: {equal} of {len(agreed)} prompts token for token{rest}"]
     for a in agreed:
         if a.first_diff is not None:
-            verdict = "near-tie" if a.gap is not None and a.gap <= a.tolerance else "NOT a near-tie"
+            verdict = "near-tie" if a.at_near_tie else "NOT a near-tie"
             verdict += "; TP2 takes fp32's token" if a.takes_reference else ""
             lines.append(
                 f"  prompt of {a.prompt_len} tokens: differs at token {a.first_diff}, fp32 gap {a.gap:.4f} (tolerance {a.tolerance:.4f}): {verdict}"

@@ -71,9 +71,8 @@ class GcPauses:
 def freeze_heap() -> int:
     """Collect, then move every object the process holds now (modules, torch, Ray, the tokenizer,
     a model's Python objects) to the collector's permanent generation (`gc.freeze`): a full
-    collection then scans only what came later. A router's full collections stopped every thread
-    for 0.25-0.5 s while serving, scanning ~350 k start-up objects (docs/observability.md).
-    Returns how many objects are frozen."""
+    collection then scans only what came later, not the whole start-up heap it otherwise scans
+    each time (docs/observability.md). Returns how many objects are frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

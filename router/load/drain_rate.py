@@ -77,16 +77,11 @@ class DrainRate:
         drained = tokens / busy if busy >= MIN_BUSY_S and tokens > 0 else None
         if self._compute_s < MIN_BUSY_S or self._computed <= 0:
             return drained
-        running = self._computed / self._compute_s * self._measured_share(now)
+        # While prompts wait and none finishes, the running rate falls as the drained one does.
+        waiting = now is not None and self._at is not None and now > self._at and self.backlog > 0
+        stalled = now - self._at if waiting else 0.0
+        running = self._computed / self._compute_s * ((busy - stalled) / busy if busy > stalled else 1.0)
         return running if drained is None else max(drained, running)
-
-    def _measured_share(self, now: float | None) -> float:
-        """Of the backlog's decayed seconds as of `now`, the share up to the last event: below 1
-        while prompts wait and none finishes."""
-        if now is None or self._at is None or now <= self._at or self.backlog <= 0:
-            return 1.0
-        before = self._busy_s * 0.5 ** ((now - self._at) / self.half_life_s)
-        return before / (before + now - self._at) if before > 0 else 1.0
 
     def wait_s(self, tokens: float, now: float | None = None) -> float | None:
         """Seconds until a new prompt of `tokens` tokens would be done here (None: no rate yet)."""
