@@ -186,3 +186,15 @@ def test_dashboard_queries_only_metrics_the_cluster_exposes(cluster, channel):
     dashboard = json.loads((ROOT / "deploy/grafana/pdserve.json").read_text())
     used = {name for p in dashboard["panels"] for t in p["targets"] for name in re.findall(r"pdserve_\w+", t["expr"])}
     assert used and used <= exposed, sorted(used - exposed)
+
+
+def test_the_router_and_every_worker_freeze_their_start_up_heap_out_of_the_collectors_scans(cluster):
+    """A full collection stops every thread of a process; once up, the router (`start_edge`) and
+    each worker actor (its `__init__`) leave their start-up objects out of those scans."""
+    import gc
+
+    import ray
+
+    assert cluster.telemetry.frozen_objects > 0 and gc.get_freeze_count() > 0  # the router: this process
+    frozen = ray.get([a.__ray_call__.remote(lambda _: gc.get_freeze_count()) for a in cluster.actors], timeout=60)
+    assert len(frozen) >= 2 and all(n > 0 for n in frozen), frozen
