@@ -195,6 +195,8 @@ def test_the_router_and_every_worker_freeze_their_start_up_heap_out_of_the_colle
 
     import ray
 
-    assert cluster.telemetry.frozen_objects > 0 and gc.get_freeze_count() > 0  # the router: this process
+    # The router froze this process's heap (`gc.get_freeze_count()` itself is not read here: in this
+    # test process another cluster's router, stopping, hands the whole process's heap back).
+    assert cluster.telemetry.frozen_objects > 0
     frozen = ray.get([a.__ray_call__.remote(lambda _: gc.get_freeze_count()) for a in cluster.actors], timeout=60)
     assert len(frozen) >= 2 and all(n > 0 for n in frozen), frozen
