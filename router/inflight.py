@@ -103,6 +103,7 @@ class InFlight:
         self._prefetching = False  # the decode worker may hold a prefetch of its KV
         self._hand_over: asyncio.Task | None = None  # a start/submit call still running
         self._overflow: tuple[str, float] | None = None  # (decode worker, prompt tokens) while in its backlog
+        self._own_prompt: tuple[str, float] | None = None  # (decode worker, prompt tokens) while it prefills them
         self._closed = False
 
     @property
@@ -180,8 +181,17 @@ class InFlight:
         self._overflow = (self.d_at.worker, tokens)
         self._books.pools.decode_policy.add_overflow(*self._overflow, time.monotonic())
 
+    def prefills_here(self, tokens: float) -> None:
+        """Its decode worker prefills its `tokens` uncached prompt tokens itself: in that worker's
+        prompt backlog, which decode placement weighs, until `prefilled`."""
+        self._own_prompt = (self.d_at.worker, tokens)
+        self._books.pools.decode_policy.add_prompt(*self._own_prompt)
+
     def prefilled(self, done: bool = True) -> None:
-        """Its first token came (`done`), or it left the worker: out of any overflow backlog, once."""
+        """Its first token came (`done`), or it left the worker: out of any prompt backlog, once."""
+        if self._own_prompt is not None:
+            self._books.pools.decode_policy.end_prompt(*self._own_prompt)
+            self._own_prompt = None
         if self._overflow is not None:
             self._books.pools.decode_policy.end_overflow(*self._overflow, time.monotonic() if done else None)
             self._overflow = None

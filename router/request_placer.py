@@ -86,6 +86,8 @@ class RequestPlacer:
                     overflow = local = p_at is None and cfg.placement.prefill_locally_when_pool_full
             if overflow:
                 self.metrics.prefill_overflows.inc()
+            if local:
+                r.prefills_here(max(1, len(ids) - (d_at.matched_blocks * cfg.block_size if reuse else 0)))
             _end_route(route, r.p_at, d_at, local, overflow)
             if r.p_at is None and not local:
                 raise _full("prefill", pools.prefill_policy.workers, self._books.queues["prefill"])

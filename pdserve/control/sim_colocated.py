@@ -1,7 +1,7 @@
 """Discrete-event simulation of a colocated cluster: N workers in role "both", each prefilling
 and decoding in mixed steps (`sim_mixed.SimMixed`), requests placed on arrival by the router's
-own decode placement (`DecodePolicy`: fewest requests in flight, as the router places in a
-cluster with no prefill pool). The same traces, performance models and SLOs as the
+own decode placement (`DecodePolicy`: fewest prompt tokens waiting, then fewest requests in
+flight, as the router places in a cluster with no prefill pool). The same traces, performance models and SLOs as the
 disaggregated simulator, summarised the same way (`results.summarize`)."""
 
 from __future__ import annotations
@@ -89,10 +89,15 @@ class ColocatedSimulation:
         pl = self.policy.place(r.hashes, r.input_len)
         assert pl is not None  # no capacity bound: the worker's own queue holds what waits
         self.placed[i] = pl
+        self.policy.add_prompt(pl.worker, self.own_prompt(i))
         w = self.workers[pl.worker]
         w.waiting.append(i)
         if not w.busy:
             self.start(w, now)
+
+    def own_prompt(self, i: int) -> float:
+        """The prompt tokens request i's worker computes: its prompt less the prefix it held."""
+        return max(1, self.reqs[i].input_len - self.placed[i].matched_blocks * self.cfg.block_size)
 
     def start(self, w: SimMixed, now: float) -> None:
         step = w.begin(self.lengths)
@@ -105,6 +110,7 @@ class ColocatedSimulation:
         self.steps += 1
         prefilled, done = w.end(self.lengths)
         for i in prefilled:
+            self.policy.end_prompt(name, self.own_prompt(i))
             t = self.times[i]
             t.prefilled = now
             # The first token through the worker's relay; the router's costs as measured.

@@ -4,22 +4,36 @@ prefills it itself (conditional disaggregation)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from pdserve.router.placement.scoring import pick_decode
-from pdserve.router.placement.strategies import PlacementRequest, PlacementStrategy, ranked_first
+from pdserve.router.placement.strategies import PlacementRequest, PlacementStrategy, PoolView, ranked_first
+
+
+class DecodePoolView(PoolView, Protocol):
+    """The decode pool as its placement reads it: a pool's view, and per worker the prompt
+    tokens it prefills itself that have not reached their first token."""
+
+    prompt_backlog: dict[str, float]
 
 
 class DecodePlacement(PlacementStrategy):
     """Where a prefilled request decodes: among the workers under the bound on requests in
-    flight with KV room, the one that already holds most of its prefix (fewest blocks to pull).
-    Its hook `prefill_here` says whether that worker also prefills the prompt."""
+    flight with KV room, the one that already holds most of its prefix (fewest blocks to pull),
+    then the one with the fewest prompt tokens of its own waiting for their first token. Its
+    hook `prefill_here` says whether that worker also prefills the prompt."""
+
+    pool: DecodePoolView
 
     def home(self, key: int | None) -> str | None:
         return None  # the prefix index, not the ring, keeps a prompt near its blocks here
 
     def place(self, request: PlacementRequest) -> list[str]:
         inflight = {w: self.pool.inflight[w] for w in request.open}
+        backlog = {w: self.pool.prompt_backlog.get(w, 0.0) for w in request.open}
         first = pick_decode(
-            request.open, inflight, request.matched, request.headroom, request.needed_blocks, c=self.cfg.load_factor
+            request.open, inflight, request.matched, request.headroom, request.needed_blocks,
+            c=self.cfg.load_factor, prompt_backlog=backlog,
         )
         return ranked_first(first, request.open)
 

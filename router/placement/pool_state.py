@@ -289,6 +289,9 @@ class DecodePolicy(_Pool):
         # Per worker: the prompt tokens a second it says it can take beside its decode batch
         # within its step-time target (`--itl-target-ms`), with its latest tokens.
         self.prompt_rates: dict[str, float] = {}
+        # Per worker: prompt tokens it prefills itself (colocated, short or overflowed prompts),
+        # placed and not yet at their first token: a new prompt there starts after them.
+        self.prompt_backlog: dict[str, float] = {}
         super().__init__(cfg, workers, block_size)
         self.placement = DecodePlacement(cfg, self)
 
@@ -297,6 +300,17 @@ class DecodePolicy(_Pool):
         self.overflow_backlog.pop(worker, None)
         self.overflow_drains.pop(worker, None)
         self.prompt_rates.pop(worker, None)
+        self.prompt_backlog.pop(worker, None)
+
+    def add_prompt(self, worker: str, tokens: float) -> None:
+        """`worker` prefills a prompt of `tokens` tokens (not cached there) itself."""
+        if worker in self.inflight:
+            self.prompt_backlog[worker] = self.prompt_backlog.get(worker, 0.0) + tokens
+
+    def end_prompt(self, worker: str, tokens: float) -> None:
+        """That prompt reached its first token, or left the worker."""
+        if worker in self.prompt_backlog:
+            self.prompt_backlog[worker] = max(0.0, self.prompt_backlog[worker] - tokens)
 
     def report_prompt_rate(self, worker: str, tokens_per_s: float | None) -> None:
         """What `worker` said with its tokens: the prompt rate its step-time target leaves it

@@ -69,17 +69,21 @@ def pick_decode(
     blocks_needed: int,
     *,
     c: float,
+    prompt_backlog: Mapping[str, float] | None = None,
 ) -> str:
     """The decode worker for a prompt needing `blocks_needed` KV blocks, among the open
     `workers` (non-empty); load is requests in flight.
 
     Among the workers under the bound whose reported free + evictable blocks cover what they
     would have to allocate (blocks_needed minus what they already hold), the one holding most
-    of the prefix (fewest blocks to pull), then the least loaded, then the first listed. If
-    none has room, the least loaded: it may still free blocks, and if not it answers
-    RESOURCE_EXHAUSTED itself. A worker that has not reported yet counts as having room.
+    of the prefix (fewest blocks to pull), then the one with the fewest prompt tokens of its
+    own to prefill before their first token (`prompt_backlog`: a worker that prefills, as a
+    colocated one does, starts a new prompt after those), then the least loaded, then the
+    first listed. If none has room, the least loaded: it may still free blocks, and if not it
+    answers RESOURCE_EXHAUSTED itself. A worker that has not reported yet counts as having room.
     """
     rank = {w: i for i, w in enumerate(workers)}
+    backlog = prompt_backlog or {}
     eligible = under_bound({w: loads[w] for w in workers}, {w: 1 for w in workers}, c)
 
     def fits(w: str) -> bool:
@@ -89,4 +93,4 @@ def pick_decode(
     fitting = [w for w in eligible if fits(w)]
     if not fitting:
         return min(workers, key=lambda w: (loads[w], rank[w]))
-    return min(fitting, key=lambda w: (-matched.get(w, 0), loads[w], rank[w]))
+    return min(fitting, key=lambda w: (-matched.get(w, 0), backlog.get(w, 0.0), loads[w], rank[w]))

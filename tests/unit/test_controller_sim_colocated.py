@@ -67,6 +67,19 @@ def test_colocated_spreads_requests_over_its_workers():
     assert four.itl_p50_ms < one.itl_p50_ms and four.ttft_p99_ms <= one.ttft_p99_ms
 
 
+def test_colocated_places_a_prompt_where_fewer_prompt_tokens_wait():
+    """As the router does: A's 5,000-token prompt fills w0's steps (1,000 tokens each) for five
+    of them; B goes to the idle w1. C finds both with one request, and w0 with 4,000 more tokens
+    to prefill before C could start: it goes to w1, where its first token comes within a few
+    steps (on w0, after A's prompt: past 50 ms). No backlog is left at the end."""
+    reqs = [SimRequest(0.0, 5000, 2), SimRequest(0.001, 100, 40), SimRequest(0.015, 100, 2)]
+    sim, r = simulate_colocated_with_times(reqs, TOY, ColocatedConfig(workers=2, step_tokens=1000, slo=Slo(1000, 100)))
+    assert r.completed == 3
+    c = sim.times[2]
+    assert c.first - c.arrival < 0.030
+    assert sim.policy.prompt_backlog == {"w0": 0.0, "w1": 0.0}
+
+
 def long_prompts(rate: float, seconds: float = 20.0, seed: int = 0) -> list[SimRequest]:
     """RAG-like: ~3,000-token prompts, ~150-token answers, Poisson arrivals."""
     rng = random.Random(seed)

@@ -100,6 +100,60 @@ def test_a_colocated_router_streams_every_token_from_the_decode_worker():
     asyncio.run(go())
 
 
+def test_a_colocated_router_sends_a_prompt_where_fewer_prompt_tokens_wait_for_their_first_token():
+    """Two colocated workers as loaded: the one still prefilling a long prompt is passed over
+    for the one whose waiting prompt is short (by requests in flight alone, the first listed
+    would take it). Each worker's prompt backlog empties at the prompts' first tokens."""
+
+    async def go() -> None:
+        d0, d1 = FakeDecode("decode-0"), FakeDecode("decode-1")
+        d0.emitting.clear()
+        d1.emitting.clear()
+        router = make_router([], [d0, d1])
+        await router.start()
+        backlog = router.decode_policy.prompt_backlog
+        try:
+            long = asyncio.create_task(ask(router, "long", list(range(100, 100 + 10 * BS))))
+            await wait_until(lambda: ("submit", "long") in d0.calls)
+            short = asyncio.create_task(ask(router, "short", list(range(2000, 2000 + BS))))
+            await wait_until(lambda: ("submit", "short") in d1.calls)
+            assert backlog == {"decode-0": 10 * BS, "decode-1": BS}
+            assert router.decode_policy.inflight == {"decode-0": 1, "decode-1": 1}
+            nxt = asyncio.create_task(ask(router, "next", list(range(4000, 4000 + 2 * BS))))
+            await wait_until(lambda: ("submit", "next") in d0.calls + d1.calls)
+            assert ("submit", "next") in d1.calls and backlog == {"decode-0": 10 * BS, "decode-1": 3 * BS}
+            d0.emitting.set()
+            d1.emitting.set()
+            await asyncio.gather(long, short, nxt)
+            await router.drain_cleanups()
+            assert backlog == {"decode-0": 0, "decode-1": 0}
+            assert router.decode_policy.inflight == {"decode-0": 0, "decode-1": 0}
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
+def test_a_cancelled_local_request_leaves_no_prompt_backlog():
+    async def go() -> None:
+        decode = FakeDecode()
+        decode.emitting.clear()
+        router = make_router([], [decode])
+        await router.start()
+        try:
+            held = asyncio.create_task(ask(router, "held", list(range(100, 100 + 4 * BS))))
+            await wait_until(lambda: router.decode_policy.prompt_backlog == {"decode-0": 4 * BS})
+            held.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await held
+            await router.drain_cleanups()
+            assert router.decode_policy.prompt_backlog == {"decode-0": 0}
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
 def test_closing_a_local_stream_mid_way_aborts_it_on_the_decode_worker():
     async def go() -> None:
         decode = FakeDecode()

@@ -70,6 +70,22 @@ def test_decode_prefers_the_worker_holding_most_of_the_prefix_with_room():
     assert pick_decode(["a", "b", "c"], {"a": 1, "b": 4, "c": 1}, {"b": 5, "a": 1}, room, 8, c=1.25) == "a"
 
 
+def test_decode_prefers_the_worker_with_fewer_prompt_tokens_of_its_own_to_prefill():
+    room = {"a": 100, "b": 100}
+    # a is first listed and as loaded as b, but a new prompt there starts after a's 2,000 waiting tokens
+    assert pick_decode(["a", "b"], {"a": 2, "b": 2}, {}, room, 8, c=1.25, prompt_backlog={"a": 2000.0}) == "b"
+    # b has fewer requests in flight; with its prompts further behind, a gets the prompt
+    backlog = {"a": 100.0, "b": 3000.0}
+    assert pick_decode(["a", "b"], {"a": 3, "b": 2}, {}, room, 8, c=1.25, prompt_backlog=backlog) == "a"
+    # without it, fewer requests in flight decide
+    assert pick_decode(["a", "b"], {"a": 3, "b": 2}, {}, room, 8, c=1.25) == "b"
+    # equal backlogs: the least loaded; the prefix still comes first
+    assert pick_decode(["a", "b"], {"a": 3, "b": 2}, {}, room, 8, c=1.25, prompt_backlog={"a": 5.0, "b": 5.0}) == "b"
+    assert pick_decode(["a", "b"], {"a": 2, "b": 2}, {"a": 4}, room, 8, c=1.25, prompt_backlog={"a": 2000.0}) == "a"
+    # the bound still holds: a is over it (4 >= 1.25 * 5 / 2) whatever b's backlog
+    assert pick_decode(["a", "b"], {"a": 4, "b": 0}, {}, room, 8, c=1.25, prompt_backlog={"b": 9000.0}) == "b"
+
+
 def test_recent_load_decays_and_corrections_never_go_negative():
     r = RecentLoad(window_s=2.0)
     r.add_worker("a")
