@@ -46,8 +46,11 @@ ROUTER_PARTS = {
     "pdserve_router_event_loop_lag_seconds": "router_loop_lag_ms",
     # A full collection stops the router's every thread: answers and tokens wait it out.
     'pdserve_router_gc_pause_seconds{generation="2"}': "router_full_gc_ms",
+    # The workers' own, all workers added up: one stops that worker's loop.
+    'pdserve_worker_gc_pause_seconds{generation="2"}': "worker_full_gc_ms",
 }
-COUNTED_PARTS = {"router_full_gc_ms": "router_full_gcs"}  # parts whose number in the run is recorded too
+# Parts whose number in the run is recorded too.
+COUNTED_PARTS = {"router_full_gc_ms": "router_full_gcs", "worker_full_gc_ms": "worker_full_gcs"}
 # Where a mean hides whether a part is slow always or now and then: its p90 over the run too.
 ROUTER_TAILS = {
     'pdserve_prefill_overhead_seconds{part="transport"}': "prefill_transport_p90_ms",
@@ -347,7 +350,8 @@ def steps_rows(runs: Sequence[dict], engine: Sequence[dict]) -> list[dict]:
 PREFILL_COLUMNS = (
     "ttft_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_worker_rest_ms", "prefill_transport_ms",
     "prefill_transport_p90_ms", "prefill_send_ms", "prefill_reply_ms", "prefill_call_ms", "prefill_call_p90_ms",
-    "decode_queue_ms", "router_loop_lag_ms", "router_full_gcs", "router_full_gc_ms",
+    "decode_queue_ms", "router_loop_lag_ms", "router_full_gcs", "router_full_gc_ms", "worker_full_gcs",
+    "worker_full_gc_ms",
 )  # fmt: skip
 
 
@@ -370,7 +374,7 @@ def prefill_table(runs: Sequence[dict]) -> str:
                            "prefill worker's rest ms", "prefill transport ms", "prefill transport p90 ms",
                            "transport: there ms", "transport: back ms", "prefill call ms", "prefill call p90 ms",
                            "hand-over to first decode ms", "router loop lag ms", "router full GCs",
-                           "router full GC ms"], body)  # fmt: skip
+                           "router full GC ms", "workers' full GCs", "workers' full GC ms"], body)  # fmt: skip
 
 
 def kinds_table(runs: Sequence[dict]) -> str:

@@ -194,7 +194,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_in_use", "running_requests", "waiting_requests", "pinned_requests", "blocks_pulled", "blocks_reused", "bytes_pulled", "transfers", "lease_expiries", "preemptions", "checksum_failures", "handover_waits", "transfer_failures", "local_prefills", "blocks_prefetched", "prefetch_reads", "prefetch_expiries", "router_lease_expiries", "step_times", "step_seconds_bounds", "steps_launched_ahead", "loop_turns", "loop_seconds")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_in_use", "running_requests", "waiting_requests", "pinned_requests", "blocks_pulled", "blocks_reused", "bytes_pulled", "transfers", "lease_expiries", "preemptions", "checksum_failures", "handover_waits", "transfer_failures", "local_prefills", "blocks_prefetched", "prefetch_reads", "prefetch_expiries", "router_lease_expiries", "step_times", "step_seconds_bounds", "steps_launched_ahead", "loop_turns", "loop_seconds", "gc_collections", "gc_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,8 @@ class WorkerStats(_message.Message):
     STEPS_LAUNCHED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     LOOP_TURNS_FIELD_NUMBER: _ClassVar[int]
     LOOP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GC_COLLECTIONS_FIELD_NUMBER: _ClassVar[int]
+    GC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -251,7 +253,9 @@ class WorkerStats(_message.Message):
     steps_launched_ahead: int
     loop_turns: int
     loop_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned_requests: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfers: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., preemptions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., handover_waits: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., local_prefills: _Optional[int] = ..., blocks_prefetched: _Optional[int] = ..., prefetch_reads: _Optional[int] = ..., prefetch_expiries: _Optional[int] = ..., router_lease_expiries: _Optional[int] = ..., step_times: _Optional[_Iterable[_Union[StepTimes, _Mapping]]] = ..., step_seconds_bounds: _Optional[_Iterable[float]] = ..., steps_launched_ahead: _Optional[int] = ..., loop_turns: _Optional[int] = ..., loop_seconds: _Optional[float] = ...) -> None: ...
+    gc_collections: _containers.RepeatedScalarFieldContainer[int]
+    gc_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned_requests: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfers: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., preemptions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., handover_waits: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., local_prefills: _Optional[int] = ..., blocks_prefetched: _Optional[int] = ..., prefetch_reads: _Optional[int] = ..., prefetch_expiries: _Optional[int] = ..., router_lease_expiries: _Optional[int] = ..., step_times: _Optional[_Iterable[_Union[StepTimes, _Mapping]]] = ..., step_seconds_bounds: _Optional[_Iterable[float]] = ..., steps_launched_ahead: _Optional[int] = ..., loop_turns: _Optional[int] = ..., loop_seconds: _Optional[float] = ..., gc_collections: _Optional[_Iterable[int]] = ..., gc_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepTimes(_message.Message):
     __slots__ = ("kind", "batch", "count", "sum_seconds", "sequences", "bucket_counts")

@@ -17,7 +17,7 @@ from pdserve.cluster.token_channel import ChannelInfo, ChannelUnavailable, Token
 from pdserve.cluster.worker_boundary import WorkerBoundary
 from pdserve.cluster.worker_client import WorkerUnreachable
 from pdserve.cluster.worker_host import Role, WorkerHost
-from pdserve.telemetry.loop_health import freeze_heap, release_heap
+from pdserve.telemetry.loop_health import GcTotals, freeze_heap, release_heap
 from pdserve.telemetry.tracing import build_tracing
 from pdserve_proto import inference_pb2, kv_pb2, worker_pb2
 
@@ -51,6 +51,8 @@ class WorkerActor(WorkerBoundary):
         # The engine built and warmed: its objects out of the collector's scans, so a full
         # collection does not stall the worker's steps for the whole start-up heap.
         freeze_heap()
+        self._gc = GcTotals()  # collections from here on, reported with the stats
+        self._gc.install()
 
     def token_channel(self) -> ChannelInfo | None:
         """Where this worker serves `poll` outside Ray, and its key (None: only over Ray)."""
@@ -66,9 +68,18 @@ class WorkerActor(WorkerBoundary):
         return {"worker_id": self.host.worker_id, "pid": os.getpid(), "started_at": self._started_at}
 
     def close(self) -> None:
+        self._gc.remove()
         if self._channel is not None:
             self._channel.close()
         self.host.close()
+
+    def stats(self, request: worker_pb2.StatsRequest | None = None) -> inference_pb2.WorkerStats | worker_pb2.WorkerError:
+        """The worker's stats, with its process's garbage collections (a pause stops its loop too)."""
+        answer = super().stats(request)
+        if isinstance(answer, inference_pb2.WorkerStats):
+            answer.gc_collections.extend(self._gc.collections)
+            answer.gc_seconds.extend(self._gc.seconds)
+        return answer
 
     # ----- the cluster's calls (set-up, role flips) -----------------------------------------
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 # ClusterStats (pdserve.v1) or anything shaped like it; None when the stats could not be read.
@@ -84,6 +90,12 @@ class ClusterCollector(Collector):
             "Wall time of those turns: the step, handing its outputs on, and callers' turns at the engine's lock.",
             labels=wl,
         )
+        gc_pauses = SummaryMetricFamily(
+            "pdserve_worker_gc_pause_seconds",
+            "Garbage collections of a worker's process since it served, by generation, and their pauses "
+            "(every thread of the worker, its engine loop too, waits one out).",
+            labels=[*wl, "generation"],
+        )
         count: dict[str, int] = {}
         for w in stats.workers:
             answered = w.role in ("prefill", "decode")
@@ -103,6 +115,8 @@ class ClusterCollector(Collector):
             ahead.add_metric(key, w.steps_launched_ahead)
             turns.add_metric(key, w.loop_turns)
             turn_seconds.add_metric(key, w.loop_seconds)
+            for generation, (n, seconds) in enumerate(zip(w.gc_collections, w.gc_seconds)):
+                gc_pauses.add_metric([*key, str(generation)], n, seconds)
             if role == "prefill":
                 leases.add_metric(key, w.lease_expiries)
             else:
@@ -129,7 +143,7 @@ class ClusterCollector(Collector):
         yield from (up, pools, blocks, capacity, reqs, leases, preempt, pulled, reused, pulled_bytes, transfers)
         yield checksums
         yield from (family for _, family in decode_counters)
-        yield from (step_seconds, step_seqs, ahead, turns, turn_seconds)
+        yield from (step_seconds, step_seqs, ahead, turns, turn_seconds, gc_pauses)
 
 
 def _add_step_times(seconds: HistogramMetricFamily, sequences: CounterMetricFamily, w: Any) -> None:

@@ -68,6 +68,38 @@ class GcPauses:
             self.histogram.labels(str(info.get("generation", "?"))).observe(time.perf_counter() - self._began)
 
 
+class GcTotals:
+    """The process's garbage collections counted and timed by generation (`gc.callbacks`): what
+    a worker reports with its stats, having no metrics registry of its own."""
+
+    GENERATIONS = 3
+
+    def __init__(self) -> None:
+        self.collections = [0] * self.GENERATIONS
+        self.seconds = [0.0] * self.GENERATIONS
+        self._began = 0.0
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+
+    def remove(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._callback)
+            self._installed = False
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        generation = info.get("generation")
+        if isinstance(generation, int) and 0 <= generation < self.GENERATIONS:
+            self.collections[generation] += 1
+            self.seconds[generation] += time.perf_counter() - self._began
+
+
 def freeze_heap() -> int:
     """Collect, then move every object the process holds now (modules, torch, Ray, the tokenizer,
     a model's Python objects) to the collector's permanent generation (`gc.freeze`): a full

@@ -200,3 +200,27 @@ def test_the_router_and_every_worker_freeze_their_start_up_heap_out_of_the_colle
     assert cluster.telemetry.frozen_objects > 0
     frozen = ray.get([a.__ray_call__.remote(lambda _: gc.get_freeze_count()) for a in cluster.actors], timeout=60)
     assert len(frozen) >= 2 and all(n > 0 for n in frozen), frozen
+
+
+def test_a_workers_full_collection_shows_on_the_routers_metrics(cluster):
+    """Workers serve no /metrics of their own: their process's collections come with their stats.
+    A full collection forced in one worker actor is counted, with its pause, for that worker."""
+    import gc
+
+    import ray
+
+    actor = cluster.actors[0]
+    worker = ray.get(actor.identity.remote(), timeout=60)["worker_id"]
+
+    def full_gcs() -> float:
+        snapshot = samples(scrape(cluster))
+        return sum(v for (name, labels), v in snapshot.items() if name == "pdserve_worker_gc_pause_seconds_count"
+                   and ("worker", worker) in labels and ("generation", "2") in labels)  # fmt: skip
+
+    before = full_gcs()
+    ray.get(actor.__ray_call__.remote(lambda _: gc.collect(2)), timeout=60)
+    assert full_gcs() == before + 1
+    paused = sum(v for (name, labels), v in samples(scrape(cluster)).items()
+                 if name == "pdserve_worker_gc_pause_seconds_sum" and ("worker", worker) in labels)  # fmt: skip
+    assert paused > 0
+

@@ -185,7 +185,7 @@ def test_the_router_parts_of_a_ttft_are_means_over_the_run():
     assert rec["router"] == {"ttft_ms": 100.0, "prefill_queue_ms": 25.0, "prefill_call_ms": 70.0,
                              "prefill_call_p90_ms": 90.0}  # fmt: skip
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\| 70\.0 +\| 90\.0 +\| - +\| - +\| - +\| - +\|$",
+    assert re.search(r"\| 100\.0 +\| 25\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\| 70\.0 +\| 90\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\|$",
                      table, re.MULTILINE), table  # fmt: skip
 
 
@@ -202,7 +202,7 @@ def test_the_prefill_calls_overhead_is_read_per_part():
     assert rec["router"] == {"prefill_compute_ms": 40.0, "prefill_worker_rest_ms": 5.0, "prefill_transport_ms": 20.0,
                              "prefill_send_ms": 15.0, "prefill_reply_ms": 4.0}  # fmt: skip
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 24.0, "engine_steps": rec}])
-    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| 15\.0 +\| 4\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\|$",
+    assert re.search(r"\| - +\| - +\| 40\.0 +\| 5\.0 +\| 20\.0 +\| - +\| 15\.0 +\| 4\.0 +\| - +\| - +\| - +\| - +\| - +\| - +\| - +\| - +\|$",
                      table, re.MULTILINE), table  # fmt: skip
 
 
@@ -217,8 +217,24 @@ def test_the_routers_full_collections_in_a_run_are_counted_and_their_mean_pause_
     rec = run_steps(BEFORE + pauses(1, 0.3, 100), AFTER + pauses(3, 1.1, 400))
     assert rec["router"] == {"router_full_gc_ms": 400.0, "router_full_gcs": 2}
     table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 32.0, "engine_steps": rec}])
-    assert re.search(r"\| - +\| 2\.0 +\| 400\.0 +\|$", table, re.MULTILINE), table
+    assert re.search(r"\| - +\| 2\.0 +\| 400\.0 +\| - +\| - +\|$", table, re.MULTILINE), table
     assert run_steps(BEFORE + pauses(3, 1.1, 100), AFTER + pauses(3, 1.1, 400)).get("router", {}) == {}  # none in it
+
+
+def test_the_workers_full_collections_in_a_run_are_added_up_over_the_workers():
+    name = "pdserve_worker_gc_pause_seconds"
+
+    def pauses(d: tuple[int, float], p: tuple[int, float]) -> str:
+        out = ""
+        for worker, (n, total) in (("decode-0", d), ("prefill-0", p)):
+            labels = f'worker="{worker}",role="{worker[:-2]}",generation="2"'
+            out += f"{name}_count{{{labels}}} {n}\n{name}_sum{{{labels}}} {total}\n"
+        return out
+
+    rec = run_steps(BEFORE + pauses((1, 0.05), (0, 0.0)), AFTER + pauses((3, 0.25), (1, 0.3)))
+    assert rec["router"] == {"worker_full_gc_ms": 166.667, "worker_full_gcs": 3}
+    table = prefill_table([{"server": "pdserve-1p1d", "workload": "chat", "rate": 32.0, "engine_steps": rec}])
+    assert re.search(r"\| - +\| - +\| 3\.0 +\| 166\.7 +\|$", table, re.MULTILINE), table
 
 
 def test_a_parts_p90_tells_a_slow_tail_from_a_slow_mean():

@@ -10,7 +10,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.telemetry.loop_health import GcPauses, LoopLag, freeze_heap, release_heap
+from pdserve.telemetry.loop_health import GcPauses, GcTotals, LoopLag, freeze_heap, release_heap
 from pdserve.telemetry.metrics import RouterMetrics
 
 
@@ -52,6 +52,21 @@ def test_each_collection_is_timed_by_its_generation_until_removed():
         pauses.remove()
     gc.collect(2)
     assert _sum(metrics, "pdserve_router_gc_pause_seconds_count", generation="2") == 1
+
+
+def test_gc_totals_count_and_time_each_generation_until_removed():
+    totals = GcTotals()
+    totals.install()
+    totals.install()  # once only
+    try:
+        gc.collect(2)
+        gc.collect(0)
+        assert totals.collections[2] == 1 and totals.seconds[2] > 0
+        assert totals.collections[0] >= 1
+    finally:
+        totals.remove()
+    gc.collect(2)
+    assert totals.collections[2] == 1
 
 
 def test_a_frozen_heap_leaves_a_full_collection_only_what_came_later():

@@ -91,6 +91,17 @@ def test_the_loop_and_overlap_counters_are_metrics_of_every_worker():
         assert r.get_sample_value("pdserve_engine_loop_seconds_total", key) == 0.25 + i
 
 
+def test_a_workers_collections_are_a_summary_by_generation():
+    stats = pb.WorkerStats(worker_id="decode-0", role="decode", gc_collections=[40, 3, 1], gc_seconds=[0.02, 0.01, 0.3])
+    r = _scrape([stats, pb.WorkerStats(worker_id="prefill-0", role="prefill")])
+    key = {"worker": "decode-0", "role": "decode", "generation": "2"}
+    assert r.get_sample_value("pdserve_worker_gc_pause_seconds_count", key) == 1
+    assert r.get_sample_value("pdserve_worker_gc_pause_seconds_sum", key) == pytest.approx(0.3)
+    assert r.get_sample_value("pdserve_worker_gc_pause_seconds_count", {**key, "generation": "0"}) == 40
+    # A worker that sent none (an older one) has no series, not zeros.
+    assert r.get_sample_value("pdserve_worker_gc_pause_seconds_count", {**key, "worker": "prefill-0", "role": "prefill"}) is None
+
+
 def test_every_decode_counter_is_a_metric():
     fields = dict(handover_waits=1, transfer_failures=2, local_prefills=3, blocks_prefetched=4, prefetch_reads=5,
                   prefetch_expiries=6, router_lease_expiries=7)
