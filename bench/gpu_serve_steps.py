@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from bench.gpu_serve_stalls import longest_label
 from bench.report import markdown_table
 
 STEP_SECONDS = "pdserve_engine_step_seconds"
@@ -393,11 +394,14 @@ def kinds_table(runs: Sequence[dict]) -> str:
             for a in alls.values():
                 cells.append("-" if not a else f"{a['steps']} × {a['mean_step_ms']:.2f} ms ({a['mean_batch']:.1f}; "
                              f"{100 * a['steps'] * a['mean_step_ms'] / total:.0f} %)")  # fmt: skip
+            longest = (rec.get("longest") or {}).get(worker) or {}
+            cells.append(" / ".join(longest_label(longest.get(kind)) for kind in (DECODE, MIXED, PREFILL)))
             body.append([r["server"], r["workload"], f"{r['rate']:g}", worker, *cells])
     if not body:
         return ""
     return markdown_table(["server", "workload", "rate req/s", "worker", "decode-only steps (batch; time)",
-                           "mixed steps (batch; time)", "prefill-only steps (batch; time)"], body)  # fmt: skip
+                           "mixed steps (batch; time)", "prefill-only steps (batch; time)",
+                           "longest step: decode / mixed / prefill"], body)  # fmt: skip
 
 
 def steps_table(runs: Sequence[dict], engine: Sequence[dict]) -> str:
