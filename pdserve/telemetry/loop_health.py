@@ -43,11 +43,11 @@ class LoopLag:
             self.histogram.observe(max(0.0, time.perf_counter() - began - self.interval_s))
 
 
-class GcPauses:
-    """Each garbage collection of the process, timed (`gc.callbacks`) by its generation."""
+class GcTimer:
+    """Each garbage collection of the process, timed (`gc.callbacks`) and handed to `timed` with
+    its generation, from `install` to `remove`."""
 
-    def __init__(self, histogram: Histogram) -> None:
-        self.histogram = histogram
+    def __init__(self) -> None:
         self._began = 0.0
         self._installed = False
 
@@ -60,44 +60,44 @@ class GcPauses:
         if self._installed:
             gc.callbacks.remove(self._callback)
             self._installed = False
+
+    def timed(self, generation: int | None, seconds: float) -> None:
+        raise NotImplementedError
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
         else:
-            self.histogram.labels(str(info.get("generation", "?"))).observe(time.perf_counter() - self._began)
+            generation = info.get("generation")
+            self.timed(generation if isinstance(generation, int) else None, time.perf_counter() - self._began)
 
 
-class GcTotals:
-    """The process's garbage collections counted and timed by generation (`gc.callbacks`): what
-    a worker reports with its stats, having no metrics registry of its own."""
+class GcPauses(GcTimer):
+    """Each collection's pause in a histogram, by its generation (the router's)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        super().__init__()
+        self.histogram = histogram
+
+    def timed(self, generation: int | None, seconds: float) -> None:
+        self.histogram.labels("?" if generation is None else str(generation)).observe(seconds)
+
+
+class GcTotals(GcTimer):
+    """The collections counted and their pauses summed by generation: what a worker reports
+    with its stats, having no metrics registry of its own."""
 
     GENERATIONS = 3
 
     def __init__(self) -> None:
+        super().__init__()
         self.collections = [0] * self.GENERATIONS
         self.seconds = [0.0] * self.GENERATIONS
-        self._began = 0.0
-        self._installed = False
 
-    def install(self) -> None:
-        if not self._installed:
-            gc.callbacks.append(self._callback)
-            self._installed = True
-
-    def remove(self) -> None:
-        if self._installed:
-            gc.callbacks.remove(self._callback)
-            self._installed = False
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-            return
-        generation = info.get("generation")
-        if isinstance(generation, int) and 0 <= generation < self.GENERATIONS:
+    def timed(self, generation: int | None, seconds: float) -> None:
+        if generation is not None and 0 <= generation < self.GENERATIONS:
             self.collections[generation] += 1
-            self.seconds[generation] += time.perf_counter() - self._began
+            self.seconds[generation] += seconds
 
 
 def freeze_heap() -> int:
