@@ -10,33 +10,19 @@ Pure: text in, figures out; no I/O.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
+
+from bench.metrics_text import bucket_counts
 
 STEP_BUCKET = "pdserve_engine_step_seconds_bucket"
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)\{(.*)\}\s+(\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
-Buckets = dict[float, float]  # upper bound in seconds (inf last) -> cumulative steps
-
-
-def parse_step_buckets(metrics_text: str) -> dict[tuple[str, str], Buckets]:
+def parse_step_buckets(metrics_text: str) -> dict[tuple[str, str], dict[float, float]]:
     """Each (worker, kind)'s cumulative step counts by upper bound in one /metrics read, its
     batch buckets added up."""
-    out: dict[tuple[str, str], Buckets] = {}
-    for line in metrics_text.splitlines():
-        m = _SAMPLE.match(line.strip())
-        if m is None or m.group(1) != STEP_BUCKET:
-            continue
-        labels = dict(_LABEL.findall(m.group(2)))
-        le = labels.get("le")
-        if le is None:
-            continue
-        bound = math.inf if le == "+Inf" else float(le)
-        counts = out.setdefault((labels.get("worker", ""), labels.get("kind", "")), {})
-        counts[bound] = counts.get(bound, 0.0) + float(m.group(3))
-    return out
+    return bucket_counts(
+        metrics_text, lambda name, labels: (labels.get("worker", ""), labels.get("kind", "")) if name == STEP_BUCKET else None
+    )
 
 
 def longest_bucket(before: Mapping[float, float], after: Mapping[float, float]) -> tuple[float, float] | None:

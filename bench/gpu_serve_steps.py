@@ -17,11 +17,11 @@ Pure: text in, figures out; no I/O.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.gpu_serve_stalls import longest_label
+from bench.metrics_text import bucket_counts, labels_of, samples
 from bench.report import markdown_table
 
 STEP_SECONDS = "pdserve_engine_step_seconds"
@@ -63,8 +63,6 @@ LOOP_COUNTERS = {  # metric -> LoopTotals field
     "pdserve_engine_steps_launched_ahead_total": "ahead",
 }
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 Key = tuple[str, str, str]  # (worker, kind, batch bucket)
 
@@ -106,24 +104,16 @@ class LoopTotals:
 def parse_loops(metrics_text: str) -> dict[str, LoopTotals]:
     """Each worker's loop counters in one /metrics read."""
     out: dict[str, dict[str, float]] = {}
-    for line in metrics_text.splitlines():
-        m = _SAMPLE.match(line.strip())
-        if m is None or m.group(1) not in LOOP_COUNTERS:
-            continue
-        worker = _labels(m.group(2)).get("worker", "")
-        out.setdefault(worker, {})[LOOP_COUNTERS[m.group(1)]] = _number(m.group(3))
+    for name, labels, value in samples(metrics_text):
+        if name in LOOP_COUNTERS:
+            out.setdefault(labels.get("worker", ""), {})[LOOP_COUNTERS[name]] = value
     return {w: LoopTotals(**fields) for w, fields in out.items()}
 
 
 def parse_router_parts(metrics_text: str) -> dict[str, tuple[float, float]]:
     """(count, sum in seconds) of each `ROUTER_PARTS` histogram in one /metrics read, its series added up."""
     out: dict[str, tuple[float, float]] = {}
-    for line in metrics_text.splitlines():
-        m = _SAMPLE.match(line.strip())
-        if m is None:
-            continue
-        name, value = m.group(1), _number(m.group(3))
-        labels = _labels(m.group(2))
+    for name, labels, value in samples(metrics_text):
         for series, field in ROUTER_PARTS.items():
             if _is_series(series, name, labels, "_count", "_sum"):
                 count, total = out.get(field, (0.0, 0.0))
@@ -135,7 +125,7 @@ def _is_series(series: str, name: str, labels: Mapping[str, str], *suffixes: str
     """Whether a sample (`name`, `labels`) is one of `series` ("metric" or `metric{label="v"}`)
     under one of the metric's `suffixes` (`_count`, `_bucket`, ...)."""
     metric, _, wanted = series.partition("{")
-    return name in {metric + x for x in suffixes} and all(labels.get(k) == v for k, v in _labels(wanted).items())
+    return name in {metric + x for x in suffixes} and all(labels.get(k) == v for k, v in labels_of(wanted).items())
 
 
 def router_parts(before_text: str, after_text: str) -> dict[str, float]:
@@ -153,22 +143,10 @@ def router_parts(before_text: str, after_text: str) -> dict[str, float]:
 def parse_router_buckets(metrics_text: str) -> dict[str, dict[float, float]]:
     """The cumulative bucket counts (upper bound -> count) of each `ROUTER_TAILS` histogram in
     one /metrics read, its series added up."""
-    out: dict[str, dict[float, float]] = {}
-    for line in metrics_text.splitlines():
-        m = _SAMPLE.match(line.strip())
-        if m is None or not m.group(1).endswith("_bucket"):
-            continue
-        labels = _labels(m.group(2))
-        le = labels.pop("le", None)
-        if le is None:
-            continue
-        for series, field in ROUTER_TAILS.items():
-            if not _is_series(series, m.group(1), labels, "_bucket"):
-                continue
-            bound = math.inf if le == "+Inf" else float(le)
-            counts = out.setdefault(field, {})
-            counts[bound] = counts.get(bound, 0.0) + _number(m.group(3))
-    return out
+    def field(name: str, labels: dict[str, str]) -> str | None:
+        return next((f for series, f in ROUTER_TAILS.items() if _is_series(series, name, labels, "_bucket")), None)
+
+    return bucket_counts(metrics_text, field)
 
 
 def bucket_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
@@ -201,39 +179,23 @@ def router_tails(before_text: str, after_text: str, q: float = 0.9) -> dict[str,
     return out
 
 
-def _labels(text: str | None) -> dict[str, str]:
-    return {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(text or "")}
-
-
 def parse_steps(metrics_text: str) -> dict[Key, StepTotals]:
     """The step series of one /metrics read, by (worker, kind, batch); series that differ in other
     labels only are added up. Lines of other families, comments and `_created` samples are
     skipped."""
     out: dict[Key, StepTotals] = {}
-    for line in metrics_text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels, value = m.group(1), _labels(m.group(2)), m.group(3)
+    for name, labels, value in samples(metrics_text):
         if name == STEP_SECONDS + "_count":
-            part = StepTotals(steps=_number(value))
+            part = StepTotals(steps=value)
         elif name == STEP_SECONDS + "_sum":
-            part = StepTotals(seconds=_number(value))
+            part = StepTotals(seconds=value)
         elif name == STEP_SEQUENCES:
-            part = StepTotals(sequences=_number(value))
+            part = StepTotals(sequences=value)
         else:
             continue
         key = (labels.get("worker", ""), labels.get("kind", ""), labels.get("batch", ""))
         out[key] = out.get(key, StepTotals()) + part
     return out
-
-
-def _number(text: str) -> float:
-    v = float(text)  # "+Inf" and "NaN" parse; neither is a count a run can use
-    return v if math.isfinite(v) else 0.0
 
 
 def delta(before: Mapping[Key, StepTotals], after: Mapping[Key, StepTotals]) -> dict[Key, StepTotals]:
