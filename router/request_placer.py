@@ -66,6 +66,7 @@ class RequestPlacer:
         r = InFlight(self._books, rid, ids, params, ctx, IncrementalDetokenizer(self.tokenizer, params.stop), d_at)
         try:
             reuse = params.prompt_logprobs is None  # a scored prompt takes no prefix-cache hits
+            uncached = max(1, len(ids) - d_at.matched_blocks * cfg.block_size)  # what the decode worker lacks
             local = d_at.worker == decode_on or pools.decode_policy.prefill_here(
                 d_at, bool(pools.prefill_policy.workers), reuse)
             overflow = False
@@ -77,7 +78,7 @@ class RequestPlacer:
                 prefill = pools.prefill_policy
                 if _overflows(pools, d_at.worker, len(ids), cfg):
                     overflow = local = True  # the prefill pool is backed up: the decode worker takes it
-                    r.overflowed(max(1, len(ids) - d_at.matched_blocks * cfg.block_size))
+                    r.overflowed(uncached)
                 else:
                     p_at = prefill.place(hashes, len(ids), time.monotonic(), cfg.max_inflight_per_prefill, reuse=reuse)
                     if p_at is not None:
@@ -87,7 +88,7 @@ class RequestPlacer:
             if overflow:
                 self.metrics.prefill_overflows.inc()
             if local:
-                r.prefills_here(max(1, len(ids) - (d_at.matched_blocks * cfg.block_size if reuse else 0)))
+                r.prefills_here(uncached if reuse else len(ids))
             _end_route(route, r.p_at, d_at, local, overflow)
             if r.p_at is None and not local:
                 raise _full("prefill", pools.prefill_policy.workers, self._books.queues["prefill"])

@@ -1,8 +1,8 @@
 """Discrete-event simulation of a colocated cluster: N workers in role "both", each prefilling
 and decoding in mixed steps (`sim_mixed.SimMixed`), requests placed on arrival by the router's
 own decode placement (`DecodePolicy`: fewest prompt tokens waiting, then fewest requests in
-flight, as the router places in a cluster with no prefill pool). The same traces, performance models and SLOs as the
-disaggregated simulator, summarised the same way (`results.summarize`)."""
+flight, as the router places in a cluster with no prefill pool). The same traces, performance
+models and SLOs as the disaggregated simulator, summarised the same way (`results.summarize`)."""
 
 from __future__ import annotations
 

@@ -30,10 +30,9 @@ class DecodePlacement(PlacementStrategy):
 
     def place(self, request: PlacementRequest) -> list[str]:
         inflight = {w: self.pool.inflight[w] for w in request.open}
-        backlog = {w: self.pool.prompt_backlog.get(w, 0.0) for w in request.open}
         first = pick_decode(
             request.open, inflight, request.matched, request.headroom, request.needed_blocks,
-            c=self.cfg.load_factor, prompt_backlog=backlog,
+            c=self.cfg.load_factor, prompt_backlog=self.pool.prompt_backlog,
         )
         return ranked_first(first, request.open)
 
