@@ -110,7 +110,7 @@ from bench.gpu_serve_report import (
     watch_file,
     write_report,
 )
-from bench.gpu_serve_stalls import longest_steps
+from bench.gpu_serve_stalls import longest_first_token_waits, longest_steps
 from bench.gpu_serve_steps import run_steps
 from bench.gpu_serve_watch import summarize as summarize_watch
 from bench.gpu_serve_watch import watch
@@ -176,6 +176,7 @@ def _steps(before: tuple[str | None, str | None], after: tuple[str | None, str |
         return {"error": before[1] or after[1]}
     steps = run_steps(before[0], after[0])
     steps["longest"] = longest_steps(before[0], after[0])
+    steps["first_token_longest"] = longest_first_token_waits(before[0], after[0])
     if not steps["steps_by_kind"]:
         steps["error"] = "no pdserve_engine_step_seconds steps on /metrics during the run"
     return steps

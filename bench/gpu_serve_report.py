@@ -14,8 +14,10 @@ from pathlib import Path
 from bench.gpu_serve_capacity import TARGET as SUSTAINED_SHARE
 from bench.gpu_serve_capacity import capacity_table
 from bench.gpu_serve_compare import compare_table
+from bench.gpu_serve_stalls import first_token_table
 from bench.gpu_serve_steps import kinds_table, prefill_table, steps_table
 from bench.report import markdown_table, percent
+from bench.serve_metrics import percentiles
 
 RUN_GLOB = "run__*.json"
 SERVER_GLOB = "server__*.json"
@@ -114,8 +116,9 @@ def load(out: Path) -> tuple[list[dict], list[dict]]:
 def median_of_repeats(runs: Sequence[dict]) -> list[dict]:
     """One run per (server, workload, rate): where a rate ran more than once, the run of the
     median goodput (the lower middle one of an even count) stands for them, with every
-    goodput of its repeats in `repeats`. Machines are noisy; a run's other figures stay whole
-    rather than mixing runs."""
+    goodput of its repeats in `repeats` and the TTFT percentiles over all of their requests
+    (`pooled_ttft`). Machines are noisy; a run's other figures stay whole rather than mixing
+    runs."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["server"], r["workload"], r["rate"]), []).append(r)
@@ -126,8 +129,19 @@ def median_of_repeats(runs: Sequence[dict]) -> list[dict]:
             continue
         ranked = sorted(group, key=lambda r: r["summary"]["goodput_req_s"])
         median = ranked[(len(ranked) - 1) // 2]
-        out.append(median | {"repeats": [r["summary"]["goodput_req_s"] for r in ranked]})
+        out.append(median | {"repeats": [r["summary"]["goodput_req_s"] for r in ranked]} | pooled_ttft(group))
     return out
+
+
+def pooled_ttft(group: Sequence[dict]) -> dict:
+    """The TTFT percentiles (ms) over every request of a rate's repeats, as `pooled_ttft_ms`,
+    with their count: a p99 over one run of a few hundred requests is its three or four
+    slowest, and one stall decides it; over every repeat it is a figure of the server.
+    {} where a run has no timeline."""
+    if any("timeline" not in r for r in group):
+        return {}
+    ttfts = [row[1] for r in group for row in r["timeline"] if row[1] is not None]
+    return {"pooled_ttft_ms": percentiles(ttfts, scale=1.0), "pooled_requests": len(ttfts)}
 
 
 def _order(names: Sequence[str], preferred: Sequence[str]) -> list[str]:
@@ -236,10 +250,12 @@ def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
     steps_head = "Decode step in serving (busiest batch bucket of each decode worker) beside the engine's:"
     prefill = prefill_table(runs)
     kinds = kinds_table(runs)
+    first = first_token_table(runs)
     parts = [header, runs_table(runs, workloads, order), note, compare_table(runs, saturated), capacity_table(runs),
              servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0]),
              prefill and f"Prefill steps in serving (each prefill worker, every batch size), and the router's means (and two p90s) of what a TTFT is made of:\n\n{prefill}",
-             kinds and f"Each worker's steps by kind (count × mean, mean sequences a step; share of its step time):\n\n{kinds}"]  # fmt: skip
+             kinds and f"Each worker's steps by kind (count × mean, mean sequences a step; share of its step time):\n\n{kinds}",
+             first and f"Where the slowest first token waited (the router's figures are its buckets' bounds):\n\n{first}"]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

@@ -138,7 +138,10 @@ class WorkerCalls:
             request = worker_pb2.SubmitRequest(
                 prompt_token_ids=ids, params=worker_params(params), request_id=r.rid, trace_context=carrier_of(span)
             )
-            return await r.shielded(r.decode.submit(request, self.config.decode_start_timeout_s))
+            sent = time.monotonic()
+            submitted = await r.shielded(r.decode.submit(request, self.config.decode_start_timeout_s))
+            self.metrics.local_submit.observe(time.monotonic() - sent)
+            return submitted
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise

@@ -94,6 +94,13 @@ class RouterMetrics:
             "clocks (exact on one host).",
             ["part"], buckets=_LATENCY, registry=r,
         )
+        self.local_submit = Histogram(
+            "pdserve_local_prefill_submit_seconds",
+            "A local prefill's submit call as the router waits for it: the way to its decode worker, the worker "
+            "queueing the prompt in its engine (under the engine loop's lock) and the way back; part of "
+            "pdserve_prefill_duration_seconds for a local prefill.",
+            buckets=_LATENCY, registry=r,
+        )
         self.loop_lag = Histogram(
             "pdserve_router_event_loop_lag_seconds",
             "How much later than asked the router's event loop woke a task sleeping 20 ms: how long a callback "

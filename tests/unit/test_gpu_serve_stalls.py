@@ -3,7 +3,14 @@ before and after it (`bench/gpu_serve_stalls.py`). Pure."""
 
 from __future__ import annotations
 
-from bench.gpu_serve_stalls import longest_bucket, longest_label, longest_steps, parse_step_buckets
+from bench.gpu_serve_stalls import (
+    first_token_table,
+    longest_bucket,
+    longest_first_token_waits,
+    longest_label,
+    longest_steps,
+    parse_step_buckets,
+)
 from bench.gpu_serve_steps import kinds_table, run_steps
 
 BOUNDS = ("0.004", "0.008", "0.25", "0.5", "+Inf")
@@ -47,3 +54,37 @@ def test_the_kinds_table_gives_each_workers_longest_step_by_kind():
     table = kinds_table([{"server": "pdserve-colocated", "workload": "chat", "rate": 96.0, "engine_steps": rec}])
     row = next(line for line in table.splitlines() if "decode-0" in line)
     assert [c.strip() for c in row.strip(" |").split("|")][-1] == "≤ 500 ms / - / -", table
+
+
+def router_histogram(name: str, per_bucket: tuple[int, ...]) -> str:
+    out, total = "", 0
+    for le, n in zip(BOUNDS, per_bucket):
+        total += n
+        out += f'{name}_bucket{{le="{le}"}} {total}\n'
+    return out
+
+
+def test_the_router_s_longest_first_token_waits_place_a_stall_in_the_submit_call():
+    ttft, call, submit = (
+        "pdserve_time_to_first_token_seconds", "pdserve_prefill_duration_seconds", "pdserve_local_prefill_submit_seconds"
+    )
+    before = router_histogram(ttft, (10, 0, 0, 0, 0)) + router_histogram(call, (10, 0, 0, 0, 0))
+    # In the run: one first token of 250-500 ms, its prefill call as long, and its submit call too.
+    after = (
+        router_histogram(ttft, (300, 50, 0, 1, 0)) + router_histogram(call, (300, 50, 0, 1, 0))
+        + router_histogram(submit, (350, 0, 0, 1, 0)) + router_histogram("pdserve_other_seconds", (0, 0, 0, 0, 9))
+    )
+    waits = longest_first_token_waits(before, after)
+    assert waits == {key: {"at_most_ms": 500.0} for key in ("ttft", "prefill_call", "submit_call")}
+    assert longest_first_token_waits(after, after) == {}
+
+    rec = run_steps("", "")
+    rec["first_token_longest"] = waits
+    rec["longest"] = {"decode-0": {"decode": {"at_most_ms": 8.0}, "mixed": {"at_most_ms": 16.0}}, "decode-1": {"decode": {"at_most_ms": 4.0}}}
+    run = {"server": "pdserve-colocated", "workload": "chat", "rate": 96.0, "engine_steps": rec,
+           "timeline": [[0.0, 20.0, 300.0, 10], [0.1, 315.2, 600.0, 10], [0.2, None, 5.0, 0]]}
+    table = first_token_table([run])
+    row = next(line for line in table.splitlines() if "pdserve-colocated" in line)
+    # The engine's longest step was 16 ms: the stall was in the call that queues the prompt.
+    assert [c.strip() for c in row.strip(" |").split("|")][3:] == ["315", "≤ 500 ms", "≤ 500 ms", "≤ 500 ms", "≤ 16 ms"]
+    assert first_token_table([{**run, "engine_steps": run_steps("", "")}]) == ""  # a run without them

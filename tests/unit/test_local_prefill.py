@@ -100,6 +100,32 @@ def test_a_colocated_router_streams_every_token_from_the_decode_worker():
     asyncio.run(go())
 
 
+def test_a_slow_submit_call_shows_in_its_own_histogram_within_the_prefill_wait():
+    """A local prompt's first token waits for the submit call that queues it: that call's round
+    trip is measured apart, so a stall there is told from one in the engine."""
+
+    async def go() -> None:
+        decode = FakeDecode()
+        decode.submit_gate = asyncio.Event()
+        router = make_router([], [decode])
+        await router.start()
+        try:
+            asked = asyncio.ensure_future(ask(router, "slow", list(range(100, 140)), max_tokens=2))
+            await wait_until(lambda: ("submit waiting", "slow") in decode.calls)
+            await asyncio.sleep(0.3)
+            decode.submit_gate.set()
+            await asked
+            value = router.metrics.registry.get_sample_value
+            assert value("pdserve_local_prefill_submit_seconds_count") == 1
+            submit_s = value("pdserve_local_prefill_submit_seconds_sum")
+            assert 0.3 <= submit_s <= value("pdserve_prefill_duration_seconds_sum")
+            assert value("pdserve_local_prefill_submit_seconds_bucket", {"le": "0.25"}) == 0
+        finally:
+            await router.stop()
+
+    asyncio.run(go())
+
+
 def test_a_colocated_router_sends_a_prompt_where_fewer_prompt_tokens_wait_for_their_first_token():
     """Two colocated workers as loaded: the one still prefilling a long prompt is passed over
     for the one whose waiting prompt is short (by requests in flight alone, the first listed
