@@ -22,11 +22,17 @@ from bench.report import markdown_table
 
 STEP_BUCKET = "pdserve_engine_step_seconds_bucket"
 # The router's histograms of what a first token waited for, by the name the run record keeps.
+# (histogram, its `part` label or None).
+SUBMIT = "pdserve_local_prefill_submit_seconds"
 FIRST_TOKEN_WAITS = {
-    "ttft": "pdserve_time_to_first_token_seconds",
-    "prefill_call": "pdserve_prefill_duration_seconds",
-    "submit_call": "pdserve_local_prefill_submit_seconds",
+    "ttft": ("pdserve_time_to_first_token_seconds", None),
+    "prefill_call": ("pdserve_prefill_duration_seconds", None),
+    "submit_call": (SUBMIT, "call"),
+    "submit_send": (SUBMIT, "send"),
+    "submit_worker": (SUBMIT, "worker"),
+    "submit_reply": (SUBMIT, "reply"),
 }
+SUBMIT_PARTS = ("submit_call", "submit_send", "submit_worker", "submit_reply")
 
 
 def parse_step_buckets(metrics_text: str) -> dict[tuple[str, str], dict[float, float]]:
@@ -76,8 +82,8 @@ def longest_first_token_waits(before_text: str, after_text: str) -> dict[str, di
     the first)."""
 
     def of(text: str) -> dict[str, dict[float, float]]:
-        names = {f"{metric}_bucket": key for key, metric in FIRST_TOKEN_WAITS.items()}
-        return bucket_counts(text, lambda name, labels: names.get(name))
+        wanted = {(f"{metric}_bucket", part): key for key, (metric, part) in FIRST_TOKEN_WAITS.items()}
+        return bucket_counts(text, lambda name, labels: wanted.get((name, labels.get("part"))))
 
     before, out = of(before_text), {}
     for key, counts in sorted(of(after_text).items()):
@@ -99,13 +105,14 @@ def first_token_table(runs: Sequence[dict]) -> str:
         ttfts = [row[1] for row in r.get("timeline") or [] if row[1] is not None]
         steps = [b for kinds in (rec.get("longest") or {}).values() for b in kinds.values()]
         body.append([r["server"], r["workload"], f"{r['rate']:g}", f"{max(ttfts):,.0f}" if ttfts else "-",
-                     *(longest_label(waits.get(k)) for k in FIRST_TOKEN_WAITS),
+                     longest_label(waits.get("ttft")), longest_label(waits.get("prefill_call")),
+                     " / ".join(longest_label(waits.get(k)) for k in SUBMIT_PARTS),
                      longest_label(max(steps, key=_upper, default=None))])  # fmt: skip
     if not body:
         return ""
     return markdown_table(["server", "workload", "rate req/s", "client: slowest TTFT ms", "router: longest TTFT",
-                           "longest prefill call", "longest submit call (local)", "longest step (any worker)"],
-                          body)  # fmt: skip
+                           "longest prefill call", "longest submit call (local): whole / there / on the worker / back",
+                           "longest step (any worker)"], body)  # fmt: skip
 
 
 def _upper(bucket: Mapping[str, float]) -> float:

@@ -105,6 +105,7 @@ class DecodeWorker(WorkerBase):
     ) -> worker_pb2.DecodeSubmit:
         """Prefill and decode a request here for `router_id`. Returns once it is queued in the
         engine; its tokens, the first included, come out through that router's `poll`."""
+        arrived_ns = time.time_ns()
         with self._tracer.start_span(
             "pdserve.decode.local_prefill", context=context_of(trace_context), kind=trace.SpanKind.SERVER,
             attributes={"pdserve.request_id": request_id, "pdserve.worker_id": self.worker_id,
@@ -121,7 +122,8 @@ class DecodeWorker(WorkerBase):
                 self.local_prefills += 1
             self.loop.wake()
             span.set_attribute("pdserve.cached_tokens", cached)
-        return worker_pb2.DecodeSubmit(cached_prompt_tokens=cached)
+        took_s = max(0, time.time_ns() - arrived_ns) / 1e9
+        return worker_pb2.DecodeSubmit(cached_prompt_tokens=cached, arrived_unix_s=arrived_ns / 1e9, worker_seconds=took_s)
 
     def abort(self, request_id: str) -> bool:
         with self.loop.lock:

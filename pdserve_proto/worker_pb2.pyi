@@ -270,10 +270,14 @@ class DecodePrefetch(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeSubmit(_message.Message):
-    __slots__ = ("cached_prompt_tokens",)
+    __slots__ = ("cached_prompt_tokens", "arrived_unix_s", "worker_seconds")
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     cached_prompt_tokens: int
-    def __init__(self, cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    arrived_unix_s: float
+    worker_seconds: float
+    def __init__(self, cached_prompt_tokens: _Optional[int] = ..., arrived_unix_s: _Optional[float] = ..., worker_seconds: _Optional[float] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
     __slots__ = ("request_id", "token_ids", "finish_reason", "seq", "logprobs", "top_logprobs", "prompt_logprobs")

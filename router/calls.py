@@ -138,15 +138,27 @@ class WorkerCalls:
             request = worker_pb2.SubmitRequest(
                 prompt_token_ids=ids, params=worker_params(params), request_id=r.rid, trace_context=carrier_of(span)
             )
-            sent = time.monotonic()
+            sent, sent_wall = time.monotonic(), time.time()
             submitted = await r.shielded(r.decode.submit(request, self.config.decode_start_timeout_s))
-            self.metrics.local_submit.observe(time.monotonic() - sent)
+            self._observe_submit(submitted, time.monotonic() - sent, sent_wall)
             return submitted
         except RouterError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
         finally:
             span.end()
+
+
+    def _observe_submit(self, submitted: worker_pb2.DecodeSubmit, waited: float, sent: float) -> None:
+        """A submit call's round trip, and where the worker reports its time on it, that time and
+        the ways there and back by the two wall clocks (as `_observe_phases` splits a prefill call)."""
+        m = self.metrics.local_submit
+        m.labels("call").observe(waited)
+        if submitted.arrived_unix_s <= 0:  # a worker that does not report it
+            return
+        m.labels("worker").observe(submitted.worker_seconds)
+        m.labels("send").observe(max(0.0, submitted.arrived_unix_s - sent))
+        m.labels("reply").observe(max(0.0, sent + waited - submitted.arrived_unix_s - submitted.worker_seconds))
 
 
 def worker_params(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:

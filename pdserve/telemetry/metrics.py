@@ -96,10 +96,11 @@ class RouterMetrics:
         )
         self.local_submit = Histogram(
             "pdserve_local_prefill_submit_seconds",
-            "A local prefill's submit call as the router waits for it: the way to its decode worker, the worker "
-            "queueing the prompt in its engine (under the engine loop's lock) and the way back; part of "
-            "pdserve_prefill_duration_seconds for a local prefill.",
-            buckets=_LATENCY, registry=r,
+            "A local prefill's submit call (part of its pdserve_prefill_duration_seconds): part=call, the router's "
+            "whole wait for it; part=worker, the decode worker's time on it (queueing the prompt in its engine, "
+            "the wait for the engine loop's lock included); part=send and part=reply, the way there and the way "
+            "back, by the router's and the worker's wall clocks (exact on one host).",
+            ["part"], buckets=_LATENCY, registry=r,
         )
         self.loop_lag = Histogram(
             "pdserve_router_event_loop_lag_seconds",

@@ -60,6 +60,13 @@ def test_concurrent_colocated_streams_equal_offline_generate(
     convs = [chat(q, system=True) for q in QUESTIONS] + [chat(q + " Explain.", system=False) for q in QUESTIONS]
     params = greedy(16, ignore_eos=True)
     before = cluster.router.placement_stats()["prefills"]
+    value = cluster.router.metrics.registry.get_sample_value
+
+    def submit_s(part: str, stat: str = "sum") -> float:
+        return value(f"pdserve_local_prefill_submit_seconds_{stat}", {"part": part}) or 0.0
+
+    parts = ("call", "send", "worker", "reply")
+    counted, summed = {p: submit_s(p, "count") for p in parts}, {p: submit_s(p) for p in parts}
     with ThreadPoolExecutor(len(convs)) as pool:
         results = list(pool.map(lambda m: stream(channel, pb.GenerateRequest(messages=m, sampling_params=params)), convs))
     prompts = [offline.chat_prompt([{"role": m.role, "content": m.content} for m in conv]) for conv in convs]
@@ -71,6 +78,10 @@ def test_concurrent_colocated_streams_equal_offline_generate(
         assert chunks[-1].usage.prompt_tokens == len(offline.tokenizer.encode(prompts[i]))
     after = cluster.router.placement_stats()["prefills"]
     assert after["local"] - before["local"] == len(convs) and after["remote"] == before["remote"] == 0
+    # Each submit call timed, and split by the worker's report: on one host its legs make up the call.
+    assert all(submit_s(p, "count") - counted[p] == len(convs) for p in parts)
+    legs = sum(submit_s(p) - summed[p] for p in ("send", "worker", "reply"))
+    assert submit_s("worker") > summed["worker"] and legs == pytest.approx(submit_s("call") - summed["call"], abs=0.01)
     wait_until(blocks_free(channel), 15, "every KV block to be freed")
 
 

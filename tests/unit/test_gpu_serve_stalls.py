@@ -56,11 +56,12 @@ def test_the_kinds_table_gives_each_workers_longest_step_by_kind():
     assert [c.strip() for c in row.strip(" |").split("|")][-1] == "≤ 500 ms / - / -", table
 
 
-def router_histogram(name: str, per_bucket: tuple[int, ...]) -> str:
+def router_histogram(name: str, per_bucket: tuple[int, ...], part: str = "") -> str:
     out, total = "", 0
     for le, n in zip(BOUNDS, per_bucket):
         total += n
-        out += f'{name}_bucket{{le="{le}"}} {total}\n'
+        label = f'le="{le}"' + (f',part="{part}"' if part else "")
+        out += f"{name}_bucket{{{label}}} {total}\n"
     return out
 
 
@@ -72,10 +73,13 @@ def test_the_router_s_longest_first_token_waits_place_a_stall_in_the_submit_call
     # In the run: one first token of 250-500 ms, its prefill call as long, and its submit call too.
     after = (
         router_histogram(ttft, (300, 50, 0, 1, 0)) + router_histogram(call, (300, 50, 0, 1, 0))
-        + router_histogram(submit, (350, 0, 0, 1, 0)) + router_histogram("pdserve_other_seconds", (0, 0, 0, 0, 9))
+        + router_histogram(submit, (350, 0, 0, 1, 0), "call") + router_histogram(submit, (351, 0, 0, 0, 0), "send")
+        + router_histogram(submit, (350, 0, 1, 0, 0), "worker") + router_histogram(submit, (350, 0, 0, 1, 0), "reply")
+        + router_histogram("pdserve_other_seconds", (0, 0, 0, 0, 9))
     )
     waits = longest_first_token_waits(before, after)
-    assert waits == {key: {"at_most_ms": 500.0} for key in ("ttft", "prefill_call", "submit_call")}
+    assert waits == {key: {"at_most_ms": 500.0} for key in ("ttft", "prefill_call", "submit_call", "submit_reply")} | {
+        "submit_send": {"at_most_ms": 4.0}, "submit_worker": {"at_most_ms": 250.0}}
     assert longest_first_token_waits(after, after) == {}
 
     rec = run_steps("", "")
@@ -85,6 +89,7 @@ def test_the_router_s_longest_first_token_waits_place_a_stall_in_the_submit_call
            "timeline": [[0.0, 20.0, 300.0, 10], [0.1, 315.2, 600.0, 10], [0.2, None, 5.0, 0]]}
     table = first_token_table([run])
     row = next(line for line in table.splitlines() if "pdserve-colocated" in line)
-    # The engine's longest step was 16 ms: the stall was in the call that queues the prompt.
-    assert [c.strip() for c in row.strip(" |").split("|")][3:] == ["315", "≤ 500 ms", "≤ 500 ms", "≤ 500 ms", "≤ 16 ms"]
+    # The engine's longest step was 16 ms: the stall was in the call that queues the prompt, on its way back.
+    assert [c.strip() for c in row.strip(" |").split("|")][3:] == [
+        "315", "≤ 500 ms", "≤ 500 ms", "≤ 500 ms / ≤ 4 ms / ≤ 250 ms / ≤ 500 ms", "≤ 16 ms"]
     assert first_token_table([{**run, "engine_steps": run_steps("", "")}]) == ""  # a run without them

@@ -116,10 +116,13 @@ def test_a_slow_submit_call_shows_in_its_own_histogram_within_the_prefill_wait()
             decode.submit_gate.set()
             await asked
             value = router.metrics.registry.get_sample_value
-            assert value("pdserve_local_prefill_submit_seconds_count") == 1
-            submit_s = value("pdserve_local_prefill_submit_seconds_sum")
+            call = {"part": "call"}
+            assert value("pdserve_local_prefill_submit_seconds_count", call) == 1
+            submit_s = value("pdserve_local_prefill_submit_seconds_sum", call)
             assert 0.3 <= submit_s <= value("pdserve_prefill_duration_seconds_sum")
-            assert value("pdserve_local_prefill_submit_seconds_bucket", {"le": "0.25"}) == 0
+            assert value("pdserve_local_prefill_submit_seconds_bucket", {**call, "le": "0.25"}) == 0
+            # The double reports no time of its own: the call is not split into its legs.
+            assert value("pdserve_local_prefill_submit_seconds_count", {"part": "worker"}) is None
         finally:
             await router.stop()
 
