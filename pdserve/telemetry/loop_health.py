@@ -8,19 +8,53 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 from typing import Any
 
 from prometheus_client import Histogram
+
+log = logging.getLogger(__name__)
+
+# A loop late by this much, or a collection this long, held every stream and every first token
+# of the process for it: said in the log (the histograms' buckets only bound it), at most once
+# per interval, with the count so far. A router without /metrics (a `--routers N` replica) is
+# seen only there.
+STALL_S = 0.2
+GC_STALL_S = 0.1
+STALL_LOG_EVERY_S = 10.0
+
+
+class StallLog:
+    """Counts pauses past a threshold and says each in the log, at most once per interval."""
+
+    def __init__(self, what: str, threshold_s: float, every_s: float = STALL_LOG_EVERY_S) -> None:
+        self.what = what
+        self.threshold_s = threshold_s
+        self.every_s = every_s
+        self.count = 0
+        self._logged_at = -every_s
+
+    def saw(self, seconds: float, detail: str = "") -> None:
+        if seconds < self.threshold_s:
+            return
+        self.count += 1
+        now = time.monotonic()
+        if now - self._logged_at < self.every_s:
+            return
+        self._logged_at = now
+        log.warning("%s %.0f ms%s (%d of %.0f ms or more so far)", self.what, 1e3 * seconds, detail, self.count,
+                    1e3 * self.threshold_s)
 
 
 class LoopLag:
     """A task that sleeps `interval_s` again and again: how much later than asked the loop wakes
     it is how long a callback that became ready then waited behind the loop's other work."""
 
-    def __init__(self, histogram: Histogram, interval_s: float = 0.02) -> None:
+    def __init__(self, histogram: Histogram, interval_s: float = 0.02, stall_s: float = STALL_S) -> None:
         self.histogram = histogram
         self.interval_s = interval_s
+        self.stalls = StallLog("router event loop stalled:", stall_s)
         self._task: asyncio.Task | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -40,7 +74,9 @@ class LoopLag:
         while True:
             began = time.perf_counter()
             await asyncio.sleep(self.interval_s)
-            self.histogram.observe(max(0.0, time.perf_counter() - began - self.interval_s))
+            lag = max(0.0, time.perf_counter() - began - self.interval_s)
+            self.histogram.observe(lag)
+            self.stalls.saw(lag, " late (a callback ran that long, or the process was paused)")
 
 
 class GcTimer:
@@ -75,12 +111,14 @@ class GcTimer:
 class GcPauses(GcTimer):
     """Each collection's pause in a histogram, by its generation (the router's)."""
 
-    def __init__(self, histogram: Histogram) -> None:
+    def __init__(self, histogram: Histogram, stall_s: float = GC_STALL_S) -> None:
         super().__init__()
         self.histogram = histogram
+        self.stalls = StallLog("router garbage collection paused the process", stall_s)
 
     def timed(self, generation: int | None, seconds: float) -> None:
         self.histogram.labels("?" if generation is None else str(generation)).observe(seconds)
+        self.stalls.saw(seconds, f" (generation {generation})")
 
 
 class GcTotals(GcTimer):

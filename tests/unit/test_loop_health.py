@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.telemetry.loop_health import GcPauses, GcTotals, LoopLag, freeze_heap, release_heap
+from pdserve.telemetry.loop_health import GcPauses, GcTotals, LoopLag, StallLog, freeze_heap, release_heap
 from pdserve.telemetry.metrics import RouterMetrics
 
 
@@ -100,3 +101,38 @@ def test_the_router_freezes_its_start_up_heap_once_up_and_hands_it_back_when_it_
 def _in_generations(obj: object) -> bool:
     """Whether a collection of some generation would scan `obj`."""
     return any(x is obj for x in gc.get_objects())
+
+
+def test_a_stall_of_the_loop_is_said_in_the_log_once_per_interval(caplog):
+    """A router without /metrics (a replica) shows its stalls only in its log."""
+    metrics = RouterMetrics(CollectorRegistry())
+    lag = LoopLag(metrics.loop_lag, interval_s=0.005, stall_s=0.1)
+
+    async def main() -> None:
+        lag.start(asyncio.get_running_loop())
+        await asyncio.sleep(0.05)
+        assert lag.stalls.count == 0  # an idle loop: nothing said
+        for _ in range(2):
+            time.sleep(0.15)  # noqa: ASYNC251 - blocks the loop on purpose
+            await asyncio.sleep(0.02)
+        lag.stop()
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.telemetry.loop_health"):
+        asyncio.run(main())
+    assert lag.stalls.count == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("router event loop stalled: ") and "(1 of 100 ms or more so far)" in said[0]
+
+
+def test_a_long_collection_is_said_in_the_log(caplog):
+    stalls = StallLog("paused", threshold_s=0.05, every_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="pdserve.telemetry.loop_health"):
+        stalls.saw(0.01)
+        stalls.saw(0.2, " (generation 2)")
+        stalls.saw(0.3, " (generation 2)")
+    assert stalls.count == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "paused 200 ms (generation 2) (1 of 50 ms or more so far)", "paused 300 ms (generation 2) (2 of 50 ms or more so far)"]
+    pauses = GcPauses(RouterMetrics(CollectorRegistry()).gc_pause, stall_s=0.0)
+    pauses.timed(2, 0.001)
+    assert pauses.stalls.count == 1
