@@ -3,11 +3,13 @@ process over N synthetic decode workers, loaded over HTTP from another process.
 
 A synthetic worker is an in-process `DecodeHandle` (no engine, no Ray) stepping d0 + d1 * batch
 seconds, one update per request per step, whose `poll` behaves as `DecodeWorker.poll`; its own
-CPU is taken out of the router's. The load is `pdserve bench serve`'s chat workload. Reported:
+CPU is taken out of the router's. The load is `pdserve bench serve`'s chat workload, or with
+--gpu-workload one of bench/gpu_serve.py's (long-prompt: 3,000-token prompts). Reported:
 router CPU per 1000 tokens and SSE events, tokens per event, polls per 1000 tokens, TTFT, ITL.
 --compare OLD_TREE runs an older checkout's router first; --poll-cpu-us models a Ray poll's cost.
     python bench/router_stream.py [--workers 1,2,4] [--rate 20] [--requests 200] [--saturate-rate 80]
-        [--saturate-requests 400] [--poll-cpu-us 0] [--poll-interval-ms 0] [--compare OLD_TREE] [--json]
+        [--saturate-requests 400] [--poll-cpu-us 0] [--poll-interval-ms 0] [--gpu-workload NAME]
+        [--compare OLD_TREE] [--json]
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class RunConfig:
     rate: float
     requests: int
     tree: str  # "" this checkout; else another checkout's router
+    gpu_workload: str = ""  # "": `pdserve bench serve`'s chat; else a bench/gpu_serve.py workload
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,12 @@ def _pct(values: Iterable[float], p: float) -> float | None:
 def measure(run: RunConfig, model: WorkerModel, poll_interval_ms: float, seed: int) -> dict:
     from bench.serve_workload import Request, synthetic
 
-    requests = synthetic("chat", run.requests, seed, 2048, 512)
+    if run.gpu_workload:
+        from bench.gpu_serve_workloads import WORKLOADS
+
+        requests = WORKLOADS[run.gpu_workload].requests(run.requests, seed)
+    else:
+        requests = synthetic("chat", run.requests, seed, 2048, 512)
     server = RouterProcess(run.workers, model, poll_interval_ms, run.tree)
     try:
         asyncio.run(_load(server.url, 50.0, [Request(r.prompt, 16) for r in requests[:10]], seed))  # warm-up
@@ -338,6 +346,7 @@ def measure(run: RunConfig, model: WorkerModel, poll_interval_ms: float, seed: i
         "rate": run.rate,
         "poll_cpu_us": model.poll_cpu_us,
         "poll_interval_ms": poll_interval_ms,
+        "workload": run.gpu_workload or "chat (bench serve)",
         "requests": run.requests,
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
@@ -361,7 +370,7 @@ def measure(run: RunConfig, model: WorkerModel, poll_interval_ms: float, seed: i
 
 
 COLUMNS = (
-    ("tree", "{}"), ("workers", "{}"), ("rate", "{:g}"), ("poll_cpu_us", "{:g}"), ("poll_interval_ms", "{:g}"), ("tok_s", "{:.0f}"), ("router_cpu_share", "{:.2f}"),
+    ("tree", "{}"), ("workload", "{}"), ("workers", "{}"), ("rate", "{:g}"), ("poll_cpu_us", "{:g}"), ("poll_interval_ms", "{:g}"), ("tok_s", "{:.0f}"), ("router_cpu_share", "{:.2f}"),
     ("client_cpu_share", "{:.2f}"),
     ("cpu_ms_per_1k_tok", "{:.1f}"), ("cpu_ms_per_1k_chunks", "{:.1f}"), ("tok_per_chunk", "{:.2f}"),
     ("polls_per_1k_tok", "{:.0f}"), ("ttft_p50_ms", "{}"), ("ttft_p99_ms", "{}"), ("itl_p50_ms", "{}"),
@@ -389,6 +398,9 @@ def main() -> int:
                     help="CPU a poll costs the router's event loop on top (a Ray call's part; default: 0)")
     ap.add_argument("--poll-interval-ms", type=float, default=0.0,
                     help="the router's --poll-interval-ms (RouterConfig.poll_interval_s; default: 0, none)")
+    ap.add_argument("--gpu-workload", default="", metavar="NAME",
+                    help="one of bench/gpu_serve.py's workloads (chat, long-prompt, prefix-sharing) instead of "
+                         "pdserve bench serve's chat")
     ap.add_argument("--compare", default="", metavar="OLD_TREE", help="also run another checkout's router, first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
@@ -402,6 +414,11 @@ def main() -> int:
         asyncio.run(_serve(int(args.workers), model, args.poll_interval_ms / 1000))
         return 0
     sys.path.insert(0, str(ROOT))
+    if args.gpu_workload:
+        from bench.gpu_serve_workloads import WORKLOADS
+
+        if args.gpu_workload not in WORKLOADS:
+            ap.error(f"--gpu-workload: {args.gpu_workload!r}; one of {', '.join(WORKLOADS)}")
     trees = [str(Path(args.compare).resolve()), ""] if args.compare else [""]
     runs = [(int(n), args.rate, args.requests) for n in args.workers.split(",")]
     if args.saturate_rate:
@@ -409,7 +426,7 @@ def main() -> int:
     rows = []
     for n, rate, m in runs:
         for tree in trees:
-            rows.append(measure(RunConfig(n, rate, m, tree), model, args.poll_interval_ms, args.seed))
+            rows.append(measure(RunConfig(n, rate, m, tree, args.gpu_workload), model, args.poll_interval_ms, args.seed))
             print(table(rows[-1:]), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
