@@ -30,7 +30,8 @@ class RouterTelemetry:
         self.tracing = tracing
         self.metrics = metrics
         self.server: MetricsServer | None = None
-        # Sampled while /metrics is served: the loop's lag and the process's collections.
+        # The loop's lag and the process's collections, from `watch` on (every router, with or
+        # without /metrics: a replica's stalls show in its log).
         self.loop_lag = LoopLag(metrics.loop_lag)
         self.gc_pauses = GcPauses(metrics.gc_pause)
         self.frozen_objects = 0  # the start-up heap frozen out of the collector's reach (`freeze`)
@@ -64,9 +65,12 @@ class RouterTelemetry:
 
         self.metrics.registry.register(ClusterCollector(read_stats, worker_series))
         self.server = MetricsServer.start(self.metrics.registry, host, port)
+        return self.server.port
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sample `loop`'s lag and time the process's collections from now on."""
         self.loop_lag.start(loop)
         self.gc_pauses.install()
-        return self.server.port
 
     def freeze(self) -> int:
         """Once the router is up: its start-up heap out of the collector's scans (`freeze_heap`)."""

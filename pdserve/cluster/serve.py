@@ -375,6 +375,7 @@ async def start_edge(
             cfg.host, cfg.metrics_port, router.cluster_stats, asyncio.get_running_loop(), cfg.export_worker_metrics
         )
     telemetry.freeze()  # all that start-up loaded, out of every later full collection's scan
+    telemetry.watch(asyncio.get_running_loop())
     return server, port, http
 
 

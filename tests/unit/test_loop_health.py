@@ -136,3 +136,26 @@ def test_a_long_collection_is_said_in_the_log(caplog):
     pauses = GcPauses(RouterMetrics(CollectorRegistry()).gc_pause, stall_s=0.0)
     pauses.timed(2, 0.001)
     assert pauses.stalls.count == 1
+
+
+def test_a_router_without_metrics_watches_its_loop_too():
+    """A `--routers N` replica serves no /metrics: it samples its loop and times its collections
+    all the same, so its stalls reach its log."""
+    from pdserve.cluster.observability import RouterTelemetry
+    from pdserve.cluster.serve_config import ServeConfig
+
+    telemetry = RouterTelemetry.create(ServeConfig())
+
+    async def main() -> None:
+        telemetry.watch(asyncio.get_running_loop())
+        try:
+            await asyncio.sleep(0.05)
+            time.sleep(0.25)  # noqa: ASYNC251 - blocks the loop on purpose
+            await asyncio.sleep(0.05)
+            gc.collect(2)
+        finally:
+            telemetry.stop()
+
+    asyncio.run(main())
+    assert telemetry.metrics_port is None and telemetry.loop_lag.stalls.count == 1
+    assert _sum(telemetry.metrics, "pdserve_router_gc_pause_seconds_count", generation="2") == 1
