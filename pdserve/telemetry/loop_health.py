@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 from typing import Any
 
@@ -43,8 +44,8 @@ class StallLog:
         if now - self._logged_at < self.every_s:
             return
         self._logged_at = now
-        log.warning("%s %.0f ms%s (%d of %.0f ms or more so far)", self.what, 1e3 * seconds, detail, self.count,
-                    1e3 * self.threshold_s)
+        log.warning("%s %.0f ms%s in process %d (%d of %.0f ms or more so far)", self.what, 1e3 * seconds, detail,
+                    os.getpid(), self.count, 1e3 * self.threshold_s)
 
 
 class LoopLag:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 
 from prometheus_client import CollectorRegistry
@@ -131,8 +132,10 @@ def test_a_long_collection_is_said_in_the_log(caplog):
         stalls.saw(0.2, " (generation 2)")
         stalls.saw(0.3, " (generation 2)")
     assert stalls.count == 2
+    pid = os.getpid()
     assert [r.getMessage() for r in caplog.records] == [
-        "paused 200 ms (generation 2) (1 of 50 ms or more so far)", "paused 300 ms (generation 2) (2 of 50 ms or more so far)"]
+        f"paused 200 ms (generation 2) in process {pid} (1 of 50 ms or more so far)",
+        f"paused 300 ms (generation 2) in process {pid} (2 of 50 ms or more so far)"]
     pauses = GcPauses(RouterMetrics(CollectorRegistry()).gc_pause, stall_s=0.0)
     pauses.timed(2, 0.001)
     assert pauses.stalls.count == 1
