@@ -148,7 +148,6 @@ class WorkerCalls:
         finally:
             span.end()
 
-
     def _observe_submit(self, submitted: worker_pb2.DecodeSubmit, waited: float, sent: float) -> None:
         """A submit call's round trip, and where the worker reports its time on it, that time and
         the ways there and back by the two wall clocks (as `_observe_phases` splits a prefill call)."""
