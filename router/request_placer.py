@@ -66,7 +66,7 @@ class RequestPlacer:
         r = InFlight(self._books, rid, ids, params, ctx, IncrementalDetokenizer(self.tokenizer, params.stop), d_at)
         try:
             reuse = params.prompt_logprobs is None  # a scored prompt takes no prefix-cache hits
-            uncached = max(1, len(ids) - d_at.matched_blocks * cfg.block_size)  # what the decode worker lacks
+            uncached = d_at.uncached_tokens(cfg.block_size)  # what the decode worker lacks
             local = d_at.worker == decode_on or pools.decode_policy.prefill_here(
                 d_at, bool(pools.prefill_policy.workers), reuse)
             overflow = False

@@ -97,7 +97,7 @@ class ColocatedSimulation:
 
     def own_prompt(self, i: int) -> float:
         """The prompt tokens request i's worker computes: its prompt less the prefix it held."""
-        return max(1, self.reqs[i].input_len - self.placed[i].matched_blocks * self.cfg.block_size)
+        return self.placed[i].uncached_tokens(self.cfg.block_size)
 
     def start(self, w: SimMixed, now: float) -> None:
         step = w.begin(self.lengths)

@@ -36,6 +36,11 @@ class Placement:
     num_tokens: int = 0
     at: float = 0.0  # when it was placed
 
+    def uncached_tokens(self, block_size: int) -> int:
+        """The prompt tokens its worker computes: the prompt less the blocks it holds, at least
+        one (the last prompt token is always computed)."""
+        return max(1, self.num_tokens - self.matched_blocks * block_size)
+
 
 @dataclass(frozen=True)
 class PoolStats:
