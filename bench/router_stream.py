@@ -317,15 +317,21 @@ def _pct(values: Iterable[float], p: float) -> float | None:
     return round(float(np.percentile(v, p)) * 1000, 2) if v else None
 
 
-def measure(run: RunConfig, model: WorkerModel, poll_interval_ms: float, seed: int) -> dict:
-    from bench.serve_workload import Request, synthetic
+def run_requests(run: RunConfig, seed: int) -> list[Any]:
+    """The run's requests: `pdserve bench serve`'s chat, or the named bench/gpu_serve.py workload."""
+    from bench.serve_workload import synthetic
 
     if run.gpu_workload:
         from bench.gpu_serve_workloads import WORKLOADS
 
-        requests = WORKLOADS[run.gpu_workload].requests(run.requests, seed)
-    else:
-        requests = synthetic("chat", run.requests, seed, 2048, 512)
+        return WORKLOADS[run.gpu_workload].requests(run.requests, seed)
+    return synthetic("chat", run.requests, seed, 2048, 512)
+
+
+def measure(run: RunConfig, model: WorkerModel, poll_interval_ms: float, seed: int) -> dict:
+    from bench.serve_workload import Request
+
+    requests = run_requests(run, seed)
     server = RouterProcess(run.workers, model, poll_interval_ms, run.tree)
     try:
         asyncio.run(_load(server.url, 50.0, [Request(r.prompt, 16) for r in requests[:10]], seed))  # warm-up

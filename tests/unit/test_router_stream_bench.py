@@ -50,3 +50,26 @@ def test_an_idle_worker_waits_for_a_submit_or_its_wait():
 
     n, waited = asyncio.run(go())
     assert n == 0 and 0.04 <= waited < 1.0
+
+
+def test_a_gpu_workload_loads_the_router_with_that_shape():
+    import statistics
+
+    from bench.router_stream import RunConfig, run_requests
+
+    default = run_requests(RunConfig(2, 48.0, 50, ""), seed=0)
+    long = run_requests(RunConfig(2, 48.0, 50, "", "long-prompt"), seed=0)
+    assert statistics.median(len(r.prompt) for r in default) < 400  # `pdserve bench serve`'s chat: 256
+    assert 2700 <= statistics.median(len(r.prompt) for r in long) <= 3300  # bench/gpu_serve.py's: 3,000
+
+
+def test_an_unknown_gpu_workload_is_refused_naming_the_flag():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "router_stream.py"
+    done = subprocess.run([sys.executable, str(script), "--gpu-workload", "nope"], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 2
+    assert "--gpu-workload: 'nope'; one of long-prompt, chat, prefix-sharing" in done.stderr
