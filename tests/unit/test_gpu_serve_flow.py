@@ -376,3 +376,8 @@ def test_with_repeats_the_ttft_p99_compared_is_over_every_repeat_s_requests():
     # A single run keeps its own p99.
     (one,) = compare_rows(median_of_repeats([run("pdserve-colocated", 80.0, 0, stalled), run("vllm-serve-dp2", 75.0, 0, steady)]))
     assert one["best_ttft_p99_ms"] == 300.0
+    # Repeats written before runs kept their timeline: nothing pooled, the median run's own p99.
+    untimed = [{k: v for k, v in r.items() if k != "timeline"} for r in (
+        run("pdserve-colocated", 80.0, 0, stalled), run("pdserve-colocated", 85.0, 1, [20.0] * 100))]  # fmt: skip
+    (old,) = median_of_repeats(untimed)
+    assert "pooled_ttft_ms" not in old and old["summary"]["ttft_ms"]["p99"] == 300.0
