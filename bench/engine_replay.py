@@ -15,6 +15,10 @@ Neither engine detokenizes, as neither does in serving (vLLM's API server and pd
 
     python bench/engine_replay.py --shape 8b --workload chat --rate 24 --vllm-site SITE --out OUT
     python bench/engine_replay.py --device cpu --engines pdserve --shape tiny --rate 4   (the check without a GPU)
+
+--profile BATCH,CONTEXT,CHUNK adds, after the timed run, each engine's kernels (torch's profiler,
+in the engine's own process) for decode steps at BATCH sequences of CONTEXT tokens, and for the
+steps that take one more CHUNK-token prompt to its first token beside them, by kind of kernel.
 """
 
 from __future__ import annotations
@@ -148,6 +152,64 @@ def summary_rows(recs: list[dict], trace: list[dict], slo: Slo) -> list[dict]:
     return rows
 
 
+# Kernel kinds by name; the first that matches. Both engines' attention, matmul and fused
+# elementwise kernels (pdserve's Triton ones, vLLM's inductor-generated `triton_` ones).
+KERNEL_KINDS = (
+    ("attention", ("flash", "attn", "attention", "split_kv", "reshape_and_cache", "concat_and_cache")),
+    ("matmul", ("nvjet", "gemm", "xmma", "cutlass", "gemv", "sm90_", "aten::mm", "aten::addmm", "aten::linear")),
+    ("copy", ("memcpy", "memset", "copy", "aten::cat", "aten::index")),
+    ("sampling", ("argmax", "topk", "sort", "softmax", "sampl")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if n.startswith("triton_"):  # inductor's fusions, named after their ops (`_to_copy`, `mean`, ...)
+        return "norm/rope/act/other"
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "norm/rope/act/other")
+
+
+def kernel_ms(kernels: list[list], per: float) -> dict[str, float]:
+    """ms per `per` (steps) of each kind, and "all"."""
+    out: dict[str, float] = {}
+    for name, us, _ in kernels:
+        kind = kernel_kind(name)
+        out[kind] = out.get(kind, 0.0) + us / 1e3 / per
+    out["all"] = sum(out.values())
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def profile_rows(recs: list[dict]) -> list[dict]:
+    """Per engine: a decode step's kernel ms by kind, and what the steps that took the chunk to
+    its first token added over that many decode steps (the prompt's own cost beside decodes)."""
+    rows = []
+    for rec in recs:
+        p = rec.get("profile")
+        if not p:
+            continue
+        decode = kernel_ms(p["decode"]["kernels"], p["decode"]["steps"])
+        window = kernel_ms(p["mixed"]["kernels"], 1)
+        extra = {k: round(window.get(k, 0.0) - (p["mixed"]["steps"] - 1) * decode.get(k, 0.0), 3)
+                 for k in set(window) | set(decode)}  # fmt: skip
+        rows.append({"engine": rec["engine"], "batch": p["batch"], "context": p["context"], "chunk": p["chunk"],
+                     "decode_wall_ms": round(p["decode"]["wall_ms"] / p["decode"]["steps"], 3), "decode": decode,
+                     "mixed_steps": p["mixed"]["steps"], "mixed_wall_ms": p["mixed"]["wall_ms"], "mixed_window": window,
+                     "chunk_extra": extra,
+                     "top": sorted(p["decode"]["kernels"], key=lambda k: -k[1])[:8]})  # fmt: skip
+    return rows
+
+
+def profile_table(rows: list[dict]) -> str:
+    kinds = [k for k, _ in KERNEL_KINDS] + ["norm/rope/act/other", "all"]
+    body = []
+    for r in rows:
+        body.append([r["engine"], "decode step", f"{r['decode_wall_ms']:.2f}", *(f"{r['decode'].get(k, 0.0):.3f}" for k in kinds)])
+        body.append([r["engine"], f"the chunk's steps ({r['mixed_steps']}) less decode steps",
+                     f"{r['mixed_wall_ms'] - (r['mixed_steps'] - 1) * r['decode_wall_ms']:.2f}",
+                     *(f"{r['chunk_extra'].get(k, 0.0):.3f}" for k in kinds)])  # fmt: skip
+    return markdown_table(["engine", "what", "wall ms", *(f"{k} ms" for k in kinds)], body)
+
+
 def table(rows: list[dict]) -> str:
     body = []
     for r in rows:
@@ -183,8 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-site", default=None, help="vLLM's site folder (pip --target), alone on its PYTHONPATH")
     ap.add_argument("--vllm-python", default=sys.executable)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per engine, start-up included")
+    ap.add_argument("--profile", default=None, metavar="BATCH,CONTEXT,CHUNK",
+                    help="after the run: kernels of decode steps at BATCH x CONTEXT, and of one CHUNK-token prompt beside them")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    profile = None
+    if args.profile:
+        try:
+            batch, context, chunk = (int(x) for x in args.profile.split(","))
+        except ValueError:
+            ap.error(f"--profile: BATCH,CONTEXT,CHUNK (three integers), not {args.profile!r}")
+        if min(batch, context, chunk) < 1 or context + 4096 > args.max_model_len:
+            ap.error(f"--profile: positive, and CONTEXT + 4096 within --max-model-len ({args.max_model_len})")
+        profile = {"batch": batch, "context": context, "chunk": chunk}
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or any(e not in ("pdserve", "vllm") for e in engines):
         ap.error(f"--engines: pdserve and/or vllm, not {args.engines!r}")
@@ -194,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = write_model(args.out / "model", args.shape, args.max_model_len)
     reqs = build_trace(args.workload, args.rate, args.duration_s, args.seed, args.scale, cfg["vocab_size"])
     trace = {"model": str((args.out / "model").resolve()), "max_model_len": args.max_model_len, "device": args.device,
-             "requests": reqs, "warmup_prompts": warmup_prompts(reqs, cfg["vocab_size"], args.seed)}  # fmt: skip
+             "requests": reqs, "warmup_prompts": warmup_prompts(reqs, cfg["vocab_size"], args.seed),
+             "profile": profile and {**profile, "vocab": cfg["vocab_size"]}}  # fmt: skip
     slo = Slo(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     recs = []
     for engine in engines:
@@ -202,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine_replay: {engine}: {len(reqs)} requests at {args.rate:g}/s", file=sys.stderr, flush=True)
         recs.append(run_engine(engine, trace, args.out, python, child_env(engine, args.vllm_site, args.gpu), args.timeout_s))
     rows = summary_rows(recs, reqs, slo)
+    profiled = profile_rows(recs)
     (args.out / "engine_replay.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                             "rows": rows}, indent=1) + "\n")  # fmt: skip
+                                                             "rows": rows, "profile": profiled}, indent=1) + "\n")  # fmt: skip
     print(f"{args.shape}, {args.workload} at {args.rate:g} req/s for {args.duration_s:g} s, one engine a process, "
           f"goodput: TTFT <= {args.slo_ttft_ms:g} ms and mean ITL <= {args.slo_itl_ms:g} ms\n")
     print(table(rows))
+    if profiled:
+        p = profiled[0]
+        print(f"\nKernels (ms) at {p['batch']} decodes of {p['context']} tokens, and one {p['chunk']}-token prompt beside them:\n")
+        print(profile_table(profiled))
     return 1 if any("error" in r for r in rows) else 0
 
 

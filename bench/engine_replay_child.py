@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from typing import Any
@@ -127,6 +128,55 @@ def replay(engine: Any, requests: list[dict]) -> tuple[dict[str, dict], list[lis
     return seen, steps
 
 
+def _kernels(prof: Any, cuda: bool) -> list[list]:
+    """[name, µs, count] of every GPU kernel the profiler saw (on CPU: every operator's own time)."""
+    from torch.autograd import DeviceType
+
+    if not cuda:
+        return [[e.key, e.self_cpu_time_total, e.count] for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    return [[e.key, e.self_device_time_total, e.count] for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # fmt: skip
+
+
+def profile_steps(engine: Any, batch: int, context: int, chunk: int, vocab: int, steps: int = 8) -> dict:
+    """Kernels of `steps` decode steps at `batch` sequences of ~`context` tokens, then of the
+    steps that take one more `chunk`-token prompt to its first token beside them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    rng = random.Random(11)
+    for i in range(batch):
+        engine.add(f"prof-{i}", [rng.randrange(vocab) for _ in range(context)], 4096)
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(rid for rid, new, _ in engine.step() if new > 0)
+    for _ in range(5):
+        engine.step()
+    sync()
+    with profile(activities=[activity]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        decode_wall = time.perf_counter() - t0
+    decode = {"steps": steps, "wall_ms": round(1e3 * decode_wall, 3), "kernels": _kernels(prof, cuda)}
+    engine.add("prof-chunk", [rng.randrange(vocab) for _ in range(chunk)], 2)
+    with profile(activities=[activity]) as prof:
+        t0 = time.perf_counter()
+        n = 0
+        while True:
+            n += 1
+            if any(rid == "prof-chunk" and new > 0 for rid, new, _ in engine.step()):
+                break
+        sync()
+        mixed_wall = time.perf_counter() - t0
+    mixed = {"steps": n, "wall_ms": round(1e3 * mixed_wall, 3), "kernels": _kernels(prof, cuda)}
+    return {"batch": batch, "context": context, "chunk": chunk, "decode": decode, "mixed": mixed}
+
+
 def main(argv: list[str]) -> int:
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # bench/'s modules must not shadow the engine's imports
@@ -136,8 +186,12 @@ def main(argv: list[str]) -> int:
     engine = ENGINES[trace["engine"]](trace["model"], trace["max_model_len"], trace["device"])
     warm_up(engine, trace["warmup_prompts"])
     seen, steps = replay(engine, trace["requests"])
+    rec = {"engine": trace["engine"], "requests": seen, "steps": steps}
+    if trace.get("profile"):  # after the timed run: the profiler does not slow it
+        p = trace["profile"]
+        rec["profile"] = profile_steps(engine, p["batch"], p["context"], p["chunk"], p["vocab"])
     with open(out_path, "w") as f:
-        json.dump({"engine": trace["engine"], "requests": seen, "steps": steps}, f)
+        json.dump(rec, f)
     return 0
 
 

@@ -134,4 +134,36 @@ def test_a_request_that_never_finished_is_a_failure_and_steps_split_by_first_tok
 def test_the_child_imports_nothing_of_this_checkout():
     src = Path(engine_replay.CHILD).read_text()
     imports = [line.split()[1] for line in src.splitlines() if line.strip().startswith(("import ", "from "))]
-    assert all(m.split(".")[0] in {"__future__", "json", "os", "sys", "time", "typing", "pdserve", "vllm"} for m in imports), imports
+    assert all(m.split(".")[0] in {"__future__", "json", "os", "random", "sys", "time", "typing", "torch", "pdserve", "vllm"} for m in imports), imports
+
+
+def test_a_profile_after_the_run_gives_each_engine_s_decode_step_and_chunk_by_kind(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = engine_replay.main(["--device", "cpu", "--shape", "tiny", "--engines", "pdserve", "--rate", "4", "--duration-s",
+                             "1", "--scale", "0.05", "--profile", "4,64,48", "--out", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    (p,) = json.loads((out / "engine_replay.json").read_text())["profile"]
+    assert (p["engine"], p["batch"], p["context"], p["chunk"]) == ("pdserve", 4, 64, 48)
+    assert p["decode"]["all"] > 0 and p["decode_wall_ms"] > 0 and p["mixed_steps"] >= 1
+    assert sum(p["mixed_window"].values()) > 0
+    assert "Kernels (ms) at 4 decodes of 64 tokens, and one 48-token prompt beside them" in text
+
+
+@pytest.mark.parametrize("bad", ["4,64", "4,x,8", "0,64,8", "4,8000,8"])
+def test_a_bad_profile_is_refused_naming_the_flag(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as exc:
+        engine_replay.main(["--engines", "pdserve", "--profile", bad, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--profile" in capsys.readouterr().err
+
+
+def test_kernels_are_sorted_into_kinds_by_name_for_both_engines():
+    kind = engine_replay.kernel_kind
+    assert kind("_decode_attention_kernel") == kind("flash_fwd_splitkv_kernel") == "attention"
+    assert kind("nvjet_tst_128x64_64x8_2x1_v_bz_coopA_NNT") == kind("sm90_xmma_gemm_bf16bf16") == "matmul"
+    # inductor names its fusions after their ops: an RMSNorm is not a copy
+    assert kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "norm/rope/act/other"
+    assert kind("_silu_and_mul_kernel") == kind("_rope_store_kernel") == "norm/rope/act/other"
+    assert kind("Memcpy HtoD (Pinned -> Device)") == "copy" and kind("_argmax_tiles_kernel") == "sampling"
+    per_step = engine_replay.kernel_ms([["nvjet_a", 3000.0, 2], ["_decode_attention_kernel", 1000.0, 2], ["x", 500.0, 2]], 2)
+    assert per_step == {"matmul": 1.5, "attention": 0.5, "norm/rope/act/other": 0.25, "all": 2.25}
