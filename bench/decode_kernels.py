@@ -22,7 +22,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -205,16 +205,24 @@ def _attention_at(q, k_cache, v_cache, tables, lens, splits: int, tile: tuple[in
     return step
 
 
-def sweep_attention_splits() -> list[dict]:
+SWEEP_HEAD_DIMS = (64, 128)
+SWEEP_BATCHES = (1, 4, 16, 32, 64, 96, 128)
+SWEEP_CONTEXTS = (300, 1100, 3000)
+
+
+def sweep_attention_splits(
+    head_dims: Sequence[int] = SWEEP_HEAD_DIMS, batches: Sequence[int] = SWEEP_BATCHES,
+    contexts: Sequence[int] = SWEEP_CONTEXTS,
+) -> list[dict]:  # fmt: skip
     """Per (head_dim, batch, context): each of SWEPT_TILES at the engine's split count, and the
     engine's tile at every other split count (1-32); 32 query heads, 8 KV heads, pages of 16,
     each sequence's pages scattered over the pool."""
     hq, hk, page = 32, 8, 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for d in (64, 128):
-        for batch in (1, 4, 16, 32, 64, 96, 128):
-            for ctx in (300, 1100, 3000):
+    for d in head_dims:
+        for batch in batches:
+            for ctx in contexts:
                 pages = -(-ctx // page)
                 per_copy = 2 * batch * pages * page * hk * d * 2
                 copies = _copies(per_copy)
@@ -232,6 +240,7 @@ def sweep_attention_splits() -> list[dict]:
                 best = min(times, key=times.get)
                 rows.append({"head_dim": d, "batch": batch, "context": ctx, "kv_bytes": per_copy,
                              "picked": picked, "picked_s": times[picked], "best": best, "best_s": times[best],
+                             "by_tile_s": {str(t): v for (k, t), v in times.items() if k == picked[0]},
                              "by_splits_s": {s: min(t for (k, _), t in times.items() if k == s) for s in (1, 2, 4, 8, 16, 32)}})
                 print(rows[-1], file=sys.stderr)
                 del pool
@@ -251,12 +260,25 @@ def print_attention_sweep(card: str, rows: list[dict]) -> None:
     ))
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers, not {text!r}") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results as JSON here ('-' for stdout)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     ap.add_argument("--attention-splits", action="store_true",
                     help="instead: sweep decode attention's splits and tiles against the engine's pick")
+    ap.add_argument("--sweep-batches", type=_ints, default=SWEEP_BATCHES, metavar="B1,B2,...",
+                    help="with --attention-splits: the batches (default %(default)s)")
+    ap.add_argument("--sweep-contexts", type=_ints, default=SWEEP_CONTEXTS, metavar="C1,C2,...",
+                    help="with --attention-splits: the contexts (default %(default)s)")
+    ap.add_argument("--sweep-head-dims", type=_ints, default=SWEEP_HEAD_DIMS, metavar="D1,D2",
+                    help="with --attention-splits: the head dims (default %(default)s)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/decode_kernels.py needs a CUDA GPU")
@@ -264,7 +286,7 @@ def main() -> None:
         sys.exit(f"bench/decode_kernels.py needs Triton: {_IMPORT_ERROR}")
     card = torch.cuda.get_device_name(0)
     if args.attention_splits:
-        rows = sweep_attention_splits()
+        rows = sweep_attention_splits(args.sweep_head_dims, args.sweep_batches, args.sweep_contexts)
         print_attention_sweep(card, rows)
         if args.json:
             write_json(args.json, json.dumps({"card": card, "attention_splits": rows}, indent=1, default=str))

@@ -21,13 +21,16 @@ log = logging.getLogger(__name__)
 
 
 def step_buckets(max_tokens: int) -> list[int]:
-    """Token counts a step pads up to: fine steps where steps are short (decodes beside a small
-    prompt), 256 apart up to 2,048 and 512 apart past it (padding stays under a quarter), and
-    `max_tokens` itself, the largest."""
-    small = [16, 32, 64, 128]
-    mid = list(range(256, 2048 + 1, 256))
-    large = list(range(2560, max_tokens + 1, 512))
-    return sorted({n for n in small + mid + large if n < max_tokens} | {max_tokens})
+    """Token counts a step pads up to: powers of two up to 256 (a step that short reads its
+    weights whatever its rows, so padding costs little), then eight a doubling (a padded row
+    costs as much as a real one once the matmuls are bound by their arithmetic: at most an
+    eighth more rows, about 6 % on average; a quarter, as with 256 apart, made the 8B shape's
+    prompt matmuls 1.2x vLLM's unpadded ones), and `max_tokens` itself, the largest."""
+    buckets = [16, 32, 64, 128, 256]
+    while buckets[-1] < max_tokens:
+        n = buckets[-1]
+        buckets.append(n + (1 << (n.bit_length() - 1)) // 8)
+    return sorted({n for n in buckets if n < max_tokens} | {max_tokens})
 
 
 class StepGraphs:

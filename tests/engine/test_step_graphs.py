@@ -5,6 +5,8 @@ which checks the cutting, the buffers and the padding on their own."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pdserve import LLM
@@ -51,9 +53,17 @@ def test_steps_past_the_largest_bucket_run_the_whole_model(tiny_model_factory, c
 
 
 def test_buckets():
-    assert step_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert step_buckets(1024) == [16, 32, 64, 128, 256, 288, 320, 352, 384, 416, 448, 480, 512,
+                                  576, 640, 704, 768, 832, 896, 960, 1024]  # fmt: skip
     assert step_buckets(48) == [16, 32, 48]
-    assert step_buckets(4096)[-4:] == [2560, 3072, 3584, 4096]
-    assert step_buckets(3000)[-2:] == [2560, 3000]
+    assert step_buckets(4096)[-4:] == [3328, 3584, 3840, 4096]
+    assert step_buckets(3000)[-3:] == [2560, 2816, 3000]
+    # Past 256 no step pads by more than an eighth of its tokens (a step of t tokens takes the
+    # first bucket >= t: the worst is one token past the bucket before).
+    for max_tokens in (2048, 8192, 6000):
+        buckets = step_buckets(max_tokens)
+        assert buckets[-1] == max_tokens and buckets == sorted(set(buckets))
+        assert all(b - a <= a / 8 for a, b in itertools.pairwise(buckets) if a >= 256)
+    assert len(step_buckets(8192)) == 45
     with pytest.raises(ValueError, match="^buckets:"):
         StepGraphs(None, None, None, [], 0, capture=False)  # type: ignore[arg-type]
