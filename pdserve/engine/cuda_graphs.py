@@ -144,13 +144,6 @@ class DecodeGraphs:
         fused_batch1 = kernels is not None and model.parallel.size == 1
         counters = kernels.split_counters(dev) if kernels is not None else None
         self._split_counters = counters
-        # How many programs of each decode-attention launch shape an SM holds, as compiled here:
-        # each batch's graph takes the shape whose waves fit its programs best.
-        resident = None
-        if kernels is not None:
-            cfg = model.shard_cfg
-            page = self.kv_pool.shape[-3]  # [blocks, layers, 2, page, KV heads, head_dim]
-            resident = kernels.attention_residency(dev, cfg.num_heads, kv_heads, cfg.head_dim, page, self.kv_pool.dtype)
         # Warm up and record on one side stream: kernels compiled, libraries' per-stream state
         # (cuBLAS workspaces) created and the allocator primed before anything is recorded.
         stream = torch.cuda.Stream(device=dev)
@@ -163,7 +156,7 @@ class DecodeGraphs:
                 backend = batch1.attention
                 self.kernel_graphs[b] = "batch-1 fused"
             elif kernels is not None:
-                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev, resident=resident)
+                backend = kernels.SplitKVAttention.for_batch(b, kv_heads, dev)
                 self.kernel_graphs[b] = "split-kv attention"
             ctx = ForwardContext(meta, self.kv_pool, backend, batch1)
             with torch.cuda.stream(stream):

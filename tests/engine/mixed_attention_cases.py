@@ -127,8 +127,8 @@ def main() -> None:
 
 
 def check_warm_up() -> None:
-    """The warm-up launches the kernel once per split count that mixed steps can take (off a GPU
-    the launch shape is the default for all), with inputs laid out as theirs are."""
+    """The warm-up launches the kernel once per split count that mixed steps can take (the tile is
+    the same for all), with inputs laid out as theirs are."""
     from pdserve.engine.kernels import decode_kernels
     from pdserve.engine.kernels.decode_tiles import attention_splits
     from pdserve.engine.kernels.mixed_attention import MixedDecodeAttention

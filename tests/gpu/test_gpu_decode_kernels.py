@@ -142,38 +142,6 @@ def test_decode_attention_matches_reference(dtype, hq, hk, d, page, splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq, hk, d", [(32, 8, 64), (32, 8, 128)])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_every_launch_shape_matches_reference(dtype, hq, hk, d, splits):
-    from pdserve.engine.kernels.decode_tiles import DEFAULT_TILE, WAVE_TILES
-
-    dk = _dk()
-    gen = torch.Generator(device="cuda").manual_seed(hq * d + splits)
-    lens = [1, 17, 64, 300, 1000, 1201]
-    q, k_cache, v_cache, tables, seq_lens = _paged_case(lens, hq, hk, d, 16, dtype, gen)
-    want = _attention_reference(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
-    for tile in (DEFAULT_TILE, *WAVE_TILES):
-        out = dk.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, splits, tile=tile)
-        torch.testing.assert_close(out.float(), want, **_tol(dtype), msg=lambda m, t=tile: f"{t}: {m}")
-
-
-def test_residency_is_read_from_the_compiled_kernels_and_batches_past_a_wave_change_shape():
-    from pdserve.engine.kernels.decode_tiles import DEFAULT_TILE, WAVE_TILES
-
-    dk = _dk()
-    dev = torch.device("cuda")
-    resident = dk.attention_residency(dev, 32, 8, 128, 16, torch.bfloat16)
-    assert set(resident) == {DEFAULT_TILE, *WAVE_TILES} and all(n >= 1 for n in resident.values())
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    one_wave = resident[DEFAULT_TILE] * sms // 8  # sequences whose programs (8 KV heads, 1 split) fill it
-    assert dk.SplitKVAttention.for_batch(max(one_wave, 34), 8, dev, resident=resident).tile == DEFAULT_TILE
-    if max(resident.values()) > resident[DEFAULT_TILE]:  # a shape holding more: the next batch takes one
-        past = dk.SplitKVAttention.for_batch(one_wave + 2, 8, dev, resident=resident)
-        assert past.tile != DEFAULT_TILE and resident[past.tile] > resident[DEFAULT_TILE]
-    assert dk.attention_residency(dev, 32, 8, 96, 16, torch.bfloat16) == {}  # not a power of two
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq, hk, d", [(32, 8, 64), (4, 2, 16)])
 @pytest.mark.parametrize("splits", [1, 8])
 def test_decode_attention_with_rope_matches_unfused_ops(dtype, hq, hk, d, splits):

@@ -19,14 +19,11 @@ import triton.language as tl
 
 from pdserve.engine.kernels.attention import AttentionMetadata
 from pdserve.engine.kernels.decode_tiles import (
-    DEFAULT_TILE,
-    WAVE_TILES,
-    AttentionTile,
-    SmLimits,
+    ATTENTION_BLOCK_N,
+    ATTENTION_STAGES,
+    ATTENTION_WARPS,
     attention_splits,
     gemv_tile,
-    pick_attention_tile,
-    programs_per_sm,
 )
 
 _PLAIN, _ADD_RMS_NORM, _SILU_MUL = 0, 1, 2
@@ -418,7 +415,6 @@ def decode_attention(
     pdl: bool = False,
     rope: RopeInputs | None = None,
     out: torch.Tensor | None = None,
-    tile: AttentionTile = DEFAULT_TILE,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -428,8 +424,8 @@ def decode_attention(
     rotated; with it, q is unrotated and the kernel rotates q and the new key and writes the
     new key and value into the cache first. `splits` must be a power of two; it is fixed per
     CUDA graph while the lengths change from replay to replay; with splits > 1 a second
-    kernel merges the splits. `tile`: the launch shape (`pick_attention_tile`). Returns [B, Hq, D]:
-    `out` where given (any row and head strides, e.g. rows of a larger output), else a new tensor."""
+    kernel merges the splits. Returns [B, Hq, D]: `out` where given (any row and head strides,
+    e.g. rows of a larger output), else a new tensor."""
     b, hq, d = q.shape
     hk = k_cache.shape[2]
     page = k_cache.shape[1]
@@ -456,9 +452,9 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        BLOCK_N=tile.block_n, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STAGES=tile.stages,
-        num_warps=tile.warps, launch_pdl=pdl,
+        BLOCK_N=ATTENTION_BLOCK_N, SPLITS=splits, ROPE=r is not None, USE_PDL=pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STAGES=ATTENTION_STAGES,
+        num_warps=ATTENTION_WARPS, launch_pdl=pdl,
     )
     if splits > 1:
         _attention_merge_kernel[(b, hq)](
@@ -483,57 +479,15 @@ class RopeInputs:
     slot_offset: torch.Tensor
 
 
-def sm_limits(device: torch.device) -> SmLimits:
-    """This GPU's per-SM limits, where torch reports them (else an H100's, which most share)."""
-    props = torch.cuda.get_device_properties(device)
-    base = SmLimits()
-    return SmLimits(
-        registers=getattr(props, "regs_per_multiprocessor", base.registers),
-        shared_bytes=getattr(props, "shared_memory_per_multiprocessor", base.shared_bytes),
-        max_warps=getattr(props, "max_threads_per_multi_processor", 32 * base.max_warps) // 32,
-    )
-
-
-def attention_residency(
-    device: torch.device, num_heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype
-) -> dict[AttentionTile, int]:
-    """Programs of each decode-attention tile an SM runs at once, as Triton compiles them for
-    this model's heads on this GPU (a one-sequence launch compiles each; `pick_attention_tile`
-    reads the result). Shapes the kernel cannot take (head_dim not a power of two) get none."""
-    if head_dim & (head_dim - 1) or head_dim < 16 or num_heads % kv_heads:
-        return {}
-    with torch.cuda.device(device):
-        q = torch.zeros((1, num_heads, head_dim), dtype=dtype, device=device)
-        cache = torch.zeros((1, page, kv_heads, head_dim), dtype=dtype, device=device)
-        table = torch.zeros((1, 1), dtype=torch.int32, device=device)
-        lens = torch.ones(1, dtype=torch.int32, device=device)
-        limits = sm_limits(device)
-        out = {}
-        for tile in (DEFAULT_TILE, *WAVE_TILES):
-            compiled = _decode_attention_kernel[(1, kv_heads, 1)](
-                q, q, q, q, q, lens, lens, lens, cache, cache, table, lens, q, q, q,
-                q.stride(0), q.stride(1), q.stride(0), q.stride(1), q.stride(0), q.stride(1), 0,
-                cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(0), cache.stride(1), cache.stride(2),
-                table.stride(0), q.stride(0), q.stride(1), 1.0,
-                GROUP=num_heads // kv_heads, BLOCK_G=max(16, triton.next_power_of_2(num_heads // kv_heads)),
-                HEAD_DIM=head_dim, PAGE=page, BLOCK_N=tile.block_n, SPLITS=1, ROPE=False, USE_PDL=False,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=tile.stages, num_warps=tile.warps,
-            )  # fmt: skip
-            out[tile] = programs_per_sm(compiled.n_regs, compiled.metadata.shared, tile.warps, limits)
-        torch.cuda.synchronize(device)
-    return out
-
-
 class SplitKVAttention:
     """An attention backend for decode steps only (one query per sequence): `decode_attention`
-    with a fixed number of splits and launch shape, as a CUDA graph of one batch size needs."""
+    with a fixed number of splits, as a CUDA graph of one batch size needs."""
 
     name = "split-kv"
 
-    def __init__(self, splits: int, pdl: bool = False, tile: AttentionTile = DEFAULT_TILE) -> None:
+    def __init__(self, splits: int, pdl: bool = False) -> None:
         self.splits = splits
         self.pdl = pdl
-        self.tile = tile
 
     def attend(
         self,
@@ -546,20 +500,11 @@ class SplitKVAttention:
     ) -> torch.Tensor:
         """With `rope`, q is unrotated and the kernel stores the step's key and value itself."""
         assert meta.max_query_len == 1, "split-KV attention serves decode steps only"
-        return decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope, tile=self.tile
-        )
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.splits, self.pdl, rope)
 
     @classmethod
-    def for_batch(
-        cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False,
-        resident: dict[AttentionTile, int] | None = None,
-    ) -> SplitKVAttention:  # fmt: skip
-        """Splits for `batch`; the launch shape from `resident` (`attention_residency`; None:
-        the default shape)."""
-        sms = _num_sms(device)
-        splits = attention_splits(batch, kv_heads, sms)
-        return cls(splits, pdl, pick_attention_tile(batch * kv_heads * splits, sms, resident or {}))
+    def for_batch(cls, batch: int, kv_heads: int, device: torch.device, pdl: bool = False) -> SplitKVAttention:
+        return cls(attention_splits(batch, kv_heads, _num_sms(device)), pdl)
 
 
 class SplitKVDecodes:
@@ -571,12 +516,6 @@ class SplitKVDecodes:
 
     def __init__(self, device: torch.device, num_sms: int | None = None) -> None:
         self.num_sms = _num_sms(device) if num_sms is None else num_sms  # fewer: fewer splits
-        self.resident: dict[AttentionTile, int] = {}  # launch shapes beyond the default: set by `warm_up`
-
-    def launch(self, batch: int, kv_heads: int) -> tuple[int, AttentionTile]:
-        """(splits, tile) of a step's `batch` one-query rows."""
-        splits = attention_splits(batch, kv_heads, self.num_sms)
-        return splits, pick_attention_tile(batch * kv_heads * splits, self.num_sms, self.resident)
 
     def __call__(
         self,
@@ -588,8 +527,8 @@ class SplitKVDecodes:
         scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        splits, tile = self.launch(q.shape[0], k_cache.shape[2])
-        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, out=out, tile=tile)
+        splits = attention_splits(q.shape[0], k_cache.shape[2], self.num_sms)
+        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, out=out)
 
     def warm_up(
         self,
@@ -599,16 +538,14 @@ class SplitKVDecodes:
         max_batch: int,
         prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        """One call per (split count, launch shape) that batches of 1 to `max_batch` get, on
-        one-token contexts in block 0, with tables and lengths laid out by `prepare` as the real
-        steps' are: every variant Triton compiles for these steps is compiled here."""
+        """One call per split count that batches of 1 to `max_batch` get, on one-token contexts
+        in block 0, with tables and lengths laid out by `prepare` as the real steps' are: every
+        variant Triton compiles for these steps is compiled here."""
         kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-        dev = k_cache.device
-        if dev.type == "cuda":
-            self.resident = attention_residency(dev, num_heads, kv_heads, d, k_cache.shape[1], k_cache.dtype)
-        first_batch: dict[tuple[int, AttentionTile], int] = {}
+        first_batch: dict[int, int] = {}
         for b in range(1, max_batch + 1):
-            first_batch.setdefault(self.launch(b, kv_heads), b)
+            first_batch.setdefault(attention_splits(b, kv_heads, self.num_sms), b)
+        dev = k_cache.device
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             for b in first_batch.values():
                 q = torch.zeros((b, num_heads, d), dtype=k_cache.dtype, device=dev)

@@ -3,9 +3,6 @@ shapes and the GPU's SM count, kept apart from the kernels so they are tested wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 MAX_ATTENTION_SPLITS = 32
 MAX_SPLIT_K = 8
 ATTENTION_PROGRAMS_PER_SM = 4
@@ -61,61 +58,3 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
 ATTENTION_BLOCK_N = 64
 ATTENTION_WARPS = 4
 ATTENTION_STAGES = 2
-
-
-@dataclass(frozen=True)
-class AttentionTile:
-    """Decode attention's launch shape: keys a step, warps a program, tiles in flight."""
-
-    block_n: int
-    warps: int
-    stages: int
-
-
-DEFAULT_TILE = AttentionTile(ATTENTION_BLOCK_N, ATTENTION_WARPS, ATTENTION_STAGES)
-# Tiles that fit more programs on an SM (fewer registers a program, or less shared memory), for
-# batches whose programs overflow one wave of the default's. In a full wave every one of these
-# streams the KV at the default's rate (about 4 TB/s at head_dim 128 on an H200); what differs is
-# how many programs a wave holds, so a batch past a wave's end runs a second, nearly empty one:
-# the 8B shape at batch 72-80 (576-640 programs against the default's 528) read 3.0 TB/s
-# instead of 4.0 (bench/decode_kernels.py --attention-splits; docs/engine-gpu.md).
-WAVE_TILES = (AttentionTile(64, 2, 2), AttentionTile(32, 4, 2), AttentionTile(32, 2, 2))
-
-
-@dataclass(frozen=True)
-class SmLimits:
-    """What one SM holds: registers (split evenly over its sub-partitions, each warp taking a
-    multiple of 256), shared memory (with a block's reserved share), warps and blocks."""
-
-    registers: int = 65536
-    sub_partitions: int = 4
-    shared_bytes: int = 233472
-    reserved_shared_bytes: int = 1024
-    max_warps: int = 64
-    max_blocks: int = 32
-
-
-def programs_per_sm(regs_per_thread: int, shared_bytes: int, warps: int, sm: SmLimits = SmLimits()) -> int:
-    """How many programs of a kernel compiled to `regs_per_thread` and `shared_bytes` an SM runs
-    at once: the least of what its registers, shared memory, warps and block slots allow."""
-    warp_regs = -(-regs_per_thread * 32 // 256) * 256
-    by_regs = (sm.registers // sm.sub_partitions // warp_regs) * sm.sub_partitions // warps
-    by_shared = sm.shared_bytes // (shared_bytes + sm.reserved_shared_bytes)
-    return max(0, min(by_regs, by_shared, sm.max_warps // warps, sm.max_blocks))
-
-
-def pick_attention_tile(programs: int, num_sms: int, resident: Mapping[AttentionTile, int]) -> AttentionTile:
-    """The default tile, unless its `programs` (sequences x KV heads x splits) overflow one wave
-    of it: then the tile among it and `WAVE_TILES` whose waves leave the fewest program slots
-    idle (waves x programs a wave), the default first on a tie. `resident`: programs a tile runs
-    at once on one SM (`programs_per_sm`), as compiled on this GPU; a tile missing or at 0 is not
-    taken."""
-    wave = resident.get(DEFAULT_TILE, 0) * num_sms
-    if wave <= 0 or programs <= wave:
-        return DEFAULT_TILE
-
-    def slots(tile: AttentionTile) -> int:
-        per_wave = resident[tile] * num_sms
-        return -(-programs // per_wave) * per_wave
-
-    return min((t for t in (DEFAULT_TILE, *WAVE_TILES) if resident.get(t, 0) > 0), key=slots)
