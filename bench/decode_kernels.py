@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -210,27 +211,40 @@ SWEEP_BATCHES = (1, 4, 16, 32, 64, 96, 128)
 SWEEP_CONTEXTS = (300, 1100, 3000)
 
 
+def context_lengths(batch: int, context: int, spread: float, seed: int) -> list[int]:
+    """Each sequence's context: `context` for all, or with `spread` > 0 drawn lognormal around it
+    (sigma `spread` in log space, median `context`, within 16 and 4 x `context`), as a serving
+    batch's contexts spread (chat prompts: sigma 0.5, bench/gpu_serve_workloads.py)."""
+    if spread <= 0:
+        return [context] * batch
+    rng = random.Random(seed)
+    return [min(4 * context, max(16, round(context * rng.lognormvariate(0.0, spread)))) for _ in range(batch)]
+
+
 def sweep_attention_splits(
     head_dims: Sequence[int] = SWEEP_HEAD_DIMS, batches: Sequence[int] = SWEEP_BATCHES,
-    contexts: Sequence[int] = SWEEP_CONTEXTS,
+    contexts: Sequence[int] = SWEEP_CONTEXTS, spread: float = 0.0,
 ) -> list[dict]:  # fmt: skip
     """Per (head_dim, batch, context): each of SWEPT_TILES at the engine's split count, and the
     engine's tile at every other split count (1-32); 32 query heads, 8 KV heads, pages of 16,
-    each sequence's pages scattered over the pool."""
+    each sequence's pages scattered over the pool; contexts all equal, or spread
+    (`context_lengths`)."""
     hq, hk, page = 32, 8, 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for d in head_dims:
         for batch in batches:
             for ctx in contexts:
-                pages = -(-ctx // page)
+                ctx_lens = context_lengths(batch, ctx, spread, seed=batch * 7919 + ctx)
+                pages = -(-max(ctx_lens) // page)
                 per_copy = 2 * batch * pages * page * hk * d * 2
+                read = 2 * sum(ctx_lens) * hk * d * 2  # the KV bytes a call reads
                 copies = _copies(per_copy)
                 pool = torch.randn(copies * batch * pages, 2, page, hk, d, dtype=torch.bfloat16, device="cuda")
                 k_cache, v_cache = pool[:, 0], pool[:, 1]
                 tables = [torch.randperm(copies * batch * pages, device="cuda")[: batch * pages].view(batch, pages).int()
                           for _ in range(copies)]
-                lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+                lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
                 q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
                 times = {}
                 picked = (attention_splits(batch, hk, sms), ENGINE_TILE)
@@ -238,7 +252,8 @@ def sweep_attention_splits(
                     for tile in SWEPT_TILES if splits == picked[0] else (ENGINE_TILE,):
                         times[(splits, tile)] = graph_time(_attention_at(q, k_cache, v_cache, tables, lens, splits, tile))
                 best = min(times, key=times.get)
-                rows.append({"head_dim": d, "batch": batch, "context": ctx, "kv_bytes": per_copy,
+                rows.append({"head_dim": d, "batch": batch, "context": ctx, "kv_bytes": read,
+                             "longest": max(ctx_lens), "spread": spread,
                              "picked": picked, "picked_s": times[picked], "best": best, "best_s": times[best],
                              "by_tile_s": {str(t): v for (k, t), v in times.items() if k == picked[0]},
                              "by_splits_s": {s: min(t for (k, _), t in times.items() if k == s) for s in (1, 2, 4, 8, 16, 32)}})
@@ -253,7 +268,9 @@ def print_attention_sweep(card: str, rows: list[dict]) -> None:
     print(markdown_table(
         ["head_dim", "batch", "context", "engine: splits, (keys, warps, stages)", "engine", "fastest", "fastest: splits, tile",
          "engine / fastest", "by splits 1/2/4/8/16/32 (µs)"],
-        [[str(r["head_dim"]), str(r["batch"]), str(r["context"]), f"{r['picked'][0]}, {r['picked'][1]}",
+        [[str(r["head_dim"]), str(r["batch"]),
+          str(r["context"]) + (f" (spread {r['spread']:g}, longest {r['longest']})" if r.get("spread") else ""),
+          f"{r['picked'][0]}, {r['picked'][1]}",
           f"{r['picked_s'] * 1e6:.1f} ({r['kv_bytes'] / r['picked_s'] / 1e12:.2f})",
           f"{r['best_s'] * 1e6:.1f} ({r['kv_bytes'] / r['best_s'] / 1e12:.2f})", f"{r['best'][0]}, {r['best'][1]}",
           f"{r['picked_s'] / r['best_s']:.2f}", "/".join(f"{t * 1e6:.0f}" for t in r["by_splits_s"].values())] for r in rows],
@@ -279,6 +296,9 @@ def main() -> None:
                     help="with --attention-splits: the contexts (default %(default)s)")
     ap.add_argument("--sweep-head-dims", type=_ints, default=SWEEP_HEAD_DIMS, metavar="D1,D2",
                     help="with --attention-splits: the head dims (default %(default)s)")
+    ap.add_argument("--sweep-spread", type=float, default=0.0, metavar="SIGMA",
+                    help="with --attention-splits: each sequence's context drawn lognormal around the context "
+                         "(sigma in log space; 0.5 is chat's prompts), not all equal (default 0)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/decode_kernels.py needs a CUDA GPU")
@@ -286,7 +306,7 @@ def main() -> None:
         sys.exit(f"bench/decode_kernels.py needs Triton: {_IMPORT_ERROR}")
     card = torch.cuda.get_device_name(0)
     if args.attention_splits:
-        rows = sweep_attention_splits(args.sweep_head_dims, args.sweep_batches, args.sweep_contexts)
+        rows = sweep_attention_splits(args.sweep_head_dims, args.sweep_batches, args.sweep_contexts, args.sweep_spread)
         print_attention_sweep(card, rows)
         if args.json:
             write_json(args.json, json.dumps({"card": card, "attention_splits": rows}, indent=1, default=str))
