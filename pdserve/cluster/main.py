@@ -264,6 +264,10 @@ async def _start_replicas(cfg: ServeConfig, cluster: Cluster) -> RouterReplicas:
 
     gcs = ray.get_runtime_context().gcs_address
     replicas = await asyncio.to_thread(RouterReplicas.start, cfg, cfg.routers - 1, gcs, cluster.port, cluster.http_port)
+    cluster.telemetry.metric_peers.extend(replicas.metrics_urls)  # /metrics counts every router's requests
+    for rid, url in zip(replicas.router_ids, replicas.metrics_urls):
+        _listing(f"listening: metrics of router {rid} {url.removeprefix('http://').removesuffix('/metrics')} "
+                 "(plain HTTP, no API key: its own series, which /metrics adds in)")  # fmt: skip
     print(f"pdserve: {cfg.routers} routers share the ports (routers {', '.join(replicas.router_ids)} beside this one)",
           flush=True)
     return replicas

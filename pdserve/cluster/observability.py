@@ -1,7 +1,8 @@
 """The router process's telemetry: its tracer, its metrics registry and the /metrics endpoint.
 
 Workers' figures reach /metrics through the router: at each scrape the collector asks every
-worker for its stats on the router's event loop (the same call as `Admin.GetStats`).
+worker for its stats on the router's event loop (the same call as `Admin.GetStats`). With
+`--routers N` the replicas' own series are added in (pdserve.telemetry.federation).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.telemetry.cluster_collector import ClusterCollector
+from pdserve.telemetry.federation import FederatedCollector
 from pdserve.telemetry.http import MetricsServer
 from pdserve.telemetry.loop_health import GcPauses, LoopLag, freeze_heap, release_heap
 from pdserve.telemetry.metrics import RouterMetrics
@@ -35,6 +37,7 @@ class RouterTelemetry:
         self.loop_lag = LoopLag(metrics.loop_lag)
         self.gc_pauses = GcPauses(metrics.gc_pause)
         self.frozen_objects = 0  # the start-up heap frozen out of the collector's reach (`freeze`)
+        self.metric_peers: list[str] = []  # the router replicas' own /metrics, added into ours
 
     @classmethod
     def create(cls, cfg: ServeConfig) -> RouterTelemetry:
@@ -64,7 +67,15 @@ class RouterTelemetry:
                 return None
 
         self.metrics.registry.register(ClusterCollector(read_stats, worker_series))
-        self.server = MetricsServer.start(self.metrics.registry, host, port)
+        served = CollectorRegistry(auto_describe=False)
+        served.register(FederatedCollector(self.metrics.registry, lambda: list(self.metric_peers)))
+        self.server = MetricsServer.start(served, host, port)
+        return self.server.port
+
+    def serve_own_metrics(self, host: str = "127.0.0.1") -> int:
+        """A router replica: its own series (no workers') on a loopback port of its own, which
+        the first router adds into its /metrics. Returns the port."""
+        self.server = MetricsServer.start(self.metrics.registry, host, 0)
         return self.server.port
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:

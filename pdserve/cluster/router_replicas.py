@@ -1,7 +1,9 @@
 """`pdserve serve --routers N`: N-1 more router processes on this host, each a `pdserve router`
 (pdserve.cluster.join) sharing the first router's gRPC and HTTP ports through SO_REUSEPORT, so
 the kernel spreads client connections over N event loops, as vLLM runs one API server per
-data-parallel rank. Only the first router serves /metrics and the P:D controller."""
+data-parallel rank. Only the first router serves /metrics and the P:D controller; where it
+serves /metrics, each replica serves its own series on a loopback port, which the first adds
+into its /metrics (pdserve.telemetry.federation)."""
 
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ def ray_client_env(environ: Mapping[str, str], home: Path) -> dict[str, str]:
     return env
 
 
-def _replica_main(cfg: ServeConfig, env: dict[str, str], conn: Connection) -> None:
-    """A replica's process: serve until SIGTERM or SIGINT, telling the parent when it listens."""
+def _replica_main(cfg: ServeConfig, env: dict[str, str], conn: Connection, share_metrics: bool = False) -> None:
+    """A replica's process: serve until SIGTERM or SIGINT, telling the parent when it listens
+    (and, with `share_metrics`, the loopback port of its own series)."""
     os.environ.update(env)  # before Ray is imported: Ray reads these at import
     import asyncio
     import signal
@@ -54,7 +57,8 @@ def _replica_main(cfg: ServeConfig, env: dict[str, str], conn: Connection) -> No
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        conn.send(("ready", joined.router_id))
+        metrics_port = joined.telemetry.serve_own_metrics() if share_metrics else None
+        conn.send(("ready", joined.router_id, metrics_port))
         try:
             await stop.wait()
         finally:
@@ -73,6 +77,7 @@ class RouterReplicas:
     def __init__(self, processes: list[Any], router_ids: list[str]) -> None:
         self.processes = processes
         self.router_ids = router_ids
+        self.metrics_urls: list[str] = []  # each replica's own series, where the first router serves /metrics
 
     @classmethod
     def start(
@@ -89,7 +94,8 @@ class RouterReplicas:
         try:
             for i in range(count):
                 parent, child = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_replica_main, args=(rcfg, env, child), name=f"pdserve-router-{i + 1}")
+                p = ctx.Process(target=_replica_main, args=(rcfg, env, child, cfg.metrics_port is not None),
+                                name=f"pdserve-router-{i + 1}")
                 p.start()
                 child.close()
                 started.append((p, parent))
@@ -98,13 +104,15 @@ class RouterReplicas:
                 if not conn.poll(timeout_s):
                     raise RuntimeError(f"router replica {i + 1}: not listening after {timeout_s:g} s")
                 try:
-                    kind, detail = conn.recv()
+                    kind, detail, *rest = conn.recv()
                 except EOFError:
                     p.join(1)
-                    kind, detail = "error", f"exited ({p.exitcode}) before listening"
+                    kind, detail, rest = "error", f"exited ({p.exitcode}) before listening", []
                 if kind != "ready":
                     raise RuntimeError(f"router replica {i + 1}: {detail}")
                 self.router_ids.append(detail)
+                if rest and rest[0] is not None:
+                    self.metrics_urls.append(f"http://127.0.0.1:{rest[0]}/metrics")
         except BaseException:
             self.stop()
             raise

@@ -1,6 +1,7 @@
 """`pdserve serve --routers 2` as a user runs it: two router processes listen on the same gRPC and
 HTTP ports (SO_REUSEPORT), the kernel spreads new connections over both, each relays exact greedy
-tokens from the same decode worker, and SIGTERM stops both."""
+tokens from the same decode worker, /metrics counts both routers' requests, and SIGTERM stops
+both."""
 
 from __future__ import annotations
 
@@ -48,8 +49,12 @@ def _complete(base: str) -> str:
         return json.load(r)["choices"][0]["text"]
 
 
+def _text(metrics: str) -> str:
+    return urllib.request.urlopen(metrics, timeout=30).read().decode()
+
+
 def _requests_served(metrics: str) -> float:
-    text = urllib.request.urlopen(metrics, timeout=30).read().decode()
+    text = _text(metrics)
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("pdserve_requests_total{"))
 
 
@@ -73,7 +78,7 @@ def test_two_router_processes_share_the_ports_and_both_serve_exact_tokens(offlin
     out: list[str] = []
     try:
         deadline = time.monotonic() + 300
-        while not any("routers share the ports" in line for line in out):
+        while not any("listening: metrics of router" in line for line in out):
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             assert line is not None, f"pdserve serve exited early: {out}"
             out.append(line)
@@ -86,9 +91,12 @@ def test_two_router_processes_share_the_ports_and_both_serve_exact_tokens(offlin
         base = f"http://127.0.0.1:{http_port}"
         got = [_complete(base) for _ in range(REQUESTS)]
         assert all(g == expected.text for g in got), (got, expected.text)
-        # The first router's counters hold only what it served: the rest went through the other.
-        served_here = _requests_served(metrics)
-        assert 0 < served_here < REQUESTS, served_here
+        # /metrics counts every router's requests; the replica's own series hold what it served.
+        replica = "http://{}/metrics".format(re.search(r"metrics of router \S+ (127\.0\.0\.1:\d+)", text).group(1))
+        served_by_replica = _requests_served(replica)
+        assert 0 < served_by_replica < REQUESTS, served_by_replica
+        assert _requests_served(metrics) == REQUESTS
+        assert "pdserve_time_to_first_token_seconds_count " + f"{float(REQUESTS)}" in _text(metrics)
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     finally:
