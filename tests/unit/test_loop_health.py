@@ -142,8 +142,8 @@ def test_a_long_collection_is_said_in_the_log(caplog):
 
 
 def test_a_router_without_metrics_watches_its_loop_too():
-    """A `--routers N` replica serves no /metrics: it samples its loop and times its collections
-    all the same, so its stalls reach its log."""
+    """A router without /metrics (`pdserve router` without `--metrics-port`) samples its loop and
+    times its collections all the same, so its stalls reach its log."""
     from pdserve.cluster.observability import RouterTelemetry
     from pdserve.cluster.serve_config import ServeConfig
 
