@@ -1,9 +1,9 @@
 """`pdserve serve --routers N`: N-1 more router processes on this host, each a `pdserve router`
 (pdserve.cluster.join) sharing the first router's gRPC and HTTP ports through SO_REUSEPORT, so
 the kernel spreads client connections over N event loops, as vLLM runs one API server per
-data-parallel rank. Only the first router serves /metrics and the P:D controller; where it
-serves /metrics, each replica serves its own series on a loopback port, which the first adds
-into its /metrics (pdserve.telemetry.federation)."""
+data-parallel rank. The first router alone runs the P:D controller and serves /metrics; where it
+does, each replica serves its own series on a loopback port, which the first adds into its
+/metrics (pdserve.telemetry.federation)."""
 
 from __future__ import annotations
 
