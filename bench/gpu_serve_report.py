@@ -255,7 +255,7 @@ def report_text(runs: Sequence[dict], servers: Sequence[dict], header: str = "",
              servers_table(servers, order), steps and f"{steps_head}\n\n{steps}", steps and _engine_note(engine[0]),
              prefill and f"Prefill steps in serving (each prefill worker, every batch size), and the router's means (and two p90s) of what a TTFT is made of:\n\n{prefill}",
              kinds and f"Each worker's steps by kind (count × mean, mean sequences a step; share of its step time):\n\n{kinds}",
-             first and f"Where the slowest first token waited (the router's figures are its buckets' bounds, and with --routers N the first router's alone):\n\n{first}"]  # fmt: skip
+             first and f"Where the slowest first token waited (the routers' figures are their buckets' bounds, every router's with --routers N):\n\n{first}"]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

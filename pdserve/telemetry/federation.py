@@ -1,16 +1,9 @@
-"""One /metrics for the routers of `pdserve serve --routers N`: the first router's registry with
-each replica's own series added in, as vLLM's API servers share one /metrics.
-
-Each replica serves its registry on a loopback port of its own; the first router reads them at
-each scrape (`FederatedCollector`) and adds them to its own series (`merge_families`): a counter,
-a histogram or a summary is the sum over the routers (its `_created` the earliest), so the
-router's TTFT, prefill and loop histograms cover every router's requests, not one router's
-share. A gauge is the first router's own (its pools, targets and link figures are the
-cluster's), except those that add up across routers (`ADDITIVE_GAUGES`: requests in flight). A
-replica that does not answer within the timeout is left out of that scrape, with a warning.
-
-Pure but for `FederatedCollector.collect`, which reads the replicas over HTTP.
-"""
+"""One /metrics for the routers of `pdserve serve --routers N`, as vLLM's API servers share one:
+each replica serves its registry on a loopback port, and at each scrape the first router adds
+those series into its own (`FederatedCollector`, `merge_families`). Counters, histograms and
+summaries are summed over the routers (`_created` the earliest); a gauge is the first router's
+own (pools, targets and links are the cluster's), but those that add up (`ADDITIVE_GAUGES`). A
+replica that does not answer in time is left out of that scrape. docs/observability.md."""
 
 from __future__ import annotations
 
