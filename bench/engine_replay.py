@@ -37,22 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_serve_plan import VLLM_ENV
 from bench.gpu_serve_workloads import WORKLOADS
-from bench.random_model import shape_config, write_tokenizer
+from bench.mixed_step import SHAPE_CONFIGS
+from bench.random_model import write_tokenizer
 from bench.report import markdown_table
 from bench.serve_metrics import RequestResult, Slo, summarize
 from bench.serve_workload import poisson_arrivals
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "bench" / "engine_replay_child.py"
-# A few-MB model of the family: only to check this script without a GPU.
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}  # fmt: skip
 
 
 def model_config(shape: str, max_model_len: int) -> dict:
-    if shape == "tiny":
-        return {**shape_config("1b", max_model_len), **TINY}
-    return shape_config(shape, max_model_len)
+    return {**SHAPE_CONFIGS[shape], "max_position_embeddings": max_model_len}
 
 
 def write_model(folder: Path, shape: str, max_model_len: int) -> dict:
@@ -231,7 +227,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="pdserve,vllm", help="comma-separated: pdserve, vllm (run in this order)")
-    ap.add_argument("--shape", default="8b", choices=["1b", "8b", "tiny"])
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPE_CONFIGS))
     ap.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
     ap.add_argument("--rate", type=float, default=24.0, help="Poisson arrivals a second (one GPU's share)")
     ap.add_argument("--duration-s", type=float, default=8.0, help="seconds of arrivals")
