@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
+
+from bench import decode_kernels
 from bench.decode_kernels import context_lengths
 
 
@@ -17,3 +20,10 @@ def test_a_spread_draws_contexts_around_the_median_within_bounds_the_same_for_a_
     assert all(16 <= n <= 4800 for n in lens) and len(lens) == 400
     assert 1050 <= statistics.median(lens) <= 1350  # lognormal: the median is the context
     assert max(lens) > 2 * 1200 and min(lens) < 1200 / 2  # sigma 0.5: a wide batch, as chat's
+
+
+def test_a_sweep_flag_that_is_not_integers_is_refused_naming_it(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["decode_kernels.py", "--attention-splits", "--sweep-batches", "16,x"])
+    with pytest.raises(SystemExit) as exc:
+        decode_kernels.main()
+    assert exc.value.code == 2 and "--sweep-batches" in capsys.readouterr().err
